@@ -1,0 +1,12 @@
+"""Errors that the command line turns into one line on stderr and exit code 2."""
+
+
+class NormswapError(Exception):
+    """A user-facing failure: bad input, an unavailable backend, a failed verification.
+
+    The message is one line, complete on its own; no traceback is shown for it.
+    """
+
+
+class UnknownNormError(NormswapError):
+    """A norm-like module that the registry does not recognise (raised under --strict)."""

