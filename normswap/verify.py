@@ -175,13 +175,11 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         check.fail(f"family differs: replacement ({got.kind}, {got.casting}, offset {got.offset}) "
                    f"vs original ({want.kind}, {want.casting}, offset {want.offset})")
 
-    device = next((t.device for t in original.parameters(recurse=False)), torch.device("cpu"))
+    weight, bias, device = _materialized_params(original, spec)
     if device.type == "meta":
         check.fail("parameters are on the meta device; nothing to run the probes on")
         return check
     zero_mean = bool(getattr(replacement, "as_rms", False))
-    weight = getattr(original, spec.weight_attr, None) if spec.has_weight else None
-    bias = getattr(original, spec.bias_attr, None) if spec.has_bias else None
 
     probes = [(s, x) for s, x in probe_inputs(spec, dtype, device, cfg, zero_mean)]
     mixed = _other_dtype(dtype)
@@ -200,6 +198,28 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
             continue
         _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps_orig))
     return check
+
+
+def _materialized_params(original: nn.Module, spec: NormSpec):
+    """(weight, bias, device) with real values, also when accelerate offloads them (the module's
+    own tensors are then on the meta device and the values sit in its hook's weights_map)."""
+    hook = vars(original).get("_hf_hook")
+
+    def grab():
+        w = getattr(original, spec.weight_attr, None) if spec.has_weight else None
+        b = getattr(original, spec.bias_attr, None) if spec.has_bias else None
+        return (w.detach().clone() if w is not None else None, b.detach().clone() if b is not None else None)
+
+    if hook is not None and getattr(hook, "offload", False):
+        from accelerate.utils import align_module_device
+
+        with align_module_device(original):
+            w, b = grab()
+        return w, b, torch.device(hook.execution_device)
+    w, b = grab()
+    device = next((t.device for t in (w, b) if t is not None),
+                  next((t.device for t in original.buffers(recurse=False)), torch.device("cpu")))
+    return w, b, device
 
 
 def _probe_name(scale, x) -> str:
