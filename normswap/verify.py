@@ -11,7 +11,9 @@ Checks for one module (all must hold):
              probe), original and replacement are both compared with the float64 value of the
              same formula (normswap.kernels.reference on float64 tensors):
                  E_orig = max|orig(x) - ref(x)|,  E_new = max|new(x) - ref(x)|
-             and pass when  E_new <= E_orig + ulp(max|ref(x)|)  for every probe.
+             and pass when  E_new <= E_orig + ulp(max|ref(x)|)  for every probe. The original
+             itself must sit within ORIGINAL_ULPS of the reference: otherwise the spec (from which
+             the reference is built) does not describe the module and the proof would be empty.
 
 Why max-abs with one ulp at the largest reference magnitude: the quantities being compared are
 themselves maxima over the tensor, and a norm's largest absolute error sits at its largest
@@ -40,6 +42,10 @@ from normswap.modules import NormswapNorm
 from normswap.specs import NormSpec
 
 DEFAULT_SCALES = (1e-2, 1.0, 1e2)
+# How far the original may sit from the spec's float64 value before the spec is deemed not to
+# describe it: each family rounds at most twice (Llama: normalised value, then the product), and
+# the fp32 statistics add a little; a wrong family is off by hundreds of ulps.
+ORIGINAL_ULPS = 8
 # Whole-model tolerance: max|Δlogits| <= rtol * max|logits|. One-ulp differences in a norm
 # propagate through every later layer; these bound that growth with room, and are far below
 # what a wrong family (an offset applied twice, a dropped bias) produces.
@@ -67,6 +73,7 @@ class ModuleCheck:
     max_err_replacement: float = 0.0  # max over probes of |new - fp64|
     max_diff: float = 0.0  # max |new - orig|
     worst_margin_ulps: float = 0.0  # max over probes of (E_new - E_orig) / ulp; pass needs <= 1
+    original_ulps: float = 0.0  # max over probes of E_orig / ulp; the spec describes it if <= 8
     passed: bool = True
     failures: list[str] = field(default_factory=list)
 
@@ -196,7 +203,8 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         except Exception as e:  # noqa: BLE001 - a replacement that cannot run where the original can
             check.fail(f"replacement raised on {_probe_name(scale, x)}: {e.__class__.__name__}: {e}")
             continue
-        _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps_orig))
+        _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps_orig),
+                 [t.dtype for t in (weight, bias) if t is not None])
     return check
 
 
@@ -226,7 +234,7 @@ def _probe_name(scale, x) -> str:
     return f"{x.dtype} input" if scale == "mixed" else f"scale {scale:g}"
 
 
-def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref) -> None:
+def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtypes=()) -> None:
     name = _probe_name(scale, x)
     if y_new.dtype != y_orig.dtype:
         check.fail(f"casting: output dtype {y_new.dtype} != original {y_orig.dtype} on {name}")
@@ -244,13 +252,23 @@ def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref) -> None:
         return
     e_orig = (o - r).abs().max().item()
     e_new = (n - r).abs().max().item()
-    unit = ulp(r.abs().max().item(), y_orig.dtype)
+    # The unit is the coarsest dtype the computation passes through: a Llama norm with fp32
+    # weights fed bf16 returns fp32 holding a bf16-rounded value, judged in bf16 ulps.
+    coarse = max((x.dtype, y_orig.dtype, *param_dtypes), key=lambda d: torch.finfo(d).eps)
+    unit = ulp(r.abs().max().item(), coarse)
     margin = (e_new - e_orig) / unit
     if scale != "mixed":  # the reported errors are those in the model's own dtype
         check.max_err_original = max(check.max_err_original, e_orig)
         check.max_err_replacement = max(check.max_err_replacement, e_new)
         check.max_diff = max(check.max_diff, (n - o).abs().max().item())
     check.worst_margin_ulps = max(check.worst_margin_ulps, margin)
+    check.original_ulps = max(check.original_ulps, e_orig / unit)
+    if e_orig > ORIGINAL_ULPS * unit:
+        # The float64 reference is built from the spec; an original that far from it means the
+        # spec does not describe the module (a wrong offset, casting or eps), and comparing the
+        # replacement with a wrong reference would prove nothing.
+        check.fail(f"reference: the original itself is {e_orig / unit:.1f} ulp from the spec's float64 "
+                   f"value on {name} (> {ORIGINAL_ULPS}); the spec does not describe this module")
     if e_new > e_orig + unit:
         check.fail(f"numeric: error {e_new:.3g} exceeds the original's {e_orig:.3g} by {margin:.2f} ulp "
                    f"(> 1) on {name}")
