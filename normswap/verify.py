@@ -7,11 +7,11 @@ Checks for one module (all must hold):
              original, and on every probe the output dtype equals the original's: in mixed
              precision the families differ exactly there (Llama promotes to the weight's dtype,
              Gemma casts back to the input's, T5 to a half-precision weight's);
-  numeric    on random probe inputs at several scales, in the model's dtype (plus one mixed-dtype
-             probe), original and replacement are both compared with the float64 value of the
+  numeric    on ~65K random probe elements (rows at scales 1e-2, 1, 1e2 with per-row offsets),
+             in the model's dtype (plus a smaller mixed-dtype probe), original and replacement are both compared with the float64 value of the
              same formula (normswap.kernels.reference on float64 tensors):
                  E_orig = max|orig(x) - ref(x)|,  E_new = max|new(x) - ref(x)|
-             and pass when  E_new <= E_orig + ulp(max|ref(x)|)  for every probe. The original
+             and pass when  E_new <= E_orig + ulp(max|ref(x)|)  for both probes. The original
              itself must sit within ORIGINAL_ULPS of the reference: otherwise the spec (from which
              the reference is built) does not describe the module and the proof would be empty.
 
@@ -55,7 +55,12 @@ LOGITS_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 2e-2, t
 @dataclass(frozen=True)
 class ProbeConfig:
     scales: tuple[float, ...] = DEFAULT_SCALES
-    rows: int = 4  # rows per probe: the Triton interpreter pays per program, keep it small
+    # Elements per probe. The check compares two maxima; on a small sample each is a noisy
+    # estimate of its implementation's worst error (two equally accurate fp32 LayerNorms differ by
+    # > 1 ulp in ~1% of 512-element samples), while on ~65K elements both sit at their sup
+    # (spread < 0.75 ulp over 100 seeds). Random rows cost little, also in the Triton interpreter.
+    elements: int = 1 << 16
+    min_rows: int = 16
     seed: int = 0
     batch: int = 2  # whole-model probe batch: batch x seq_len token ids
     seq_len: int = 8
@@ -131,20 +136,25 @@ def reference64(spec: NormSpec, x: torch.Tensor, weight, bias, eps: float) -> to
     return y.reshape(x.shape)
 
 
-def probe_inputs(spec: NormSpec, dtype: torch.dtype, device, cfg: ProbeConfig, zero_mean: bool = False):
-    """(scale, x) pairs: Gaussian rows with a per-row offset (LayerNorm must remove it), rounded
-    to `dtype` first so that every implementation sees the same representable input."""
+def probe_input(spec: NormSpec, dtype: torch.dtype, device, cfg: ProbeConfig, scales=None,
+                elements: int | None = None, zero_mean: bool = False) -> torch.Tensor:
+    """One batch of probe rows, an equal share at each scale: Gaussian rows with a per-row offset
+    (a LayerNorm must remove it), rounded to `dtype` first so that every implementation sees the
+    same representable input. A norm treats rows independently, so all scales share one launch
+    (the Triton interpreter pays per launch)."""
     g = torch.Generator().manual_seed(cfg.seed)
-    shape = (cfg.rows, *spec.shape) if spec.shape else (cfg.rows, 8)
-    out = []
-    for scale in cfg.scales:
-        x = torch.randn(shape, generator=g, dtype=torch.float64)
-        x = x + 0.5 * torch.randn((cfg.rows,) + (1,) * (len(shape) - 1), generator=g, dtype=torch.float64)
+    scales = cfg.scales if scales is None else scales
+    width = math.prod(spec.shape) if spec.shape else 8
+    per_scale = max(cfg.min_rows, -(-(elements or cfg.elements) // (width * len(scales))))
+    tail = spec.shape or (8,)
+    blocks = []
+    for scale in scales:
+        x = torch.randn((per_scale, *tail), generator=g, dtype=torch.float64)
+        x = x + 0.5 * torch.randn((per_scale,) + (1,) * len(tail), generator=g, dtype=torch.float64)
         if zero_mean:
-            dims = tuple(range(1, len(shape)))
-            x = x - x.mean(dim=dims, keepdim=True)
-        out.append((scale, (scale * x).to(dtype).to(device)))
-    return out
+            x = x - x.mean(dim=tuple(range(1, x.dim())), keepdim=True)
+        blocks.append(scale * x)
+    return torch.cat(blocks).to(dtype).to(device)
 
 
 @torch.no_grad()
@@ -188,9 +198,9 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         return check
     zero_mean = bool(getattr(replacement, "as_rms", False))
 
-    probes = [(s, x) for s, x in probe_inputs(spec, dtype, device, cfg, zero_mean)]
-    mixed = _other_dtype(dtype)
-    probes.append(("mixed", probe_inputs(spec, mixed, device, cfg, zero_mean)[len(cfg.scales) // 2][1]))
+    probes = [("main", probe_input(spec, dtype, device, cfg, zero_mean=zero_mean)),
+              ("mixed", probe_input(spec, _other_dtype(dtype), device, cfg, scales=(1.0,),
+                                    elements=cfg.elements // 4, zero_mean=zero_mean))]
     for scale, x in probes:
         try:
             y_orig = original(x)
@@ -231,7 +241,7 @@ def _materialized_params(original: nn.Module, spec: NormSpec):
 
 
 def _probe_name(scale, x) -> str:
-    return f"{x.dtype} input" if scale == "mixed" else f"scale {scale:g}"
+    return f"mixed {x.dtype} input" if scale == "mixed" else f"{x.dtype} input"
 
 
 def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtypes=()) -> None:
@@ -242,12 +252,13 @@ def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtype
     if y_new.shape != y_orig.shape:
         check.fail(f"output shape {tuple(y_new.shape)} != original {tuple(y_orig.shape)} on {name}")
         return
-    finite = torch.isfinite(y_orig)
-    if not torch.isfinite(y_new[finite]).all():
+    o, n, r = y_orig.double(), y_new.double(), ref.to(y_orig.device)
+    finite = torch.isfinite(o)
+    if not bool(finite.all()):  # compare where the original is finite (an fp16 overflow, say)
+        o, n, r = o[finite], n[finite], r[finite]
+    if not bool(torch.isfinite(n).all()):
         check.fail(f"non-finite output where the original is finite on {name}")
         return
-    o, n = y_orig.double()[finite], y_new.double()[finite]
-    r = ref.to(o.device)[finite]
     if r.numel() == 0:
         return
     e_orig = (o - r).abs().max().item()

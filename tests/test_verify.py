@@ -21,7 +21,7 @@ LLAMA = NormSpec("rms", 1e-5, "variance_epsilon", casting="llama", shape=(32,))
 GEMMA = NormSpec("rms", 1e-6, "eps", offset=1.0, casting="gemma", shape=(32,))
 T5 = NormSpec("rms", 1e-6, "variance_epsilon", casting="t5", shape=(32,))
 LN = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
-CFG = ProbeConfig(rows=4)
+CFG = ProbeConfig()
 
 
 def _rand(m, seed=0):
