@@ -1,0 +1,182 @@
+"""Saving a patched model: stock checkpoint + normswap.json, reload checks, never a broken target."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import ARCHS, save_tiny, tiny_model
+
+from normswap import checkpoint
+from normswap.errors import NormswapError
+from normswap.io import load_model, model_class, resolve
+from normswap.manifest import MANIFEST_NAME, load, read_manifest
+from normswap.modules import NormswapNorm
+from normswap.swap import patch
+from normswap.verify import ProbeConfig, model_output, probe_batch
+
+# These tests are about saving; the numeric proof is tested in test_swap/test_verify. The torch
+# backend matches the families bit for bit or nearly, so a small probe suffices here.
+SMALL = ProbeConfig(elements=4096)
+
+
+def _stock_output(directory, dtype, batch):
+    from transformers import AutoConfig
+
+    cls = model_class(AutoConfig.from_pretrained(directory))
+    return model_output(cls.from_pretrained(directory, dtype=dtype).eval(), batch)[1]
+
+
+def _leftovers(parent):
+    return [p for p in os.listdir(parent) if p.startswith(".")]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_save_stock_reload_and_normswap_load(arch, tmp_path):
+    dtype = torch.bfloat16 if arch in ("llama", "gemma3_text", "gpt2") else torch.float32
+    src = tmp_path / "src"
+    original = save_tiny(arch, src, dtype)
+    batch = probe_batch(original)
+    # the reference is the source checkpoint as stock transformers loads it (a model cast with
+    # .to(bf16) in memory differs: its rotary buffers were cast too)
+    want = _stock_output(src, dtype, batch)
+
+    source = resolve(src)
+    model = load_model(source, dtype=dtype)
+    keys = sorted(model.state_dict())
+    report = patch(model, "torch", probe=SMALL)
+    out = checkpoint.save_patched(model, report, tmp_path / "out", source=source)
+
+    # stock transformers: original classes, original keys, equal logits (bit for bit)
+    assert torch.equal(_stock_output(out, dtype, batch), want)
+    from safetensors import safe_open
+
+    def saved(d):
+        with safe_open(d / "model.safetensors", "pt") as f:
+            return {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+
+    assert saved(out) == saved(src)  # the same tensors, names and dtypes as a stock save
+    assert keys == sorted(model.state_dict())
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert (out / "tokenizer.json").is_file()  # carried over from the source
+
+    m = read_manifest(out)
+    assert m["impl"] == "torch" and m["normswap_version"]
+    assert [e["path"] for e in m["modules"]] == [e.path for e in report.patched]
+    assert all(e["verification"]["passed"] for e in m["modules"])
+
+    # normswap.load re-applies the patch from the manifest
+    again = load(out, impl="reference")
+    patched = [p for p, mod in again.named_modules() if isinstance(mod, NormswapNorm)]
+    assert patched == [e.path for e in report.patched]
+    got = model_output(again, batch)[1]
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    assert not _leftovers(tmp_path)
+
+
+def test_triton_patch_saves_and_reloads(tmp_path):
+    src = tmp_path / "src"
+    original = save_tiny("qwen3", src)
+    batch = probe_batch(original)
+    source = resolve(src)
+    model = load_model(source)
+    report = patch(model, "triton")
+    out = checkpoint.save_patched(model, report, tmp_path / "out", source=source)
+    assert torch.equal(_stock_output(out, torch.float32, batch), model_output(original, batch)[1])
+    again = load(out)  # impl from the manifest: triton
+    assert {m.impl for m in again.modules() if isinstance(m, NormswapNorm)} == {"triton"}
+
+
+def test_sharded_save(tmp_path):
+    model = tiny_model("gpt2")
+    batch = probe_batch(model)
+    want = model_output(model, batch)[1]
+    report = patch(model, "torch", probe=SMALL)
+    out = checkpoint.save_patched(model, report, tmp_path / "out", max_shard_size="20KB")
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    assert torch.equal(_stock_output(out, torch.float32, batch), want)
+
+
+def test_existing_target_refused_then_replaced(tmp_path):
+    model = tiny_model("llama")
+    report = patch(model, "torch", probe=SMALL)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(NormswapError, match="already exists"):
+        checkpoint.save_patched(model, report, out)
+    assert (out / "keep.txt").read_text() == "user data"
+    checkpoint.save_patched(model, report, out, replace=True)
+    assert (out / MANIFEST_NAME).is_file() and not (out / "keep.txt").exists()
+    assert not _leftovers(tmp_path)
+
+
+def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    report = patch(model, "torch", probe=SMALL)
+
+    def full(self, directory, **kw):
+        (directory / "model.safetensors").write_bytes(b"\0" * 100)  # a partial write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full)
+    with pytest.raises(NormswapError, match="No space left on device"):
+        checkpoint.save_patched(model, report, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+def test_failed_reload_check_publishes_nothing(tmp_path, monkeypatch):
+    model = tiny_model("llama")
+    report = patch(model, "torch", probe=SMALL)
+    real = checkpoint.write_model_files
+
+    def corrupting(model, out_dir, *a, **k):
+        real(model, out_dir, *a, **k)
+        (out_dir / "model.safetensors").write_bytes(b"not safetensors")
+
+    monkeypatch.setattr(checkpoint, "write_model_files", corrupting)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(NormswapError, match="does not reload"):
+        checkpoint.save_patched(model, report, target, replace=True)
+    assert (target / "old.txt").read_text() == "old" and not _leftovers(tmp_path)
+
+
+def test_exchange_and_fallback(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "f").write_text("A")
+    (b / "f").write_text("B")
+    assert checkpoint.exchange_dirs(a, b)  # Linux renameat2(RENAME_EXCHANGE)
+    assert (a / "f").read_text() == "B" and (b / "f").read_text() == "A"
+    # the documented fallback (no atomic exchange available) still ends with the new tree
+    monkeypatch.setattr(checkpoint, "exchange_dirs", lambda x, y: False)
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "f").write_text("N")
+    checkpoint.publish_dir(new, b)
+    assert (b / "f").read_text() == "N" and not new.exists() and not _leftovers(tmp_path)
+
+
+def test_load_rejects_missing_or_tampered_manifest(tmp_path):
+    src = tmp_path / "src"
+    save_tiny("llama", src)
+    with pytest.raises(NormswapError, match="not a normswap checkpoint"):
+        load(src)
+    source = resolve(src)
+    model = load_model(source)
+    out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    data["modules"][0]["spec"]["eps"] = 1e-3
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(NormswapError, match="no longer matches"):
+        load(out, impl="torch")
+    (out / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(NormswapError, match="unreadable manifest"):
+        load(out, impl="torch")
