@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
 from normswap.modules import NormswapNorm, build_replacement, restore_original
@@ -144,7 +145,7 @@ def patch(
     """
     from normswap import walk
 
-    probe = probe or ProbeConfig()
+    probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
     dtype = dtype or model_dtype(model)

@@ -66,6 +66,9 @@ class ProbeConfig:
     seq_len: int = 8
 
 
+DEFAULT_PROBE = ProbeConfig()  # what patch() uses when not given one
+
+
 @dataclass
 class ModuleCheck:
     path: str

@@ -1,0 +1,193 @@
+"""`normswap patch`: report, save, in-place, and one-line errors (exit 2) on every kind of bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny
+
+from normswap.cli import cli
+from normswap.manifest import MANIFEST_NAME, read_manifest
+from normswap.verify import model_output
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "llama"
+    save_tiny("llama", d)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def small_probes(monkeypatch):
+    """The CLI's numeric proof is tested elsewhere; small probes keep these runs quick."""
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+
+
+BATCH = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["patch", *map(str, args)])
+
+
+def error_lines(result):
+    return [ln for ln in result.stderr.splitlines() if ln.startswith("normswap:")]
+
+
+def assert_one_line_error(result, pattern):
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    lines = error_lines(result)
+    assert len(lines) == 1 and pattern in lines[0], lines
+    assert "Traceback" not in result.stderr
+
+
+def _stock(directory, batch):
+    from transformers import LlamaForCausalLM
+
+    return model_output(LlamaForCausalLM.from_pretrained(directory).eval(), batch)[1]
+
+
+def _listing(d):
+    return sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir())
+
+
+def test_report_only_writes_nothing(src):
+    before = _listing(src)
+    r = run(src, "--impl", "torch", "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["ok"] and data["saved_to"] is None and data["counts"]["patched"] == 5
+    m = data["modules"][0]
+    assert {"path", "class", "check"} <= set(m) and m["check"]["passed"]
+    assert {"max_err_original", "max_err_replacement", "eps", "dtype", "impl"} <= set(m["check"])
+    assert data["model_check"]["passed"]
+    assert _listing(src) == before
+
+
+def test_human_report_and_progress(src):
+    r = run(src, "--impl", "reference")
+    assert r.exit_code == 0, r.stderr
+    for text in ("model.layers.0.input_layernorm", "LlamaRMSNorm", "err orig", "pass", "whole model",
+                 "nothing saved"):
+        assert text in r.stdout
+    assert "patch+verify" in r.stderr  # the progress bar lives on stderr
+
+
+def test_out_force_and_stock_reload(src, tmp_path):
+    out = tmp_path / "out"
+    r = run(src, "--impl", "torch", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["saved_to"] == str(out.resolve())
+    batch = BATCH
+    assert torch.equal(_stock(out, batch), _stock(src, batch))
+    assert read_manifest(out)["impl"] == "torch"
+    assert_one_line_error(run(src, "--impl", "torch", "--out", out), "already exists; pass --force")
+    r = run(src, "--impl", "reference", "--out", out, "--force")
+    assert r.exit_code == 0, r.stderr
+    assert read_manifest(out)["impl"] == "reference"
+
+
+def test_in_place(tmp_path):
+    d = tmp_path / "m"
+    save_tiny("llama", d)
+    batch = BATCH
+    want = _stock(d, batch)
+    r = run(d, "--impl", "torch", "--in-place")
+    assert r.exit_code == 0, r.stderr
+    assert (d / MANIFEST_NAME).is_file() and (d / "tokenizer.json").is_file()
+    assert torch.equal(_stock(d, batch), want)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging or old trees left behind
+
+
+def test_only_and_exclude(src):
+    r = run(src, "--impl", "torch", "--only", r"layers\.1\.", "--exclude", "post_attention", "--json")
+    data = json.loads(r.stdout)
+    assert [m["path"] for m in data["modules"] if m["status"] == "patched"] == ["model.layers.1.input_layernorm"]
+    assert data["counts"]["excluded"] == 4
+
+
+def test_verification_failure_saves_nothing_unless_excluded(tmp_path, monkeypatch):
+    from normswap import backends
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+    def broken_on_heads(x, w, eps, offset=0.0, casting="llama", **kw):
+        y = rms_norm_ref(x, w, eps, offset, casting, **kw)
+        return y * 1.01 if x.shape[-1] == 16 else y  # wrong only for the q/k head norms
+
+    monkeypatch.setitem(backends._LOADERS, "reference",
+                        lambda: backends.Backend("reference", broken_on_heads, layer_norm_ref))
+    d = tmp_path / "qwen3"
+    save_tiny("qwen3", d)
+    out = tmp_path / "out"
+    r = run(d, "--impl", "reference", "--out", out)
+    assert_one_line_error(r, "verification failed for model.layers.0.self_attn.q_norm")
+    assert "--exclude" in error_lines(r)[0] and "FAIL" in r.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]
+    r = run(d, "--impl", "reference", "--out", out, "--exclude", "q_norm|k_norm", "--json")
+    assert r.exit_code == 0, r.stderr
+    left = read_manifest(out)["left_alone"]
+    assert len(left) == 4 and {e["status"] for e in left} == {"excluded"}
+
+
+def test_bad_inputs(src, tmp_path, monkeypatch):
+    assert_one_line_error(run(tmp_path / "nope"), "no such file or directory")
+    assert_one_line_error(run(src, "--out", tmp_path / "o", "--in-place"), "exclusive")
+
+    bad = tmp_path / "corrupt"
+    save_tiny("llama", bad)
+    (bad / "model.safetensors").write_bytes((bad / "model.safetensors").read_bytes()[:200])
+    out = tmp_path / "out"
+    assert_one_line_error(run(bad, "--impl", "torch", "--out", out), "cannot load the weights")
+    assert not out.exists()
+
+    (bad / "config.json").write_text("{broken")
+    assert_one_line_error(run(bad, "--impl", "torch"), "malformed config.json")
+
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run(tmp_path / "empty"), "not a model directory")
+
+
+def test_unavailable_impl_lists_available(src, monkeypatch):
+    from normswap import backends
+
+    def cannot():
+        raise ImportError("no quack on this machine")
+
+    monkeypatch.setitem(backends._LOADERS, "quack", cannot)
+    r = run(src, "--impl", "quack")
+    assert_one_line_error(r, "no quack on this machine")
+    assert "available: " in error_lines(r)[0] and "reference" in error_lines(r)[0]
+
+
+def test_read_only_destination(src, tmp_path, monkeypatch):
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+    else:  # root ignores permission bits: make the filesystem say what a read-only mount says
+        def erofs(*a, **k):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(tempfile, "mkdtemp", erofs)
+    assert_one_line_error(run(src, "--impl", "torch", "--out", ro / "out"), "cannot write to")
+    assert list(ro.iterdir()) == []
+
+
+def test_strict_unknown_norm(src, monkeypatch):
+    from normswap import registry
+
+    monkeypatch.setitem(registry.UNSUPPORTED, "LlamaRMSNorm", "pretend unknown for the test")
+    r = run(src, "--impl", "torch", "--strict")
+    assert_one_line_error(r, "unknown norm class at model.layers.0.input_layernorm")
+    r = run(src, "--impl", "torch", "--json")  # without --strict: left alone, reported
+    assert r.exit_code == 0 and json.loads(r.stdout)["counts"]["unknown"] == 5
