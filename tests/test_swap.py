@@ -209,3 +209,17 @@ def test_peft_wrapped_model():
     assert r.ok and len(r.patched) == 5
     _, after = model_output(lora, batch)
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_smollm2_triton_passes_verification(dtype):
+    """The real SmolLM2-135M (61 RMSNorms, hidden 576): every module within one ulp of the
+    original's error, logits within the dtype's tolerance. ~15 s per dtype in the interpreter."""
+    from normswap.io import DEFAULT_MODEL, load_model, resolve
+
+    model = load_model(resolve(DEFAULT_MODEL), dtype=dtype)
+    report = patch(model, "triton")
+    assert report.ok and len(report.patched) == 61 and not report.by_status("unknown")
+    assert all(e.check.passed and e.check.worst_margin_ulps <= 1 for e in report.patched)
+    assert report.model_check.passed and report.model_check.argmax_agreement >= 0.99
