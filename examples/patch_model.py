@@ -1,0 +1,40 @@
+"""Patch a model's norms with normswap's fused kernels, check the proof, save, and load it back.
+
+    python examples/patch_model.py [MODEL] [OUT_DIR]
+
+MODEL defaults to the embedded SmolLM2-135M; OUT_DIR to ./smollm2-patched. On a CPU machine the
+Triton kernels run in the interpreter (slow, but the same code and the same numerics checks).
+"""
+
+import sys
+
+import torch
+
+import normswap  # before transformers: switches the Triton interpreter on when there is no GPU
+from normswap.checkpoint import save_patched
+from normswap.io import DEFAULT_MODEL, load_model, resolve
+
+model_ref = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
+out_dir = sys.argv[2] if len(sys.argv) > 2 else "smollm2-patched"
+
+source = resolve(model_ref)
+model = load_model(source, dtype=torch.bfloat16)
+
+# Swap every recognised norm in place; each one is verified before patch() returns, and a failure
+# undoes the whole call (NormswapError). filter_fn=(module, path) -> bool leaves norms alone.
+report = normswap.patch(model, impl="triton")
+worst = max(report.patched, key=lambda e: e.check.max_err_replacement)
+print(f"{len(report.patched)} norms patched; worst module {worst.path}: "
+      f"error vs float64 {worst.check.max_err_replacement:.3g} (original {worst.check.max_err_original:.3g})")
+print(f"whole model: max |Δlogits| {report.model_check.max_abs_diff:.3g}")
+
+# A stock checkpoint (original classes and keys) plus normswap.json; written beside the target,
+# reloaded and checked, then moved into place.
+save_patched(model, report, out_dir, source=source, replace=True)
+
+# Stock transformers loads it as it was; normswap.load re-applies the patch from the manifest.
+again = normswap.load(out_dir)
+print(type(again.model.norm).__name__, again.model.norm)
+
+normswap.revert(again)  # back to the original classes, same Parameters
+print(type(again.model.norm).__name__)
