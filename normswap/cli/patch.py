@@ -53,6 +53,10 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
     command (exit 2, nothing saved) unless --exclude leaves it alone.
+
+    Report columns: err orig / err new = max |output - float64 value| of the original module and
+    of the replacement on the same probe inputs; Δerr ulp = (err new - err orig) in units of the
+    dtype's ulp at the largest output (pass needs <= 1; negative: the replacement is closer).
     """
     from normswap.backends import get_backend
     from normswap.checkpoint import save_patched
@@ -123,18 +127,19 @@ def _render(data: dict) -> None:
     # Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns; don't.
     console = Console(file=stream, highlight=False, width=None if stream.isatty() else 200)
     table = Table(title=f"normswap patch {data['model']} --impl {data['impl']} ({data['dtype']})")
-    for col in ("path", "class", "impl", "eps", "dtype", "err orig", "err new", "Δ ulp", "result"):
-        table.add_column(col, justify="right" if col in ("eps", "err orig", "err new", "Δ ulp") else "left")
+    for col in ("path", "class", "impl", "eps", "dtype", "err orig", "err new", "Δerr ulp", "result"):
+        table.add_column(col, justify="right" if col in ("eps", "err orig", "err new", "Δerr ulp") else "left")
     for m in data["modules"]:
         c = m["check"]
-        eps = f"{m['spec']['eps']:g}" if m["spec"] else "-"
+        eps = repr(m["spec"]["eps"]) if m["spec"] else "-"  # exact: eps must match to the bit
         if c is None:
             table.add_row(m["path"], m["class"], "-", eps, "-", "-", "-", "-", f"{m['status']}: {m['reason']}")
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
-        table.add_row(m["path"], m["class"], c["impl"], f"{c['eps']:g}", c["dtype"],
+        margin = c["worst_margin_ulps"]
+        table.add_row(m["path"], m["class"], c["impl"], repr(c["eps"]), c["dtype"],
                       _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
-                      f"{c['worst_margin_ulps']:.2f}", result)
+                      "-" if margin is None else f"{margin:+.2f}", result)
     console.print(table)
     counts = ", ".join(f"{v} {k}" for k, v in data["counts"].items() if v)
     console.print(f"modules: {counts}; largest error vs float64: original {_fmt(data['max_err_original'])}, "
