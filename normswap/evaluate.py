@@ -260,7 +260,7 @@ def document_tokens(tokenizer, documents: Iterable[Iterable[str]]) -> Iterator[l
                     continue  # empty rows (common in jsonl corpora) are not documents
                 head = DOCUMENT_SEPARATOR if separated_by_text and not first_document else ""
                 yield list(prefix) + _encode(tokenizer, head + piece)
-                started = first_document = False
+                started, first_document = True, False
             else:
                 yield _encode(tokenizer, piece)
         if started and suffix:

@@ -205,6 +205,8 @@ def test_bos_is_added_per_document_only_when_the_tokenizer_adds_it():
     assert special_affixes(tok) == ([], [])
     plain = [t for chunk in document_tokens(tok, [iter(["ab"]), iter(["cd"])]) for t in chunk]
     assert plain == tok("ab\n\ncd", add_special_tokens=False)["input_ids"]  # joined by a blank line
+    pieces = [t for chunk in document_tokens(tok, [iter(["ab.\n", "cd\n"]), iter(["", "ef"])]) for t in chunk]
+    assert pieces == tok("ab.\ncd\n\n\nef", add_special_tokens=False)["input_ids"]
 
     bos_tok = tiny_tokenizer()
     bos_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
