@@ -31,7 +31,6 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -398,7 +397,8 @@ class _Scoring:
 def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,
                stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
                progress: bool = True, text_field: str = "text") -> PerplexityResult:
-    """Sliding-window perplexity of `model` on a text, documents, a data PATH or token ids.
+    """Sliding-window perplexity of `model` on a text (str), documents (iterable of str), a data
+    PATH (pathlib.Path or normswap.data.open_corpus(PATH)) or token ids (tensor or ints).
 
     max_length caps the window (default: the model's context); stride defaults to half the window;
     max_tokens keeps only the first tokens of the corpus. Raises NormswapError on bad input.
@@ -420,7 +420,10 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     """Score both models on the same windows and compare their next-token distributions.
 
     KL(A || B) = sum_v pA(v) (log pA(v) - log pB(v)) per scored position, from float64 log-softmax.
-    This is also what `normswap patch ... --eval PATH` reports (A = original, B = patched).
+    `data` takes what `perplexity` takes; a data PATH must be a pathlib.Path or
+    normswap.data.open_corpus(PATH) (a plain str is scored as the text itself).
+    This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
+    patched_copy(original, impl), tokenizer, open_corpus(PATH), ...).
     """
     run = _Scoring([model_a, model_b], tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
@@ -457,25 +460,23 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
 def patched_copy(model, impl: str):
     """A copy of `model` with its norms swapped for `impl` by normswap's patch API (the original
     is left untouched, so the two can be diffed)."""
-    patch = _patch_api()
+    patch = require_patch_api()
     twin = copy.deepcopy(model)
     out = patch(twin, impl=impl)
     return out if isinstance(out, torch.nn.Module) else twin
 
 
-def _patch_api():
+def require_patch_api():
+    """normswap.patch(model, impl=...) or a one-line NormswapError when this build lacks it."""
     import importlib
 
-    for module_name in ("normswap", "normswap.swap"):
+    # normswap.patch is the public name; the function lives in normswap.swap (or normswap/patch.py).
+    for module_name in ("normswap", "normswap.swap", "normswap.patch"):
         try:
             fn = getattr(importlib.import_module(module_name), "patch", None)
         except ImportError:
             continue
         if callable(fn) and not isinstance(fn, type(sys)):
             return fn
-    raise NormswapError("--patched needs normswap's patch API (normswap.patch), which this build does not have")
+    raise NormswapError("normswap.patch (the patch API) is not in this build; comparing with a patched model needs it")
 
-
-def evaluate_path(path: str | Path, text_field: str = "text") -> Corpus:
-    """Validate a data PATH early (before loading models); pass the result as `data`."""
-    return open_corpus(path, text_field)

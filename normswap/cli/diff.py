@@ -24,7 +24,7 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
 
     Both models read the same windows, tokenised with A's tokenizer."""
     from normswap.data import open_corpus
-    from normswap.evaluate import _patch_api, diff_models, patched_copy
+    from normswap.evaluate import diff_models, patched_copy, require_patch_api
     from normswap.io import load_model, load_tokenizer, parse_dtype, resolve
 
     if (model_b is None) == (impl is None):
@@ -32,7 +32,7 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     settings = window_settings(max_length, stride, max_tokens, batch_size)
     corpus = open_corpus(data_path, text_field)
     if impl is not None:
-        _patch_api()  # fail before loading anything when this build cannot patch
+        require_patch_api()  # fail before loading anything when this build cannot patch
     source_a = resolve(model_a)
     source_b = resolve(model_b) if model_b is not None else None
     tokenizer = load_tokenizer(source_a)
