@@ -97,6 +97,7 @@ def test_diff_patched_without_the_patch_api_is_a_clear_error(models, monkeypatch
 
     monkeypatch.delattr(normswap, "patch", raising=False)  # as in a build without the patch API
     monkeypatch.setitem(sys.modules, "normswap.swap", None)
+    monkeypatch.setitem(sys.modules, "normswap.patch", None)
     root, _, _ = models
     result = run("diff", root / "a", "--patched", "triton", "--data", TEXT)
     assert result.exit_code == 2 and result.stderr.strip().startswith("normswap: error: normswap.patch")
