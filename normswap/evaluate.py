@@ -182,6 +182,8 @@ def sliding_windows(
         if begin == 0:
             if end < 2:
                 raise NormswapError(f"the text has {end} token{'s' * (end != 1)}; at least 2 are needed to score one")
+            if end < window and not short_ok and end == max_tokens:
+                raise NormswapError(f"--max-tokens {max_tokens} is shorter than one window ({window} tokens)")
             if end < window and not short_ok:
                 raise NormswapError(
                     f"the text is shorter than one window: {end} tokens, window {window}; "
