@@ -385,6 +385,17 @@ class _Scoring:
 
         bar = tqdm(total=self.max_tokens, unit="tok", desc=self.desc, file=sys.stderr,
                    disable=not self.progress, dynamic_ncols=True, leave=False)
+        # Dropout off while scoring (deterministic numbers); the caller's mode is restored after.
+        modes = [getattr(m, "training", False) for m in self.models]
+        for m in self.models:
+            m.eval()
+        try:
+            yield from self._batches(bar)
+        finally:
+            for m, mode in zip(self.models, modes, strict=True):
+                m.train(mode)
+
+    def _batches(self, bar) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
         with bar, torch.inference_mode():
             for batch in batched_windows(self.windows, self.batch_size):
                 ids = torch.tensor([w.ids for w in batch], dtype=torch.long)

@@ -149,6 +149,18 @@ def test_batching_does_not_change_the_result(llama):
     assert four.nll == pytest.approx(one.nll, rel=1e-6)
 
 
+def test_scoring_is_deterministic_and_restores_training_mode():
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # dropout that would make two runs differ in train mode
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(random_ids(16)[None]).logits, model(random_ids(16)[None]).logits)
+    ids = random_ids(40, seed=8)
+    runs = [perplexity(model, None, ids, max_length=16, progress=False) for _ in range(2)]
+    assert runs[0] == runs[1] and model.training
+
+
 def test_max_tokens_keeps_the_first_tokens(llama):
     ids = random_ids(80, seed=4)
     r = perplexity(llama, None, ids, max_length=16, max_tokens=40, progress=False)
