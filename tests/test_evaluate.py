@@ -233,6 +233,25 @@ def test_bos_is_added_per_document_only_when_the_tokenizer_adds_it():
                         bos, *bos_tok("cd", add_special_tokens=False)["input_ids"]]
 
 
+def test_pieces_are_joined_again_for_a_tokenizer_that_cuts_differently():
+    """SentencePiece-style tokenizers put a prefix space at the start of every encoded text, so
+    encoding a long file piece by piece would change its tokens: such tokenizers get whole documents."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from normswap.evaluate import _cuts_are_exact
+
+    vocab = {"<unk>": 0, "\u2581In": 1, "\u2581the": 2, "\u2581beginning.\nAnd": 3, "\u2581beginning.\n": 4,
+             "\u2581And": 5}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert not _cuts_are_exact(tok)
+    pieces = ["In the beginning.\n", "And"]
+    tokens = [t for chunk in document_tokens(tok, [iter(pieces)]) for t in chunk]
+    assert tokens == [1, 2, 3] == tok("".join(pieces))["input_ids"]  # not [1, 2, 4, 5]
+
+
 def test_diff_of_a_model_with_itself_is_exactly_zero(llama):
     for other in (llama, copy.deepcopy(llama)):
         d = diff_models(llama, other, None, random_ids(60, seed=6), max_length=16, progress=False)
