@@ -33,6 +33,8 @@ def norm_row(found: FoundNorm, consumers: list[str] | None) -> dict[str, Any]:
         "weight": s.has_weight,
         "bias": s.has_bias,
         "consumers": None if consumers is None else [c or ROOT for c in consumers],
+        "recognised_by": found.recognised_by,
+        "bit_exact": found.bit_exact,
     }
 
 

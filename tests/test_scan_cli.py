@@ -79,6 +79,9 @@ def test_scan_family_fields(saved):
     gpt2 = scan_json(saved("gpt2")[0])
     assert {(n["kind"], n["casting"], n["offset"]) for n in gpt2["norms"]} == {("layer", "none", 0.0)}
     assert gpt2["summary"]["by_kind"] == {"layer": 2 * L + 1}
+    # How each was recognised, and whether the reference reproduces it bit for bit.
+    assert {(n["recognised_by"], n["bit_exact"]) for n in qwen["norms"]} == {("fingerprint:LlamaRMSNorm", True)}
+    assert {(n["recognised_by"], n["bit_exact"]) for n in gpt2["norms"]} == {("torch-class", False)}
 
 
 # What reads each norm, per architecture: layer 0's norms and the final one. These are the modules
@@ -264,3 +267,16 @@ def test_demo_runs_the_scan():
 
 def test_all_archs_listed_here_exist():
     assert set(EXPECTED_CONSUMERS) <= set(ARCHS)
+
+
+def test_example_script_runs(saved, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    directory, _ = saved("gemma")
+    script = Path(__file__).resolve().parent.parent / "examples" / "scan_model.py"
+    monkeypatch.setattr("sys.argv", [str(script), str(directory)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert f"{2 * L + 1} x rms norm, casting=gemma, offset=1, eps=1e-06" in out
+    assert "final norm model.norm is read by lm_head" in out
