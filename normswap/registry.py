@@ -49,9 +49,9 @@ SIZE_ATTRS = ("normalized_shape", "hidden_size", "dim", "d_model", "num_features
 LITERAL_EPS = (1e-5, 1e-6, 1e-12, 1e-8, 1e-7, 1e-4, 1e-3)
 
 # Norm-like class names: "Norm" at the end, or followed by a short qualifier (LayerNorm2d,
-# LayerNorm1P, RMSNormGated, AdaLayerNormZero, LayerNormPerHead). "Normal…", "Normed…" and
+# LayerNorm1P, RMSNormGated, AdaLayerNormZero, LayerNormPerHead, …Normalization). "Normal…", "Normed…" and
 # "…NormLayer" (conv + norm blocks) are not norms.
-_NORM_NAME = re.compile(r"norm(\d*d|1p|gated|zero(_final)?|perhead)?$", re.IGNORECASE)
+_NORM_NAME = re.compile(r"norm(alization|\d*d|1p|gated|zero(_final)?|perhead)?$", re.IGNORECASE)
 # Normalizations over channels/groups/batches: not over the last dimension, not normswap's business.
 _OTHER_NORMS = re.compile(r"batch_?norm|group_?norm|instance_?norm|localresponsenorm", re.IGNORECASE)
 _TORCH_OTHER_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)

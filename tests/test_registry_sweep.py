@@ -175,3 +175,26 @@ def test_unsupported_classes_really_are_not_recognised(name):
         assert check_class(classes[name]) is not None
     finally:
         registry.UNSUPPORTED[name] = saved
+
+
+class BrandNewRMSNorm(torch.nn.Module):
+    """What a future transformers might add: a norm-like class with arithmetic no family has."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * x / (x.abs().mean(-1, keepdim=True) + self.eps)  # mean-abs, not RMS
+
+
+def test_sweep_fails_on_a_new_class_that_is_neither():
+    assert registry.is_norm_like_name(BrandNewRMSNorm.__name__)
+    problem = check_class(BrandNewRMSNorm)
+    assert problem is not None and "not recognised" in problem
+    registry.UNSUPPORTED["BrandNewRMSNorm"] = "mean-absolute normalization (test entry)"
+    try:
+        assert check_class(BrandNewRMSNorm) is None
+    finally:
+        del registry.UNSUPPORTED["BrandNewRMSNorm"]

@@ -280,3 +280,26 @@ def test_example_script_runs(saved, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"{2 * L + 1} x rms norm, casting=gemma, offset=1, eps=1e-06" in out
     assert "final norm model.norm is read by lm_head" in out
+
+
+def test_consumers_unknown_when_the_forward_cannot_run():
+    """A model whose forward does not take token ids: norms still listed, consumers None with a note."""
+    from normswap.scan import scan_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+    doc = scan_model(model)
+    assert [n["path"] for n in doc["norms"]] == ["1"]
+    assert doc["norms"][0]["consumers"] is None
+    assert doc["consumers_note"].startswith("consumers unknown: the model's forward did not run")
+
+
+def test_consumers_on_a_real_cpu_model():
+    """Not only meta: on a model with weights the same trace runs for real (and leaves it in its mode)."""
+    from tiny_models import tiny_model
+
+    from normswap.consumers import find_consumers
+
+    model = tiny_model("gpt2").train()
+    consumers, note = find_consumers(model, ["transformer.h.0.ln_1", "transformer.ln_f"])
+    assert note is None and model.training
+    assert consumers == {"transformer.h.0.ln_1": ["transformer.h.0.attn.c_attn"], "transformer.ln_f": ["lm_head"]}
