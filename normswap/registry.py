@@ -332,9 +332,8 @@ class _Normaliser(ast.NodeTransformer):
     """Rename what copies rename (arguments, locals, helper names, the eps attribute) and drop
     what does not compute (docstrings, annotations), so that copied code fingerprints alike."""
 
-    def __init__(self, eps_attr: str | None):
+    def __init__(self):
         self.names: dict[str, str] = {"self": "self", "torch": "torch", "F": "F", "nn": "nn"}
-        self.eps_attr = eps_attr
 
     def _rename(self, name: str) -> str:
         return self.names.setdefault(name, f"v{len(self.names)}")
@@ -362,7 +361,7 @@ class _Normaliser(ast.NodeTransformer):
 
     def visit_Attribute(self, node):
         self.generic_visit(node)
-        if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr == self.eps_attr:
+        if isinstance(node.value, ast.Name) and node.value.id == "self" and _is_eps_name(node.attr):
             node.attr = "EPS"
         return node
 
@@ -381,7 +380,11 @@ def _methods_called(fn_tree: ast.FunctionDef) -> list[str]:
     return out
 
 
-def fingerprint(cls: type, eps_attr: str | None) -> str | None:
+def _is_eps_name(attr: str) -> bool:
+    return attr in EPS_ATTRS or "eps" in attr.lower()
+
+
+def fingerprint(cls: type) -> str | None:
     """The normalised code of cls.forward and the helper methods it calls on self, or None."""
     trees = []
     seen: set[str] = set()
@@ -405,7 +408,7 @@ def fingerprint(cls: type, eps_attr: str | None) -> str | None:
         trees.append(tree)
     if not trees:
         return None
-    norm = _Normaliser(eps_attr)
+    norm = _Normaliser()
     return "|".join(ast.dump(norm.visit(t), annotate_fields=False) for t in trees)
 
 
@@ -421,8 +424,7 @@ def _reference_prints() -> dict[str, tuple[Family, str]]:
                 cls = getattr(importlib.import_module(module_name), class_name)
             except Exception:  # a transformers without this family: the probe still works
                 continue
-            inst_eps = "variance_epsilon" if "variance_epsilon" in inspect.getsource(cls) else "eps"
-            fp = fingerprint(cls, inst_eps)
+            fp = fingerprint(cls)
             if fp is not None:
                 prints[fp] = (family, class_name)
         _REFERENCE_PRINTS = prints
@@ -435,7 +437,7 @@ def _family_by_fingerprint(cls: type, parts: _Parts) -> tuple[Family, str] | Non
             return family, class_name
     if parts.eps_attr is None or parts.weight_attr != "weight" or parts.bias_attr is not None:
         return None  # the reference families all keep eps, a "weight" and no bias
-    fp = fingerprint(cls, parts.eps_attr)
+    fp = fingerprint(cls)
     return None if fp is None else _reference_prints().get(fp)
 
 
@@ -566,9 +568,6 @@ def class_family(cls: type) -> Family | None:
     for (module_name, class_name), family in REFERENCE_FAMILIES.items():
         if cls.__module__ == module_name and cls.__name__ == class_name:
             return family
-    for eps_attr in EPS_ATTRS:
-        fp = fingerprint(cls, eps_attr)
-        hit = _reference_prints().get(fp) if fp else None
-        if hit is not None:
-            return hit[0]
-    return None
+    fp = fingerprint(cls)
+    hit = _reference_prints().get(fp) if fp else None
+    return None if hit is None else hit[0]
