@@ -1,0 +1,565 @@
+"""Exact LayerNorm → RMSNorm conversion: plan per norm, apply, report, manifest.
+
+The plan is built from the model's module tree (the meta device is enough) and the architecture
+data in normswap/archs/. It is a list of *jobs*, each reading a few tensors of the original
+checkpoint and writing a few tensors of the converted one; every output tensor is written by
+exactly one job and every job reads original values only, so jobs can run in any order, all at
+once in memory (convert_model, the in-memory checkpoint path) or one group at a time
+(normswap.streaming). Both run the same run_job, so their outputs are identical to the byte.
+
+The converted model is a checkpoint of the *original* class: the LayerNorms stay LayerNorms
+(weight ones / bias zeros where γ / β were folded), and give the same outputs because their
+input is now zero-mean. The manifest (normswap.json) records which norms may instead run as
+RMSNorm kernels: rms_eligible(manifest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap import fold
+from normswap.archs import ArchData, expand, load_arch, pattern_regex
+from normswap.errors import NormswapError
+
+MANIFEST_NAME = "normswap.json"
+MANIFEST_FORMAT = "normswap.convert/1"
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class NormDecision:
+    """What happens to one LayerNorm, and why. Serialised into the manifest as is."""
+
+    path: str
+    eps: float | None
+    readers: list[str] = field(default_factory=list)
+    rms: bool = False  # converted: its input is zero-mean, so it may run as an RMSNorm
+    why_not: str | None = None
+    zero_mean_input: bool = False
+    folded_gain: bool = False
+    folded_bias: bool = False
+    kept_gain: bool = False
+    kept_gain_why: str | None = None
+    kept_bias: bool = False
+    kept_bias_why: str | None = None
+    baked: bool = False  # embedding norm baked into its token table (BLOOM)
+    bake_scale: float | None = None  # the gain s of a baked norm (its weight is s·1)
+
+    @property
+    def rms_weight(self) -> str:
+        """How an RMSNorm replacing this norm uses its weight: 'none' (γ folded, weight is ones)
+        or 'weight' (the module's own weight, kept γ or a baked s·1)."""
+        return "weight" if (self.kept_gain or self.baked) else "none"
+
+
+@dataclass
+class Job:
+    """One group of tensors transformed together (the unit the streaming path holds in memory)."""
+
+    kind: str  # center_embedding | center_writer | fold_reader | reset_norm | bake | copy
+    module: str
+    outputs: list[str]
+    inputs: list[str]
+    orientation: str | None = None
+    norm: str | None = None
+    gain: bool = False
+    shift: bool = False
+    ones: bool = False  # reset_norm: weight -> ones
+    zeros: bool = False  # reset_norm: bias -> zeros
+    eps: float | None = None
+    source: str | None = None  # copy / untie: the tensor whose original value is copied
+
+
+@dataclass
+class Plan:
+    model_type: str
+    arch_file: str | None
+    norms: list[NormDecision]
+    jobs: list[Job]
+    embeddings: list[str]
+    writers: list[str]
+    untie: tuple[str, str] | None  # (head weight, table weight)
+    aliases: dict[str, str]  # tensor -> tensor holding its original value (a tied head)
+    keep_gain: bool = False
+
+    @property
+    def refused(self) -> list[NormDecision]:
+        return [n for n in self.norms if not n.rms]
+
+    @property
+    def converted(self) -> list[NormDecision]:
+        return [n for n in self.norms if n.rms]
+
+
+def _is_layer_norm(mod: torch.nn.Module) -> bool:
+    if isinstance(mod, torch.nn.LayerNorm):
+        return True
+    name = type(mod).__name__.lower()
+    return "layernorm" in name and "rms" not in name and not name.startswith("t5")
+
+
+def _is_norm(mod: torch.nn.Module) -> bool:
+    return "norm" in type(mod).__name__.lower() and not isinstance(mod, torch.nn.ModuleList)
+
+
+def _orientation_of_module(mod: torch.nn.Module) -> str | None:
+    if isinstance(mod, torch.nn.Linear):
+        return fold.LINEAR
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
+        return fold.CONV1D
+    return None
+
+
+def _config_matches(config, wanted: dict[str, Any]) -> bool:
+    return all(getattr(config, k, None) == v for k, v in wanted.items())
+
+
+def _tied(model, head: str, table: str, modules: dict) -> bool:
+    h, t = modules.get(head), modules.get(table)
+    return h is not None and t is not None and getattr(h, "weight", None) is getattr(t, "weight", 1)
+
+
+def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False) -> Plan:
+    """Decide, per LayerNorm, what folds where; `model` may live on the meta device."""
+    model_type = getattr(config, "model_type", "?")
+    modules = dict(model.named_modules())
+    lns = {p: m for p, m in modules.items() if _is_layer_norm(m)}
+    if not lns:
+        n_norms = sum(1 for m in modules.values() if _is_norm(m))
+        raise NormswapError(
+            f"nothing to convert: this {model_type} model has no LayerNorm"
+            + (f" (its {n_norms} norms are RMS norms already)" if n_norms else "")
+        )
+    norms = {p: NormDecision(p, _eps(m)) for p, m in lns.items()}
+    arch = load_arch(model_type)
+
+    def refuse_all(reason: str) -> Plan:
+        for d in norms.values():
+            d.why_not = reason
+        return Plan(model_type, arch.source if arch else None, list(norms.values()), [], [], [], None, {})
+
+    if arch is None:
+        return refuse_all(
+            f"no architecture data for model_type {model_type!r} (normswap/archs/{model_type}.toml): which "
+            "layers write the residual stream is unknown, so no norm's input can be made zero-mean"
+        )
+    for r in arch.refuse_if:
+        if (r.config is not None and _config_matches(config, r.config)) or (
+            r.module is not None and _local(arch, r.module, modules) in modules
+        ):
+            return refuse_all(r.reason)
+
+    # Known non-convertible norms, with the data's reason.
+    for r in arch.refuse:
+        rx = pattern_regex(_local(arch, r.path, modules))
+        for p in lns:
+            if rx.match(p):
+                norms[p].why_not = r.reason
+
+    # The residual-stream norms and their readers.
+    readers_of: dict[str, list[tuple[str, str]]] = {}
+    for entry in arch.norms:
+        if not _config_matches(config, entry.when):
+            continue
+        rx = pattern_regex(_local(arch, entry.path, modules))
+        for p in lns:
+            m = rx.match(p)
+            if not m:
+                continue
+            i = m.groupdict().get("i")
+            readers_of[p] = [
+                (_local(arch, expand(r, i), modules), arch.orientation_of(r)) for r in entry.readers
+            ]
+
+    # Writers and tables: every one must exist, or the data does not describe this model.
+    writers: list[tuple[str, str]] = []
+    for pat in arch.writers:
+        rx = pattern_regex(_local(arch, pat, modules))
+        found = [p for p in modules if rx.match(p)]
+        if not found:
+            return refuse_all(f"{arch.source} names writer {pat!r} but this model has none: layout not described")
+        writers += [(p, arch.orientation_of(pat)) for p in found]
+    tables = [_local(arch, t, modules) for t in arch.embeddings]
+    emb_norm = None
+    if arch.embedding_norm:
+        emb_norm = (_local(arch, arch.embedding_norm["path"], modules),
+                    _local(arch, arch.embedding_norm["table"], modules))
+        tables_needed = [emb_norm[1]]
+        if emb_norm[0] not in lns:
+            return refuse_all(f"{arch.source} names embedding norm {emb_norm[0]!r} but this model has none")
+        eps = norms[emb_norm[0]].eps
+        if not eps or eps <= 0:
+            return refuse_all(
+                f"embedding norm {emb_norm[0]} has eps = {eps}: its output *is* the residual stream and, without "
+                "eps > 0, no token table makes the stock LayerNorm output a centered row (every row's RMS would "
+                "equal the gain)"
+            )
+    else:
+        tables_needed = []
+    for t in tables + tables_needed:
+        if t not in modules or getattr(modules[t], "weight", None) is None:
+            return refuse_all(f"{arch.source} names embedding {t!r} but this model has none")
+    for p, o in writers:
+        actual = _orientation_of_module(modules[p])
+        if actual != o:
+            raise NormswapError(f"{arch.source}: {p} is a {type(modules[p]).__name__}, not a {o} layer")
+
+    # Untie a head whose table changes (or which is itself folded into).
+    untie = None
+    aliases: dict[str, str] = {}
+    for head, table in arch.tied.items():
+        head_l, table_l = _local(arch, head, modules), _local(arch, table, modules)
+        if _tied(model, head_l, table_l, modules):
+            untie = (f"{head_l}.weight", f"{table_l}.weight")
+            aliases[untie[0]] = untie[1]
+
+    jobs: list[Job] = []
+    for t in tables:
+        jobs.append(Job("center_embedding", t, [f"{t}.weight"], [f"{t}.weight"]))
+    for p, o in writers:
+        outs = [f"{p}.weight"] + ([f"{p}.bias"] if _has_bias(modules[p]) else [])
+        jobs.append(Job("center_writer", p, outs, list(outs), orientation=o))
+
+    if emb_norm is not None:
+        npath, table = emb_norm
+        d = norms[npath]
+        mod = lns[npath]
+        outs = [f"{table}.weight"] + [f"{npath}.{a}" for a in ("weight", "bias") if getattr(mod, a, None) is not None]
+        jobs.append(Job("bake", npath, outs, list(outs), eps=d.eps, source=f"{table}.weight"))
+        d.rms, d.zero_mean_input, d.baked = True, True, True
+        d.readers = ["<residual stream>"]
+        d.kept_gain = getattr(mod, "weight", None) is not None
+        d.kept_gain_why = "baked: the norm's output is the residual stream; weight is s·1 (s reported as bake_scale)"
+        readers_of.pop(npath, None)
+
+    for p, readers in readers_of.items():
+        d = norms[p]
+        if d.why_not is not None:
+            continue
+        mod = lns[p]
+        d.readers = [r for r, _ in readers]
+        missing = [r for r, _ in readers if r not in modules]
+        if missing:
+            d.why_not = f"reader {missing[0]} named in {arch.source} is not in this model"
+            continue
+        bad = [(r, o) for r, o in readers if _orientation_of_module(modules[r]) != o]
+        if bad:
+            r, o = bad[0]
+            raise NormswapError(f"{arch.source}: {r} is a {type(modules[r]).__name__}, not a {o} layer")
+        has_w = getattr(mod, "weight", None) is not None
+        has_b = getattr(mod, "bias", None) is not None
+        bias_free = [r for r, _ in readers if not _has_bias(modules[r])]
+        fold_bias = has_b and not bias_free
+        fold_gain = has_w and not keep_gain and (fold_bias or not has_b)
+        d.rms, d.zero_mean_input = True, True
+        d.folded_bias, d.folded_gain = fold_bias, fold_gain
+        if has_b and not fold_bias:
+            d.kept_bias = True
+            d.kept_bias_why = (
+                f"{', '.join(bias_free)} {'has' if len(bias_free) == 1 else 'have'} no bias to absorb Wβ"
+            )
+        if has_w and not fold_gain:
+            d.kept_gain = True
+            d.kept_gain_why = (
+                "--keep-gain" if keep_gain else
+                "β stays in the norm, and folding γ alone would leave β/γ there (normswap never divides by γ)"
+            )
+        for r, o in readers:
+            outs = [f"{r}.weight"] + ([f"{r}.bias"] if (_has_bias(modules[r]) and fold_bias) else [])
+            if not (fold_gain or fold_bias):
+                continue
+            ins = list(outs) + [f"{p}.weight"] * fold_gain + [f"{p}.bias"] * fold_bias
+            jobs.append(Job("fold_reader", r, outs, ins, orientation=o, norm=p, gain=fold_gain, shift=fold_bias))
+        if fold_gain or fold_bias:
+            outs = [f"{p}.weight"] * fold_gain + [f"{p}.bias"] * fold_bias
+            jobs.append(Job("reset_norm", p, outs, list(outs), ones=fold_gain, zeros=fold_bias))
+
+    for d in norms.values():
+        if not d.rms and d.why_not is None:
+            d.why_not = (
+                f"not described in normswap/archs/{arch.source}: normswap does not know what reads this norm "
+                "or whether its input is the residual stream"
+            )
+
+    if untie is not None:
+        head_w, table_w = untie
+        if not any(head_w in j.outputs for j in jobs):
+            jobs.append(Job("copy", head_w.rsplit(".", 1)[0], [head_w], [table_w], source=table_w))
+
+    outs_seen: dict[str, str] = {}
+    for j in jobs:
+        for o in j.outputs:
+            if o in outs_seen:
+                raise NormswapError(
+                    f"{arch.source}: {o} would be changed by two steps ({outs_seen[o]} and {j.kind} {j.module}); "
+                    "a layer that both writes the stream and reads a norm is not supported"
+                )
+            outs_seen[o] = f"{j.kind} {j.module}"
+    any_converted = any(d.rms for d in norms.values())
+    if not any_converted:
+        jobs, untie, aliases = [], None, {}
+    return Plan(
+        model_type, arch.source, list(norms.values()), jobs,
+        embeddings=tables + tables_needed if any_converted else [],
+        writers=[p for p, _ in writers] if any_converted else [],
+        untie=untie, aliases=aliases, keep_gain=keep_gain,
+    )
+
+
+def _eps(mod) -> float | None:
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        v = getattr(mod, attr, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def _has_bias(mod) -> bool:
+    return getattr(mod, "bias", None) is not None
+
+
+def _local(arch: ArchData, path: str, modules: dict) -> str:
+    """Data paths are written for the *ForCausalLM class; a bare base model lacks the prefix."""
+    pre = arch.prefix + "." if arch.prefix else ""
+    if pre and path.startswith(pre) and not any(p.startswith(pre) for p in modules):
+        return path[len(pre):]
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying one job (float64 arithmetic, one cast back)
+# ---------------------------------------------------------------------------------------------
+
+
+def run_job(
+    job: Job,
+    read: Callable[[str], torch.Tensor],
+    out_dtype: Callable[[str, torch.Tensor], torch.dtype],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Compute a job's output tensors from original tensors. `read(name)` returns the original
+    tensor (any dtype); `out_dtype(name, original)` says what to store. Returns (tensors, info)."""
+    f64: dict[str, torch.Tensor] = {}
+    originals: dict[str, torch.Tensor] = {}  # dtype and kind of each original, for the cast back
+
+    def get(name: str) -> torch.Tensor:
+        if name not in f64:
+            t = read(name)
+            originals[name] = torch.empty(0, dtype=t.dtype)
+            f64[name] = t.to(torch.float64)
+        return f64[name]
+
+    out: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {}
+    m = job.module
+    if job.kind == "center_embedding":
+        out[f"{m}.weight"] = fold.center_embedding(get(f"{m}.weight"))
+    elif job.kind == "center_writer":
+        b = get(f"{m}.bias") if f"{m}.bias" in job.outputs else None
+        w, b = fold.center_writer(get(f"{m}.weight"), b, job.orientation)
+        out[f"{m}.weight"] = w
+        if b is not None:
+            out[f"{m}.bias"] = b
+    elif job.kind == "fold_reader":
+        gain = get(f"{job.norm}.weight") if job.gain else None
+        shift = get(f"{job.norm}.bias") if job.shift else None
+        b = get(f"{m}.bias") if job.shift else None
+        w, b = fold.fold_into_reader(get(f"{m}.weight"), b, job.orientation, gain=gain, shift=shift)
+        out[f"{m}.weight"] = w
+        if job.shift:
+            out[f"{m}.bias"] = b
+    elif job.kind == "reset_norm":
+        if job.ones:
+            out[f"{m}.weight"] = torch.ones_like(get(f"{m}.weight"))
+        if job.zeros:
+            out[f"{m}.bias"] = torch.zeros_like(get(f"{m}.bias"))
+    elif job.kind == "bake":
+        table_w = job.source
+        gain = get(f"{m}.weight") if f"{m}.weight" in job.outputs else torch.ones(
+            get(table_w).shape[-1], dtype=torch.float64)
+        shift = get(f"{m}.bias") if f"{m}.bias" in job.outputs else None
+        table, s = fold.bake_embedding_norm(get(table_w), gain, shift, job.eps)
+        out[table_w] = table
+        if f"{m}.weight" in job.outputs:
+            out[f"{m}.weight"] = torch.full_like(gain, s)
+        elif s != 1.0:  # a weightless embedding norm cannot carry s
+            raise NormswapError(f"{m} has no weight to carry the bake scale {s}")
+        if shift is not None:
+            out[f"{m}.bias"] = torch.zeros_like(shift)
+        info["bake_scale"] = s
+    elif job.kind == "copy":
+        out[job.outputs[0]] = get(job.source)
+    else:  # pragma: no cover - plans only hold the kinds above
+        raise ValueError(f"unknown job kind {job.kind!r}")
+    # One cast back, from float64, per tensor.
+    result = {}
+    for name, t in out.items():
+        ref = originals[name if name in originals else job.source]
+        # copy=True: an output must never share storage with an original (float64 models would
+        # otherwise hand back the very parameter that another job's output overwrites).
+        result[name] = t.to(dtype=out_dtype(name, ref), memory_format=torch.contiguous_format, copy=True)
+    return result, info
+
+
+def keep_dtype(dtype: torch.dtype | None = None) -> Callable[[str, torch.Tensor], torch.dtype]:
+    """out_dtype policy: the original tensor's dtype, or `dtype` for every floating tensor."""
+    def policy(name: str, original: torch.Tensor) -> torch.dtype:
+        if dtype is not None and original.is_floating_point():
+            return dtype
+        return original.dtype
+    return policy
+
+
+def run_jobs(plan: Plan, read: Callable[[str], torch.Tensor], out_dtype) -> tuple[dict, dict]:
+    """All jobs at once (the in-memory path). Reads originals only; returns new tensors and info."""
+    results: dict[str, torch.Tensor] = {}
+    infos: dict[str, dict] = {}
+    for job in plan.jobs:
+        tensors, info = run_job(job, read, out_dtype)
+        results.update(tensors)
+        if info:
+            infos[job.module] = info
+    return results, infos
+
+
+def record_infos(plan: Plan, infos: dict[str, dict]) -> None:
+    for d in plan.norms:
+        if d.baked and d.path in infos:
+            d.bake_scale = infos[d.path]["bake_scale"]
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory conversion of a model object
+# ---------------------------------------------------------------------------------------------
+
+
+def check_refusals(plan: Plan, partial: bool) -> None:
+    """Raise when some norm cannot be converted (unless partial) or none can."""
+    refused = plan.refused
+    if not plan.converted:
+        first = refused[0].why_not if refused else "no LayerNorm"
+        raise NormswapError(f"nothing converts in this {plan.model_type} model: {first}")
+    if refused and not partial:
+        raise NormswapError(
+            f"{len(refused)} of {len(plan.norms)} norms cannot be converted ({refused[0].path}: "
+            f"{refused[0].why_not}); pass --partial to convert the other {len(plan.converted)}"
+        )
+
+
+def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool = False) -> dict:
+    """Convert `model` in place (same class, same outputs); return the manifest."""
+    plan = plan_conversion(model, model.config, keep_gain=keep_gain)
+    check_refusals(plan, partial)
+    state = model.state_dict()
+
+    def read(name: str) -> torch.Tensor:
+        return state[plan.aliases.get(name, name) if name not in state else name].detach()
+
+    results, infos = run_jobs(plan, read, keep_dtype(None))
+    record_infos(plan, infos)
+    with torch.no_grad():
+        if plan.untie is not None:
+            head_w = plan.untie[0]
+            head_mod = model.get_submodule(head_w.rsplit(".", 1)[0])
+            head_mod.weight = torch.nn.Parameter(results[head_w].clone(), requires_grad=False)
+            untie_config(model)
+        for name, t in results.items():
+            model.get_parameter(name).data.copy_(t)
+    return build_manifest(plan, model.config, partial=partial)
+
+
+def untie_config(model) -> None:
+    """Write tie_word_embeddings: false where transformers reads it, so loading does not re-tie."""
+    for cfg in {id(c): c for c in _configs(model.config)}.values():
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = {}
+
+
+def _configs(config) -> Iterable:
+    yield config
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        yield get_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest and report
+# ---------------------------------------------------------------------------------------------
+
+
+def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None = None) -> dict:
+    import normswap
+
+    norms = []
+    for d in plan.norms:
+        rec = asdict(d)
+        rec["rms_weight"] = d.rms_weight if d.rms else None
+        rec["rms_bias"] = d.kept_bias if d.rms else None
+        norms.append(rec)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "normswap_version": normswap.__version__,
+        "to": "rms",
+        "arch": plan.model_type,
+        "arch_file": plan.arch_file,
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "keep_gain": plan.keep_gain,
+        "partial": partial,
+        "untied": {"head": plan.untie[0], "table": plan.untie[1]} if plan.untie else None,
+        "centered_embeddings": plan.embeddings,
+        "centered_writers": plan.writers,
+        "summary": {
+            "norms": len(plan.norms),
+            "converted": len(plan.converted),
+            "refused": len(plan.refused),
+            "folded_gain": sum(d.folded_gain for d in plan.norms),
+            "folded_bias": sum(d.folded_bias for d in plan.norms),
+            "kept_bias": sum(d.kept_bias for d in plan.norms),
+        },
+        "norms": norms,
+    }
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+def read_manifest(where: str | os.PathLike | dict) -> dict:
+    if isinstance(where, dict):
+        return where
+    p = Path(where)
+    if p.is_dir():
+        p = p / MANIFEST_NAME
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise NormswapError(f"{p}: not a readable normswap manifest ({e})") from None
+    if data.get("format") != MANIFEST_FORMAT:
+        raise NormswapError(f"{p}: unknown manifest format {data.get('format')!r}")
+    return data
+
+
+def rms_eligible(manifest: str | os.PathLike | dict) -> set[str]:
+    """Paths of the norms whose input the conversion made zero-mean: each may run as an RMSNorm
+    with the module's eps, its weight when the manifest's rms_weight is 'weight' (else none: the
+    weight is ones), and its bias when rms_bias is true (a kept β)."""
+    return {n["path"] for n in read_manifest(manifest)["norms"] if n["rms"]}
+
+
+def rms_forms(manifest: str | os.PathLike | dict) -> dict[str, dict]:
+    """path -> {'eps', 'weight': 'none'|'weight', 'bias': bool} for each RMS-eligible norm."""
+    return {
+        n["path"]: {"eps": n["eps"], "weight": n["rms_weight"], "bias": bool(n["rms_bias"])}
+        for n in read_manifest(manifest)["norms"] if n["rms"]
+    }
