@@ -456,8 +456,10 @@ def check_refusals(plan: Plan, partial: bool) -> None:
         )
 
 
-def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool = False) -> dict:
-    """Convert `model` in place (same class, same outputs); return the manifest."""
+def convert_model(
+    model: torch.nn.Module, keep_gain: bool = False, partial: bool = False, return_plan: bool = False
+):
+    """Convert `model` in place (same class, same outputs); return the manifest (or the plan)."""
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     state = model.state_dict()
@@ -475,7 +477,7 @@ def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool
             untie_config(model)
         for name, t in results.items():
             model.get_parameter(name).data.copy_(t)
-    return build_manifest(plan, model.config, partial=partial)
+    return plan if return_plan else build_manifest(plan, model.config, partial=partial)
 
 
 def untie_config(model) -> None:
@@ -563,3 +565,163 @@ def rms_forms(manifest: str | os.PathLike | dict) -> dict[str, dict]:
         n["path"]: {"eps": n["eps"], "weight": n["rms_weight"], "bias": bool(n["rms_bias"])}
         for n in read_manifest(manifest)["norms"] if n["rms"]
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint directories: convert (streaming), verify
+# ---------------------------------------------------------------------------------------------
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def convert_directory(
+    source,
+    out_dir: str | os.PathLike,
+    keep_gain: bool = False,
+    partial: bool = False,
+    dtype: torch.dtype | None = None,
+    streaming: bool = True,
+    progress: bool = False,
+) -> dict:
+    """Convert the checkpoint `source` (a normswap.io.ModelSource) into the existing empty
+    directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, manifest.
+    Safetensors checkpoints are converted shard by shard; anything else is loaded whole."""
+    import shutil
+
+    from normswap import io
+    from normswap import streaming as st
+
+    out = Path(out_dir)
+    config = io.load_config(source)
+    meta = io.build_meta_model(source)
+    plan = plan_conversion(meta, config, keep_gain=keep_gain)
+    check_refusals(plan, partial)
+    policy = keep_dtype(dtype)
+    has_safetensors = source.gguf_file is None and (
+        (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()
+    )
+    if has_safetensors:
+        names = list(meta.state_dict().keys())
+        arch = load_arch(plan.model_type)
+        infos = st.convert_files(
+            source.path, out, plan, names, prefix=arch.prefix if arch else "",
+            out_dtype=policy, streaming=streaming, progress=progress,
+        )
+        record_infos(plan, infos)
+        cfg = json.loads((source.path / "config.json").read_text())
+        if plan.untie is not None:
+            _untie_config_dict(cfg)
+        if dtype is not None:
+            for key in ("dtype", "torch_dtype"):
+                if key in cfg or key == "dtype":
+                    cfg[key] = str(dtype).replace("torch.", "")
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for f in sorted(source.path.iterdir()):
+            if f.is_file() and f.name not in ("config.json", MANIFEST_NAME, st.INDEX_NAME) and not f.name.endswith(
+                _WEIGHT_FILES
+            ):
+                shutil.copy2(f, out / f.name)
+    else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
+        model = io.load_model(source, dtype=dtype)
+        plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
+        model.save_pretrained(out)
+        try:
+            io.load_tokenizer(source).save_pretrained(out)
+        except NormswapError:
+            pass
+    manifest = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _untie_config_dict(cfg: dict) -> None:
+    cfg["tie_word_embeddings"] = False
+    for sub in ("text_config",):
+        if isinstance(cfg.get(sub), dict) and "tie_word_embeddings" in cfg[sub]:
+            cfg[sub]["tie_word_embeddings"] = False
+
+
+def probe_batch(config, batch: int = 2, length: int = 32, seed: int = 0) -> torch.Tensor:
+    """Random token ids inside the vocabulary (never all one token, never zeros)."""
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise NormswapError("cannot build a probe batch: the config has no vocab_size")
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit:
+        length = min(length, int(limit))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=g)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def attach_rms(model, manifest) -> list:
+    """Run every RMS-eligible norm of a converted model as a float reference RMSNorm (forward
+    hooks; weightless where γ was folded, bias where β was kept). A stand-in for `normswap patch`
+    that lets verification check the speedup path; returns the hook handles."""
+    handles = []
+    for path, form in rms_forms(manifest).items():
+        mod = model.get_submodule(path)
+
+        def hook(mod, args, out, form=form):
+            x = args[0]
+            acc = torch.promote_types(x.dtype, torch.float32)
+            w = mod.weight.to(acc) if form["weight"] == "weight" else None
+            b = mod.bias.to(acc) if form["bias"] else None
+            return fold.apply_rms_norm(x.to(acc), w, b, form["eps"]).to(x.dtype)
+
+        handles.append(mod.register_forward_hook(hook))
+    return handles
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Max |Δlogit| / max |logit| accepted by verification, per stored dtype: the converted
+    weights are rounded once to it, so the gate scales with its precision."""
+    return {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
+
+
+def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None) -> dict:
+    """Reload the converted directory with stock transformers; compare its logits (and those of
+    its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance."""
+    from normswap import io
+
+    config = io.load_config(source)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    conv_cfg = io.load_config(io.resolve(converted_dir))
+    conv_dtype = getattr(conv_cfg, "dtype", None) or stored
+    if isinstance(conv_dtype, str):
+        conv_dtype = getattr(torch, conv_dtype, torch.float32)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, torch.float32)
+    run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
+    ids = probe_batch(config) if batch is None else batch
+    original = io.load_model(source, dtype=run_dtype)
+    ref = _logits(original, ids)
+    del original
+    converted = io.load_model(io.resolve(converted_dir), dtype=run_dtype)
+    got = _logits(converted, ids)
+    handles = attach_rms(converted, manifest)
+    try:
+        got_rms = _logits(converted, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    scale = float(ref.abs().max()) or 1.0
+    err = float((got - ref).abs().max()) / scale
+    err_rms = float((got_rms - ref).abs().max()) / scale
+    tol = tolerance_for(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
+    if run_dtype == torch.float32:
+        tol = max(tol, 1e-4)
+    result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+              "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
+              "passed": err <= tol and err_rms <= tol}
+    if not result["passed"]:
+        raise NormswapError(
+            f"verification failed: converted logits differ by {max(err, err_rms):.3g} of the logit scale "
+            f"(tolerance {tol:g}); nothing was written"
+        )
+    return result
