@@ -71,8 +71,7 @@ class CheckpointReader:
 
     Checkpoints saved from a bare base model (GPT-2 on the hub: "h.0.attn...") lack the
     *ForCausalLM prefix; names are mapped to the model's names ("transformer.h.0.attn...").
-    Each read opens the shard with safe_open and returns a copy of that one tensor, so no shard
-    stays mapped between reads.
+    Each read opens the shard with safe_open and returns that one tensor, lazily mapped.
     """
 
     def __init__(self, src: Path, model_names: Iterable[str], prefix: str = "", aliases: dict | None = None):
@@ -114,8 +113,9 @@ class CheckpointReader:
 
         file, key = self._locate(name)
         with safe_open(self.src / file, framework="pt") as f:
-            # clone: detach the tensor from the file mapping so closing it releases the pages
-            return f.get_tensor(key).clone()
+            # A lazily mapped view of the file: its pages are read when touched and released when
+            # the tensor is freed, so nothing of the shard outlives the job that asked for it.
+            return f.get_tensor(key)
 
     def names(self) -> list[str]:
         return list(self.raw)
@@ -153,7 +153,8 @@ class SafetensorsWriter:
             raise NormswapError(f"{name} written twice")
         if n:
             self.f.seek(self.base + start)
-            self.f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            # write from the tensor's own buffer (no bytes copy of a possibly large tensor)
+            self.f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self.written.add(name)
 
     def close(self) -> None:
