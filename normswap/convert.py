@@ -678,6 +678,17 @@ def attach_rms(model, manifest) -> list:
     return handles
 
 
+def patch_as_rms(model, manifest, impl: str = "reference"):
+    """The speedup path: `normswap patch` runs every RMS-eligible norm of a converted model as an
+    RMSNorm (plus the kept bias) and leaves every other norm alone. In place; returns the model."""
+    from normswap.swap import patch
+
+    eligible = rms_eligible(manifest)
+    if eligible:
+        patch(model, impl, filter_fn=lambda _m, path: path in eligible, rms_for=eligible, verify=False)
+    return model
+
+
 def tolerance_for(dtype: torch.dtype) -> float:
     """Max |Δlogit| / max |logit| accepted by verification, per stored dtype: the converted
     weights are rounded once to it, so the gate scales with its precision."""
@@ -704,24 +715,22 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     del original
     converted = io.load_model(io.resolve(converted_dir), dtype=run_dtype)
     got = _logits(converted, ids)
-    handles = attach_rms(converted, manifest)
-    try:
-        got_rms = _logits(converted, ids)
-    finally:
-        for h in handles:
-            h.remove()
+    got_rms = _logits(patch_as_rms(converted, manifest), ids)
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max()) / scale
     err_rms = float((got_rms - ref).abs().max()) / scale
     tol = tolerance_for(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
     if run_dtype == torch.float32:
         tol = max(tol, 1e-4)
+    # The RMS path runs normswap's norm modules, which may compute in fp32 even for float64
+    # inputs (kernels do): hold it to the fp32 gate there, the stock reload to the float64 one.
+    tol_rms = max(tol, 1e-4)
     result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
-              "passed": err <= tol and err_rms <= tol}
+              "tolerance_rms": tol_rms, "passed": err <= tol and err_rms <= tol_rms}
     if not result["passed"]:
         raise NormswapError(
-            f"verification failed: converted logits differ by {max(err, err_rms):.3g} of the logit scale "
-            f"(tolerance {tol:g}); nothing was written"
+            f"verification failed: converted logits differ by {err:.3g} of the logit scale as LayerNorms "
+            f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
         )
     return result

@@ -309,3 +309,45 @@ def test_trained_gpt2_perplexity_unchanged():
     print(f"\n[trained-gpt2] ppl before={before:.6f} after={after:.6f} as-rms={after_rms:.6f}")
     assert f"{before:.4g}" == f"{after:.4g}" == f"{after_rms:.4g}"
     assert abs(after - before) / before < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# The speedup path through `normswap patch`: RMS kernels on the converted model
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS_CONVERTED)
+def test_patched_converted_model_matches_the_original(arch):
+    from normswap.swap import patch
+
+    model = tiny_model(arch, dtype=torch.float32)
+    ids = probe()
+    ref = logits(model, ids)
+    manifest = convert_model(model)
+    report = patch(model, "torch", rms_for=rms_eligible(manifest))
+    assert {e.path for e in report.modules if e.as_rms and e.status == "patched"} == rms_eligible(manifest)
+    err = rel_err(logits(model, ids), ref)
+    print(f"\n[max-logit-error] {arch} fp32 patched-rms(torch)={err:.3e}")
+    assert err <= 1e-5
+
+
+@pytest.mark.slow
+def test_patched_converted_with_triton_kernels():
+    from normswap.swap import patch
+
+    model = tiny_model("gpt2", dtype=torch.float32)
+    ids = probe()
+    ref = logits(model, ids)
+    patch(model, "triton", rms_for=rms_eligible(convert_model(model)))
+    assert rel_err(logits(model, ids), ref) <= 1e-5
+
+
+def test_patch_refuses_rms_on_an_unconverted_model():
+    """Negative control: without the conversion, running the LayerNorms as RMS norms is wrong,
+    and patch's own verification says so."""
+    from normswap.swap import patch
+
+    model = tiny_model("gpt2", dtype=torch.float32)
+    manifest = build_manifest(plan_conversion(model, model.config), model.config)
+    with pytest.raises(NormswapError):
+        patch(model, "torch", rms_for=rms_eligible(manifest))

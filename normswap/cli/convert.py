@@ -40,8 +40,9 @@ def _render(data: dict) -> None:
     v = data.get("verification")
     if v:
         console.print(
-            f"verified: stock reload max |Δlogit| = {v['max_rel_logit_error']:.3g} of the logit scale, "
-            f"as RMSNorms {v['max_rel_logit_error_rms']:.3g} (tolerance {v['tolerance']:g})"
+            f"verified: stock reload max |Δlogit| = {v['max_rel_logit_error']:.3g} of the logit scale "
+            f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
+            f"(tolerance {v['tolerance_rms']:g})"
         )
     if data.get("out"):
         console.print(f"wrote {data['out']}")
