@@ -355,3 +355,11 @@ def test_patch_refuses_rms_on_an_unconverted_model():
     manifest = build_manifest(plan_conversion(model, model.config), model.config)
     with pytest.raises(NormswapError):
         patch(model, "torch", rms_for=rms_eligible(manifest))
+
+
+def test_gpt2_with_cross_attention_is_refused_whole():
+    """An undescribed writer would leave the stream uncentered: the whole layout is refused."""
+    model = custom_model("gpt2", dtype=torch.float32, add_cross_attention=True)
+    plan = plan_conversion(model, model.config)
+    assert not plan.converted and not plan.jobs
+    assert all("add_cross_attention" in n.why_not for n in plan.refused)
