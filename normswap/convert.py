@@ -457,9 +457,15 @@ def check_refusals(plan: Plan, partial: bool) -> None:
 
 
 def convert_model(
-    model: torch.nn.Module, keep_gain: bool = False, partial: bool = False, return_plan: bool = False
+    model: torch.nn.Module, keep_gain: bool = False, partial: bool = False, return_plan: bool = False,
+    check: bool = True,
 ):
-    """Convert `model` in place (same class, same outputs); return the manifest (or the plan)."""
+    """Convert `model` in place (same class, same outputs); return the manifest (or the plan).
+
+    check=True runs one short probe batch and measures, at every RMS-eligible norm, how far its
+    input is from zero-mean (the manifest's zero_mean_check); a failure raises NormswapError. The
+    model then still computes what it computed before (LayerNorm ignores the mean), but the
+    architecture data missed a writer, so no norm may run as an RMSNorm."""
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     state = model.state_dict()
@@ -473,11 +479,55 @@ def convert_model(
         if plan.untie is not None:
             head_w = plan.untie[0]
             head_mod = model.get_submodule(head_w.rsplit(".", 1)[0])
-            head_mod.weight = torch.nn.Parameter(results[head_w].clone(), requires_grad=False)
+            trainable = head_mod.weight.requires_grad
+            head_mod.weight = torch.nn.Parameter(results[head_w].clone(), requires_grad=trainable)
             untie_config(model)
         for name, t in results.items():
             model.get_parameter(name).data.copy_(t)
-    return plan if return_plan else build_manifest(plan, model.config, partial=partial)
+    if return_plan:
+        return plan
+    manifest = build_manifest(plan, model.config, partial=partial)
+    if check and not any(p.is_meta for p in model.parameters()):
+        manifest["zero_mean_check"] = check_zero_mean(model, manifest, probe_batch(model.config, 1, 16))
+    return manifest
+
+
+def zero_mean_tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted |mean(x)| / rms(x) at a norm's input, per compute dtype (rounding only)."""
+    return {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 3e-2)
+
+
+def check_zero_mean(model, manifest, ids: torch.Tensor, raise_on_failure: bool = True) -> dict:
+    """Measure, on a probe batch, |mean(x)| / rms(x) of the input of every RMS-eligible norm (the
+    property the conversion promises). Returns the worst ratio, where, the tolerance and a
+    verdict; raises NormswapError (unless told not to) when it is over the tolerance."""
+    worst: dict[str, float] = {}
+    handles = []
+    for path in rms_eligible(manifest):
+        mod = model.get_submodule(path)
+
+        def hook(mod, args, path=path):
+            x = args[0].detach().to(torch.float64)
+            ratio = x.mean(-1).abs() / x.pow(2).mean(-1).sqrt().clamp_min(1e-30)
+            worst[path] = max(worst.get(path, 0.0), float(ratio.max()))
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    try:
+        _logits(model, ids.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    dtype = next(model.parameters()).dtype
+    tol = zero_mean_tolerance(dtype)
+    where = max(worst, key=worst.get) if worst else None
+    result = {"max_mean_over_rms": worst.get(where, 0.0) if where else 0.0, "where": where,
+              "tolerance": tol, "passed": all(v <= tol for v in worst.values())}
+    if raise_on_failure and not result["passed"]:
+        raise NormswapError(
+            f"the input of {where} is not zero-mean after conversion (|mean|/rms = {result['max_mean_over_rms']:.3g}, "
+            f"tolerance {tol:g}): the architecture data misses a writer into the residual stream"
+        )
+    return result
 
 
 def untie_config(model) -> None:
@@ -715,6 +765,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     del original
     converted = io.load_model(io.resolve(converted_dir), dtype=run_dtype)
     got = _logits(converted, ids)
+    zero_mean = check_zero_mean(converted, manifest, ids, raise_on_failure=False)
     got_rms = _logits(patch_as_rms(converted, manifest), ids)
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max()) / scale
@@ -727,7 +778,14 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     tol_rms = max(tol, 1e-4)
     result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
-              "tolerance_rms": tol_rms, "passed": err <= tol and err_rms <= tol_rms}
+              "tolerance_rms": tol_rms, "zero_mean": zero_mean,
+              "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
+    if not zero_mean["passed"]:
+        raise NormswapError(
+            f"verification failed: the input of {zero_mean['where']} is not zero-mean after conversion "
+            f"(|mean|/rms = {zero_mean['max_mean_over_rms']:.3g}, tolerance {zero_mean['tolerance']:g}); "
+            "nothing was written"
+        )
     if not result["passed"]:
         raise NormswapError(
             f"verification failed: converted logits differ by {err:.3g} of the logit scale as LayerNorms "

@@ -363,3 +363,17 @@ def test_gpt2_with_cross_attention_is_refused_whole():
     plan = plan_conversion(model, model.config)
     assert not plan.converted and not plan.jobs
     assert all("add_cross_attention" in n.why_not for n in plan.refused)
+
+
+def test_zero_mean_check_is_recorded_and_catches_a_missed_writer(monkeypatch):
+    from normswap import fold
+
+    manifest = convert_model(tiny_model("opt", dtype=torch.float64))
+    zm = manifest["zero_mean_check"]
+    assert zm["passed"] and zm["max_mean_over_rms"] <= 1e-9
+    # A writer left uncentered (as if the data forgot it): the check must say so.
+    real = fold.center_writer
+    monkeypatch.setattr(fold, "center_writer", lambda w, b, o: (w.clone(), None if b is None else b.clone()))
+    with pytest.raises(NormswapError, match="not zero-mean"):
+        convert_model(tiny_model("opt", dtype=torch.float64))
+    monkeypatch.setattr(fold, "center_writer", real)
