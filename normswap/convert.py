@@ -342,73 +342,116 @@ def _local(arch: ArchData, path: str, modules: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+# Float64 working copies of big tensors are made a slice at a time (along an axis whose slices are
+# computed independently), so a job holds its inputs, its outputs and one slice of float64 work.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _slices(n: int, per_slice: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, per_slice))
+    for start in range(0, n, step):
+        yield start, min(step, n - start)
+
+
 def run_job(
     job: Job,
     read: Callable[[str], torch.Tensor],
     out_dtype: Callable[[str, torch.Tensor], torch.dtype],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Compute a job's output tensors from original tensors. `read(name)` returns the original
-    tensor (any dtype); `out_dtype(name, original)` says what to store. Returns (tensors, info)."""
-    f64: dict[str, torch.Tensor] = {}
-    originals: dict[str, torch.Tensor] = {}  # dtype and kind of each original, for the cast back
+    tensor (any dtype); `out_dtype(name, original)` says what to store. All arithmetic is float64
+    and each result is cast to its stored dtype once. Outputs never share storage with inputs.
+    Returns (tensors, info)."""
+    f64 = torch.float64
+    small: dict[str, torch.Tensor] = {}
 
-    def get(name: str) -> torch.Tensor:
-        if name not in f64:
-            t = read(name)
-            originals[name] = torch.empty(0, dtype=t.dtype)
-            f64[name] = t.to(torch.float64)
-        return f64[name]
+    def get(name: str) -> torch.Tensor:  # whole-tensor float64 copy: for small tensors
+        if name not in small:
+            small[name] = read(name).to(f64)
+        return small[name]
+
+    def dtype_for(name: str, original: torch.Tensor) -> torch.dtype:
+        return out_dtype(name, original)
+
+    def cast(name: str, t: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+        # copy=True: an output must never share storage with an original (float64 models would
+        # otherwise hand back the very parameter that another job's output overwrites).
+        return t.to(dtype=dtype_for(name, original), memory_format=torch.contiguous_format, copy=True)
 
     out: dict[str, torch.Tensor] = {}
     info: dict[str, Any] = {}
     m = job.module
     if job.kind == "center_embedding":
-        out[f"{m}.weight"] = fold.center_embedding(get(f"{m}.weight"))
+        name = f"{m}.weight"
+        table = read(name)
+        res = torch.empty(table.shape, dtype=dtype_for(name, table))
+        for s0, n in _slices(table.shape[0], table.shape[-1]):
+            res[s0:s0 + n] = fold.center_embedding(table[s0:s0 + n].to(f64))
+        out[name] = res
     elif job.kind == "center_writer":
-        b = get(f"{m}.bias") if f"{m}.bias" in job.outputs else None
-        w, b = fold.center_writer(get(f"{m}.weight"), b, job.orientation)
-        out[f"{m}.weight"] = w
+        w_name, b_name = f"{m}.weight", f"{m}.bias"
+        w0 = read(w_name)
+        b0 = read(b_name) if b_name in job.outputs else None
+        w, b = fold.center_writer(w0.to(f64), None if b0 is None else b0.to(f64), job.orientation)
+        out[w_name] = cast(w_name, w, w0)
         if b is not None:
-            out[f"{m}.bias"] = b
+            out[b_name] = cast(b_name, b, b0)
     elif job.kind == "fold_reader":
         gain = get(f"{job.norm}.weight") if job.gain else None
         shift = get(f"{job.norm}.bias") if job.shift else None
-        b = get(f"{m}.bias") if job.shift else None
-        w, b = fold.fold_into_reader(get(f"{m}.weight"), b, job.orientation, gain=gain, shift=shift)
-        out[f"{m}.weight"] = w
-        if job.shift:
-            out[f"{m}.bias"] = b
+        w_name, b_name = f"{m}.weight", f"{m}.bias"
+        w0 = read(w_name)
+        b0 = read(b_name) if job.shift else None
+        axis = 0 if job.orientation == fold.LINEAR else 1  # the output axis: its slices are independent
+        w_res = torch.empty(w0.shape, dtype=dtype_for(w_name, w0))
+        b_res = None if b0 is None else torch.empty(b0.shape, dtype=dtype_for(b_name, b0))
+        for s0, n in _slices(w0.shape[axis], w0.shape[1 - axis]):
+            wc = w0.narrow(axis, s0, n).to(f64)
+            bc = None if b0 is None else b0[s0:s0 + n].to(f64)
+            wf, bf = fold.fold_into_reader(wc, bc, job.orientation, gain=gain, shift=shift)
+            w_res.narrow(axis, s0, n).copy_(wf)
+            if b_res is not None:
+                b_res[s0:s0 + n] = bf
+        out[w_name] = w_res
+        if b_res is not None:
+            out[b_name] = b_res
     elif job.kind == "reset_norm":
-        if job.ones:
-            out[f"{m}.weight"] = torch.ones_like(get(f"{m}.weight"))
-        if job.zeros:
-            out[f"{m}.bias"] = torch.zeros_like(get(f"{m}.bias"))
+        for name, flag, fill in ((f"{m}.weight", job.ones, 1.0), (f"{m}.bias", job.zeros, 0.0)):
+            if flag:
+                t = read(name)
+                out[name] = torch.full(t.shape, fill, dtype=dtype_for(name, t))
     elif job.kind == "bake":
-        table_w = job.source
-        gain = get(f"{m}.weight") if f"{m}.weight" in job.outputs else torch.ones(
-            get(table_w).shape[-1], dtype=torch.float64)
-        shift = get(f"{m}.bias") if f"{m}.bias" in job.outputs else None
-        table, s = fold.bake_embedding_norm(get(table_w), gain, shift, job.eps)
-        out[table_w] = table
-        if f"{m}.weight" in job.outputs:
-            out[f"{m}.weight"] = torch.full_like(gain, s)
-        elif s != 1.0:  # a weightless embedding norm cannot carry s
+        table_name = job.source
+        table = read(table_name)
+        has_w, has_b = f"{m}.weight" in job.outputs, f"{m}.bias" in job.outputs
+        gain = get(f"{m}.weight") if has_w else torch.ones(table.shape[-1], dtype=f64)
+        shift = get(f"{m}.bias") if has_b else None
+        # Two passes over the rows: the gain s depends on every row, then each row is rewritten.
+        max_ms = 0.0
+        slices = list(_slices(table.shape[0], table.shape[-1]))
+        for s0, n in slices:
+            ms = fold.centered_output_ms(table[s0:s0 + n].to(f64), gain, shift, job.eps)
+            max_ms = max(max_ms, float(ms.max()) if ms.numel() else 0.0)
+        s = fold.bake_scale(max_ms)
+        if not has_w and s != 1.0:  # a weightless embedding norm cannot carry s
             raise NormswapError(f"{m} has no weight to carry the bake scale {s}")
-        if shift is not None:
-            out[f"{m}.bias"] = torch.zeros_like(shift)
+        res = torch.empty(table.shape, dtype=dtype_for(table_name, table))
+        for s0, n in slices:
+            res[s0:s0 + n] = fold.bake_rows(table[s0:s0 + n].to(f64), gain, shift, job.eps, s)
+        out[table_name] = res
+        if has_w:
+            w = read(f"{m}.weight")
+            out[f"{m}.weight"] = torch.full(w.shape, s, dtype=torch.float64).to(dtype_for(f"{m}.weight", w))
+        if has_b:
+            b = read(f"{m}.bias")
+            out[f"{m}.bias"] = torch.zeros(b.shape, dtype=dtype_for(f"{m}.bias", b))
         info["bake_scale"] = s
     elif job.kind == "copy":
-        out[job.outputs[0]] = get(job.source)
+        src = read(job.source)
+        out[job.outputs[0]] = cast(job.outputs[0], src, src)
     else:  # pragma: no cover - plans only hold the kinds above
         raise ValueError(f"unknown job kind {job.kind!r}")
-    # One cast back, from float64, per tensor.
-    result = {}
-    for name, t in out.items():
-        ref = originals[name if name in originals else job.source]
-        # copy=True: an output must never share storage with an original (float64 models would
-        # otherwise hand back the very parameter that another job's output overwrites).
-        result[name] = t.to(dtype=out_dtype(name, ref), memory_format=torch.contiguous_format, copy=True)
-    return result, info
+    return out, info
 
 
 def keep_dtype(dtype: torch.dtype | None = None) -> Callable[[str, torch.Tensor], torch.dtype]:

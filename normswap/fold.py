@@ -112,17 +112,38 @@ def bake_embedding_norm(
     zero-mean, so the embedding norm's own input is zero-mean too.
     """
     _check_f64(table, gain, shift)
+    s = bake_scale(float(centered_output_ms(table, gain, shift, eps).max()) if table.shape[0] else 0.0)
+    return bake_rows(table, gain, shift, eps, s), s
+
+
+def centered_output_ms(table: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
+    """m_t² = mean(z_t²) per row, z_t the centered output of LayerNorm(γ, β, eps) for row t."""
+    return _centered_output(table, gain, shift, eps).pow(2).mean(dim=-1)
+
+
+def bake_scale(max_ms: float) -> float:
+    """The gain s of a baked norm: s ≥ 2·max_t m_t (margin from the pole at s = m_t), s = 1 when
+    that is enough (the norm stays a plain weightless one)."""
+    return max(1.0, 2.0 * math.sqrt(max_ms))
+
+
+def bake_rows(table: torch.Tensor, gain, shift, eps: float, s: float) -> torch.Tensor:
+    """New rows a_t·z_t for a baked norm with gain s (rows are independent: callers may chunk)."""
+    _check_f64(table, gain, shift)
+    z = _centered_output(table, gain, shift, eps)
+    m2 = z.pow(2).mean(dim=-1, keepdim=True)
+    if m2.numel() and float(m2.max()) >= s * s:
+        raise ValueError(f"bake scale {s} too small for these rows")
+    return torch.sqrt(eps / (s * s - m2)) * z
+
+
+def _centered_output(table, gain, shift, eps: float) -> torch.Tensor:
     if not eps > 0:
         raise ValueError("baking needs eps > 0 (with eps = 0 every output row has RMS equal to the gain)")
     x = table - table.mean(dim=-1, keepdim=True)
     n = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     out = n * gain + (shift if shift is not None else 0.0)
-    z = out - out.mean(dim=-1, keepdim=True)
-    m2 = z.pow(2).mean(dim=-1, keepdim=True)
-    m_max = math.sqrt(float(m2.max())) if m2.numel() else 0.0
-    s = max(1.0, 2.0 * m_max)
-    a = torch.sqrt(eps / (s * s - m2))
-    return a * z, s
+    return out - out.mean(dim=-1, keepdim=True)
 
 
 def apply_layer_norm(x: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
