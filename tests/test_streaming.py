@@ -187,3 +187,16 @@ def test_sliced_float64_work_is_still_exact(arch, tmp_path, monkeypatch):
         convert_directory(resolve(tmp_path / "src"), tmp_path / f"o{mode}", streaming=mode)
     a, b = read_dir(tmp_path / "oTrue"), read_dir(tmp_path / "oFalse")
     assert set(a) == set(b) and all(same_bytes(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("arch,src_dtype,out_dtype", [("bloom", torch.bfloat16, None),
+                                                      ("falcon_new", torch.float32, torch.float16)])
+def test_half_precision_checkpoints_verify(arch, src_dtype, out_dtype, tmp_path):
+    save_tiny(arch, tmp_path / "src", dtype=src_dtype)
+    (tmp_path / "out").mkdir()
+    manifest = convert_directory(resolve(tmp_path / "src"), tmp_path / "out", dtype=out_dtype)
+    v = verify_conversion(resolve(tmp_path / "src"), tmp_path / "out", manifest)
+    # one rounding of the folded weights to a 16-bit format: well under a percent of the logit scale
+    assert v["passed"] and v["max_rel_logit_error"] < 1e-2 and v["max_rel_logit_error_rms"] < 1e-2
+    want = out_dtype or src_dtype
+    assert {t.dtype for t in read_dir(tmp_path / "out").values()} == {want}
