@@ -840,3 +840,19 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
             f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
         )
     return result
+
+
+def rms_eligible_in(directory: str | os.PathLike) -> set[str]:
+    """rms_eligible() of the conversion manifest in a model directory, or the empty set when the
+    directory holds none (no normswap.json, or one written by another command). The one call
+    `normswap patch` / `normswap.load` need: patch(model, impl, rms_for=rms_eligible_in(dir))."""
+    p = Path(directory) / MANIFEST_NAME
+    if not p.is_file():
+        return set()
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        return set()
+    return rms_eligible(data)

@@ -377,3 +377,16 @@ def test_zero_mean_check_is_recorded_and_catches_a_missed_writer(monkeypatch):
     with pytest.raises(NormswapError, match="not zero-mean"):
         convert_model(tiny_model("opt", dtype=torch.float64))
     monkeypatch.setattr(fold, "center_writer", real)
+
+
+def test_rms_eligible_in_a_directory(tmp_path):
+    from normswap.convert import rms_eligible_in
+
+    assert rms_eligible_in(tmp_path) == set()
+    (tmp_path / "normswap.json").write_text('{"format": "normswap.patch/1", "modules": []}')
+    assert rms_eligible_in(tmp_path) == set()
+    import json
+
+    manifest = convert_model(tiny_model("phi"))
+    (tmp_path / "normswap.json").write_text(json.dumps(manifest))
+    assert rms_eligible_in(tmp_path) == rms_eligible(manifest) and len(rms_eligible(manifest)) == 3
