@@ -7,6 +7,7 @@ and peak memory: ru_maxrss of the child, the RSS it started with after imports, 
 tensor group a job holds. Optionally the in-memory path for contrast (--in-memory).
 
     python benchmarks/convert.py [--layers 15 --hidden 1536 --shard-mb 500] [--in-memory]
+    python benchmarks/convert.py --errors     # per-architecture logit errors (tiny models)
 
 Writes a table to stdout and JSON to benchmarks/results/convert-<host>-<date>.json.
 """
@@ -129,14 +130,48 @@ def child(src: str, out: str, streaming: bool) -> None:
 
 
 def largest_group_bytes(layers: int, hidden: int, vocab: int) -> int:
-    """Bytes a streaming job holds at once, in the checkpoint dtype (fp32) and as its float64
-    working copies: the biggest is lm_head (untied copy of wte, γ folded: no, ln_f keeps γ/β) or
-    the MLP c_fc fold (weight [d, 4d] + bias + γ + β)."""
+    """Bytes a streaming job holds at once: its fp32 input (mapped), its fp32 output and one slice
+    of float64 work (normswap.convert.CHUNK_ELEMENTS elements, about three live copies). The
+    biggest job here is centering wte (or copying it into the untied lm_head)."""
+    from normswap.convert import CHUNK_ELEMENTS
+
     d = hidden
-    wte = vocab * d
-    c_fc = d * 4 * d + 4 * d + 2 * d
-    biggest = max(wte, c_fc)
-    return biggest * (4 + 8 + 4)  # read fp32, float64 working copy, fp32 result
+    biggest = max(vocab * d, d * 4 * d + 6 * d)
+    return biggest * (4 + 4) + 3 * 8 * CHUNK_ELEMENTS
+
+
+def logit_errors() -> list[dict]:
+    """Per architecture, max |Δlogit| / max |logit| of the converted tiny random model against the
+    original: float64 and float32, run as stock LayerNorms and as RMSNorms through normswap patch."""
+    import torch
+
+    from normswap.convert import attach_rms, convert_model, rms_eligible
+    from normswap.swap import patch
+    from tests.tiny_models import VOCAB, tiny_model
+
+    ids = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
+    rows = []
+    for arch in ["gpt2", "opt", "gpt_neox", "phi", "falcon", "falcon_new", "bloom"]:
+        row = {"arch": arch}
+        for dtype, tag in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+            model = tiny_model(arch, dtype=dtype)
+            with torch.no_grad():
+                ref = model(input_ids=ids).logits
+                manifest = convert_model(model)
+                got = model(input_ids=ids).logits
+                handles = attach_rms(model, manifest)  # float reference RMSNorm, in the model dtype
+                got_ref = model(input_ids=ids).logits
+                for h in handles:
+                    h.remove()
+                patch(model, "reference" if dtype == torch.float64 else "torch",
+                      rms_for=rms_eligible(manifest), verify=False)
+                got_rms = model(input_ids=ids).logits
+            scale = float(ref.abs().max())
+            row[f"{tag}_layernorm"] = float((got - ref).abs().max()) / scale
+            row[f"{tag}_rms_reference"] = float((got_ref - ref).abs().max()) / scale
+            row[f"{tag}_rms_patch"] = float((got_rms - ref).abs().max()) / scale
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -148,10 +183,28 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=500)
     ap.add_argument("--in-memory", action="store_true", help="also time the in-memory path")
     ap.add_argument("--workdir", default=None, help="where to build (default: a temp dir, removed after)")
+    ap.add_argument("--errors", action="store_true",
+                    help="only print the per-architecture logit errors of tiny random models")
     ap.add_argument("--child", nargs=3, metavar=("SRC", "OUT", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child[0], args.child[1], args.child[2] == "streaming")
+        return
+    if args.errors:
+        rows = logit_errors()
+        cols = ["fp64_layernorm", "fp64_rms_reference", "fp64_rms_patch",
+                "fp32_layernorm", "fp32_rms_reference", "fp32_rms_patch"]
+        print(f"{'arch':<11} " + " ".join(f"{c:>19}" for c in cols))
+        for r in rows:
+            print(f"{r['arch']:<11} " + " ".join(f"{r[c]:>19.2e}" for c in cols))
+        print("layernorm: stock classes; rms_reference: normswap.convert.attach_rms (float RMSNorm in the "
+              "model dtype); rms_patch: normswap patch rms_for=... (reference impl for fp64, torch for fp32)")
+        results = ROOT / "benchmarks" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        path = results / f"convert-errors-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
+        path.write_text(json.dumps({"what": "max |Δlogit| / max |logit|, tiny random models, probe 4x32",
+                                    "rows": rows}, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
         return
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="normswap-bench-"))
@@ -197,7 +250,7 @@ def main() -> None:
             print(f"{m['mode']:<10} {total / 1e9:>6.2f} {m['wall_s']:>8.1f} {m['cpu_s']:>7.1f} {m['mb_per_s']:>8.0f} "
                   f"{m['rss_before_kib'] / 1024:>14.0f} {m['ru_maxrss_kib'] / 1024:>13.0f} "
                   f"{m['peak_over_start_mib']:>15.0f}")
-        print(f"largest tensor group (fp32 read + float64 work + fp32 result): "
+        print(f"largest job (fp32 input + fp32 output + one float64 slice): "
               f"{result['largest_group_bytes_est'] / 2**20:.0f} MiB; checkpoint {total / 2**20:.0f} MiB")
         results = ROOT / "benchmarks" / "results"
         results.mkdir(parents=True, exist_ok=True)
