@@ -390,3 +390,17 @@ def test_rms_eligible_in_a_directory(tmp_path):
     manifest = convert_model(tiny_model("phi"))
     (tmp_path / "normswap.json").write_text(json.dumps(manifest))
     assert rms_eligible_in(tmp_path) == rms_eligible(manifest) and len(rms_eligible(manifest)) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gpt2", "bloom", "phi"])
+def test_patched_converted_on_cuda_with_triton(arch):
+    """The speedup path on a GPU: converted model, RMS-eligible norms as Triton RMSNorm kernels."""
+    from normswap.swap import patch
+
+    model = tiny_model(arch, dtype=torch.float32).cuda()
+    ids = probe().cuda()
+    ref = logits(model, ids)
+    manifest = convert_model(model)
+    patch(model, "triton", rms_for=rms_eligible(manifest))
+    assert rel_err(logits(model, ids), ref) <= 1e-5
