@@ -384,7 +384,7 @@ def run_job(
     if job.kind == "center_embedding":
         name = f"{m}.weight"
         table = read(name)
-        res = torch.empty(table.shape, dtype=dtype_for(name, table))
+        res = torch.empty(table.shape, dtype=dtype_for(name, table), device=table.device)
         for s0, n in _slices(table.shape[0], table.shape[-1]):
             res[s0:s0 + n] = fold.center_embedding(table[s0:s0 + n].to(f64))
         out[name] = res
@@ -403,8 +403,8 @@ def run_job(
         w0 = read(w_name)
         b0 = read(b_name) if job.shift else None
         axis = 0 if job.orientation == fold.LINEAR else 1  # the output axis: its slices are independent
-        w_res = torch.empty(w0.shape, dtype=dtype_for(w_name, w0))
-        b_res = None if b0 is None else torch.empty(b0.shape, dtype=dtype_for(b_name, b0))
+        w_res = torch.empty(w0.shape, dtype=dtype_for(w_name, w0), device=w0.device)
+        b_res = None if b0 is None else torch.empty(b0.shape, dtype=dtype_for(b_name, b0), device=b0.device)
         for s0, n in _slices(w0.shape[axis], w0.shape[1 - axis]):
             wc = w0.narrow(axis, s0, n).to(f64)
             bc = None if b0 is None else b0[s0:s0 + n].to(f64)
@@ -419,12 +419,12 @@ def run_job(
         for name, flag, fill in ((f"{m}.weight", job.ones, 1.0), (f"{m}.bias", job.zeros, 0.0)):
             if flag:
                 t = read(name)
-                out[name] = torch.full(t.shape, fill, dtype=dtype_for(name, t))
+                out[name] = torch.full(t.shape, fill, dtype=dtype_for(name, t), device=t.device)
     elif job.kind == "bake":
         table_name = job.source
         table = read(table_name)
         has_w, has_b = f"{m}.weight" in job.outputs, f"{m}.bias" in job.outputs
-        gain = get(f"{m}.weight") if has_w else torch.ones(table.shape[-1], dtype=f64)
+        gain = get(f"{m}.weight") if has_w else torch.ones(table.shape[-1], dtype=f64, device=table.device)
         shift = get(f"{m}.bias") if has_b else None
         # Two passes over the rows: the gain s depends on every row, then each row is rewritten.
         max_ms = 0.0
@@ -435,16 +435,16 @@ def run_job(
         s = fold.bake_scale(max_ms)
         if not has_w and s != 1.0:  # a weightless embedding norm cannot carry s
             raise NormswapError(f"{m} has no weight to carry the bake scale {s}")
-        res = torch.empty(table.shape, dtype=dtype_for(table_name, table))
+        res = torch.empty(table.shape, dtype=dtype_for(table_name, table), device=table.device)
         for s0, n in slices:
             res[s0:s0 + n] = fold.bake_rows(table[s0:s0 + n].to(f64), gain, shift, job.eps, s)
         out[table_name] = res
         if has_w:
             w = read(f"{m}.weight")
-            out[f"{m}.weight"] = torch.full(w.shape, s, dtype=torch.float64).to(dtype_for(f"{m}.weight", w))
+            out[f"{m}.weight"] = torch.full(w.shape, s, dtype=f64, device=w.device).to(dtype_for(f"{m}.weight", w))
         if has_b:
             b = read(f"{m}.bias")
-            out[f"{m}.bias"] = torch.zeros(b.shape, dtype=dtype_for(f"{m}.bias", b))
+            out[f"{m}.bias"] = torch.zeros(b.shape, dtype=dtype_for(f"{m}.bias", b), device=b.device)
         info["bake_scale"] = s
     elif job.kind == "copy":
         src = read(job.source)
