@@ -3,12 +3,26 @@
 Every backend exposes the same functional signatures as normswap.kernels.reference:
     rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None, residual_in_fp32=False)
     layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False)
+With `residual` they return (y, h) where h = x + residual as stored.
 Asking for a backend that cannot load here is an error that says why, never a silent fallback.
-(Interim registry: reference only; the kernels work adds triton, torch, compile, liger, quack.)
+
+Backends:
+- triton    normswap's fused kernels (normswap/kernels/rms_norm.py, layer_norm.py); all modes.
+            Needs CUDA, or TRITON_INTERPRET=1 set before triton was imported (CPU interpreter).
+- torch     PyTorch's native F.rms_norm / F.layer_norm; all modes, some composed around the native
+            op (normswap/kernels/native.py lists which).
+- compile   torch.compile of the reference; all modes.
+- liger     Liger-Kernel, when it imports (CUDA only): rms llama (offset 0) and gemma with a
+            weight; layer_norm with weight and bias.
+- quack     quack, when it imports (CUDA, Hopper/Blackwell): rms without weight, gemma, none,
+            llama, t5 with a half weight of x's dtype; layer_norm forward only.
+- reference the pure-torch contract (normswap/kernels/reference.py); all modes.
+Never imports transformers.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,13 +36,93 @@ class Backend:
     layer_norm: Callable
 
 
+# Casting modes each backend's rms_norm runs with the reference's numerics (others raise).
+CASTING_SUPPORT: dict[str, tuple[str, ...]] = {
+    "triton": ("llama", "gemma", "t5", "none"),
+    "torch": ("llama", "gemma", "t5", "none"),
+    "compile": ("llama", "gemma", "t5", "none"),
+    "liger": ("llama", "gemma"),
+    "quack": ("llama", "gemma", "t5", "none"),
+    "reference": ("llama", "gemma", "t5", "none"),
+}
+
+
 def _load_reference() -> Backend:
     from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 
     return Backend("reference", rms_norm_ref, layer_norm_ref)
 
 
-_LOADERS: dict[str, Callable[[], Backend]] = {"reference": _load_reference}
+def _load_triton() -> Backend:
+    from normswap.kernels import _common
+    from normswap.kernels import layer_norm as ln
+    from normswap.kernels import rms_norm as rms
+
+    why = _common.triton_unavailable_reason(rms._rms_fwd_kernel)
+    if why:
+        raise RuntimeError(why)
+    return Backend("triton", rms.rms_norm, ln.layer_norm)
+
+
+def _load_torch() -> Backend:
+    import torch.nn.functional as F
+
+    if not hasattr(F, "rms_norm"):
+        raise RuntimeError("this torch has no F.rms_norm (needs torch >= 2.4)")
+    from normswap.kernels import native
+
+    return Backend("torch", native.rms_norm, native.layer_norm)
+
+
+_COMPILED: dict[str, Backend] = {}
+
+
+def _load_compile() -> Backend:
+    import torch
+
+    if not torch.cuda.is_available() and shutil.which("cc") is None and shutil.which("gcc") is None:
+        raise RuntimeError("torch.compile on CPU needs a C++ compiler (no cc/gcc on PATH) and there is no CUDA device")
+    if "compile" not in _COMPILED:
+        from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+        # One compiled wrapper per process: torch.compile caches its graphs on the wrapper.
+        _COMPILED["compile"] = Backend(
+            "compile", torch.compile(rms_norm_ref, fullgraph=True), torch.compile(layer_norm_ref, fullgraph=True)
+        )
+    return _COMPILED["compile"]
+
+
+def _load_liger() -> Backend:
+    try:
+        import liger_kernel.ops.layer_norm  # noqa: F401
+        import liger_kernel.ops.rms_norm  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"liger_kernel does not import ({e}); pip install liger-kernel") from None
+    from normswap.kernels import adapters
+
+    adapters.require_cuda("Liger-Kernel")
+    return Backend("liger", adapters.liger_rms_norm, adapters.liger_layer_norm)
+
+
+def _load_quack() -> Backend:
+    try:
+        import quack.rmsnorm  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"quack does not import ({e}); pip install quack-kernels (needs an H100/B200-class GPU)") from None
+    from normswap.kernels import adapters
+
+    adapters.require_cuda("quack")
+    return Backend("quack", adapters.quack_rms_norm, adapters.quack_layer_norm)
+
+
+_LOADERS: dict[str, Callable[[], Backend]] = {
+    "triton": _load_triton,
+    "torch": _load_torch,
+    "compile": _load_compile,
+    "liger": _load_liger,
+    "quack": _load_quack,
+    "reference": _load_reference,
+}
 
 
 def available_backends() -> dict[str, str | None]:

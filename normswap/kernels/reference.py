@@ -3,6 +3,20 @@
 These are the contract every backend must meet. Called with float64 tensors they are also the
 high-precision ground truth that tests and per-module verification compare against.
 Never imports transformers.
+
+Dtype contract (what every backend returns when out_dtype is None; `x` means the *input* x, even
+when a residual is added):
+- no weight:            x.dtype
+- casting "llama":      promote(weight.dtype, x.dtype)       (HF: weight * normed.to(input_dtype))
+- casting "gemma"/"none": x.dtype                            (product in fp32, one final cast)
+- casting "t5":         weight.dtype if half, else promote(weight.dtype, fp32)
+- layer_norm:           x.dtype
+An offset never changes the output dtype: `offset + weight` is formed in fp32 (adding 1 to a bf16
+weight in bf16 would round 1 + 0.0039 to 1.0), and the product is cast to the dtype above.
+
+Fused residual: h = x + residual is summed in fp32 and *stored* in residual.dtype (fp32 with
+residual_in_fp32). The norm reads h exactly as stored — the value the next layer sees — while the
+casting mode and output dtype still follow x.dtype, so residual_in_fp32 only widens the stream.
 """
 
 from __future__ import annotations
@@ -10,6 +24,7 @@ from __future__ import annotations
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
+CASTING_MODES = ("llama", "gemma", "t5", "none")
 
 
 def _add_residual(x, residual, residual_in_fp32):
@@ -23,6 +38,17 @@ def _add_residual(x, residual, residual_in_fp32):
     return h.to(store)
 
 
+def rms_out_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype | None, casting: str) -> torch.dtype:
+    """The dtype rms_norm returns when out_dtype is None (see the module docstring)."""
+    if weight_dtype is None or casting in ("gemma", "none"):
+        return x_dtype
+    if casting == "llama":
+        return torch.promote_types(weight_dtype, x_dtype)
+    if casting == "t5":
+        return weight_dtype if weight_dtype in HALF else torch.promote_types(weight_dtype, torch.float32)
+    raise ValueError(f"unknown casting mode {casting!r}")
+
+
 def rms_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -34,30 +60,31 @@ def rms_norm_ref(
     residual_in_fp32: bool = False,
 ):
     """RMSNorm over the last dimension. With `residual`, returns (norm(x + residual), x + residual)."""
+    if casting not in CASTING_MODES:
+        raise ValueError(f"unknown casting mode {casting!r}")
+    in_dtype = x.dtype
     h = None
     if residual is not None:
         h = _add_residual(x, residual, residual_in_fp32)
-        x = h.to(x.dtype) if not residual_in_fp32 else h
-    in_dtype = x.dtype
-    acc = torch.promote_types(in_dtype, torch.float32)
+        x = h
+    acc = torch.promote_types(torch.promote_types(x.dtype, in_dtype), torch.float32)
     xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    natural = rms_out_dtype(in_dtype, None if weight is None else weight.dtype, casting)
     if weight is None:
         y = normed.to(in_dtype)
     elif casting == "llama":
+        # HF Llama: weight * normed.to(input_dtype) -- the normalized value is rounded first.
         w = weight if offset == 0 else weight.to(acc) + offset
-        y = w * normed.to(in_dtype)
-    elif casting == "gemma":
-        y = (normed * (offset + weight.to(acc))).to(in_dtype)
+        y = (w * normed.to(in_dtype)).to(natural)
     elif casting == "t5":
-        w = weight if offset == 0 else weight.to(acc) + offset
+        # HF T5: the normalized value is cast to the weight's dtype only for half-precision weights.
         if weight.dtype in HALF:
             normed = normed.to(weight.dtype)
-        y = w * normed
-    elif casting == "none":
+        w = weight if offset == 0 else weight.to(acc) + offset
+        y = (w * normed).to(natural)
+    else:  # "gemma" (HF Gemma: fp32 product with 1 + weight) and "none" (same arithmetic, any offset)
         y = (normed * (offset + weight.to(acc))).to(in_dtype)
-    else:
-        raise ValueError(f"unknown casting mode {casting!r}")
     if out_dtype is not None:
         y = y.to(out_dtype)
     return (y, h) if residual is not None else y
@@ -74,12 +101,12 @@ def layer_norm_ref(
     residual_in_fp32: bool = False,
 ):
     """LayerNorm over the last dimension, statistics and affine in fp32 (or fp64), one final cast."""
+    in_dtype = x.dtype
     h = None
     if residual is not None:
         h = _add_residual(x, residual, residual_in_fp32)
-        x = h.to(x.dtype) if not residual_in_fp32 else h
-    in_dtype = x.dtype
-    acc = torch.promote_types(in_dtype, torch.float32)
+        x = h
+    acc = torch.promote_types(torch.promote_types(x.dtype, in_dtype), torch.float32)
     xf = x.to(acc)
     mean = xf.mean(-1, keepdim=True)
     var = (xf - mean).pow(2).mean(-1, keepdim=True)

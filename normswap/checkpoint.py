@@ -1,0 +1,228 @@
+"""Saving a patched model as a stock checkpoint, without ever losing the user's data.
+
+The layout written is exactly what transformers' own `save_pretrained` writes for the ORIGINAL
+architecture (sharded safetensors, shared/tied tensors handled, config and generation config),
+plus the files carried over from the source (tokenizer, chat template, README, custom code) and
+`normswap.json` (see manifest.py). Stock transformers loads it; `normswap.load` re-applies the patch.
+
+Safety protocol (every step can be killed and the target still holds a loadable checkpoint):
+  1. write everything into a fresh hidden directory beside the target (same filesystem);
+  2. reload it there with stock transformers and check its outputs against the expected ones;
+  3. publish: if the target does not exist, one rename(2); if it does (--force, --in-place), an
+     atomic exchange of the two directories (Linux renameat2(RENAME_EXCHANGE), macOS
+     renamex_np(RENAME_SWAP)), after which the old tree, now at the hidden name, is removed.
+     Elsewhere the fallback is two renames (target aside, new into place): a kill between them
+     leaves the complete old checkpoint at the hidden `.NAME.old-*` name, never a partial one.
+A kill leaves at worst a stale hidden directory beside the target, never a broken target.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from normswap.errors import NormswapError
+
+# Files save_pretrained writes itself, or that must not be carried over (old weights would be
+# stale next to the new ones; a previous manifest is replaced).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_REWRITTEN = {"config.json", "generation_config.json", "normswap.json",
+              "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+RENAME_EXCHANGE = 2  # linux/fs.h
+RENAME_SWAP = 2  # macOS sys/stdio.h
+
+
+def _kill_point(stage: str) -> None:
+    """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here, so
+    the kill-during-save test can hit every step of the protocol, not only random instants."""
+    if os.environ.get("NORMSWAP_TEST_KILL_AT") == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries. False when the OS offers no way to do it."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fa, fb = os.fsencode(str(a)), os.fsencode(str(b))
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        AT_FDCWD = -100
+        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, RENAME_EXCHANGE)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(fa, fb, RENAME_SWAP)
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel or a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Move the finished `tmp` to `target`, replacing an existing target atomically."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    _kill_point("before-exchange")
+    if exchange_dirs(tmp, target):
+        _kill_point("after-exchange")
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old tree
+        return
+    # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
+    # `target` is missing, but the complete old tree is at `aside` the whole time.
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(aside)
+    os.replace(target, aside)
+    os.replace(tmp, target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextmanager
+def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """Yield a fresh directory beside `target`; publish it there when the block exits cleanly.
+
+    replace=False refuses an existing target (the CLI's --out without --force). Any exception,
+    including a failed check inside the block, removes the staging directory and leaves the
+    target untouched.
+    """
+    target = Path(target).expanduser().resolve()
+    if target.exists() and not replace:
+        raise NormswapError(f"{target} already exists; pass --force to replace it")
+    if target.exists() and not target.is_dir():
+        raise NormswapError(f"{target} exists and is not a directory")
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.normswap-", dir=parent))
+    except OSError as e:
+        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+    try:
+        yield tmp
+        _kill_point("before-publish")
+        publish_dir(tmp, target)
+    except OSError as e:
+        raise NormswapError(f"cannot write {target}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def carry_over_files(source_dir: Path, out_dir: Path) -> list[str]:
+    """Copy what save_pretrained does not write: tokenizer files, chat template, README, license,
+    custom code. Weights and the files that are regenerated are left behind."""
+    carried = []
+    for p in sorted(source_dir.iterdir()):
+        if p.name.startswith(".") or p.name in _REWRITTEN or p.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if (out_dir / p.name).exists():
+            continue
+        if p.is_dir():
+            shutil.copytree(p, out_dir / p.name, symlinks=False)
+        elif p.is_file():
+            shutil.copy2(p, out_dir / p.name)
+        carried.append(p.name)
+    return carried
+
+
+def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB",
+                      progress: Callable[[str], None] | None = None) -> None:
+    """save_pretrained of the original architecture (the patch is lifted while saving)."""
+    from normswap.swap import unpatched
+
+    with unpatched(model):
+        if progress:
+            progress("writing safetensors")
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
+    _kill_point("after-weights")
+
+
+def save_patched(model, report, target: str | os.PathLike, *, source=None, replace: bool = False,
+                 max_shard_size: str | int = "5GB", probe=None,
+                 progress: Callable[[str], None] | None = None) -> Path:
+    """Save a patched model as a stock checkpoint with its normswap.json, safely (module doc).
+
+    source: the io.ModelSource it was loaded from (its tokenizer and other files are carried
+    over). replace: allow replacing an existing target (--force / --in-place). Before the result
+    is published it is reloaded with stock transformers and its outputs on a probe batch must
+    equal, bit for bit, those of the in-memory model with its original norms.
+    """
+    from normswap.manifest import build_manifest, write_manifest
+    from normswap.swap import unpatched
+    from normswap.verify import ProbeConfig, model_output, probe_batch
+
+    if not hasattr(model, "save_pretrained") or not hasattr(type(model), "from_pretrained"):
+        raise NormswapError(f"cannot save a {type(model).__name__}: only transformers models can be saved")
+    probe = probe or ProbeConfig()
+    batch = probe_batch(model, probe)
+    with unpatched(model):
+        kind, expected = model_output(model, batch)
+    target = Path(target).expanduser().resolve()
+    with staged_dir(target, replace=replace) as tmp:
+        try:
+            write_model_files(model, tmp, max_shard_size, progress)
+            if progress:
+                progress("carrying tokenizer and config files")
+            if source is not None:
+                _carry_from_source(source, tmp)
+            write_manifest(tmp, build_manifest(report, source.ref if source is not None else None))
+        except OSError:
+            raise
+        except NormswapError:
+            raise
+        except Exception as e:  # safetensors/transformers wrap I/O failures in their own types
+            raise NormswapError(f"cannot write {target}: {e.__class__.__name__}: {e}") from None
+        _kill_point("after-manifest")
+        if progress:
+            progress("reloading with stock transformers")
+        check_saved(tmp, type(model), report, kind, expected, batch)
+        _kill_point("after-check")
+        if progress:
+            progress("publishing")
+    return target
+
+
+def _carry_from_source(source, out_dir: Path) -> None:
+    if source.gguf_file:  # the tokenizer lives inside the .gguf: write it out as files
+        from normswap.io import load_tokenizer
+
+        try:
+            load_tokenizer(source).save_pretrained(out_dir)
+        except NormswapError:
+            pass  # a GGUF without a usable tokenizer still gives a usable model
+        return
+    carry_over_files(source.path, out_dir)
+
+
+def check_saved(directory: Path, model_cls, report, kind: str, expected, batch) -> None:
+    """Reload `directory` with stock transformers and compare its outputs with `expected`."""
+    import torch
+
+    from normswap.io import DTYPES
+    from normswap.verify import model_output
+
+    dtype = DTYPES.get(report.dtype, torch.float32)
+    try:
+        reloaded = model_cls.from_pretrained(directory, dtype=dtype).eval()
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {first}; "
+                            "nothing was published") from None
+    got_kind, got = model_output(reloaded, batch)
+    del reloaded
+    if got_kind != kind or got.shape != expected.shape or not torch.equal(got, expected):
+        diff = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
+        raise NormswapError(f"the saved checkpoint reloads with different {kind} (max |Δ| {diff:.3g}); "
+                            "nothing was published")

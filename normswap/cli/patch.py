@@ -1,0 +1,151 @@
+"""`normswap patch`: swap every norm for a fused kernel, prove each module equivalent, re-save."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from normswap.cli.main import cli, emit, json_option
+from normswap.errors import NormswapError
+
+IMPLS = ("triton", "torch", "compile", "liger", "quack", "reference")
+
+
+def _bar(desc: str, total: int | None = None, unit: str = "step"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _check_writable(target: Path) -> None:
+    """Fail before the (long) load when the destination's directory cannot take a new entry."""
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{target.name}.normswap-probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as e:
+        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+
+
+@cli.command("patch")
+@click.argument("model")
+@click.option("--impl", type=click.Choice(IMPLS), default="triton", show_default=True,
+              help="Implementation of the replacement norms.")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Save the patched checkpoint here (refused if it exists, unless --force).")
+@click.option("--in-place", is_flag=True, help="Replace MODEL's own directory (atomically, after the check).")
+@click.option("--only", default=None, metavar="REGEX", help="Patch only norms whose path matches.")
+@click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Load the weights in this dtype (default: the checkpoint's).")
+@click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
+@click.option("--force", is_flag=True, help="Replace an existing --out directory.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@json_option
+def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, max_shard_size, as_json):
+    """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
+
+    Without --out/--in-place nothing is written. A module that fails verification stops the
+    command (exit 2, nothing saved) unless --exclude leaves it alone.
+    """
+    from normswap.backends import get_backend
+    from normswap.checkpoint import save_patched
+    from normswap.io import load_model, parse_dtype, resolve
+    from normswap.swap import VerificationError, patch, regex_filter
+
+    if out is not None and in_place:
+        raise NormswapError("--out and --in-place are exclusive; pick one")
+    filter_fn = regex_filter(only, exclude)
+    get_backend(impl)  # an unavailable implementation fails before the model is loaded
+    source = resolve(model)
+    target = None
+    if in_place:
+        if source.gguf_file or not Path(model).expanduser().is_dir():
+            raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
+                                "(use --out DIR)")
+        target = source.path
+    elif out is not None:
+        target = out.expanduser().resolve()
+        if target.exists() and not force:
+            raise NormswapError(f"{target} already exists; pass --force to replace it")
+        if target == source.path:
+            raise NormswapError("--out is the model's own directory; use --in-place for that")
+    if target is not None:
+        _check_writable(target)
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # ours are on stderr; one bar per stage
+    transformers.utils.logging.set_verbosity_error()
+    with _bar(f"load {model}", 1) as bar:
+        m = load_model(source, dtype=parse_dtype(dtype))
+        bar.update(1)
+
+    from normswap import walk
+
+    n = sum(1 for f in walk.find_norms(m, warn=False)
+            if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
+    try:
+        with _bar(f"patch+verify ({impl})", n, "module") as bar:
+            report = patch(m, impl, filter_fn=filter_fn, strict=strict, progress=lambda _p: bar.update(1))
+    except VerificationError as e:
+        emit(_payload(e.report, model, None), as_json, _render)
+        raise
+    saved = None
+    if target is not None:
+        with _bar("save", 4) as bar:
+            saved = save_patched(m, report, target, source=source, replace=in_place or force,
+                                 max_shard_size=max_shard_size, progress=lambda _s: bar.update(1))
+    emit(_payload(report, model, saved), as_json, _render)
+
+
+def _payload(report, model: str, saved: Path | None) -> dict:
+    data = {"model": model, **report.to_dict()}
+    data["saved_to"] = str(saved) if saved else None
+    return data
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _render(data: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    stream = sys.stderr if not data["ok"] else sys.stdout
+    # Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns; don't.
+    console = Console(file=stream, highlight=False, width=None if stream.isatty() else 200)
+    table = Table(title=f"normswap patch {data['model']} --impl {data['impl']} ({data['dtype']})")
+    for col in ("path", "class", "impl", "eps", "dtype", "err orig", "err new", "Δ ulp", "result"):
+        table.add_column(col, justify="right" if col in ("eps", "err orig", "err new", "Δ ulp") else "left")
+    for m in data["modules"]:
+        c = m["check"]
+        eps = f"{m['spec']['eps']:g}" if m["spec"] else "-"
+        if c is None:
+            table.add_row(m["path"], m["class"], "-", eps, "-", "-", "-", "-", f"{m['status']}: {m['reason']}")
+            continue
+        result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
+        table.add_row(m["path"], m["class"], c["impl"], f"{c['eps']:g}", c["dtype"],
+                      _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
+                      f"{c['worst_margin_ulps']:.2f}", result)
+    console.print(table)
+    counts = ", ".join(f"{v} {k}" for k, v in data["counts"].items() if v)
+    console.print(f"modules: {counts}; largest error vs float64: original {_fmt(data['max_err_original'])}, "
+                  f"replacement {_fmt(data['max_err_replacement'])}")
+    mc = data["model_check"]
+    if mc:
+        agree = f", argmax agreement {mc['argmax_agreement']:.1%}" if mc["argmax_agreement"] is not None else ""
+        console.print(f"whole model: max |Δ{mc['kind']}| {_fmt(mc['max_abs_diff'])} "
+                      f"(limit {mc['rtol']:g} x {_fmt(mc['max_abs_value'])}){agree}: "
+                      f"{'pass' if mc['passed'] else 'FAIL'}")
+    if data["saved_to"]:
+        console.print(f"saved to {data['saved_to']} (stock checkpoint + normswap.json; reload check passed)")
+    elif data["ok"]:
+        console.print("nothing saved (pass --out DIR or --in-place to save)")

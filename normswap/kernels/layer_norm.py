@@ -1,0 +1,353 @@
+"""LayerNorm: Triton kernels -> launchers -> torch.library ops (fake impl + autograd) -> functional.
+
+    y = cast((h - mean) * rstd * (offset + w) + b),  rstd = 1 / sqrt(var(h) + eps),  h = x [+ residual]
+
+Statistics and the affine run in fp32 with one final cast (reference.layer_norm_ref is the
+contract). Rows that fit one tile use an exact two-pass variance in registers; longer rows merge
+per-block (mean, M2) pairs with Chan's formula, so one read gives stable statistics even when the
+mean is large next to the spread (sum/sum-of-squares would cancel catastrophically there).
+dW and dB are reduced like RMSNorm's: per-program fp32 partial rows, then an fp32 sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normswap.errors import NormswapError
+from normswap.kernels import _common as C
+from normswap.kernels._common import load_norm_input, round_to, store_input_grads
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (int64 row offsets; M never specialised).
+
+
+@triton.jit
+def _ln_apply(z, mean, rstd, W, B, cols, col_ok, offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+              OUT_CODE: tl.constexpr):
+    y = (z - mean[:, None]) * rstd[:, None]
+    if HAS_W:
+        y = y * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return round_to(y, OUT_CODE)
+
+
+@triton.jit(do_not_specialize=["M", "eps", "offset"])
+def _ln_fwd_kernel(
+    X, R, W, B, Y, H, MEAN, RSTD,
+    M, N, stride_x, stride_r, stride_y, stride_h,
+    eps, offset,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+    H_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE:
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        z = load_norm_input(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
+        mean = tl.sum(z, axis=1) / N
+        d = tl.where(mask, z - mean[:, None], 0.0)
+        rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        y = _ln_apply(z, mean, rstd, W, B, cols, col_ok, offset, HAS_W, HAS_B, OUT_CODE)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        count = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            col_ok = c < N
+            mask = row_ok[:, None] & col_ok[None, :]
+            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
+            nb = tl.sum(col_ok.to(tl.float32), axis=0)
+            bmean = tl.sum(z, axis=1) / nb
+            bd = tl.where(mask, z - bmean[:, None], 0.0)
+            bm2 = tl.sum(bd * bd, axis=1)
+            # Chan et al.: merge (count, mean, m2) with the block's (nb, bmean, bm2).
+            total = count + nb
+            delta = bmean - mean
+            mean = mean + delta * (nb / total)
+            m2 = m2 + bm2 + delta * delta * (count * nb / total)
+            count = total
+        rstd = tl.math.rsqrt(m2 / N + eps)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            col_ok = c < N
+            mask = row_ok[:, None] & col_ok[None, :]
+            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, False, H_CODE)
+            y = _ln_apply(z, mean, rstd, W, B, c, col_ok, offset, HAS_W, HAS_B, OUT_CODE)
+            tl.store(Y + rows[:, None] * stride_y + c[None, :], y, mask=mask)
+
+
+@triton.jit
+def _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z, offset, HAS_W: tl.constexpr):
+    """(xhat, wdy, dy) for one tile; padded columns give zeros everywhere."""
+    z = tl.load(Z + rows[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
+    wdy = dy
+    if HAS_W:
+        wdy = dy * (tl.load(W + c, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+    return xhat, wdy, dy
+
+
+@triton.jit(do_not_specialize=["M", "offset"])
+def _ln_bwd_kernel(
+    DY, DH, Z, W, MEAN, RSTD, DX, DR, DWP, DBP,
+    M, N, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
+    offset,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr,
+    DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+):
+    # Persistent programs; program `pid` owns row `pid` of the fp32 partial buffers DWP / DBP.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_blocks = tl.cdiv(M, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dwp_row = DWP + pid.to(tl.int64) * N
+    dbp_row = DBP + pid.to(tl.int64) * N
+    if SINGLE:
+        col_ok = cols < N
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for rb in range(pid, row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, cols, mask, col_ok, mean, rstd, stride_dy, stride_z,
+                                         offset, HAS_W)
+            c1 = tl.sum(xhat * wdy, axis=1) / N
+            c2 = tl.sum(wdy, axis=1) / N
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            store_input_grads(DH, DX, DR, rows, cols, mask, dx, stride_dh, stride_dx, stride_dr,
+                              HAS_DH, HAS_DR, DX_CODE, DR_CODE)
+            if HAS_W:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_B:
+                db_acc += tl.sum(dy, axis=0)
+        if HAS_W:
+            tl.store(dwp_row + cols, dw_acc, mask=col_ok)
+        if HAS_B:
+            tl.store(dbp_row + cols, db_acc, mask=col_ok)
+    else:
+        for rb in range(pid, row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_ok = rows < M
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                col_ok = c < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z,
+                                             offset, HAS_W)
+                acc1 += xhat * wdy
+                acc2 += wdy
+            c1 = tl.sum(acc1, axis=1) / N
+            c2 = tl.sum(acc2, axis=1) / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                col_ok = c < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z,
+                                             offset, HAS_W)
+                dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+                store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
+                                  HAS_DH, HAS_DR, DX_CODE, DR_CODE)
+                if HAS_W:
+                    part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
+                    tl.store(dwp_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
+                if HAS_B:
+                    part = tl.load(dbp_row + c, mask=col_ok, other=0.0)
+                    tl.store(dbp_row + c, part + tl.sum(dy, axis=0), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers.
+
+
+def _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32):
+    n = x.shape[-1]
+    x2 = C.as_rows(x, n)
+    r2 = C.as_rows(residual, n)
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    m = x2.shape[0]
+    y_dtype = out_dtype or x.dtype
+    dev = x.device
+    y = C.new_empty((m, n), y_dtype, dev)
+    h_dtype = None if residual is None else (torch.float32 if residual_in_fp32 else residual.dtype)
+    h = C.new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
+    mean = C.new_empty((m,), torch.float32, dev)
+    rstd = C.new_empty((m,), torch.float32, dev)
+    if m > 0:
+        cfg = C.row_config(m, n, _ln_fwd_kernel)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+        _ln_fwd_kernel[grid](
+            x2, x2 if r2 is None else r2, x2 if w is None else w, x2 if b is None else b, y,
+            y if residual is None else h, mean, rstd,
+            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
+            0 if residual is None else h.stride(0),
+            float(eps), float(offset),
+            HAS_W=w is not None, HAS_B=b is not None, HAS_R=residual is not None,
+            H_CODE=0 if h_dtype is None else C.DTYPE_CODE[h_dtype], OUT_CODE=C.DTYPE_CODE[y_dtype],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
+        )
+    y = y.view(x.shape)
+    if residual is not None:
+        h = h.view(x.shape)
+    return y, h, mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+
+
+def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype):
+    n = z.shape[-1]
+    z2 = C.as_rows(z, n)
+    dy2 = C.as_rows(dy, n)
+    dh2 = C.as_rows(dh, n)
+    m = z2.shape[0]
+    dev = z.device
+    dx = C.new_empty((m, n), x_dtype, dev)
+    dr = C.new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
+    w = weight.contiguous() if weight is not None else None
+    cfg = C.row_config(m, n, _ln_bwd_kernel, backward=True)
+    progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _ln_bwd_kernel)
+    alloc = torch.empty if cfg["SINGLE"] else torch.zeros
+    dwp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if w is not None else None
+    dbp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if bias is not None else None
+    if m > 0:
+        _ln_bwd_kernel[(progs,)](
+            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, mean.reshape(-1), rstd.reshape(-1),
+            dx, dx if residual_dtype is None else dr, dx if dwp is None else dwp, dx if dbp is None else dbp,
+            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
+            0 if residual_dtype is None else dr.stride(0),
+            float(offset),
+            HAS_W=w is not None, HAS_B=bias is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
+            DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
+        )
+
+    def reduce(part, like):
+        if like is None:
+            return z.new_empty((0,))
+        if m == 0:
+            return torch.zeros_like(like)
+        return part.sum(0).to(like.dtype)
+
+    dx = dx.view(z.shape)
+    if residual_dtype is not None:
+        dr = dr.view(z.shape)
+    return dx, reduce(dwp, weight), reduce(dbp, bias), dr
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library ops.
+
+
+@torch.library.custom_op("normswap::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, offset: float, out_dtype: torch.dtype | None, residual_in_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, h, mean, rstd); h is an empty tensor when there is no residual."""
+    return _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32)
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32):
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+    if residual is None:
+        h = x.new_empty((0,))
+    else:
+        h = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else residual.dtype)
+    stats = x.shape[:-1]
+    return y, h, x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+
+
+@torch.library.custom_op("normswap::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor, dh: torch.Tensor | None, z: torch.Tensor, weight: torch.Tensor | None,
+    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, offset: float,
+    x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dbias, dresidual); absent ones are empty tensors. `bias` is only read
+    for its dtype and shape (dbias does not depend on its value)."""
+    return _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype):
+    empty = z.new_empty((0,))
+    return (
+        z.new_empty(z.shape, dtype=x_dtype),
+        torch.empty_like(weight) if weight is not None else empty,
+        torch.empty_like(bias) if bias is not None else z.new_empty((0,)),
+        z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,)),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32 = inputs
+    _, h, mean, rstd = output
+    ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
+    ctx.offset, ctx.x_dtype = offset, x.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    z, weight, bias, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
+    dx, dw, db, dr = layer_norm_bwd(dy, dh, z, weight, bias, mean, rstd, ctx.offset, ctx.x_dtype, ctx.residual_dtype)
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            dr if ctx.residual_dtype is not None else None, None, None, None, None)
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API.
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    residual_in_fp32: bool = False,
+):
+    """Triton LayerNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise NormswapError(f"layer_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
+    C.check_device(x, _ln_fwd_kernel)
+    for t, what in ((x, "inputs"), (weight, "weights"), (bias, "biases"), (residual, "residuals")):
+        C.check_dtype(t, what)
+    C.check_vector(weight, x.shape[-1], "weight")
+    C.check_vector(bias, x.shape[-1], "bias")
+    for t, what in ((weight, "weight"), (bias, "bias"), (residual, "residual")):
+        if t is not None and t.device != x.device:
+            raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
+    if residual is not None and residual.shape != x.shape:
+        raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    if out_dtype is not None and out_dtype not in C.SUPPORTED_DTYPES:
+        raise NormswapError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+    y, h, _, _ = layer_norm_fwd(x, weight, bias, residual, float(eps), float(offset), out_dtype, bool(residual_in_fp32))
+    return (y, h) if residual is not None else y

@@ -1,0 +1,77 @@
+"""The `torch` backend: PyTorch's native F.rms_norm / F.layer_norm, composed so that every casting
+mode keeps the reference's numerics (normswap/kernels/reference.py).
+
+What the native ops compute: F.rms_norm(x, (N,), w, eps) = (x.float() * rstd * w).to(x.dtype) and
+F.layer_norm computes statistics and the affine in fp32 with one final cast. So:
+
+- rms, no weight, any mode ....... native:   F.rms_norm(h, None) (then a cast to x.dtype if h is wider)
+- rms llama (any offset) ......... native + one multiply: the native no-weight result *is* Llama's
+                                   rounded normalized value; the weight multiplies it in torch
+- rms t5, half weight = x.dtype .. native + one multiply (same reason); other t5 cases compose on fp32
+- rms gemma/none, offset 0, weight dtype = x.dtype .... native with the weight
+- rms gemma/none otherwise ....... composition: F.rms_norm on an fp32 upcast with the fp32 weight
+                                   (offset + w formed in fp32), then one cast -- extra traffic, exact
+- layer_norm, offset 0, weight/bias dtype = x.dtype ... native
+- layer_norm otherwise ........... composition: F.layer_norm on fp32 upcasts, one cast
+- fused residual ................. not fused: h = x + residual in torch (summed in fp32, stored in
+                                   the stream dtype), then the norm of h
+None of these silently changes the arithmetic; they only cost more memory traffic where unfused.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from normswap.kernels.reference import CASTING_MODES, HALF, _add_residual, rms_out_dtype
+
+
+def _split_residual(x, residual, residual_in_fp32):
+    if residual is None:
+        return x, None
+    h = _add_residual(x, residual, residual_in_fp32)
+    return h, h
+
+
+def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None, residual_in_fp32=False):
+    if casting not in CASTING_MODES:
+        raise ValueError(f"unknown casting mode {casting!r}")
+    in_dtype = x.dtype
+    z, h = _split_residual(x, residual, residual_in_fp32)
+    n = (z.shape[-1],)
+    eps = float(eps)
+    natural = rms_out_dtype(in_dtype, None if weight is None else weight.dtype, casting)
+    if weight is None:
+        y = F.rms_norm(z, n, None, eps).to(in_dtype)
+    elif casting == "llama" or (casting == "t5" and weight.dtype in HALF and weight.dtype == in_dtype):
+        normed = F.rms_norm(z, n, None, eps).to(in_dtype)
+        w = weight if offset == 0 else weight.float() + offset
+        y = (w * normed).to(natural)
+    elif casting == "t5":
+        normed = F.rms_norm(z.float(), n, None, eps)
+        if weight.dtype in HALF:
+            normed = normed.to(weight.dtype)
+        w = weight if offset == 0 else weight.float() + offset
+        y = (w * normed).to(natural)
+    elif offset == 0 and weight.dtype == z.dtype:
+        y = F.rms_norm(z, n, weight, eps).to(in_dtype)
+    else:
+        y = F.rms_norm(z.float(), n, weight.float() + offset, eps).to(in_dtype)
+    if out_dtype is not None:
+        y = y.to(out_dtype)
+    return (y, h) if residual is not None else y
+
+
+def layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
+    in_dtype = x.dtype
+    z, h = _split_residual(x, residual, residual_in_fp32)
+    n = (z.shape[-1],)
+    eps = float(eps)
+    native = offset == 0 and all(t is None or t.dtype == z.dtype for t in (weight, bias))
+    if native:
+        y = F.layer_norm(z, n, weight, bias, eps)
+    else:
+        w = None if weight is None else weight.float() + offset
+        b = None if bias is None else bias.float()
+        y = F.layer_norm(z.float(), n, w, b, eps)
+    y = y.to(out_dtype or in_dtype)
+    return (y, h) if residual is not None else y

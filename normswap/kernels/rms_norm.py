@@ -1,0 +1,346 @@
+"""RMSNorm: Triton kernels -> launchers -> torch.library ops (fake impl + autograd) -> functional.
+
+    y = cast(round_norm(h * rstd) * (offset + w)),  rstd = 1 / sqrt(mean(h^2) + eps),  h = x [+ residual]
+
+The casting mode decides the intermediate rounding (see normswap/kernels/reference.py, which is
+the contract): llama rounds h * rstd to x.dtype before the weight, t5 rounds it to a half
+weight's dtype, gemma/none keep fp32 until the single final cast. Shapes: x (..., N), weight (N,),
+residual like x; rows = prod(x.shape[:-1]).
+
+Statistics, dx and dW accumulate in fp32. dW is reduced in two stages: each backward program sums
+its rows into its own fp32 row of a (programs, N) buffer, then torch sums that buffer in fp32, so
+no program ever writes another's memory and no atomics make results run-to-run different.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from normswap.errors import NormswapError
+from normswap.kernels import _common as C
+from normswap.kernels._common import load_norm_input, round_to, store_input_grads
+from normswap.kernels.reference import CASTING_MODES, HALF, rms_out_dtype
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels. Row indices are int64 before they multiply a stride (tensors past 2^31
+# elements). M (the row count) is never specialised, so a new batch size never compiles anew.
+
+
+@triton.jit
+def _rms_apply(z, rstd, W, cols, col_ok, offset, HAS_W: tl.constexpr, NORM_CODE: tl.constexpr,
+               NAT_CODE: tl.constexpr, OUT_CODE: tl.constexpr):
+    n = z * rstd[:, None]
+    if HAS_W:
+        # offset + w in fp32: a bf16 `1 + w` would round small w away.
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+        n = round_to(n, NORM_CODE) * w[None, :]
+    return round_to(round_to(n, NAT_CODE), OUT_CODE)
+
+
+@triton.jit(do_not_specialize=["M", "eps", "offset"])
+def _rms_fwd_kernel(
+    X, R, W, Y, H, RSTD,
+    M, N, stride_x, stride_r, stride_y, stride_h,
+    eps, offset,
+    HAS_W: tl.constexpr, HAS_R: tl.constexpr,
+    H_CODE: tl.constexpr, NORM_CODE: tl.constexpr, NAT_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE:
+        # The whole row is one tile: one read of x (and residual), one write of y (and h).
+        col_ok = cols < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        z = load_norm_input(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
+        rstd = tl.math.rsqrt(tl.sum(z * z, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        y = _rms_apply(z, rstd, W, cols, col_ok, offset, HAS_W, NORM_CODE, NAT_CODE, OUT_CODE)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
+    else:
+        # Long rows: pass 1 accumulates sum(h^2) block by block (elementwise, then one tree sum),
+        # pass 2 re-reads the row (h is recomputed from x + residual, not read back) and writes y.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
+            acc += z * z
+        rstd = tl.math.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            col_ok = c < N
+            mask = row_ok[:, None] & col_ok[None, :]
+            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, False, H_CODE)
+            y = _rms_apply(z, rstd, W, c, col_ok, offset, HAS_W, NORM_CODE, NAT_CODE, OUT_CODE)
+            tl.store(Y + rows[:, None] * stride_y + c[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rms_bwd_tile(DY, Z, W, rows, c, mask, col_ok, rstd, stride_dy, stride_z, offset, HAS_W: tl.constexpr):
+    """(nhat, dn) for one tile: nhat = z * rstd, dn = dy * (offset + w) -- the grad w.r.t. nhat."""
+    z = tl.load(Z + rows[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    nhat = z * rstd[:, None]
+    dn = dy
+    if HAS_W:
+        w = tl.load(W + c, mask=col_ok, other=0.0).to(tl.float32) + offset
+        dn = dy * w[None, :]
+    return nhat, dn, dy
+
+
+@triton.jit(do_not_specialize=["M", "offset"])
+def _rms_bwd_kernel(
+    DY, DH, Z, W, RSTD, DX, DR, DWP,
+    M, N, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
+    offset,
+    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr,
+    NORM_CODE: tl.constexpr, DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+):
+    # Persistent: program `pid` takes row blocks pid, pid + P, ... and owns row `pid` of DWP.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_blocks = tl.cdiv(M, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dwp_row = DWP + pid.to(tl.int64) * N
+    if SINGLE:
+        col_ok = cols < N
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for rb in range(pid, row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            nhat, dn, dy = _rms_bwd_tile(DY, Z, W, rows, cols, mask, col_ok, rstd, stride_dy, stride_z,
+                                         offset, HAS_W)
+            mean_dn_nhat = tl.sum(dn * nhat, axis=1) / N
+            dx = (dn - nhat * mean_dn_nhat[:, None]) * rstd[:, None]
+            store_input_grads(DH, DX, DR, rows, cols, mask, dx, stride_dh, stride_dx, stride_dr,
+                              HAS_DH, HAS_DR, DX_CODE, DR_CODE)
+            if HAS_W:
+                # dW sees the value the forward multiplied by the weight (rounded for llama/t5).
+                dw_acc += tl.sum(dy * round_to(nhat, NORM_CODE), axis=0)
+        if HAS_W:
+            tl.store(dwp_row + cols, dw_acc, mask=col_ok)
+    else:
+        for rb in range(pid, row_blocks, nprog):
+            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_ok = rows < M
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                col_ok = c < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                nhat, dn, dy = _rms_bwd_tile(DY, Z, W, rows, c, mask, col_ok, rstd, stride_dy, stride_z,
+                                             offset, HAS_W)
+                acc += dn * nhat
+            mean_dn_nhat = tl.sum(acc, axis=1) / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                col_ok = c < N
+                mask = row_ok[:, None] & col_ok[None, :]
+                nhat, dn, dy = _rms_bwd_tile(DY, Z, W, rows, c, mask, col_ok, rstd, stride_dy, stride_z,
+                                             offset, HAS_W)
+                dx = (dn - nhat * mean_dn_nhat[:, None]) * rstd[:, None]
+                store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
+                                  HAS_DH, HAS_DR, DX_CODE, DR_CODE)
+                if HAS_W:
+                    # This program's own fp32 partial row (zero-initialised by the launcher).
+                    part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
+                    tl.store(dwp_row + c, part + tl.sum(dy * round_to(nhat, NORM_CODE), axis=0), mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers (plain tensors in, plain tensors out; no autograd).
+
+
+def _norm_code(casting: str, x_dtype: torch.dtype, w_dtype: torch.dtype | None) -> int:
+    """Rounding applied to h * rstd before the weight multiplies it."""
+    if w_dtype is None:
+        return 0
+    if casting == "llama":
+        return C.DTYPE_CODE[x_dtype]
+    if casting == "t5" and w_dtype in HALF:
+        return C.DTYPE_CODE[w_dtype]
+    return 0
+
+
+def _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32):
+    n = x.shape[-1]
+    x2 = C.as_rows(x, n)
+    r2 = C.as_rows(residual, n)
+    w = weight.contiguous() if weight is not None else None
+    m = x2.shape[0]
+    natural = rms_out_dtype(x.dtype, None if w is None else w.dtype, casting)
+    y_dtype = out_dtype or natural
+    dev = x.device
+    y = C.new_empty((m, n), y_dtype, dev)
+    h_dtype = None if residual is None else (torch.float32 if residual_in_fp32 else residual.dtype)
+    h = C.new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
+    rstd = C.new_empty((m,), torch.float32, dev)
+    if m > 0:
+        cfg = C.row_config(m, n, _rms_fwd_kernel)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
+        _rms_fwd_kernel[grid](
+            x2, x2 if r2 is None else r2, x2 if w is None else w, y, y if residual is None else h, rstd,
+            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
+            0 if residual is None else h.stride(0),
+            float(eps), float(offset),
+            HAS_W=w is not None, HAS_R=residual is not None,
+            H_CODE=0 if h_dtype is None else C.DTYPE_CODE[h_dtype],
+            NORM_CODE=_norm_code(casting, x.dtype, None if w is None else w.dtype),
+            NAT_CODE=C.DTYPE_CODE[natural], OUT_CODE=C.DTYPE_CODE[y_dtype],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
+        )
+    y = y.view(x.shape)
+    if residual is not None:
+        h = h.view(x.shape)
+    return y, h, rstd.view(x.shape[:-1])
+
+
+def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype):
+    n = z.shape[-1]
+    z2 = C.as_rows(z, n)
+    dy2 = C.as_rows(dy, n)
+    dh2 = C.as_rows(dh, n)
+    m = z2.shape[0]
+    dev = z.device
+    dx = C.new_empty((m, n), x_dtype, dev)
+    dr = C.new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
+    w = weight.contiguous() if weight is not None else None
+    cfg = C.row_config(m, n, _rms_bwd_kernel, backward=True)
+    progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _rms_bwd_kernel)
+    # Single-tile programs store their whole partial row once; looping ones accumulate into it.
+    dwp = None
+    if w is not None:
+        dwp = (torch.empty if cfg["SINGLE"] else torch.zeros)((max(progs, 1), n), dtype=torch.float32, device=dev)
+    if m > 0:
+        _rms_bwd_kernel[(progs,)](
+            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, rstd.reshape(-1), dx,
+            dx if residual_dtype is None else dr, dx if dwp is None else dwp,
+            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
+            0 if residual_dtype is None else dr.stride(0),
+            float(offset),
+            HAS_W=w is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
+            NORM_CODE=_norm_code(casting, x_dtype, None if w is None else w.dtype),
+            DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
+        )
+    if w is None:
+        dw = z.new_empty((0,))
+    elif m == 0:
+        dw = torch.zeros_like(w)
+    else:
+        dw = dwp.sum(0).to(w.dtype)
+    dx = dx.view(z.shape)
+    if residual_dtype is not None:
+        dr = dr.view(z.shape)
+    return dx, dw, dr
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (traced through the fake impls, no graph breaks)
+# and safe under CUDA graphs (no host syncs, no allocations that depend on values).
+
+
+@torch.library.custom_op("normswap::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
+    offset: float, casting: str, out_dtype: torch.dtype | None, residual_in_fp32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, h, rstd); h is an empty tensor when there is no residual."""
+    return _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32)
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32):
+    y = x.new_empty(x.shape, dtype=out_dtype or rms_out_dtype(x.dtype, None if weight is None else weight.dtype, casting))
+    if residual is None:
+        h = x.new_empty((0,))
+    else:
+        h = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else residual.dtype)
+    return y, h, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("normswap::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor, dh: torch.Tensor | None, z: torch.Tensor, weight: torch.Tensor | None,
+    rstd: torch.Tensor, offset: float, casting: str, x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dweight, dresidual); absent ones are empty tensors."""
+    return _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype):
+    dx = z.new_empty(z.shape, dtype=x_dtype)
+    dw = torch.empty_like(weight) if weight is not None else z.new_empty((0,))
+    dr = z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,))
+    return dx, dw, dr
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32 = inputs
+    _, h, rstd = output
+    # The norm's input is h (as stored) with a residual, else x itself.
+    ctx.save_for_backward(x if residual is None else h, weight, rstd)
+    ctx.offset, ctx.casting, ctx.x_dtype = offset, casting, x.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dh, _drstd):
+    z, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
+    dx, dw, dr = rms_norm_bwd(dy, dh, z, weight, rstd, ctx.offset, ctx.casting, ctx.x_dtype, ctx.residual_dtype)
+    return (dx, dw if weight is not None else None, dr if ctx.residual_dtype is not None else None,
+            None, None, None, None, None)
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional API (the signature every backend shares).
+
+
+def _validate(x, weight, residual, casting):
+    if casting not in CASTING_MODES:
+        raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTING_MODES)}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise NormswapError(f"rms_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
+    C.check_device(x, _rms_fwd_kernel)
+    C.check_dtype(x, "inputs")
+    C.check_dtype(weight, "weights")
+    C.check_dtype(residual, "residuals")
+    C.check_vector(weight, x.shape[-1], "weight")
+    for t, what in ((weight, "weight"), (residual, "residual")):
+        if t is not None and t.device != x.device:
+            raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
+    if residual is not None and residual.shape != x.shape:
+        raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float = 0.0,
+    casting: str = "llama",
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    residual_in_fp32: bool = False,
+):
+    """Triton RMSNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
+    _validate(x, weight, residual, casting)
+    if out_dtype is not None and out_dtype not in C.SUPPORTED_DTYPES:
+        raise NormswapError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+    y, h, _ = rms_norm_fwd(x, weight, residual, float(eps), float(offset), casting, out_dtype, bool(residual_in_fp32))
+    return (y, h) if residual is not None else y

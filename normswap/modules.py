@@ -1,0 +1,149 @@
+"""Drop-in replacement modules that run a norm through a normswap backend.
+
+A replacement *adopts* the original module's Parameters and buffers: the very same tensor objects
+are registered under the very same names, so `state_dict()` keys, dtypes, devices, `requires_grad`
+and optimizer state are unchanged, and gradients flow into the weights the model already owns.
+Plain attributes the model's code may read (`variance_epsilon`, `eps`, `normalized_shape`, ...) are
+copied too, and the original module is kept (unregistered, so it is invisible to state_dict and
+`.to()`) so that `restore_original` can put it back exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from normswap.backends import Backend, get_backend
+from normswap.specs import NormSpec
+
+# Attribute values worth carrying over from the original: configuration, never callables (an
+# accelerate-hooked module keeps a wrapped `forward` in its __dict__) and never tensors (those
+# live in _parameters/_buffers and are adopted separately).
+_PLAIN = (bool, int, float, str, tuple, list, type(None), torch.dtype, torch.Size)
+
+
+class NormswapNorm(nn.Module):
+    """Common base: adoption, eps lookup, bookkeeping for revert. Subclasses define forward."""
+
+    spec: NormSpec
+    impl: str
+
+    def __init__(self, original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None):
+        super().__init__()
+        for key, value in vars(original).items():
+            if not key.startswith("_") and key != "training" and isinstance(value, _PLAIN):
+                setattr(self, key, value)
+        for name, param in original._parameters.items():
+            self._parameters[name] = param  # the same object: adoption, not a copy
+        for name, buf in original._buffers.items():
+            self._buffers[name] = buf
+        self._non_persistent_buffers_set = set(original._non_persistent_buffers_set)
+        self.training = original.training
+        self.spec = spec
+        self.impl = impl
+        self.original_class = type(original)
+        # Not registered as a child: it must not appear in state_dict, named_modules or `.to()`.
+        object.__setattr__(self, "_normswap_original", original)
+        self._backend = backend if backend is not None else get_backend(impl)
+        if spec.eps_attr and not hasattr(self, spec.eps_attr):
+            setattr(self, spec.eps_attr, spec.eps)
+
+    # -- what the forward needs -------------------------------------------------------------
+    @property
+    def norm_eps(self) -> float:
+        """The eps actually used: read from the adopted attribute, like the original does."""
+        return float(getattr(self, self.spec.eps_attr)) if self.spec.eps_attr else self.spec.eps
+
+    def _param(self, attr: str) -> torch.Tensor | None:
+        return self._parameters.get(attr, self._buffers.get(attr))
+
+    @property
+    def norm_weight(self) -> torch.Tensor | None:
+        return self._param(self.spec.weight_attr) if self.spec.has_weight else None
+
+    @property
+    def norm_bias(self) -> torch.Tensor | None:
+        return self._param(self.spec.bias_attr) if self.spec.has_bias else None
+
+    def _flatten(self, x: torch.Tensor, *params):
+        """Backends reduce over the last dimension only; a multi-dimensional normalized_shape
+        (nn.LayerNorm((H, W))) is flattened into one and restored afterwards."""
+        k = len(self.spec.shape)
+        if k <= 1:
+            return x, params
+        x2 = x.reshape(*x.shape[:-k], math.prod(self.spec.shape))
+        return x2, tuple(p.reshape(-1) if p is not None else None for p in params)
+
+    def _unflatten(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y if len(self.spec.shape) <= 1 else y.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.spec.shape)}, eps={self.norm_eps}, impl={self.impl}, "
+                f"was={self.original_class.__name__}")
+
+
+class NormswapRMSNorm(NormswapNorm):
+    """RMS norm of any family (Llama, Gemma 1+w, T5, q/k head norms) via backend.rms_norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        x2, (w,) = self._flatten(x, self.norm_weight)
+        y = self._backend.rms_norm(x2, w, self.norm_eps, s.offset, s.casting)
+        return self._unflatten(y, x)
+
+
+class NormswapLayerNorm(NormswapNorm):
+    """LayerNorm (with or without weight/bias) via backend.layer_norm.
+
+    as_rms=True is the hook for converted checkpoints: when the input stream is known to be
+    zero-mean (normswap convert centred every writer), LN(x) = RMS(x)·γ + β, so the mean
+    subtraction can be skipped. It is only valid on such models; verification probes it with
+    zero-mean inputs against the LayerNorm's own float64 value.
+    """
+
+    def __init__(self, original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
+                 as_rms: bool = False):
+        super().__init__(original, spec, impl, backend)
+        self.as_rms = as_rms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        x2, (w, b) = self._flatten(x, self.norm_weight, self.norm_bias)
+        if not self.as_rms:
+            y = self._backend.layer_norm(x2, w, b, self.norm_eps, s.offset)
+        elif b is None:
+            y = self._backend.rms_norm(x2, w, self.norm_eps, s.offset, "none")
+        else:
+            # Keep LayerNorm's single rounding: normalise, scale and shift in fp32, cast once.
+            y = self._backend.rms_norm(x2.float(), w, self.norm_eps, s.offset, "none")
+            y = (y + b.float()).to(x.dtype)
+        return self._unflatten(y, x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", as_rms=True" if self.as_rms else "")
+
+
+def build_replacement(original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
+                      as_rms: bool = False) -> NormswapNorm:
+    """The replacement module for `original`, described by `spec` (from the registry)."""
+    if spec.kind == "rms":
+        if as_rms:
+            raise ValueError("as_rms applies to LayerNorms only")
+        return NormswapRMSNorm(original, spec, impl, backend)
+    return NormswapLayerNorm(original, spec, impl, backend, as_rms=as_rms)
+
+
+def restore_original(replacement: NormswapNorm) -> nn.Module:
+    """The original module, holding the replacement's *current* tensors (a `.to()`, a
+    load_state_dict or accelerate may have swapped Parameter objects since the patch)."""
+    original: nn.Module = replacement._normswap_original
+    for name in list(original._parameters):
+        original._parameters[name] = replacement._parameters.get(name)
+    for name in list(original._buffers):
+        original._buffers[name] = replacement._buffers.get(name)
+    if replacement.spec.eps_attr and replacement.spec.eps_attr in vars(replacement):
+        setattr(original, replacement.spec.eps_attr, getattr(replacement, replacement.spec.eps_attr))
+    original.train(replacement.training)
+    return original

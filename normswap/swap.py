@@ -1,0 +1,286 @@
+"""patch(model, impl) / revert(model): swap every recognised norm for a normswap module, in place.
+
+The shape is torchao's `quantize_(model, config, filter_fn)`: one in-place entry point that walks
+the model, asks the registry what each norm is (architecture knowledge lives there, as data), and
+swaps it for a replacement that adopts the original's Parameters. Each swap is verified before the
+call returns (normswap.verify); a failed check undoes the whole call and raises, so a model is
+never left half-patched with an unproven module in it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.backends import get_backend
+from normswap.errors import NormswapError, UnknownNormError
+from normswap.modules import NormswapNorm, build_replacement, restore_original
+from normswap.specs import NormSpec
+from normswap.verify import (
+    ModelCheck,
+    ModuleCheck,
+    ProbeConfig,
+    compare_outputs,
+    model_dtype,
+    model_output,
+    probe_batch,
+    verify_module,
+)
+
+FilterFn = Callable[[nn.Module, str], bool]  # (module, path) -> swap it?
+
+
+class VerificationError(NormswapError):
+    """A swapped module (or the whole model) failed verification; the patch was undone."""
+
+    def __init__(self, message: str, report: PatchReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class ModuleEntry:
+    path: str
+    module_class: str
+    status: str  # patched | failed | excluded | unknown | already-patched
+    spec: NormSpec | None = None
+    as_rms: bool = False
+    reason: str | None = None
+    check: ModuleCheck | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "class": self.module_class, "status": self.status,
+            "spec": self.spec.to_dict() if self.spec else None, "as_rms": self.as_rms,
+            "reason": self.reason, "check": self.check.to_dict() if self.check else None,
+        }
+
+
+@dataclass
+class PatchReport:
+    impl: str
+    dtype: str
+    modules: list[ModuleEntry] = field(default_factory=list)
+    model_check: ModelCheck | None = None
+    verified: bool = True
+
+    def by_status(self, status: str) -> list[ModuleEntry]:
+        return [m for m in self.modules if m.status == status]
+
+    @property
+    def patched(self) -> list[ModuleEntry]:
+        return self.by_status("patched")
+
+    @property
+    def failed(self) -> list[ModuleEntry]:
+        return self.by_status("failed")
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and (self.model_check is None or self.model_check.passed)
+
+    def max_errors(self) -> tuple[float, float]:
+        """Largest per-module error vs float64 over the patched modules: (original, replacement)."""
+        checks = [m.check for m in self.modules if m.check is not None]
+        return (max((c.max_err_original for c in checks), default=0.0),
+                max((c.max_err_replacement for c in checks), default=0.0))
+
+    def to_dict(self) -> dict:
+        e_orig, e_new = self.max_errors()
+        return {
+            "impl": self.impl, "dtype": self.dtype, "ok": self.ok, "verified": self.verified,
+            "counts": {s: len(self.by_status(s)) for s in
+                       ("patched", "failed", "excluded", "unknown", "already-patched")},
+            "max_err_original": e_orig, "max_err_replacement": e_new,
+            "modules": [m.to_dict() for m in self.modules],
+            "model_check": self.model_check.to_dict() if self.model_check else None,
+        }
+
+
+def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterFn | None:
+    """The CLI's --only/--exclude as a filter_fn (re.search on the module path)."""
+    if only is None and exclude is None:
+        return None
+    try:
+        only_re = re.compile(only) if only is not None else None
+        excl_re = re.compile(exclude) if exclude is not None else None
+    except re.error as e:
+        raise NormswapError(f"bad regular expression: {e}") from None
+
+    def keep(module: nn.Module, path: str) -> bool:
+        if only_re is not None and not only_re.search(path):
+            return False
+        return not (excl_re is not None and excl_re.search(path))
+
+    return keep
+
+
+def patch(
+    model: nn.Module,
+    impl: str = "triton",
+    filter_fn: FilterFn | None = None,
+    strict: bool = False,
+    verify: bool = True,
+    *,
+    rms_for: Collection[str] = (),
+    dtype: torch.dtype | None = None,
+    probe: ProbeConfig | None = None,
+    check_model: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PatchReport:
+    """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
+
+    filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
+    raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
+    is left alone and reported as unknown). rms_for names LayerNorm paths whose input is known to
+    be zero-mean (a `normswap convert` manifest), run as RMS norms plus bias. verify=False skips
+    the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
+    is undone and VerificationError (a NormswapError, carrying the report) is raised.
+    """
+    from normswap import walk
+
+    probe = probe or ProbeConfig()
+    backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
+    check_model = verify if check_model is None else check_model
+    dtype = dtype or model_dtype(model)
+    rms_for = set(rms_for)
+    report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
+
+    already = {p for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
+    found = [f for f in walk.find_norms(model, strict=False, warn=False)
+             if not any(f.path == p or f.path.startswith(p + ".") for p in already)]
+    for p in sorted(already):
+        m = walk.get_submodule(model, p)
+        report.modules.append(ModuleEntry(p, m.original_class.__name__, "already-patched", m.spec,
+                                          reason=f"already patched with {m.impl}"))
+    unknown = [f for f in found if f.spec is None]
+    if strict and unknown:
+        f = unknown[0]
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise UnknownNormError(f"unknown norm class at {f.path} ({f.module_class}): {f.unknown_reason}{more}")
+    missing = rms_for - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
+    if missing:
+        raise NormswapError(f"rms_for names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
+
+    todo: list[tuple[ModuleEntry, nn.Module]] = []
+    for f in found:
+        if f.spec is None:
+            report.modules.append(ModuleEntry(f.path, f.module_class, "unknown", reason=f.unknown_reason))
+            continue
+        module = walk.get_submodule(model, f.path)
+        entry = ModuleEntry(f.path, f.module_class, "patched", f.spec, as_rms=f.path in rms_for)
+        if filter_fn is not None and not filter_fn(module, f.path):
+            entry.status, entry.reason = "excluded", "filtered out"
+        else:
+            todo.append((entry, module))
+        report.modules.append(entry)
+
+    batch = before = None
+    if check_model and todo:
+        batch = probe_batch(model, probe)
+        kind, before = model_output(model, batch)
+
+    swapped: list[tuple[str, nn.Module]] = []
+    try:
+        for entry, original in todo:
+            replacement = build_replacement(original, entry.spec, impl, backend, as_rms=entry.as_rms)
+            _move_accelerate_hook(original, replacement)
+            walk.set_submodule(model, entry.path, replacement)
+            swapped.append((entry.path, original))
+            if verify:
+                entry.check = verify_module(entry.path, original, replacement, entry.spec, dtype, probe)
+                if not entry.check.passed:
+                    entry.status = "failed"
+                    entry.reason = "; ".join(entry.check.failures)
+            if progress:
+                progress(entry.path)
+        if before is not None:
+            kind, after = model_output(model, batch)
+            report.model_check = compare_outputs(kind, dtype, before, after)
+    except BaseException:
+        _undo(model, swapped)
+        raise
+    if not report.ok:
+        _undo(model, swapped)
+        raise VerificationError(_failure_message(report), report)
+    return report
+
+
+def _failure_message(report: PatchReport) -> str:
+    if report.failed:
+        first = report.failed[0]
+        more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
+        return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
+                f"{first.reason}{more}; nothing was changed (exclude it with --exclude REGEX)")
+    mc = report.model_check
+    return (f"whole-model check failed with impl {report.impl}: max |Δ{mc.kind}| {mc.max_abs_diff:.3g} > "
+            f"{mc.rtol:g} x {mc.max_abs_value:.3g}; nothing was changed")
+
+
+def _undo(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
+    from normswap import walk
+
+    for path, original in reversed(swapped):
+        current = walk.get_submodule(model, path)
+        if isinstance(current, NormswapNorm):
+            walk.set_submodule(model, path, restore_original(current))
+        else:
+            walk.set_submodule(model, path, original)
+
+
+def patched_modules(model: nn.Module) -> list[tuple[str, NormswapNorm]]:
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, NormswapNorm)]
+
+
+def revert(model: nn.Module) -> list[str]:
+    """Put every original norm back (holding the current Parameters); return the paths."""
+    from normswap import walk
+
+    paths = []
+    for path, rep in patched_modules(model):
+        original = restore_original(rep)
+        if "_hf_hook" in vars(rep) and "_hf_hook" not in vars(original):
+            _move_accelerate_hook(rep, original)  # hooks added after the patch follow the weights
+        walk.set_submodule(model, path, original)
+        paths.append(path)
+    return paths
+
+
+@contextmanager
+def unpatched(model: nn.Module) -> Iterator[nn.Module]:
+    """Temporarily the original architecture (for saving exactly what stock transformers would)."""
+    from normswap import walk
+
+    reps = patched_modules(model)
+    for path, rep in reps:
+        walk.set_submodule(model, path, restore_original(rep))
+    try:
+        yield model
+    finally:
+        for path, rep in reps:
+            walk.set_submodule(model, path, rep)
+
+
+def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the accelerate hook that `src` carries (device alignment, CPU/disk offload).
+
+    accelerate's own add_hook_to_module installs the forward wrapper; init_hook is skipped
+    because the adopted tensors are already where the hook put them (on offload: the meta
+    device, with the real values in the hook's weights_map, keyed by the same names).
+    The hook also stays on `src`, which is what revert puts back.
+    """
+    hook = vars(src).get("_hf_hook")
+    if hook is None:
+        return
+    from accelerate.hooks import add_hook_to_module
+
+    hook.init_hook = lambda module: module
+    try:
+        add_hook_to_module(dst, hook)
+    finally:
+        del hook.init_hook

@@ -1,0 +1,334 @@
+"""Proof, per module, that a replacement computes what the original computed.
+
+Checks for one module (all must hold):
+  eps        the replacement's eps is bit-for-bit the original's (0 stays 0, never a default);
+  dtype      every adopted parameter keeps its dtype (and is the same tensor object);
+  casting    the declared family (kind, casting mode, offset) is the one the registry read from the
+             original, and on every probe the output dtype equals the original's: in mixed
+             precision the families differ exactly there (Llama promotes to the weight's dtype,
+             Gemma casts back to the input's, T5 to a half-precision weight's);
+  numeric    on random probe inputs at several scales, in the model's dtype (plus one mixed-dtype
+             probe), original and replacement are both compared with the float64 value of the
+             same formula (normswap.kernels.reference on float64 tensors):
+                 E_orig = max|orig(x) - ref(x)|,  E_new = max|new(x) - ref(x)|
+             and pass when  E_new <= E_orig + ulp(max|ref(x)|)  for every probe. The original
+             itself must sit within ORIGINAL_ULPS of the reference: otherwise the spec (from which
+             the reference is built) does not describe the module and the proof would be empty.
+
+Why max-abs with one ulp at the largest reference magnitude: the quantities being compared are
+themselves maxima over the tensor, and a norm's largest absolute error sits at its largest
+outputs (the error of a rounded value is relative to that value), so the unit that matches them is
+the spacing of the output dtype at max|ref|: ulp(m) = 2**floor(log2 m) * finfo(dtype).eps. A
+per-element rule would be wrong in the other direction: where the original happens to land
+exactly on the reference, a replacement that rounds to the neighbouring representable value
+(a fused multiply-add, a different reduction order) is already 1 ulp away and would fail while
+being as accurate as the original overall.
+
+Whole model: logits (or the last hidden state) of the patched model against the original's on one
+probe batch, within a dtype-dependent fraction of the logits' magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+from normswap.modules import NormswapNorm
+from normswap.specs import NormSpec
+
+DEFAULT_SCALES = (1e-2, 1.0, 1e2)
+# How far the original may sit from the spec's float64 value before the spec is deemed not to
+# describe it: each family rounds at most twice (Llama: normalised value, then the product), and
+# the fp32 statistics add a little; a wrong family is off by hundreds of ulps.
+ORIGINAL_ULPS = 8
+# Whole-model tolerance: max|Δlogits| <= rtol * max|logits|. One-ulp differences in a norm
+# propagate through every later layer; these bound that growth with room, and are far below
+# what a wrong family (an offset applied twice, a dropped bias) produces.
+LOGITS_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    scales: tuple[float, ...] = DEFAULT_SCALES
+    rows: int = 4  # rows per probe: the Triton interpreter pays per program, keep it small
+    seed: int = 0
+    batch: int = 2  # whole-model probe batch: batch x seq_len token ids
+    seq_len: int = 8
+
+
+@dataclass
+class ModuleCheck:
+    path: str
+    module_class: str
+    impl: str
+    eps: float
+    dtype: str  # the probe dtype (the model's dtype)
+    param_dtype: str | None
+    max_err_original: float = 0.0  # max over probes of |orig - fp64|
+    max_err_replacement: float = 0.0  # max over probes of |new - fp64|
+    max_diff: float = 0.0  # max |new - orig|
+    worst_margin_ulps: float = 0.0  # max over probes of (E_new - E_orig) / ulp; pass needs <= 1
+    original_ulps: float = 0.0  # max over probes of E_orig / ulp; the spec describes it if <= 8
+    passed: bool = True
+    failures: list[str] = field(default_factory=list)
+
+    def fail(self, why: str) -> None:
+        self.passed = False
+        self.failures.append(why)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelCheck:
+    kind: str  # "logits" or "last_hidden_state"
+    dtype: str
+    max_abs_diff: float
+    max_abs_value: float
+    rtol: float
+    argmax_agreement: float | None
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ulp(magnitude: float, dtype: torch.dtype) -> float:
+    """Spacing of `dtype` at `magnitude` (the smallest normal's spacing below the normal range)."""
+    fi = torch.finfo(dtype)
+    m = max(abs(magnitude), fi.tiny)
+    return 2.0 ** math.floor(math.log2(m)) * fi.eps
+
+
+def _param_dtype(module: nn.Module) -> torch.dtype | None:
+    for p in module.parameters(recurse=False):
+        return p.dtype
+    return None
+
+
+def _other_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The mixed-precision partner for the extra probe: half params see fp32 input, and fp32
+    params see bf16 input (autocast-like use)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def reference64(spec: NormSpec, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
+    """The original family's formula evaluated in float64 (roundings vanish; only math is left)."""
+    k = max(len(spec.shape), 1)
+    x64 = x.to(torch.float64).reshape(*x.shape[:-k], -1)
+    w64 = weight.detach().to(torch.float64).reshape(-1) if weight is not None else None
+    b64 = bias.detach().to(torch.float64).reshape(-1) if bias is not None else None
+    if spec.kind == "rms":
+        y = rms_norm_ref(x64, w64, eps, spec.offset, spec.casting)
+    else:
+        y = layer_norm_ref(x64, w64, b64, eps, spec.offset)
+    return y.reshape(x.shape)
+
+
+def probe_inputs(spec: NormSpec, dtype: torch.dtype, device, cfg: ProbeConfig, zero_mean: bool = False):
+    """(scale, x) pairs: Gaussian rows with a per-row offset (LayerNorm must remove it), rounded
+    to `dtype` first so that every implementation sees the same representable input."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    shape = (cfg.rows, *spec.shape) if spec.shape else (cfg.rows, 8)
+    out = []
+    for scale in cfg.scales:
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        x = x + 0.5 * torch.randn((cfg.rows,) + (1,) * (len(shape) - 1), generator=g, dtype=torch.float64)
+        if zero_mean:
+            dims = tuple(range(1, len(shape)))
+            x = x - x.mean(dim=dims, keepdim=True)
+        out.append((scale, (scale * x).to(dtype).to(device)))
+    return out
+
+
+@torch.no_grad()
+def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spec: NormSpec,
+                  dtype: torch.dtype | None = None, cfg: ProbeConfig = ProbeConfig(),
+                  registry_spec: NormSpec | None = None) -> ModuleCheck:
+    """Run every check on one (original, replacement) pair; never raises for a failed check."""
+    pdtype = _param_dtype(original)
+    dtype = dtype or pdtype or torch.float32
+    eps_orig = float(getattr(original, spec.eps_attr)) if spec.eps_attr else spec.eps
+    check = ModuleCheck(path=path, module_class=type(original).__name__, impl=replacement.impl,
+                        eps=eps_orig, dtype=str(dtype).removeprefix("torch."),
+                        param_dtype=str(pdtype).removeprefix("torch.") if pdtype else None)
+
+    # eps: exactly equal, as the bits of a float (0.0 stays 0.0; no default slipped in).
+    eps_new = replacement.norm_eps
+    if not (eps_new == eps_orig and math.copysign(1, eps_new) == math.copysign(1, eps_orig)
+            and eps_orig == spec.eps):
+        check.fail(f"eps differs: original {eps_orig!r}, spec {spec.eps!r}, replacement {eps_new!r}")
+
+    # dtype / adoption: same Parameter objects, same dtypes.
+    for name, p in original.named_parameters(recurse=False):
+        q = replacement._parameters.get(name)
+        if q is None:
+            check.fail(f"parameter {name} not adopted")
+        elif q is not p:
+            check.fail(f"parameter {name} is a copy, not the original tensor")
+        elif q.dtype != p.dtype:
+            check.fail(f"parameter {name} dtype {q.dtype} != {p.dtype}")
+
+    # casting: the declared family is the registry's.
+    want = registry_spec or spec
+    got = replacement.spec
+    if (got.kind, got.casting, got.offset) != (want.kind, want.casting, want.offset):
+        check.fail(f"family differs: replacement ({got.kind}, {got.casting}, offset {got.offset}) "
+                   f"vs original ({want.kind}, {want.casting}, offset {want.offset})")
+
+    weight, bias, device = _materialized_params(original, spec)
+    if device.type == "meta":
+        check.fail("parameters are on the meta device; nothing to run the probes on")
+        return check
+    zero_mean = bool(getattr(replacement, "as_rms", False))
+
+    probes = [(s, x) for s, x in probe_inputs(spec, dtype, device, cfg, zero_mean)]
+    mixed = _other_dtype(dtype)
+    probes.append(("mixed", probe_inputs(spec, mixed, device, cfg, zero_mean)[len(cfg.scales) // 2][1]))
+    for scale, x in probes:
+        try:
+            y_orig = original(x)
+        except Exception:  # noqa: BLE001 - e.g. nn.LayerNorm refuses mixed dtypes on CPU
+            if scale == "mixed":
+                continue  # the original does not support this use; nothing to match
+            raise
+        try:
+            y_new = replacement(x.clone())
+        except Exception as e:  # noqa: BLE001 - a replacement that cannot run where the original can
+            check.fail(f"replacement raised on {_probe_name(scale, x)}: {e.__class__.__name__}: {e}")
+            continue
+        _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps_orig),
+                 [t.dtype for t in (weight, bias) if t is not None])
+    return check
+
+
+def _materialized_params(original: nn.Module, spec: NormSpec):
+    """(weight, bias, device) with real values, also when accelerate offloads them (the module's
+    own tensors are then on the meta device and the values sit in its hook's weights_map)."""
+    hook = vars(original).get("_hf_hook")
+
+    def grab():
+        w = getattr(original, spec.weight_attr, None) if spec.has_weight else None
+        b = getattr(original, spec.bias_attr, None) if spec.has_bias else None
+        return (w.detach().clone() if w is not None else None, b.detach().clone() if b is not None else None)
+
+    if hook is not None and getattr(hook, "offload", False):
+        from accelerate.utils import align_module_device
+
+        with align_module_device(original):
+            w, b = grab()
+        return w, b, torch.device(hook.execution_device)
+    w, b = grab()
+    device = next((t.device for t in (w, b) if t is not None),
+                  next((t.device for t in original.buffers(recurse=False)), torch.device("cpu")))
+    return w, b, device
+
+
+def _probe_name(scale, x) -> str:
+    return f"{x.dtype} input" if scale == "mixed" else f"scale {scale:g}"
+
+
+def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtypes=()) -> None:
+    name = _probe_name(scale, x)
+    if y_new.dtype != y_orig.dtype:
+        check.fail(f"casting: output dtype {y_new.dtype} != original {y_orig.dtype} on {name}")
+        return
+    if y_new.shape != y_orig.shape:
+        check.fail(f"output shape {tuple(y_new.shape)} != original {tuple(y_orig.shape)} on {name}")
+        return
+    finite = torch.isfinite(y_orig)
+    if not torch.isfinite(y_new[finite]).all():
+        check.fail(f"non-finite output where the original is finite on {name}")
+        return
+    o, n = y_orig.double()[finite], y_new.double()[finite]
+    r = ref.to(o.device)[finite]
+    if r.numel() == 0:
+        return
+    e_orig = (o - r).abs().max().item()
+    e_new = (n - r).abs().max().item()
+    # The unit is the coarsest dtype the computation passes through: a Llama norm with fp32
+    # weights fed bf16 returns fp32 holding a bf16-rounded value, judged in bf16 ulps.
+    coarse = max((x.dtype, y_orig.dtype, *param_dtypes), key=lambda d: torch.finfo(d).eps)
+    unit = ulp(r.abs().max().item(), coarse)
+    margin = (e_new - e_orig) / unit
+    if scale != "mixed":  # the reported errors are those in the model's own dtype
+        check.max_err_original = max(check.max_err_original, e_orig)
+        check.max_err_replacement = max(check.max_err_replacement, e_new)
+        check.max_diff = max(check.max_diff, (n - o).abs().max().item())
+    check.worst_margin_ulps = max(check.worst_margin_ulps, margin)
+    check.original_ulps = max(check.original_ulps, e_orig / unit)
+    if e_orig > ORIGINAL_ULPS * unit:
+        # The float64 reference is built from the spec; an original that far from it means the
+        # spec does not describe the module (a wrong offset, casting or eps), and comparing the
+        # replacement with a wrong reference would prove nothing.
+        check.fail(f"reference: the original itself is {e_orig / unit:.1f} ulp from the spec's float64 "
+                   f"value on {name} (> {ORIGINAL_ULPS}); the spec does not describe this module")
+    if e_new > e_orig + unit:
+        check.fail(f"numeric: error {e_new:.3g} exceeds the original's {e_orig:.3g} by {margin:.2f} ulp "
+                   f"(> 1) on {name}")
+
+
+# -- whole model ------------------------------------------------------------------------------
+
+def probe_batch(model: nn.Module, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
+    """Token ids for one forward pass (above the special ids, below the vocabulary size)."""
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 0) if config is not None else 0
+    if vocab <= 0:
+        raise ValueError("the model has no config.vocab_size; pass an explicit probe batch")
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    lo = min(3, vocab - 1)
+    ids = torch.randint(lo, vocab, (cfg.batch, cfg.seq_len), generator=g)
+    batch = {"input_ids": ids}
+    if getattr(config, "is_encoder_decoder", False):
+        batch["decoder_input_ids"] = torch.randint(lo, vocab, (cfg.batch, max(cfg.seq_len // 2, 1)), generator=g)
+    return batch
+
+
+def _input_device(model: nn.Module) -> torch.device:
+    try:
+        emb = model.get_input_embeddings()
+        return emb.weight.device if emb.weight.device.type != "meta" else torch.device("cpu")
+    except Exception:  # noqa: BLE001
+        return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+@torch.no_grad()
+def model_output(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor)."""
+    device = _input_device(model)
+    out = model(**{k: v.to(device) for k, v in batch.items()})
+    for kind in ("logits", "last_hidden_state"):
+        t = getattr(out, kind, None)
+        if t is not None:
+            return kind, t.detach().float().cpu()
+    raise ValueError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
+
+
+def compare_outputs(kind: str, dtype: torch.dtype, before: torch.Tensor, after: torch.Tensor) -> ModelCheck:
+    rtol = LOGITS_RTOL.get(dtype, 1e-4)
+    diff = (after - before).abs().max().item() if before.numel() else 0.0
+    scale = before.abs().max().item() if before.numel() else 0.0
+    agree = None
+    if kind == "logits" and before.numel():
+        agree = (after.argmax(-1) == before.argmax(-1)).float().mean().item()
+    ok = bool(math.isfinite(diff) and diff <= rtol * max(scale, 1e-30))
+    return ModelCheck(kind, str(dtype).removeprefix("torch."), diff, scale, rtol, agree, ok)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of the model's floating-point weights have."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+ProgressFn = Callable[[str], None]

@@ -1,0 +1,132 @@
+"""Replacement modules adopt the original's tensors and compute the original family's arithmetic."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+from normswap.modules import NormswapLayerNorm, NormswapRMSNorm, build_replacement, restore_original
+from normswap.specs import NormSpec
+
+
+def _randomise(m: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_((0.0 if name == "bias" else 0.8) + 0.3 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def cases():
+    """(module factory, spec) pairs covering every family the modules must reproduce."""
+    return {
+        "llama": (lambda: LlamaRMSNorm(32, 1e-5),
+                  NormSpec("rms", 1e-5, "variance_epsilon", casting="llama", shape=(32,))),
+        "gemma": (lambda: GemmaRMSNorm(32, 1e-6),
+                  NormSpec("rms", 1e-6, "eps", offset=1.0, casting="gemma", shape=(32,))),
+        "t5": (lambda: T5LayerNorm(32, 1e-6),
+               NormSpec("rms", 1e-6, "variance_epsilon", casting="t5", shape=(32,))),
+        "layernorm": (lambda: nn.LayerNorm(32, 1e-5),
+                      NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))),
+        "layernorm_nobias": (lambda: nn.LayerNorm(32, 1e-5, bias=False),
+                             NormSpec("layer", 1e-5, "eps", shape=(32,))),
+        "layernorm_noaffine_eps0": (lambda: nn.LayerNorm(32, 0.0, elementwise_affine=False),
+                                    NormSpec("layer", 0.0, "eps", has_weight=False, shape=(32,))),
+        "layernorm_2d": (lambda: nn.LayerNorm((4, 8), 1e-5),
+                         NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(4, 8))),
+    }
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adopts_parameters_and_matches_original(name, dtype):
+    factory, spec = CASES[name]
+    orig = _randomise(factory()).to(dtype).eval()
+    keys = {k: (v.dtype, v.shape) for k, v in orig.state_dict().items()}
+    rep = build_replacement(orig, spec, "reference")
+    assert isinstance(rep, NormswapLayerNorm if spec.kind == "layer" else NormswapRMSNorm)
+    # same keys, same objects (adopted, not copied), same dtypes
+    assert {k: (v.dtype, v.shape) for k, v in rep.state_dict().items()} == keys
+    for pname, p in orig.named_parameters():
+        assert rep._parameters[pname] is p
+    # the eps attribute the model's code reads keeps its name and exact value
+    assert getattr(rep, spec.eps_attr) == getattr(orig, spec.eps_attr) == spec.eps
+    assert rep.original_class is type(orig)
+    shape = (3, 5, *spec.shape)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2 + 0.3).to(dtype)
+    with torch.no_grad():
+        y0, y1 = orig(x), rep(x)
+    assert y1.dtype == y0.dtype and y1.shape == y0.shape
+    # the reference backend reproduces each family's roundings: equal up to fp32 reduction order
+    tol = 4 * torch.finfo(y0.dtype).eps * y0.abs().max().item()
+    assert (y1.double() - y0.double()).abs().max().item() <= tol
+
+
+def test_requires_grad_and_device_kept():
+    orig = _randomise(nn.LayerNorm(16))
+    orig.bias.requires_grad_(False)
+    rep = build_replacement(orig, NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(16,)), "reference")
+    assert rep.weight.requires_grad and not rep.bias.requires_grad
+    assert rep.weight.device == orig.weight.device
+    assert rep.normalized_shape == (16,) and rep.elementwise_affine  # attributes HF code may read
+
+
+def test_gradients_reach_adopted_weights():
+    torch.manual_seed(0)
+    for name in ("llama", "gemma", "layernorm"):
+        factory, spec = CASES[name]
+        ref = _randomise(factory())
+        orig = copy.deepcopy(ref)
+        rep = build_replacement(orig, spec, "reference")
+        x = torch.randn(4, 32, dtype=torch.float32)
+        g = torch.randn(4, 32)
+        (ref(x) * g).sum().backward()
+        (rep(x) * g).sum().backward()
+        for pname, p in ref.named_parameters():
+            q = getattr(orig, pname)  # the original's own Parameter received the gradient
+            assert q.grad is not None, (name, pname)
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_restore_original_gets_current_tensors():
+    orig = _randomise(LlamaRMSNorm(8, 1e-6))
+    rep = build_replacement(orig, NormSpec("rms", 1e-6, "variance_epsilon", casting="llama", shape=(8,)),
+                            "reference")
+    rep.weight = nn.Parameter(torch.full((8,), 0.5))  # e.g. accelerate swapped the Parameter object
+    rep.eval()
+    back = restore_original(rep)
+    assert back is orig and back.weight is rep.weight and not back.training
+
+
+def test_eps_is_read_from_the_adopted_attribute():
+    orig = _randomise(LlamaRMSNorm(8, 0.0))
+    rep = build_replacement(orig, NormSpec("rms", 0.0, "variance_epsilon", casting="llama", shape=(8,)),
+                            "reference")
+    assert rep.norm_eps == 0.0  # eps = 0 stays 0
+    rep.variance_epsilon = 1e-2  # code that edits eps later is honoured, like the original would
+    assert rep.norm_eps == 1e-2
+
+
+def test_layernorm_as_rms_equals_layernorm_on_zero_mean_input():
+    orig = _randomise(nn.LayerNorm(32, 1e-5))
+    spec = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
+    rep = build_replacement(orig, spec, "reference", as_rms=True)
+    x = torch.randn(6, 32, dtype=torch.float64)
+    x = (x - x.mean(-1, keepdim=True)).float()
+    with torch.no_grad():
+        torch.testing.assert_close(rep(x), orig(x), rtol=2e-6, atol=2e-6)
+    # and it really skips the centring: on shifted input it differs (so the flag is honoured)
+    with torch.no_grad():
+        assert (rep(x + 3.0) - orig(x + 3.0)).abs().max() > 0.1
+    with pytest.raises(ValueError):
+        build_replacement(LlamaRMSNorm(4), NormSpec("rms", 1e-6, "variance_epsilon", shape=(4,)),
+                          "reference", as_rms=True)

@@ -1,0 +1,144 @@
+"""Per-module verification: passes a faithful replacement, and catches each way one can be wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+from normswap.backends import Backend
+from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+from normswap.modules import build_replacement
+from normswap.specs import NormSpec
+from normswap.verify import ProbeConfig, compare_outputs, ulp, verify_module
+
+LLAMA = NormSpec("rms", 1e-5, "variance_epsilon", casting="llama", shape=(32,))
+GEMMA = NormSpec("rms", 1e-6, "eps", offset=1.0, casting="gemma", shape=(32,))
+T5 = NormSpec("rms", 1e-6, "variance_epsilon", casting="t5", shape=(32,))
+LN = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
+CFG = ProbeConfig(rows=4)
+
+
+def _rand(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_((0.0 if n == "bias" else 0.7) + 0.3 * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+def _module(spec, dtype):
+    m = {"llama": lambda: LlamaRMSNorm(32, spec.eps), "gemma": lambda: GemmaRMSNorm(32, spec.eps),
+         "t5": lambda: T5LayerNorm(32, spec.eps)}.get(spec.casting, lambda: nn.LayerNorm(32, spec.eps))()
+    return _rand(m).to(dtype)
+
+
+def _backend(rms=rms_norm_ref, layer=layer_norm_ref):
+    return Backend("fake", rms, layer)
+
+
+def test_ulp_definition():
+    assert ulp(1.0, torch.float32) == 2.0**-23
+    assert ulp(1.9, torch.float32) == 2.0**-23
+    assert ulp(2.0, torch.bfloat16) == 2.0**-6
+    assert ulp(0.3, torch.float16) == 2.0**-2 * 2.0**-10
+    assert ulp(0.0, torch.float32) > 0  # the smallest normal's spacing, never 0
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA, T5, LN], ids=lambda s: s.casting + s.kind)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_faithful_replacement_passes(spec, dtype):
+    m = _module(spec, dtype)
+    c = verify_module("n", m, build_replacement(m, spec, "reference"), spec, dtype, CFG)
+    assert c.passed, c.failures
+    assert c.eps == spec.eps and c.dtype == str(dtype).removeprefix("torch.")
+    assert 0 < c.max_err_original and c.max_err_replacement <= c.max_err_original + ulp(8.0, dtype)
+
+
+def test_wrong_offset_fails():
+    m = _module(GEMMA, torch.bfloat16)
+    wrong = dataclasses.replace(GEMMA, offset=0.0)  # forgets Gemma's (1 + w)
+    c = verify_module("n", m, build_replacement(m, wrong, "reference"), wrong, torch.bfloat16, CFG,
+                      registry_spec=GEMMA)
+    assert not c.passed
+    assert any("family differs" in f for f in c.failures)
+    # the float64 reference is built from the (wrong) spec: the original is far from it
+    assert any(f.startswith("reference:") for f in c.failures)
+    # and without the registry's word, the reference check alone still catches it
+    c = verify_module("n", m, build_replacement(m, wrong, "reference"), wrong, torch.bfloat16, CFG)
+    assert not c.passed and all(f.startswith("reference:") for f in c.failures)
+
+
+def test_wrong_casting_is_caught_by_output_dtype():
+    # Llama promotes to the weight's dtype (fp32 weight, bf16 input -> fp32); "none" casts back.
+    m = _module(LLAMA, torch.float32)
+    wrong = dataclasses.replace(LLAMA, casting="none")
+    c = verify_module("n", m, build_replacement(m, wrong, "reference"), wrong, torch.float32, CFG)
+    assert not c.passed
+    assert any("casting: output dtype" in f for f in c.failures)
+
+
+def test_two_ulp_error_fails_and_half_ulp_passes():
+    def noisy(k):
+        def rms(x, w, eps, offset=0.0, casting="llama", **kw):
+            y = rms_norm_ref(x, w, eps, offset, casting, **kw)
+            m = y.detach().double().abs().max().item()
+            return (y.double() + k * ulp(m, y.dtype)).to(y.dtype)  # every element off by k ulp (at max)
+        return rms
+
+    m = _module(LLAMA, torch.float32)
+    bad = build_replacement(m, LLAMA, "fake", backend=_backend(rms=noisy(3.0)))
+    c = verify_module("n", m, bad, LLAMA, torch.float32, CFG)
+    assert not c.passed and any("numeric" in f for f in c.failures), c.failures
+    assert c.worst_margin_ulps > 1
+    ok = build_replacement(m, LLAMA, "fake", backend=_backend(rms=noisy(0.25)))
+    c = verify_module("n", m, ok, LLAMA, torch.float32, CFG)
+    assert c.passed, c.failures
+
+
+def test_eps_must_be_exact_and_zero_stays_zero():
+    m = _rand(LlamaRMSNorm(32, 0.0))
+    spec0 = dataclasses.replace(LLAMA, eps=0.0)
+    rep = build_replacement(m, spec0, "reference")
+    c = verify_module("n", m, rep, spec0, torch.float32, CFG)
+    assert c.passed and c.eps == 0.0
+    rep.variance_epsilon = 1e-6  # a default slipped in
+    c = verify_module("n", m, rep, spec0, torch.float32, CFG)
+    assert not c.passed and any("eps differs" in f for f in c.failures)
+
+
+def test_copied_parameters_fail_adoption():
+    m = _module(LN, torch.float32)
+    rep = build_replacement(m, LN, "reference")
+    rep.weight = nn.Parameter(m.weight.detach().clone())
+    c = verify_module("n", m, rep, LN, torch.float32, CFG)
+    assert not c.passed and any("copy" in f for f in c.failures)
+
+
+def test_replacement_that_raises_is_a_failure_not_a_crash():
+    def boom(*a, **k):
+        raise RuntimeError("kernel launch failed")
+
+    m = _module(LLAMA, torch.float32)
+    c = verify_module("n", m, build_replacement(m, LLAMA, "fake", backend=_backend(rms=boom)), LLAMA,
+                      torch.float32, CFG)
+    assert not c.passed and "kernel launch failed" in c.failures[0]
+
+
+def test_zero_mean_probes_for_as_rms():
+    m = _module(LN, torch.float32)
+    c = verify_module("n", m, build_replacement(m, LN, "reference", as_rms=True), LN, torch.float32, CFG)
+    assert c.passed, c.failures
+
+
+def test_compare_outputs():
+    a = torch.randn(2, 3, 10)
+    ok = compare_outputs("logits", torch.float32, a, a + 1e-7)
+    assert ok.passed and ok.argmax_agreement == 1.0
+    bad = compare_outputs("logits", torch.float32, a, a + 0.1)
+    assert not bad.passed
