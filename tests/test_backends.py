@@ -171,3 +171,47 @@ def test_compile_backend():
     assert get_backend("compile") is be  # one compiled wrapper per process: graphs are cached on it
     run_rms_case(be, torch.bfloat16, "llama", 0.0, True, residual=False)
     run_ln_case(be, torch.float32, 0.0, True, True, residual=False)
+
+
+def _load_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("normswap_bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_benchmark_without_cuda_is_one_clear_line(capsys):
+    assert _load_benchmark().main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["benchmarks/kernels.py: no CUDA device here; it measures GPU bandwidth "
+                   "(use --dry-run for a CPU plumbing check)"]
+
+
+def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
+    """Plumbing only (tiny CPU shapes, reference and torch backends): table and JSON schema."""
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = _load_benchmark()
+    assert bench.main(["--dry-run", "--impls", "reference,torch", "--rows", "4", "--hidden", "16",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "torch", "triton", "copy_gbs", "rows"}
+    assert doc["copy_gbs"] > 0
+    assert len(doc["rows"]) == 2 * 2 * 2 * 2  # ops x passes x dtypes x impls, one shape
+    for r in doc["rows"]:
+        assert set(r) == {"op", "pass", "dtype", "M", "N", "impl", "us", "gbs"}
+        assert r["op"] in ("rms_norm", "layer_norm") and r["pass"] in ("fwd", "fwd+bwd")
+        assert r["us"] > 0 and r["gbs"] > 0
+    table = capsys.readouterr().out
+    assert "copy bandwidth" in table and "reference" in table and "torch" in table
+    # A second run of a part merges into the same file instead of dropping the rest.
+    assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
+                       "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())["rows"]) == 16
+    assert bench.main(["--dry-run", "--impls", "liger"]) == 2 or available_backends()["liger"] is None
