@@ -19,6 +19,13 @@ from tests.test_kernels_rms import MODES, check_rms
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from normswap.kernels import _common
+
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+
+
 @pytest.mark.parametrize("shape", [(4096, 8192), (512, 4096), (33, 131072), (8, 262144), (4, 300000)])
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_large_shapes(shape, dtype):
@@ -82,6 +89,7 @@ def test_inductor_fullgraph_compile():
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
     def block(x, w, b, r):
         y, h = rms_norm(torch.nn.functional.gelu(x), w, 1e-6, residual=r)

@@ -160,6 +160,7 @@ def test_compile_fullgraph_no_graph_breaks():
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
     def block(x, w, b, r):
         y, h = layer_norm(x + 1.0, w, b, 1e-5, residual=r)

@@ -194,6 +194,7 @@ def test_compile_fullgraph_no_graph_breaks():
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
     def block(x, w, r):
         y, h = rms_norm(x * 2.0, w, 1e-6, 1.0, "gemma", residual=r)
