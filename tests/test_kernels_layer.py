@@ -179,3 +179,16 @@ def test_compile_fullgraph_no_graph_breaks():
         for g, e, name in zip(got, want, ("dx", "dw", "db", "dr"), strict=True):
             assert_close(g, e, 2e-5, name)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_frozen_affine_skips_their_grads():
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 77, generator=gen) + 2).to(DEV).requires_grad_()
+    w = rand_weight(77, torch.float32, 0.0, gen).to(DEV).requires_grad_()
+    b = torch.randn(77, generator=gen).to(DEV)  # frozen bias
+    dy = torch.randn(6, 77, generator=gen).to(DEV)
+    dx, dw = torch.autograd.grad(layer_norm(x, w, b, 1e-5), (x, w), dy)
+    x64, w64 = leaf64(x), leaf64(w)
+    ex, ew = torch.autograd.grad(layer_norm_ref(x64, w64, b.double(), 1e-5), (x64, w64), dy.double())
+    assert_close(dx, ex, 2e-5, "dx")
+    assert_close(dw, ew, 2e-5, "dw")

@@ -217,3 +217,15 @@ def test_compile_fullgraph_no_graph_breaks():
             assert_close(g, e, 2e-5, name)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"expected one graph for all row counts, got {frames}"
+
+
+def test_frozen_weight_skips_dw_and_keeps_dx():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 77, generator=gen).to(torch.bfloat16).to(DEV).requires_grad_()
+    w = rand_weight(77, torch.bfloat16, 0.0, gen).to(DEV)  # no grad wanted
+    dy = torch.randn(6, 77, generator=gen).to(torch.bfloat16).to(DEV)
+    (dx,) = torch.autograd.grad(rms_norm(x, w, 1e-6), (x,), dy)
+    x64 = leaf64(x)
+    (want,) = torch.autograd.grad(rms_norm_ref(x64, w.double(), 1e-6), (x64,), dy.double())
+    assert_close(dx, want, TOL[torch.bfloat16][1], "dx")
+    assert w.grad is None
