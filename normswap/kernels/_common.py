@@ -165,5 +165,6 @@ def backward_programs(m: int, block_m: int, device: torch.device, kernel) -> int
     row_blocks = triton.cdiv(max(m, 1), block_m)
     if interpreting(kernel):
         return min(row_blocks, 2)
-    return min(row_blocks, 4 * sm_count(device))
+    # Two programs per SM keep the memory system busy while the partial buffer stays ~2*SMs*N*4 bytes.
+    return min(row_blocks, 2 * sm_count(device))
 
