@@ -11,6 +11,8 @@ then already representable in the destination dtype and every store is exact.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -125,6 +127,14 @@ def as_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if t2.stride(-1) != 1 or (t2.shape[0] > 1 and t2.stride(0) < n):
         t2 = t2.contiguous()
     return t2
+
+
+def device_guard(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it the tensor's (x on cuda:1 while
+    cuda:0 is current would otherwise read the wrong memory)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def new_empty(shape, dtype, device) -> torch.Tensor:

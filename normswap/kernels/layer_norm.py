@@ -266,7 +266,8 @@ def layer_norm_fwd(
     eps: float, offset: float, out_dtype: torch.dtype | None, residual_in_fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, h, mean, rstd); h is an empty tensor when there is no residual."""
-    return _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32)
+    with C.device_guard(x):
+        return _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32)
 
 
 @layer_norm_fwd.register_fake
@@ -288,7 +289,8 @@ def layer_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dweight, dbias, dresidual); absent or unwanted ones are empty tensors. `bias`
     is only read for its dtype and shape (dbias does not depend on its value); None skips dbias."""
-    return _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw)
+    with C.device_guard(z):
+        return _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw)
 
 
 @layer_norm_bwd.register_fake

@@ -7,6 +7,12 @@ the contract): llama rounds h * rstd to x.dtype before the weight, t5 rounds it 
 weight's dtype, gemma/none keep fp32 until the single final cast. Shapes: x (..., N), weight (N,),
 residual like x; rows = prod(x.shape[:-1]).
 
+Compile- and graph-safety: eps and offset are plain float arguments of the op, handed to the
+kernel as fp32 runtime scalars -- never folded into an fp64 constant, never replaced by a default
+(eps = 0 stays 0). The row count is a runtime argument that Triton does not specialise on, so new
+batch sizes reuse the compiled kernel (only the rows-per-program tile can change, for row counts
+below the tile height: a handful of variants at most). No host syncs, so CUDA graphs capture it.
+
 Statistics, dx and dW accumulate in fp32. dW is reduced in two stages: each backward program sums
 its rows into its own fp32 row of a (programs, N) buffer, then torch sums that buffer in fp32, so
 no program ever writes another's memory and no atomics make results run-to-run different.
@@ -256,7 +262,8 @@ def rms_norm_fwd(
     offset: float, casting: str, out_dtype: torch.dtype | None, residual_in_fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, h, rstd); h is an empty tensor when there is no residual."""
-    return _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32)
+    with C.device_guard(x):
+        return _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32)
 
 
 @rms_norm_fwd.register_fake
@@ -276,7 +283,8 @@ def rms_norm_bwd(
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dweight, dresidual); absent ones (or dweight when not needed) are empty tensors."""
-    return _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw)
+    with C.device_guard(z):
+        return _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw)
 
 
 @rms_norm_bwd.register_fake
