@@ -66,6 +66,20 @@ def test_triton_reason_without_interpreter():
     assert kind == "NormswapError"
 
 
+def test_kernels_and_backends_never_import_transformers():
+    code = (
+        "import sys\n"
+        "import normswap.backends as b, normswap.kernels.rms_norm, normswap.kernels.layer_norm\n"
+        "import normswap.kernels.native, normswap.kernels.adapters\n"
+        "b.available_backends()\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_triton_backend_is_the_kernels():
     if available_backends()["triton"] is not None:
         pytest.skip(available_backends()["triton"])
