@@ -12,6 +12,7 @@ then already representable in the destination dtype and every store is exact.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -145,8 +146,13 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
 
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def row_config(m: int, n: int, kernel, backward: bool = False) -> dict:
@@ -155,11 +161,17 @@ def row_config(m: int, n: int, kernel, backward: bool = False) -> dict:
     BLOCK_N covers the whole row when it fits (one pass over HBM), else rows loop over column
     blocks. Several rows share a program when rows are short: on a GPU so that each program moves
     enough bytes to hide latency, on the interpreter because each program costs Python overhead.
+    Cached: this runs on every call, and host time is what small shapes are made of.
     """
-    max_n = MAX_BLOCK_N if not backward else max(MAX_BLOCK_N // 2, 16)
+    return dict(_row_config(m, n, interpreting(kernel), backward, MAX_BLOCK_N, INTERPRETER_TILE))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_config(m: int, n: int, interp: bool, backward: bool, max_block_n: int, interp_tile: int) -> dict:
+    max_n = max_block_n if not backward else max(max_block_n // 2, 16)
     block_n = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(max_n))
-    if interpreting(kernel):
-        tile = INTERPRETER_TILE
+    if interp:
+        tile = interp_tile
     else:
         # ~8K elements per program for short rows (bf16: 16 KiB in flight per program).
         tile = 8192 if not backward else 4096
