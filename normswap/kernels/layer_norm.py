@@ -168,6 +168,10 @@ def _ln_bwd_kernel(
                 dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
                 store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
                                   HAS_DH, HAS_DR, DX_CODE, DR_CODE)
+                if HAS_DW or HAS_DB:
+                    # The partial rows were last written in the previous row block, possibly by
+                    # other threads of this program: make those stores visible before reading.
+                    tl.debug_barrier()
                 if HAS_DW:
                     part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
                     tl.store(dwp_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)

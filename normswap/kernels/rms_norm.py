@@ -157,7 +157,10 @@ def _rms_bwd_kernel(
                 store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
                                   HAS_DH, HAS_DR, DX_CODE, DR_CODE)
                 if HAS_DW:
-                    # This program's own fp32 partial row (zero-initialised by the launcher).
+                    # This program's own fp32 partial row (zero-initialised by the launcher), last
+                    # written in the previous row block, possibly by other threads of this program:
+                    # the barrier makes those stores visible before the read.
+                    tl.debug_barrier()
                     part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
                     tl.store(dwp_row + c, part + tl.sum(dy * round_to(nhat, NORM_CODE), axis=0), mask=col_ok)
 
