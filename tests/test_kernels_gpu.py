@@ -121,9 +121,9 @@ def _compiled_variants(kernel) -> int:
 def test_no_recompilation_per_row_count():
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     for kernel_fn in (lambda x: rms_norm(x, w, 1e-6), lambda x: layer_norm(x, w, None, 1e-5)):
-        kernel_fn(torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16))  # block shape for >256 rows
+        kernel_fn(torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16))
         before = (_compiled_variants(_rms_fwd_kernel), _compiled_variants(_ln_fwd_kernel))
-        for rows in (1001, 1017, 2048, 3001, 4099):
+        for rows in (1, 3, 7, 1001, 1017, 2048, 3001, 4099):
             kernel_fn(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16))
         after = (_compiled_variants(_rms_fwd_kernel), _compiled_variants(_ln_fwd_kernel))
         assert after == before, f"row counts triggered recompiles: {before} -> {after}"

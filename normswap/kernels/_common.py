@@ -175,7 +175,11 @@ def _row_config(m: int, n: int, interp: bool, backward: bool, max_block_n: int, 
     else:
         # ~8K elements per program for short rows (bf16: 16 KiB in flight per program).
         tile = 8192 if not backward else 4096
-    block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1)), 256))
+    block_m = max(1, min(tile // block_n, 256))
+    if interp:
+        # The interpreter pays for masked-off rows too; on a GPU the tile never depends on the row
+        # count, so no batch size ever compiles a new kernel variant.
+        block_m = min(block_m, triton.next_power_of_2(max(m, 1)))
     elems = block_m * block_n
     num_warps = max(1, min(16, elems // 512))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE": block_n >= n, "num_warps": num_warps}

@@ -9,9 +9,8 @@ residual like x; rows = prod(x.shape[:-1]).
 
 Compile- and graph-safety: eps and offset are plain float arguments of the op, handed to the
 kernel as fp32 runtime scalars -- never folded into an fp64 constant, never replaced by a default
-(eps = 0 stays 0). The row count is a runtime argument that Triton does not specialise on, so new
-batch sizes reuse the compiled kernel (only the rows-per-program tile can change, for row counts
-below the tile height: a handful of variants at most). No host syncs, so CUDA graphs capture it.
+(eps = 0 stays 0). The row count is a runtime argument that Triton does not specialise on, and on
+GPUs the tile shape depends only on the hidden size, so new batch sizes reuse the compiled kernel. No host syncs, so CUDA graphs capture it.
 
 Statistics, dx and dW accumulate in fp32. dW is reduced in two stages: each backward program sums
 its rows into its own fp32 row of a (programs, N) buffer, then torch sums that buffer in fp32, so
