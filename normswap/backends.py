@@ -75,6 +75,10 @@ def _load_torch() -> Backend:
 
 
 _COMPILED: dict[str, Backend] = {}
+# Inductor fuses `normed.to(bf16) * weight` and by default skips the intermediate rounding, which
+# silently turns Llama casting into Gemma-like arithmetic (~25% of bf16 outputs differ by an ulp).
+# emulate_precision_casts keeps every cast the reference writes.
+_EXACT_CASTS = {"emulate_precision_casts": True}
 
 
 def _load_compile() -> Backend:
@@ -87,7 +91,8 @@ def _load_compile() -> Backend:
 
         # One compiled wrapper per process: torch.compile caches its graphs on the wrapper.
         _COMPILED["compile"] = Backend(
-            "compile", torch.compile(rms_norm_ref, fullgraph=True), torch.compile(layer_norm_ref, fullgraph=True)
+            "compile", torch.compile(rms_norm_ref, fullgraph=True, options=_EXACT_CASTS),
+            torch.compile(layer_norm_ref, fullgraph=True, options=_EXACT_CASTS),
         )
     return _COMPILED["compile"]
 

@@ -167,7 +167,12 @@ def model_class(config):
             return cls
     from transformers import AutoModel
 
-    return AutoModel._model_mapping[type(config)]
+    try:
+        return AutoModel._model_mapping[type(config)]
+    except KeyError:
+        raise NormswapError(
+            f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}"
+        ) from None
 
 
 def build_meta_model(source: ModelSource):
@@ -178,7 +183,8 @@ def build_meta_model(source: ModelSource):
         with torch.device("meta"):
             return cls._from_config(config)
     except Exception as e:
-        raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {e}") from None
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {msg}") from None
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None):

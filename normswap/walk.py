@@ -20,6 +20,8 @@ class FoundNorm:
     module_class: str
     spec: NormSpec | None
     unknown_reason: str | None = None
+    recognised_by: str | None = None  # "torch-class", "fingerprint:<family>" or "probe"
+    bit_exact: bool = True  # False: the spec matches the module within an ulp, not bit for bit
 
     @property
     def recognised(self) -> bool:
@@ -42,7 +44,8 @@ def find_norms(model: nn.Module, strict: bool = False, warn: bool = True) -> lis
         if not registry.is_norm_like(module):
             continue
         rec = registry.recognise(module)
-        found.append(FoundNorm(path, type(module).__name__, rec.spec, rec.reason))
+        found.append(FoundNorm(path, type(module).__name__, rec.spec, rec.reason, rec.method,
+                               rec.exact if rec.spec is not None else False))
         if rec.spec is not None:
             inside.append(path)
     unknown = [f for f in found if f.spec is None]

@@ -197,7 +197,8 @@ def test_is_norm_like():
             self.norm = nn.LayerNorm(8)
 
     assert not registry.is_norm_like(PreNorm())
-    for name in ("LlamaRMSNorm", "T5LayerNorm", "EomtLayerNorm2d", "NemotronLayerNorm1P", "Llama4TextL2Norm"):
+    for name in ("LlamaRMSNorm", "T5LayerNorm", "EomtLayerNorm2d", "NemotronLayerNorm1P", "Llama4TextL2Norm",
+                 "Qwen3NextRMSNormGated", "FooLayerNormalization"):
         assert registry.is_norm_like_name(name), name
     for name in ("DetrFrozenBatchNorm2d", "DFineConvNormLayer", "InklingNormedEmbedding",
                  "Sapiens2ForNormalEstimation", "PoolFormerGroupNorm"):

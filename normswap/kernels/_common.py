@@ -11,6 +11,9 @@ then already representable in the destination dtype and every store is exact.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -127,6 +130,14 @@ def as_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return t2
 
 
+def device_guard(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it the tensor's (x on cuda:1 while
+    cuda:0 is current would otherwise read the wrong memory)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def new_empty(shape, dtype, device) -> torch.Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -135,8 +146,13 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
 
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def row_config(m: int, n: int, kernel, backward: bool = False) -> dict:
@@ -145,15 +161,25 @@ def row_config(m: int, n: int, kernel, backward: bool = False) -> dict:
     BLOCK_N covers the whole row when it fits (one pass over HBM), else rows loop over column
     blocks. Several rows share a program when rows are short: on a GPU so that each program moves
     enough bytes to hide latency, on the interpreter because each program costs Python overhead.
+    Cached: this runs on every call, and host time is what small shapes are made of.
     """
-    max_n = MAX_BLOCK_N if not backward else max(MAX_BLOCK_N // 2, 16)
+    return dict(_row_config(m, n, interpreting(kernel), backward, MAX_BLOCK_N, INTERPRETER_TILE))
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_config(m: int, n: int, interp: bool, backward: bool, max_block_n: int, interp_tile: int) -> dict:
+    max_n = max_block_n if not backward else max(max_block_n // 2, 16)
     block_n = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(max_n))
-    if interpreting(kernel):
-        tile = INTERPRETER_TILE
+    if interp:
+        tile = interp_tile
     else:
         # ~8K elements per program for short rows (bf16: 16 KiB in flight per program).
         tile = 8192 if not backward else 4096
-    block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1)), 256))
+    block_m = max(1, min(tile // block_n, 256))
+    if interp:
+        # The interpreter pays for masked-off rows too; on a GPU the tile never depends on the row
+        # count, so no batch size ever compiles a new kernel variant.
+        block_m = min(block_m, triton.next_power_of_2(max(m, 1)))
     elems = block_m * block_n
     num_warps = max(1, min(16, elems // 512))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE": block_n >= n, "num_warps": num_warps}
@@ -165,5 +191,6 @@ def backward_programs(m: int, block_m: int, device: torch.device, kernel) -> int
     row_blocks = triton.cdiv(max(m, 1), block_m)
     if interpreting(kernel):
         return min(row_blocks, 2)
-    return min(row_blocks, 4 * sm_count(device))
+    # Two programs per SM keep the memory system busy while the partial buffer stays ~2*SMs*N*4 bytes.
+    return min(row_blocks, 2 * sm_count(device))
 

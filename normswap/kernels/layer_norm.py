@@ -105,8 +105,8 @@ def _ln_bwd_kernel(
     DY, DH, Z, W, MEAN, RSTD, DX, DR, DWP, DBP,
     M, N, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
     offset,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr,
-    DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DH: tl.constexpr,
+    HAS_DR: tl.constexpr, DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
 ):
     # Persistent programs; program `pid` owns row `pid` of the fp32 partial buffers DWP / DBP.
@@ -133,13 +133,13 @@ def _ln_bwd_kernel(
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             store_input_grads(DH, DX, DR, rows, cols, mask, dx, stride_dh, stride_dx, stride_dr,
                               HAS_DH, HAS_DR, DX_CODE, DR_CODE)
-            if HAS_W:
+            if HAS_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
-            if HAS_B:
+            if HAS_DB:
                 db_acc += tl.sum(dy, axis=0)
-        if HAS_W:
+        if HAS_DW:
             tl.store(dwp_row + cols, dw_acc, mask=col_ok)
-        if HAS_B:
+        if HAS_DB:
             tl.store(dbp_row + cols, db_acc, mask=col_ok)
     else:
         for rb in range(pid, row_blocks, nprog):
@@ -168,10 +168,14 @@ def _ln_bwd_kernel(
                 dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
                 store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
                                   HAS_DH, HAS_DR, DX_CODE, DR_CODE)
-                if HAS_W:
+                if HAS_DW or HAS_DB:
+                    # The partial rows were last written in the previous row block, possibly by
+                    # other threads of this program: make those stores visible before reading.
+                    tl.debug_barrier()
+                if HAS_DW:
                     part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
                     tl.store(dwp_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
-                if HAS_B:
+                if HAS_DB:
                     part = tl.load(dbp_row + c, mask=col_ok, other=0.0)
                     tl.store(dbp_row + c, part + tl.sum(dy, axis=0), mask=col_ok)
 
@@ -213,7 +217,8 @@ def _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_f
     return y, h, mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
 
-def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype):
+def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw=True):
+    """`bias` only tells whether (and in which dtype) dbias is wanted: pass None to skip it."""
     n = z.shape[-1]
     z2 = C.as_rows(z, n)
     dy2 = C.as_rows(dy, n)
@@ -226,7 +231,8 @@ def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_
     cfg = C.row_config(m, n, _ln_bwd_kernel, backward=True)
     progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _ln_bwd_kernel)
     alloc = torch.empty if cfg["SINGLE"] else torch.zeros
-    dwp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if w is not None else None
+    need_dw = need_dw and w is not None
+    dwp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if need_dw else None
     dbp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if bias is not None else None
     if m > 0:
         _ln_bwd_kernel[(progs,)](
@@ -235,7 +241,8 @@ def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_
             m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
             0 if residual_dtype is None else dr.stride(0),
             float(offset),
-            HAS_W=w is not None, HAS_B=bias is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
+            HAS_W=w is not None, HAS_DW=need_dw, HAS_DB=bias is not None, HAS_DH=dh2 is not None,
+            HAS_DR=residual_dtype is not None,
             DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
         )
@@ -250,7 +257,7 @@ def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_
     dx = dx.view(z.shape)
     if residual_dtype is not None:
         dr = dr.view(z.shape)
-    return dx, reduce(dwp, weight), reduce(dbp, bias), dr
+    return dx, reduce(dwp, weight if need_dw else None), reduce(dbp, bias), dr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,7 +270,8 @@ def layer_norm_fwd(
     eps: float, offset: float, out_dtype: torch.dtype | None, residual_in_fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, h, mean, rstd); h is an empty tensor when there is no residual."""
-    return _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32)
+    with C.device_guard(x):
+        return _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32)
 
 
 @layer_norm_fwd.register_fake
@@ -281,19 +289,20 @@ def _(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32):
 def layer_norm_bwd(
     dy: torch.Tensor, dh: torch.Tensor | None, z: torch.Tensor, weight: torch.Tensor | None,
     bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, offset: float,
-    x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+    x_dtype: torch.dtype, residual_dtype: torch.dtype | None, need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight, dbias, dresidual); absent ones are empty tensors. `bias` is only read
-    for its dtype and shape (dbias does not depend on its value)."""
-    return _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype)
+    """Returns (dx, dweight, dbias, dresidual); absent or unwanted ones are empty tensors. `bias`
+    is only read for its dtype and shape (dbias does not depend on its value); None skips dbias."""
+    with C.device_guard(z):
+        return _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw)
 
 
 @layer_norm_bwd.register_fake
-def _(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype):
+def _(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw):
     empty = z.new_empty((0,))
     return (
         z.new_empty(z.shape, dtype=x_dtype),
-        torch.empty_like(weight) if weight is not None else empty,
+        torch.empty_like(weight) if weight is not None and need_dw else empty,
         torch.empty_like(bias) if bias is not None else z.new_empty((0,)),
         z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,)),
     )
@@ -312,8 +321,12 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     z, weight, bias, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
-    dx, dw, db, dr = layer_norm_bwd(dy, dh, z, weight, bias, mean, rstd, ctx.offset, ctx.x_dtype, ctx.residual_dtype)
-    return (dx, dw if weight is not None else None, db if bias is not None else None,
+    # Frozen parameters (no grad wanted) skip their partial sums entirely.
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    need_db = bias is not None and ctx.needs_input_grad[2]
+    dx, dw, db, dr = layer_norm_bwd(dy, dh, z, weight, bias if need_db else None, mean, rstd, ctx.offset,
+                                    ctx.x_dtype, ctx.residual_dtype, need_dw)
+    return (dx, dw if need_dw else None, db if need_db else None,
             dr if ctx.residual_dtype is not None else None, None, None, None, None)
 
 

@@ -7,6 +7,11 @@ the contract): llama rounds h * rstd to x.dtype before the weight, t5 rounds it 
 weight's dtype, gemma/none keep fp32 until the single final cast. Shapes: x (..., N), weight (N,),
 residual like x; rows = prod(x.shape[:-1]).
 
+Compile- and graph-safety: eps and offset are plain float arguments of the op, handed to the
+kernel as fp32 runtime scalars -- never folded into an fp64 constant, never replaced by a default
+(eps = 0 stays 0). The row count is a runtime argument that Triton does not specialise on, and on
+GPUs the tile shape depends only on the hidden size, so new batch sizes reuse the compiled kernel. No host syncs, so CUDA graphs capture it.
+
 Statistics, dx and dW accumulate in fp32. dW is reduced in two stages: each backward program sums
 its rows into its own fp32 row of a (programs, N) buffer, then torch sums that buffer in fp32, so
 no program ever writes another's memory and no atomics make results run-to-run different.
@@ -98,7 +103,7 @@ def _rms_bwd_kernel(
     DY, DH, Z, W, RSTD, DX, DR, DWP,
     M, N, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
     offset,
-    HAS_W: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DH: tl.constexpr, HAS_DR: tl.constexpr,
     NORM_CODE: tl.constexpr, DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
 ):
@@ -122,10 +127,10 @@ def _rms_bwd_kernel(
             dx = (dn - nhat * mean_dn_nhat[:, None]) * rstd[:, None]
             store_input_grads(DH, DX, DR, rows, cols, mask, dx, stride_dh, stride_dx, stride_dr,
                               HAS_DH, HAS_DR, DX_CODE, DR_CODE)
-            if HAS_W:
+            if HAS_DW:
                 # dW sees the value the forward multiplied by the weight (rounded for llama/t5).
                 dw_acc += tl.sum(dy * round_to(nhat, NORM_CODE), axis=0)
-        if HAS_W:
+        if HAS_DW:
             tl.store(dwp_row + cols, dw_acc, mask=col_ok)
     else:
         for rb in range(pid, row_blocks, nprog):
@@ -150,8 +155,11 @@ def _rms_bwd_kernel(
                 dx = (dn - nhat * mean_dn_nhat[:, None]) * rstd[:, None]
                 store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
                                   HAS_DH, HAS_DR, DX_CODE, DR_CODE)
-                if HAS_W:
-                    # This program's own fp32 partial row (zero-initialised by the launcher).
+                if HAS_DW:
+                    # This program's own fp32 partial row (zero-initialised by the launcher), last
+                    # written in the previous row block, possibly by other threads of this program:
+                    # the barrier makes those stores visible before the read.
+                    tl.debug_barrier()
                     part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
                     tl.store(dwp_row + c, part + tl.sum(dy * round_to(nhat, NORM_CODE), axis=0), mask=col_ok)
 
@@ -204,7 +212,7 @@ def _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_
     return y, h, rstd.view(x.shape[:-1])
 
 
-def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype):
+def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw=True):
     n = z.shape[-1]
     z2 = C.as_rows(z, n)
     dy2 = C.as_rows(dy, n)
@@ -218,7 +226,8 @@ def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dt
     progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _rms_bwd_kernel)
     # Single-tile programs store their whole partial row once; looping ones accumulate into it.
     dwp = None
-    if w is not None:
+    need_dw = need_dw and w is not None
+    if need_dw:
         dwp = (torch.empty if cfg["SINGLE"] else torch.zeros)((max(progs, 1), n), dtype=torch.float32, device=dev)
     if m > 0:
         _rms_bwd_kernel[(progs,)](
@@ -227,12 +236,12 @@ def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dt
             m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
             0 if residual_dtype is None else dr.stride(0),
             float(offset),
-            HAS_W=w is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
+            HAS_W=w is not None, HAS_DW=need_dw, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
             NORM_CODE=_norm_code(casting, x_dtype, None if w is None else w.dtype),
             DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
         )
-    if w is None:
+    if not need_dw:
         dw = z.new_empty((0,))
     elif m == 0:
         dw = torch.zeros_like(w)
@@ -255,7 +264,8 @@ def rms_norm_fwd(
     offset: float, casting: str, out_dtype: torch.dtype | None, residual_in_fp32: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, h, rstd); h is an empty tensor when there is no residual."""
-    return _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32)
+    with C.device_guard(x):
+        return _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32)
 
 
 @rms_norm_fwd.register_fake
@@ -272,15 +282,17 @@ def _(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32):
 def rms_norm_bwd(
     dy: torch.Tensor, dh: torch.Tensor | None, z: torch.Tensor, weight: torch.Tensor | None,
     rstd: torch.Tensor, offset: float, casting: str, x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+    need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (dx, dweight, dresidual); absent ones are empty tensors."""
-    return _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype)
+    """Returns (dx, dweight, dresidual); absent ones (or dweight when not needed) are empty tensors."""
+    with C.device_guard(z):
+        return _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype):
+def _(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw):
     dx = z.new_empty(z.shape, dtype=x_dtype)
-    dw = torch.empty_like(weight) if weight is not None else z.new_empty((0,))
+    dw = torch.empty_like(weight) if weight is not None and need_dw else z.new_empty((0,))
     dr = z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,))
     return dx, dw, dr
 
@@ -299,8 +311,11 @@ def _backward(ctx, dy, dh, _drstd):
     z, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
-    dx, dw, dr = rms_norm_bwd(dy, dh, z, weight, rstd, ctx.offset, ctx.casting, ctx.x_dtype, ctx.residual_dtype)
-    return (dx, dw if weight is not None else None, dr if ctx.residual_dtype is not None else None,
+    # A frozen weight (no grad wanted) skips the dW partial sums entirely.
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw, dr = rms_norm_bwd(dy, dh, z, weight, rstd, ctx.offset, ctx.casting, ctx.x_dtype, ctx.residual_dtype,
+                              need_dw)
+    return (dx, dw if need_dw else None, dr if ctx.residual_dtype is not None else None,
             None, None, None, None, None)
 
 

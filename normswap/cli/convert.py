@@ -1,0 +1,102 @@
+"""`normswap convert MODEL --to rms --out DIR`: exact LayerNorm → RMSNorm, stock-loadable output."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from normswap.cli.main import cli, emit, json_option
+from normswap.errors import NormswapError
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "-"
+
+
+def _render(data: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    # Reasons are sentences: give them room when stdout is not a terminal (pipes default to 80).
+    console = Console(soft_wrap=False, width=None if Console().is_terminal else 160)
+    t = Table(title=f"normswap convert --to rms: {data['model']} ({data['arch']})", show_lines=False)
+    for col in ("norm", "folded γ", "folded β", "kept β (why)", "RMS (why not)"):
+        t.add_column(col, overflow="fold")
+    for n in data["norms"]:
+        kept = f"yes: {n['kept_bias_why']}" if n["kept_bias"] else "-"
+        if n["baked"]:
+            kept = f"baked into the token table (s = {n['bake_scale']:.4g})" if n["bake_scale"] else "baked"
+        rms = ("yes" + (" (weight kept)" if n["rms_weight"] == "weight" else "")) if n["rms"] else f"no: {n['why_not']}"
+        t.add_row(n["path"], _yes(n["folded_gain"]), _yes(n["folded_bias"]), kept, rms)
+    console.print(t)
+    s = data["summary"]
+    console.print(
+        f"{s['converted']}/{s['norms']} norms convertible to RMS; folded γ into readers of {s['folded_gain']}, "
+        f"β of {s['folded_bias']}; kept β in {s['kept_bias']}"
+    )
+    if data.get("untied"):
+        console.print(f"untied {data['untied']['head']} from {data['untied']['table']} (tie_word_embeddings: false)")
+    v = data.get("verification")
+    if v:
+        console.print(
+            f"verified: stock reload max |Δlogit| = {v['max_rel_logit_error']:.3g} of the logit scale "
+            f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
+            f"(tolerance {v['tolerance_rms']:g})"
+        )
+    if data.get("out"):
+        console.print(f"wrote {data['out']}")
+    elif data.get("error"):
+        console.print(f"nothing written: {data['error']}")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--to", "target", type=click.Choice(["rms"]), required=True, help="Target norm family.")
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Output directory.")
+@click.option("--keep-gain", is_flag=True, help="Leave γ in the norms (fold β only).")
+@click.option("--partial", is_flag=True, help="Convert what can be converted; report the rest.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "fp64"]), default=None,
+              help="Store the converted weights in this dtype (default: each tensor keeps its own).")
+@click.option("--force", is_flag=True, help="Replace an existing --out directory.")
+@json_option
+def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, dtype: str | None,
+            force: bool, as_json: bool) -> None:
+    """Fold LayerNorm γ/β into the layers that read them and center every writer into the residual
+    stream, so each LayerNorm equals an RMSNorm. The output loads in stock transformers with the
+    same logits; its normswap.json lists the norms that may run as RMSNorm kernels."""
+    from pathlib import Path
+
+    from normswap import io
+    from normswap.convert import (
+        MANIFEST_NAME,
+        build_manifest,
+        check_refusals,
+        convert_directory,
+        plan_conversion,
+        verify_conversion,
+    )
+    from normswap.save import atomic_output_dir
+
+    source = io.resolve(model)
+    config = io.load_config(source)
+    plan = plan_conversion(io.build_meta_model(source), config, keep_gain=keep_gain)
+    try:
+        check_refusals(plan, partial)
+    except NormswapError as e:
+        report = build_manifest(plan, config, partial=partial)
+        emit(dict(report, model=model, out=None, error=str(e)), as_json, _render)
+        raise
+    target_dir = Path(out).expanduser()
+    if target_dir.exists() and not force:
+        raise NormswapError(f"{target_dir} already exists; pass --force to replace it")
+    with atomic_output_dir(target_dir, force=force) as tmp:
+        click.echo(f"converting {model} into {target_dir} ...", err=True)
+        manifest = convert_directory(
+            source, tmp, keep_gain=keep_gain, partial=partial, dtype=io.parse_dtype(dtype),
+            progress=not as_json,
+        )
+        click.echo("verifying: stock reload and logits against the original ...", err=True)
+        manifest["verification"] = verify_conversion(source, tmp, manifest)
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    emit(dict(manifest, model=model, out=str(target_dir.resolve())), as_json, _render)

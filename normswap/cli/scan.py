@@ -1,0 +1,71 @@
+"""`normswap scan MODEL`: every norm of a model, its spec and its consumers (no weights read)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from normswap.cli.main import cli, emit, json_option
+from normswap.io import DEFAULT_MODEL
+
+
+@cli.command()
+@click.argument("model", required=False, default=DEFAULT_MODEL)
+@click.option("--strict", is_flag=True, help="Fail (exit 2) on a norm-like module normswap does not recognise.")
+@click.option("--no-consumers", "no_consumers", is_flag=True,
+              help="Skip finding which modules read each norm's output.")
+@json_option
+def scan(model: str, strict: bool, no_consumers: bool, as_json: bool) -> None:
+    """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, weight,
+    bias and consumers. MODEL is a local directory, a .gguf file, a cached hub id (org/name), or
+    the built-in default (smollm2-135m). Built on the meta device: no weights are read."""
+    from normswap.scan import scan as run_scan
+
+    doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False)
+    for u in doc["unknown"]:
+        click.echo(f"normswap: warning: {u['path']} ({u['class']}) looks like a norm but is not "
+                   f"recognised and will be left alone: {u['reason']}", err=True)
+    emit(doc, as_json, _render)
+
+
+def _short(consumer: str, norm_path: str) -> str:
+    """A consumer's path relative to the norm's parent (q_proj under the same layer reads as
+    self_attn.q_proj)."""
+    parent = norm_path.rpartition(".")[0]
+    if parent and consumer.startswith(parent + "."):
+        return consumer[len(parent) + 1:]
+    return consumer
+
+
+def _render(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 220)
+    title = f"{doc['model']}: {doc['model_class']} ({doc['model_type']})"
+    table = Table(title=title, title_justify="left", show_lines=False)
+    for col in ("path", "class", "kind", "eps", "offset", "casting", "dtype", "shape", "weight", "bias",
+                "consumers"):
+        table.add_column(col, overflow="fold")
+    for n in doc["norms"]:
+        consumers = "?" if n["consumers"] is None else (
+            ", ".join(_short(c, n["path"]) for c in n["consumers"]) or "-")
+        table.add_row(
+            n["path"], n["class"], n["kind"], f"{n['eps']:.3g}", f"{n['offset']:g}", n["casting"],
+            n["dtype"] or "-", "×".join(map(str, n["shape"])) or "-", _yes(n["weight"]), _yes(n["bias"]),
+            consumers,
+        )
+    for u in doc["unknown"]:
+        table.add_row(u["path"], u["class"], "[red]unknown[/red]", "", "", "", "", "", "", "", u["reason"])
+    console.print(table)
+    s = doc["summary"]
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(s["by_kind"].items())) or "none"
+    classes = ", ".join(f"{v} {k}" for k, v in sorted(s["by_class"].items()))
+    console.print(f"{s['norms']} norms ({kinds}; {classes}); {s['unknown']} unknown norm-like modules")
+    if doc.get("consumers_note"):
+        console.print(f"note: {doc['consumers_note']}")
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"

@@ -1,0 +1,205 @@
+"""Reading evaluation text from PATH: a plain text file, a .jsonl file with a text field, a directory
+of .txt files, or a `datasets` dataset saved to disk (`save_to_disk`).
+
+`open_corpus` checks what it can up front (the path exists, is not empty, is not binary, the
+`datasets` package is there when needed) so that bad input fails before a model is loaded; the
+text itself is read lazily, document by document, so memory does not grow with the corpus.
+
+A document is yielded as an iterator of text pieces. Large plain files are cut into pieces only at
+a line break that follows a non-blank character and precedes a non-blank line: for byte-level BPE
+tokenizers (GPT-2, Llama 3, SmolLM2, Qwen) encoding the pieces one by one gives exactly the tokens
+of the whole text, because their pre-tokenizers always split there. The evaluator checks that
+property on the tokenizer at hand and joins the pieces again when it does not hold.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from normswap.errors import NormswapError
+
+# Piece sizes for large plain files: small first (a --max-tokens run tokenises little), growing to
+# a cap that keeps the tokenizer's working set bounded.
+FIRST_PIECE_CHARS = 64 * 1024
+MAX_PIECE_CHARS = 1024 * 1024
+_SNIFF_BYTES = 8192
+# Files that mark a directory written by datasets' save_to_disk.
+_DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
+# With a DatasetDict, the split scored when the user did not name one: held-out text first.
+_SPLIT_PREFERENCE = ("test", "validation", "train")
+
+Document = Iterator[str]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A validated PATH and how to read it; `documents()` may be called more than once."""
+
+    path: Path
+    kind: str  # "text", "jsonl", "txt-dir" or "dataset"
+    text_field: str = "text"
+
+    def documents(self) -> Iterator[Document]:
+        if self.kind == "text":
+            yield _text_file_pieces(self.path)
+        elif self.kind == "txt-dir":
+            for f in _txt_files(self.path):
+                yield _text_file_pieces(f)
+        elif self.kind == "jsonl":
+            yield from _jsonl_documents(self.path, self.text_field)
+        else:
+            yield from _dataset_documents(self.path, self.text_field)
+
+
+def open_corpus(path: str | Path, text_field: str = "text") -> Corpus:
+    """Validate PATH and say how to read it; raise a one-line NormswapError on bad input."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise NormswapError(f"{path}: no such file or directory")
+    if p.is_dir():
+        if any((p / m).is_file() for m in _DATASET_MARKERS):
+            _require_datasets(p)
+            return Corpus(p, "dataset", text_field)
+        files = _txt_files(p)
+        if not files:
+            raise NormswapError(f"{path}: a directory with no .txt files (and not a saved `datasets` dataset)")
+        for f in files:
+            _sniff_text(f, allow_empty=True)
+        if all(f.stat().st_size == 0 for f in files):
+            raise NormswapError(f"{path}: every .txt file in it is empty")
+        return Corpus(p, "txt-dir", text_field)
+    if not p.is_file():
+        raise NormswapError(f"{path}: not a regular file")
+    _sniff_text(p, allow_empty=False)
+    if p.suffix.lower() == ".jsonl":
+        return Corpus(p, "jsonl", text_field)
+    return Corpus(p, "text", text_field)
+
+
+def _txt_files(directory: Path) -> list[Path]:
+    # Sorted, so that the corpus (and so the perplexity) does not depend on directory order.
+    return sorted(
+        f for f in directory.rglob("*.txt")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(directory).parts)
+    )
+
+
+def _sniff_text(path: Path, allow_empty: bool) -> None:
+    """Refuse empty files and files that are not UTF-8 text, from their first few KB."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise NormswapError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not head.strip():
+        if allow_empty:
+            return
+        if not head or path.stat().st_size <= _SNIFF_BYTES:
+            raise NormswapError(f"{path}: empty file (no text to score)")
+    if b"\x00" in head:
+        raise NormswapError(f"{path}: a binary file, not text (NUL bytes in its first {len(head)} bytes)")
+    try:
+        # final=False: a multi-byte character cut at the sniff boundary is not an error.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise NormswapError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _open_text(path: Path):
+    return open(path, encoding="utf-8", errors="strict", newline="")
+
+
+def _decode_error(path: Path, e: UnicodeDecodeError) -> NormswapError:
+    return NormswapError(f"{path}: not UTF-8 text further in ({e.reason})")
+
+
+def _text_file_pieces(path: Path) -> Document:
+    """The file's text in pieces cut only at token-safe line breaks (see the module docstring)."""
+    target = FIRST_PIECE_CHARS
+    buf: list[str] = []
+    size = 0
+    try:
+        with _open_text(path) as fh:
+            for line in fh:
+                if size >= target and _safe_cut(buf[-1], line):
+                    yield "".join(buf)
+                    buf, size = [], 0
+                    target = min(2 * target, MAX_PIECE_CHARS)
+                buf.append(line)
+                size += len(line)
+    except UnicodeDecodeError as e:
+        raise _decode_error(path, e) from None
+    if buf:
+        yield "".join(buf)
+
+
+def _safe_cut(previous_line: str, next_line: str) -> bool:
+    """A cut between two lines is safe when the first ends 'x\\n' and the second starts with a
+    non-blank character: pre-tokenizers keep one newline to itself (or glued to the punctuation
+    before it) and never join it to the next word."""
+    return (
+        previous_line.endswith("\n")
+        and not previous_line.endswith(("\r\n", "\n\n"))
+        and len(previous_line) >= 2
+        and not previous_line[-2].isspace()
+        and next_line[:1] != ""
+        and not next_line[:1].isspace()
+    )
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
+    try:
+        with _open_text(path) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise NormswapError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                yield iter([_text_of(row, text_field, f"{path}:{lineno}")])
+    except UnicodeDecodeError as e:
+        raise _decode_error(path, e) from None
+
+
+def _text_of(row, text_field: str, where: str) -> str:
+    if not isinstance(row, dict):
+        raise NormswapError(f"{where}: expected a JSON object with a {text_field!r} field")
+    if text_field not in row:
+        fields = ", ".join(sorted(map(str, row))) or "none"
+        raise NormswapError(f"{where}: no field {text_field!r} (fields: {fields}); pick one with --text-field")
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise NormswapError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")
+    return text
+
+
+def _require_datasets(path: Path):
+    try:
+        import datasets
+    except ImportError:
+        raise NormswapError(
+            f"{path}: a dataset saved with `datasets`; reading it needs the datasets package "
+            "(pip install datasets), or export the text to a .txt or .jsonl file"
+        ) from None
+    return datasets
+
+
+def _dataset_documents(path: Path, text_field: str) -> Iterator[Document]:
+    datasets = _require_datasets(path)
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise NormswapError(f"{path}: cannot load the saved dataset ({e.__class__.__name__}: {e})") from None
+    if isinstance(ds, dict):  # a DatasetDict (a dict subclass): pick one split
+        splits = list(ds.keys())
+        split = next((s for s in _SPLIT_PREFERENCE if s in splits), splits[0] if len(splits) == 1 else None)
+        if split is None:
+            raise NormswapError(f"{path}: a dataset with splits {', '.join(splits)} and none named test/validation/train")
+        ds = ds[split]
+    for i, row in enumerate(ds):
+        yield iter([_text_of(row, text_field, f"{path} row {i}")])

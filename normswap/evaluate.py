@@ -1,0 +1,495 @@
+"""Perplexity with a sliding window, and the diff of two models scored on the same windows.
+
+The recipe is the standard one from the transformers documentation ("Perplexity of fixed-length
+models"): windows of `max_length` tokens start every `stride` tokens; in each window only the tokens
+not scored by an earlier window count (the others are labels -100, context only); the mean NLL is
+weighted by the number of tokens that actually contribute to the loss. Two details differ from the
+documented snippet, both on purpose:
+
+- the count of scored tokens is exact: the snippet subtracts one token per window for the label
+  shift, but the shift only removes a token from the loss when that token was not already masked
+  (the first window, or stride == window). Here each window says which positions it scores.
+- the log-softmax, NLL and KL are computed in float64 from the model's logits (any dtype), a few
+  rows at a time, so the numbers do not depend on the batch shape and memory stays bounded.
+
+BOS: a document is encoded the way its tokenizer encodes text by default. The special tokens the
+tokenizer adds around a text (BOS for Llama 2/3 and Gemma; nothing for GPT-2 or SmolLM2) are found
+by encoding a probe with and without them, and are put around every document — so a model scores
+its text in the form it saw in training, and no token is invented for a tokenizer that adds none.
+Documents that get no special tokens are joined by a blank line, like the documented recipe.
+
+Text is tokenised lazily, piece by piece, and windows are cut from a bounded buffer, so memory does
+not grow with the corpus; logits are reduced per batch and never kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from normswap.data import Corpus, open_corpus
+from normswap.errors import NormswapError
+
+# Config attributes that hold a model's context length, by the names the families use.
+CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+DOCUMENT_SEPARATOR = "\n\n"
+# Rows of logits turned into float64 log-probabilities at once (64 x 152k vocab = 78 MB).
+_ROWS_PER_CHUNK = 64
+# Texts cut after a line break that follows a non-blank character and precedes a non-blank line
+# (the only cuts normswap.data makes): a tokenizer that encodes both halves into exactly the tokens
+# of the whole passes; one that does not (SentencePiece adding a prefix space) gets whole documents.
+_CUT_PROBES = (
+    ("In the beginning.\n", "And the earth was without form"),
+    ("x = f(1, 2),\n", "(y) -> z;"),
+    ("chapter 3\n", "12 And the LORD God"),
+    ("word\n", "Word"),
+)
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    ppl: float  # exp(nll)
+    nll: float  # mean negative log-likelihood per scored token, in nats
+    tokens: int  # tokens that contributed to the loss
+    windows: int
+    max_length: int  # the longest window actually used
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    ppl_a: float
+    ppl_b: float
+    delta_ppl: float  # ppl_b - ppl_a
+    relative_delta: float  # (ppl_b - ppl_a) / ppl_a
+    nll_a: float
+    nll_b: float
+    kl_mean: float  # mean over scored tokens of KL(A || B) of the next-token distributions, nats
+    kl_max: float
+    top1_agreement: float  # fraction of scored positions where both models' argmax agree
+    max_abs_logit_diff: float
+    tokens: int
+    windows: int
+    max_length: int
+    stride: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Window:
+    """`ids` are fed to the model; the tokens ids[first_target:] are scored (each predicted from
+    the position before it); the earlier ones are context already scored by a previous window."""
+
+    ids: list[int]
+    first_target: int
+    new_tokens: int  # tokens of the stream this window reaches for the first time (progress)
+
+    @property
+    def scored(self) -> int:
+        return len(self.ids) - self.first_target
+
+
+# ----------------------------------------------------------------------------- window planning
+
+
+def model_context_length(model) -> int | None:
+    config = getattr(model, "config", None)
+    for attr in CONTEXT_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_window_options(max_length: int | None, stride: int | None, max_tokens: int | None = None,
+                         batch_size: int = 1) -> None:
+    """The checks that need no model: a CLI runs them before loading anything."""
+    if max_length is not None and max_length < 2:
+        raise NormswapError(f"--max-length {max_length}: a window needs at least 2 tokens")
+    if stride is not None and stride <= 0:
+        raise NormswapError(f"--stride {stride}: must be a positive number of tokens")
+    if stride is not None and max_length is not None and stride > max_length:
+        raise NormswapError(f"--stride {stride} is larger than --max-length {max_length}: tokens between "
+                            "windows would never be scored")
+    if max_tokens is not None and max_tokens < 2:
+        raise NormswapError(f"--max-tokens {max_tokens}: at least 2 tokens are needed to score one")
+    if batch_size < 1:
+        raise NormswapError(f"--batch-size {batch_size}: must be at least 1")
+
+
+def plan_window(models: Sequence, max_length: int | None, stride: int | None) -> tuple[int, int]:
+    """(window, stride): the models' context capped by max_length; stride defaults to half of it."""
+    check_window_options(max_length, stride)
+    contexts = [c for c in (model_context_length(m) for m in models) if c is not None]
+    context = min(contexts) if contexts else None
+    if max_length is None:
+        if context is None:
+            raise NormswapError("cannot tell the model's context length from its config; pass --max-length")
+        window = context
+    else:
+        window = min(max_length, context) if context is not None else max_length
+    if stride is None:
+        stride = max(1, window // 2)
+    if stride <= 0:
+        raise NormswapError(f"--stride {stride}: must be a positive number of tokens")
+    if stride > window:
+        raise NormswapError(
+            f"--stride {stride} is larger than the window ({window} tokens): tokens between windows "
+            "would never be scored"
+        )
+    return window, stride
+
+
+def sliding_windows(
+    token_chunks: Iterable[Sequence[int]],
+    window: int,
+    stride: int,
+    max_tokens: int | None = None,
+    short_ok: bool = True,
+) -> Iterator[Window]:
+    """Cut the token stream into the recipe's windows, holding at most one window of tokens.
+
+    A stream shorter than one window is one shorter window when `short_ok` (the recipe's own
+    behaviour, used when the window is the model's context) and an error otherwise (the user asked
+    for windows of that length: a number measured on fewer tokens would not be comparable).
+    """
+    tokens = _capped(_flatten(token_chunks), max_tokens)
+    buf: list[int] = []
+    buf_start = 0  # absolute position of buf[0]
+    exhausted = False
+    begin = prev_end = 0
+    while True:
+        # One token of look-ahead tells whether this window is the last.
+        want = begin + window + 1 - (buf_start + len(buf))
+        if want > 0 and not exhausted:
+            block = list(itertools.islice(tokens, want))
+            buf.extend(block)
+            exhausted = len(block) < want
+        stream_end = buf_start + len(buf)
+        end = min(begin + window, stream_end)
+        if begin == 0:
+            if end < 2:
+                raise NormswapError(f"the text has {end} token{'s' * (end != 1)}; at least 2 are needed to score one")
+            if end < window and not short_ok and end == max_tokens:
+                raise NormswapError(f"--max-tokens {max_tokens} is shorter than one window ({window} tokens)")
+            if end < window and not short_ok:
+                raise NormswapError(
+                    f"the text is shorter than one window: {end} tokens, window {window}; "
+                    f"pass --max-length {end} or less, or more text"
+                )
+        # Tokens before prev_end were scored by an earlier window; position 0 never can be (no context).
+        win = Window(buf[begin - buf_start:end - buf_start], max(1, prev_end - begin), end - prev_end)
+        if win.scored > 0:  # with stride == window a last window of 1 token has nothing to score
+            yield win
+        prev_end = end
+        if end == stream_end:
+            return
+        begin += stride
+        del buf[:begin - buf_start]
+        buf_start = begin
+
+
+def _flatten(chunks: Iterable[Sequence[int]]) -> Iterator[int]:
+    for chunk in chunks:
+        yield from chunk
+
+
+def _capped(tokens: Iterator[int], max_tokens: int | None) -> Iterator[int]:
+    return tokens if max_tokens is None else itertools.islice(tokens, max_tokens)
+
+
+def batched_windows(windows: Iterable[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Consecutive windows of equal length, up to batch_size of them: no padding is ever needed
+    (only the last window of a stream can be shorter)."""
+    batch: list[Window] = []
+    for w in windows:
+        if batch and (len(batch) == batch_size or len(w.ids) != len(batch[0].ids)):
+            yield batch
+            batch = []
+        batch.append(w)
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------- tokenisation
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # verbose=False: long pieces exceed model_max_length on purpose (windows are cut later).
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def special_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text by default (e.g. [BOS], [])."""
+    probe = "Hello world"
+    plain = _encode(tokenizer, probe)
+    full = list(tokenizer(probe, add_special_tokens=True, verbose=False)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []
+
+
+def _cuts_are_exact(tokenizer) -> bool:
+    return all(_encode(tokenizer, a) + _encode(tokenizer, b) == _encode(tokenizer, a + b) for a, b in _CUT_PROBES)
+
+
+def document_tokens(tokenizer, documents: Iterable[Iterable[str]]) -> Iterator[list[int]]:
+    """Token chunks of the documents, one after another, each wrapped as its tokenizer wraps text."""
+    prefix, suffix = special_affixes(tokenizer)
+    separated_by_text = not prefix and not suffix
+    exact_cuts = _cuts_are_exact(tokenizer)
+    first_document = True
+    for doc in documents:
+        pieces = doc if exact_cuts else iter(["".join(doc)])
+        started = False
+        for piece in pieces:
+            if not started:
+                if not piece.strip():
+                    continue  # empty rows (common in jsonl corpora) are not documents
+                head = DOCUMENT_SEPARATOR if separated_by_text and not first_document else ""
+                yield list(prefix) + _encode(tokenizer, head + piece)
+                started, first_document = True, False
+            else:
+                yield _encode(tokenizer, piece)
+        if started and suffix:
+            yield list(suffix)
+
+
+def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence[int]]:
+    """Accepts: a str (one text), a Path or Corpus (read lazily), an iterable of str (documents),
+    a 1-D tensor or an iterable of ints (token ids, taken verbatim), or an iterable of token-id
+    sequences (chunks of one stream)."""
+    if isinstance(data, torch.Tensor):
+        if data.dim() == 2 and data.shape[0] == 1:
+            data = data[0]
+        if data.dim() != 1:
+            raise NormswapError(f"token ids must be a 1-D tensor (or 1 x N), got shape {tuple(data.shape)}")
+        return iter([data.tolist()])
+    if isinstance(data, (str, os.PathLike, Corpus)):
+        if isinstance(data, str):
+            documents: Iterable = [iter([data])]
+        else:
+            corpus = data if isinstance(data, Corpus) else open_corpus(data, text_field)
+            documents = corpus.documents()
+        return document_tokens(_need_tokenizer(tokenizer), documents)
+    items = iter(data)
+    try:
+        head = next(items)
+    except StopIteration:
+        return iter(())
+    items = itertools.chain([head], items)
+    if isinstance(head, str):
+        return document_tokens(_need_tokenizer(tokenizer), (iter([t]) for t in items))
+    if isinstance(head, int) or (isinstance(head, torch.Tensor) and head.dim() == 0):
+        return iter([[int(t) for t in items]]) if isinstance(data, Sequence) else _singletons(items)
+    return ((t.tolist() if isinstance(t, torch.Tensor) else t) for t in items)
+
+
+def _singletons(items: Iterator) -> Iterator[list[int]]:
+    for t in items:
+        yield [int(t)]
+
+
+def _need_tokenizer(tokenizer):
+    if tokenizer is None:
+        raise NormswapError("scoring text needs the model's tokenizer (pass token ids to score without one)")
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _check_causal(model) -> None:
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise NormswapError(
+            f"{type(model).__name__} is an encoder-decoder model; perplexity here needs a causal language model"
+        )
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids.to(_device_of(model)), use_cache=False)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise NormswapError(f"{type(model).__name__} returns no logits (a model without a language-model head?)")
+    return logits
+
+
+def _scored_rows(logits: torch.Tensor, batch: list[Window]) -> torch.Tensor:
+    """[M, V] logits at the positions that predict scored tokens, in window order."""
+    return torch.cat([logits[i, w.first_target - 1:-1] for i, w in enumerate(batch)])
+
+
+def _scored_targets(batch: list[Window]) -> torch.Tensor:
+    return torch.tensor([t for w in batch for t in w.ids[w.first_target:]], dtype=torch.long)
+
+
+def _row_chunks(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    for start in range(0, tensors[0].shape[0], _ROWS_PER_CHUNK):
+        yield tuple(t[start:start + _ROWS_PER_CHUNK] for t in tensors)
+
+
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    total = 0.0
+    for rows, tgt in _row_chunks(logits, targets.to(logits.device)):
+        logp = torch.log_softmax(rows.double(), dim=-1)
+        total += -logp.gather(1, tgt[:, None]).sum().item()
+    return total
+
+
+def _ppl(nll: float) -> float:
+    return math.exp(nll) if nll < 709.0 else math.inf
+
+
+class _Scoring:
+    """Plans the windows, drives the models over them batch by batch, with a progress bar."""
+
+    def __init__(self, models, tokenizer, data, *, max_length, stride, max_tokens, batch_size, progress,
+                 text_field, desc):
+        for m in models:
+            _check_causal(m)
+        check_window_options(max_length, stride, max_tokens, batch_size)
+        self.window, self.stride = plan_window(models, max_length, stride)
+        windows = sliding_windows(token_chunks(tokenizer, data, text_field), self.window, self.stride,
+                                  max_tokens, short_ok=max_length is None)
+        # Cut the first window before the bar appears: bad input fails with a clean line.
+        first = next(windows)
+        self.windows = itertools.chain([first], windows)
+        self.models, self.max_tokens, self.batch_size = models, max_tokens, batch_size
+        self.progress, self.desc = progress, desc
+        self.count = self.longest = self.tokens = 0
+
+    def batches(self) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
+        """(windows, scored-row logits per model, scored targets) for each batch."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.max_tokens, unit="tok", desc=self.desc, file=sys.stderr,
+                   disable=not self.progress, dynamic_ncols=True, leave=False)
+        # Dropout off while scoring (deterministic numbers); the caller's mode is restored after.
+        modes = [getattr(m, "training", False) for m in self.models]
+        for m in self.models:
+            m.eval()
+        try:
+            yield from self._batches(bar)
+        finally:
+            for m, mode in zip(self.models, modes, strict=True):
+                m.train(mode)
+
+    def _batches(self, bar) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
+        with bar, torch.inference_mode():
+            for batch in batched_windows(self.windows, self.batch_size):
+                ids = torch.tensor([w.ids for w in batch], dtype=torch.long)
+                rows = [_scored_rows(_logits(m, ids), batch) for m in self.models]
+                yield batch, rows, _scored_targets(batch)
+                self.count += len(batch)
+                self.longest = max(self.longest, len(batch[0].ids))
+                self.tokens += sum(w.scored for w in batch)
+                bar.update(sum(w.new_tokens for w in batch))
+
+
+def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,
+               stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
+               progress: bool = True, text_field: str = "text") -> PerplexityResult:
+    """Sliding-window perplexity of `model` on a text (str), documents (iterable of str), a data
+    PATH (pathlib.Path or normswap.data.open_corpus(PATH)) or token ids (tensor or ints).
+
+    max_length caps the window (default: the model's context); stride defaults to half the window;
+    max_tokens keeps only the first tokens of the corpus. Raises NormswapError on bad input.
+    """
+    run = _Scoring([model], tokenizer, texts_or_token_stream, max_length=max_length, stride=stride,
+                   max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
+                   desc="perplexity")
+    total = 0.0
+    for _, (rows,), targets in run.batches():
+        total += _nll_sum(rows, targets)
+    nll = total / run.tokens
+    return PerplexityResult(ppl=_ppl(nll), nll=nll, tokens=run.tokens, windows=run.count,
+                            max_length=run.longest, stride=run.stride)
+
+
+def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None, stride: int | None = None,
+                max_tokens: int | None = None, batch_size: int = 1, progress: bool = True,
+                text_field: str = "text") -> DiffResult:
+    """Score both models on the same windows and compare their next-token distributions.
+
+    KL(A || B) = sum_v pA(v) (log pA(v) - log pB(v)) per scored position, from float64 log-softmax.
+    `data` takes what `perplexity` takes; a data PATH must be a pathlib.Path or
+    normswap.data.open_corpus(PATH) (a plain str is scored as the text itself).
+    This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
+    patched_copy(original, impl), tokenizer, open_corpus(PATH), ...).
+    """
+    run = _Scoring([model_a, model_b], tokenizer, data, max_length=max_length, stride=stride,
+                   max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
+                   desc="diff")
+    nll_a = nll_b = kl_sum = 0.0
+    kl_max = max_abs = 0.0
+    agree = 0
+    for _, (rows_a, rows_b), targets in run.batches():
+        if rows_a.shape[-1] != rows_b.shape[-1]:
+            raise NormswapError(
+                f"the models have different vocabularies ({rows_a.shape[-1]} vs {rows_b.shape[-1]} logits)"
+            )
+        for a, b, tgt in _row_chunks(rows_a, rows_b.to(rows_a.device), targets.to(rows_a.device)):
+            a64, b64 = a.double(), b.double()
+            logp_a = torch.log_softmax(a64, dim=-1)
+            logp_b = torch.log_softmax(b64, dim=-1)
+            nll_a -= logp_a.gather(1, tgt[:, None]).sum().item()
+            nll_b -= logp_b.gather(1, tgt[:, None]).sum().item()
+            kl = (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+            kl_sum += kl.sum().item()
+            kl_max = max(kl_max, kl.max().item())
+            agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+            max_abs = max(max_abs, (a64 - b64).abs().max().item())
+    n = run.tokens
+    nll_a, nll_b = nll_a / n, nll_b / n
+    ppl_a, ppl_b = _ppl(nll_a), _ppl(nll_b)
+    return DiffResult(
+        ppl_a=ppl_a, ppl_b=ppl_b, delta_ppl=ppl_b - ppl_a, relative_delta=(ppl_b - ppl_a) / ppl_a,
+        nll_a=nll_a, nll_b=nll_b, kl_mean=kl_sum / n, kl_max=kl_max, top1_agreement=agree / n,
+        max_abs_logit_diff=max_abs, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride,
+    )
+
+
+def patched_copy(model, impl: str):
+    """A copy of `model` with its norms swapped for `impl` by normswap's patch API (the original
+    is left untouched, so the two can be diffed)."""
+    patch = require_patch_api()
+    twin = copy.deepcopy(model)
+    out = patch(twin, impl=impl)
+    return out if isinstance(out, torch.nn.Module) else twin
+
+
+def require_patch_api():
+    """normswap.patch(model, impl=...) or a one-line NormswapError when this build lacks it."""
+    import importlib
+
+    # normswap.patch is the public name; the function lives in normswap.swap (or normswap/patch.py).
+    for module_name in ("normswap", "normswap.swap", "normswap.patch"):
+        try:
+            fn = getattr(importlib.import_module(module_name), "patch", None)
+        except ImportError:
+            continue
+        if callable(fn) and not isinstance(fn, type(sys)):
+            return fn
+    raise NormswapError("normswap.patch (the patch API) is not in this build; comparing with a patched model needs it")
+

@@ -1,0 +1,250 @@
+"""Shard-by-shard conversion of a safetensors checkpoint.
+
+Only the tensors of the job being folded are in memory at once: they are read with safetensors'
+lazy `safe_open`, transformed (normswap.convert.run_job), and written straight to their place in
+the output file. The output files' headers are written first (every tensor's dtype and shape is
+known before any data is read), so each tensor lands at its final offset with one seek + write
+and no shard is ever assembled in memory. Peak memory is therefore the largest job (typically the
+lm_head or embedding table), not the model.
+
+The in-memory path (streaming=False) loads every tensor first and runs the same jobs through the
+same writer, so both paths write byte-identical files; tests hold them to that.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from normswap.convert import Plan, run_job
+from normswap.errors import NormswapError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def read_header(path: Path) -> dict:
+    """A safetensors file's JSON header (names, dtypes, shapes, offsets), without reading data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise NormswapError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise NormswapError(f"{path}: not a safetensors file (header length {n})")
+        try:
+            return json.loads(f.read(n))
+        except ValueError:
+            raise NormswapError(f"{path}: not a safetensors file (unreadable header)") from None
+
+
+def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
+    """(shard file names in order, key -> file name, sharded?) for a safetensors checkpoint dir."""
+    index = src / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise NormswapError(f"{index}: malformed index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        return files, dict(weight_map), True
+    single = src / SINGLE_NAME
+    if single.is_file():
+        keys = [k for k in read_header(single) if k != "__metadata__"]
+        return [SINGLE_NAME], {k: SINGLE_NAME for k in keys}, False
+    raise NormswapError(f"{src}: no {SINGLE_NAME} or {INDEX_NAME} (streaming needs safetensors)")
+
+
+class CheckpointReader:
+    """Lazy access to a checkpoint's tensors under the model's own parameter names.
+
+    Checkpoints saved from a bare base model (GPT-2 on the hub: "h.0.attn...") lack the
+    *ForCausalLM prefix; names are mapped to the model's names ("transformer.h.0.attn...").
+    Each read opens the shard with safe_open and returns that one tensor, lazily mapped.
+    """
+
+    def __init__(self, src: Path, model_names: Iterable[str], prefix: str = "", aliases: dict | None = None):
+        self.src = Path(src)
+        self.files, raw_map, self.sharded = checkpoint_layout(self.src)
+        names = set(model_names)
+        pre = prefix + "." if prefix else ""
+        self.raw: dict[str, tuple[str, str]] = {}  # canonical -> (file, key in file)
+        for key, file in raw_map.items():
+            canonical = key if (key in names or not pre or pre + key not in names) else pre + key
+            self.raw[canonical] = (file, key)
+        self.aliases = dict(aliases or {})
+        self._headers: dict[str, dict] = {}
+
+    def header(self, file: str) -> dict:
+        if file not in self._headers:
+            self._headers[file] = read_header(self.src / file)
+        return self._headers[file]
+
+    def _locate(self, name: str) -> tuple[str, str]:
+        if name in self.raw:
+            return self.raw[name]
+        if name in self.aliases and self.aliases[name] in self.raw:
+            return self.raw[self.aliases[name]]
+        raise NormswapError(f"{self.src}: the checkpoint has no tensor {name}")
+
+    def meta(self, name: str) -> tuple[torch.dtype, list[int]]:
+        file, key = self._locate(name)
+        h = self.header(file)[key]
+        if h["dtype"] not in ST_DTYPES:
+            raise NormswapError(f"{name}: unsupported safetensors dtype {h['dtype']}")
+        return ST_DTYPES[h["dtype"]], list(h["shape"])
+
+    def file_of(self, name: str) -> str:
+        return self._locate(name)[0]
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file, key = self._locate(name)
+        with safe_open(self.src / file, framework="pt") as f:
+            # A lazily mapped view of the file: its pages are read when touched and released when
+            # the tensor is freed, so nothing of the shard outlives the job that asked for it.
+            return f.get_tensor(key)
+
+    def names(self) -> list[str]:
+        return list(self.raw)
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensor list is known up front, tensor by tensor, in any
+    order. The header (format: 8-byte little-endian length, JSON, space padding to 8 bytes) is
+    written at once; each tensor then goes to its offset."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, list[int]]], metadata: dict):
+        self.path = Path(path)
+        header: dict = {"__metadata__": metadata}
+        self.slots: dict[str, tuple[int, int, torch.dtype, list[int]]] = {}
+        offset = 0
+        for name, dtype, shape in sorted(entries, key=lambda e: e[0]):
+            n = _nbytes(dtype, shape)
+            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.slots[name] = (offset, n, dtype, list(shape))
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.base = 8 + len(blob)
+        self.size = self.base + offset
+        self.written: set[str] = set()
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self.f.truncate(self.size)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        start, n, dtype, shape = self.slots[name]
+        if t.dtype != dtype or list(t.shape) != shape:
+            raise NormswapError(f"{name}: expected {dtype} {shape}, got {t.dtype} {list(t.shape)}")
+        if name in self.written:
+            raise NormswapError(f"{name} written twice")
+        if n:
+            self.f.seek(self.base + start)
+            # write from the tensor's own buffer (no bytes copy of a possibly large tensor)
+            self.f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.written.add(name)
+
+    def close(self) -> None:
+        missing = set(self.slots) - self.written
+        self.f.close()
+        if missing:
+            raise NormswapError(f"{self.path.name}: {len(missing)} tensors never written (e.g. {sorted(missing)[0]})")
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def convert_files(
+    src: Path,
+    out: Path,
+    plan: Plan,
+    model_names: Iterable[str],
+    prefix: str = "",
+    out_dtype: Callable[[str, torch.Tensor], torch.dtype] | None = None,
+    streaming: bool = True,
+    progress: bool = False,
+) -> dict[str, dict]:
+    """Convert the safetensors checkpoint in `src` into `out` (same shard files, same tensor names
+    plus an untied head); returns the jobs' infos (e.g. BLOOM's bake scale)."""
+    from normswap.convert import keep_dtype
+
+    policy = out_dtype or keep_dtype(None)
+    reader = CheckpointReader(Path(src), model_names, prefix, plan.aliases)
+    job_outputs = {o for j in plan.jobs for o in j.outputs}
+    new_names = [o for o in job_outputs if o not in reader.raw]  # the untied head
+
+    # Every output tensor: its file, dtype and shape, known before any data is read.
+    placement: dict[str, str] = {}
+    entries: dict[str, list] = {f: [] for f in reader.files}
+    for name in reader.names():
+        placement[name] = reader.file_of(name)
+    for name in new_names:
+        placement[name] = reader.file_of(name)  # beside the table it was tied to
+    for name, file in placement.items():
+        dtype, shape = reader.meta(name)
+        entries[file].append((name, policy(name, torch.empty(0, dtype=dtype)), shape))
+    writers = {f: SafetensorsWriter(Path(out) / f, entries[f], {"format": "pt"}) for f in reader.files}
+
+    total = sum(_nbytes(d, s) for es in entries.values() for _, d, s in es)
+    bar = _progress(total, progress)
+    infos: dict[str, dict] = {}
+    try:
+        if streaming:
+            read = reader.read
+        else:
+            everything = {n: reader.read(n) for n in reader.names()}
+
+            def read(name: str) -> torch.Tensor:
+                return everything[name if name in everything else plan.aliases[name]]
+
+        for job in plan.jobs:
+            tensors, info = run_job(job, read, policy)
+            if info:
+                infos[job.module] = info
+            for name, t in tensors.items():
+                writers[placement[name]].write(name, t)
+                bar.update(t.numel() * t.element_size())
+            del tensors
+        for name in reader.names():
+            if name in job_outputs:
+                continue
+            t = read(name)
+            t = t.to(policy(name, t))
+            writers[placement[name]].write(name, t)
+            bar.update(t.numel() * t.element_size())
+            del t
+    finally:
+        for w in writers.values():
+            if not w.f.closed:
+                w.f.close()
+        bar.close()
+    for w in writers.values():
+        w.close()
+    if reader.sharded:
+        weight_map = {n: placement[n] for n in sorted(placement)}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (Path(out) / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return infos
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not enabled)

@@ -1,0 +1,231 @@
+"""Backend registry: what is available and why not, clear errors, and every available backend
+against the float64 reference (forward and backward) in every casting mode it claims."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from normswap.backends import CASTING_SUPPORT, available_backends, get_backend
+from normswap.errors import NormswapError
+from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+from tests.kernel_checks import TOL, assert_close, grads, leaf, leaf64, rand_weight
+
+NAMES = ("triton", "torch", "compile", "liger", "quack", "reference")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_registry_lists_every_backend_with_a_reason():
+    avail = available_backends()
+    assert tuple(avail) == NAMES
+    assert avail["reference"] is None and avail["torch"] is None
+    for name, why in avail.items():
+        assert why is None or (isinstance(why, str) and why.strip()), name
+    for name in ("liger", "quack"):
+        try:
+            __import__({"liger": "liger_kernel", "quack": "quack"}[name])
+        except ImportError:
+            assert "does not import" in avail[name]
+    assert set(CASTING_SUPPORT) == set(NAMES)
+
+
+def test_unknown_and_unavailable_backends_are_errors():
+    with pytest.raises(NormswapError, match="unknown backend 'fast'; known: triton, torch"):
+        get_backend("fast")
+    missing = [n for n, why in available_backends().items() if why is not None]
+    if not missing:
+        pytest.skip("every backend is available here")
+    with pytest.raises(NormswapError) as err:
+        get_backend(missing[0])
+    msg = str(err.value)
+    assert f"backend {missing[0]!r} is not available here" in msg
+    ok = [n for n, why in available_backends().items() if why is None]
+    assert msg.endswith("available: " + ", ".join(ok))
+    assert "\n" not in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine triton runs without the interpreter")
+def test_triton_reason_without_interpreter():
+    """triton imported before TRITON_INTERPRET=1 (or without it) cannot run on CPU: say exactly that."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import triton\n"
+        "from normswap.backends import available_backends, get_backend\n"
+        "print(available_backends()['triton'])\n"
+        "try:\n    get_backend('triton')\nexcept Exception as e:\n    print(type(e).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    reason, kind = out.stdout.strip().splitlines()
+    assert reason.startswith("no CUDA device, and TRITON_INTERPRET=1 was not set before triton was imported")
+    assert kind == "NormswapError"
+
+
+def test_kernels_and_backends_never_import_transformers():
+    code = (
+        "import sys\n"
+        "import normswap.backends as b, normswap.kernels.rms_norm, normswap.kernels.layer_norm\n"
+        "import normswap.kernels.native, normswap.kernels.adapters\n"
+        "b.available_backends()\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_triton_backend_is_the_kernels():
+    if available_backends()["triton"] is not None:
+        pytest.skip(available_backends()["triton"])
+    from normswap.kernels.layer_norm import layer_norm
+    from normswap.kernels.rms_norm import rms_norm
+
+    b = get_backend("triton")
+    assert b.rms_norm is rms_norm and b.layer_norm is layer_norm
+
+
+def run_rms_case(be, dtype, casting, offset, with_weight, residual, w_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, 96, generator=gen) * 2 + 0.3).to(dtype).to(DEV)
+    w = rand_weight(96, w_dtype or dtype, offset, gen).to(DEV) if with_weight else None
+    r = torch.randn(5, 96, generator=gen).to(dtype).to(DEV) if residual else None
+    xs, ws, rs = leaf(x), leaf(w), leaf(r)
+    out = be.rms_norm(xs, ws, 1e-6, offset, casting, residual=rs)
+    outs = out if residual else (out,)
+    same = rms_norm_ref(x, w, 1e-6, offset, casting, residual=r)
+    same = same if residual else (same,)
+    assert [o.dtype for o in outs] == [s.dtype for s in same]
+    # The casting contract: a half-precision result equals the same-dtype reference on nearly
+    # every element (fp32 results differ in the last bits with summation order, so only tolerances).
+    if outs[0].dtype != torch.float32:
+        assert (outs[0] != same[0]).float().mean().item() <= 0.02
+    x64, w64, r64 = leaf64(x), leaf64(w), leaf64(r)
+    ref = rms_norm_ref(x64, w64, 1e-6, offset, casting, residual=r64)
+    refs = ref if residual else (ref,)
+    assert_close(outs[0], refs[0], max(TOL[dtype][0], TOL[outs[0].dtype][0]), "y")
+    up = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEV) for o in outs]
+    # Autograd-based backends run part of the chain in the narrowest dtype involved.
+    bwd_tol = max(TOL[t.dtype][1] for t in (x, w, outs[0]) if t is not None)
+    for g, e, t, name in zip(grads(outs, up, (xs, ws, rs)), grads(refs, up, (x64, w64, r64)), (x, w, r), "xwr", strict=True):
+        if t is not None:
+            assert_close(g, e, bwd_tol, f"d{name}")
+
+
+def run_ln_case(be, dtype, offset, with_weight, with_bias, residual, w_dtype=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, 96, generator=gen) * 2 + 3.0).to(dtype).to(DEV)
+    w = rand_weight(96, w_dtype or dtype, offset, gen).to(DEV) if with_weight else None
+    b = torch.randn(96, generator=gen).to(w_dtype or dtype).to(DEV) if with_bias else None
+    r = torch.randn(5, 96, generator=gen).to(dtype).to(DEV) if residual else None
+    xs, ws, bs, rs = leaf(x), leaf(w), leaf(b), leaf(r)
+    out = be.layer_norm(xs, ws, bs, 1e-5, offset, residual=rs)
+    outs = out if residual else (out,)
+    same = layer_norm_ref(x, w, b, 1e-5, offset, residual=r)
+    same = same if residual else (same,)
+    assert [o.dtype for o in outs] == [s.dtype for s in same]
+    if outs[0].dtype != torch.float32:
+        assert (outs[0] != same[0]).float().mean().item() <= 0.02
+    a64 = [leaf64(t) for t in (x, w, b, r)]
+    ref = layer_norm_ref(a64[0], a64[1], a64[2], 1e-5, offset, residual=a64[3])
+    refs = ref if residual else (ref,)
+    assert_close(outs[0], refs[0], TOL[dtype][0], "y")
+    up = [torch.randn(o.shape, generator=gen).to(o.dtype).to(DEV) for o in outs]
+    bwd_tol = max(TOL[t.dtype][1] for t in (x, w, b) if t is not None)
+    for g, e, t, name in zip(grads(outs, up, (xs, ws, bs, rs)), grads(refs, up, a64), (x, w, b, r), "xwbr", strict=True):
+        if t is not None:
+            assert_close(g, e, bwd_tol, f"d{name}")
+
+
+FAST = [n for n in ("triton", "torch", "liger", "quack", "reference") if available_backends()[n] is None]
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_backend_rms_all_claimed_modes(name, dtype):
+    be = get_backend(name)
+    for casting in CASTING_SUPPORT[name]:
+        for offset in (0.0, 1.0):
+            try:
+                run_rms_case(be, dtype, casting, offset, True, residual=offset == 1.0)
+            except NormswapError as e:  # adapters refuse some combinations, loudly
+                assert name in ("liger", "quack"), e
+    run_rms_case(be, dtype, "llama", 0.0, False, residual=True)
+    # Weight in another dtype: llama returns promote(w, x); t5 rounds to the half weight.
+    if name not in ("liger", "quack"):
+        run_rms_case(be, dtype, "llama", 0.0, True, False, w_dtype=torch.float32)
+        run_rms_case(be, dtype, "t5", 0.0, True, False, w_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_backend_layer_norm(name, dtype):
+    be = get_backend(name)
+    for offset, wb, residual in ((0.0, (True, True), False), (1.0, (True, True), True), (0.0, (False, True), True),
+                                 (0.0, (False, False), False)):
+        try:
+            run_ln_case(be, dtype, offset, *wb, residual)
+        except NormswapError as e:
+            assert name in ("liger", "quack"), e
+    if name not in ("liger", "quack"):
+        run_ln_case(be, dtype, 0.0, True, True, False, w_dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_compile_backend():
+    """torch.compile of the reference (inductor needs gcc on CPU and ~30 s per graph: one case each)."""
+    if available_backends()["compile"] is not None:
+        pytest.skip(available_backends()["compile"])
+    be = get_backend("compile")
+    assert get_backend("compile") is be  # one compiled wrapper per process: graphs are cached on it
+    run_rms_case(be, torch.bfloat16, "llama", 0.0, True, residual=False)
+    run_ln_case(be, torch.float32, 0.0, True, True, residual=False)
+
+
+def _load_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("normswap_bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_benchmark_without_cuda_is_one_clear_line(capsys):
+    assert _load_benchmark().main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["benchmarks/kernels.py: no CUDA device here; it measures GPU bandwidth "
+                   "(use --dry-run for a CPU plumbing check)"]
+
+
+def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
+    """Plumbing only (tiny CPU shapes, reference and torch backends): table and JSON schema."""
+    import json
+
+    out = tmp_path / "bench.json"
+    bench = _load_benchmark()
+    assert bench.main(["--dry-run", "--impls", "reference,torch", "--rows", "4", "--hidden", "16",
+                       "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "torch", "triton", "copy_gbs", "rows"}
+    assert doc["copy_gbs"] > 0
+    assert len(doc["rows"]) == 2 * 2 * 2 * 2  # ops x passes x dtypes x impls, one shape
+    for r in doc["rows"]:
+        assert set(r) == {"op", "pass", "dtype", "M", "N", "impl", "us", "gbs"}
+        assert r["op"] in ("rms_norm", "layer_norm") and r["pass"] in ("fwd", "fwd+bwd")
+        assert r["us"] > 0 and r["gbs"] > 0
+    table = capsys.readouterr().out
+    assert "copy bandwidth" in table and "reference" in table and "torch" in table
+    # A second run of a part merges into the same file instead of dropping the rest.
+    assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
+                       "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())["rows"]) == 16
+    assert bench.main(["--dry-run", "--impls", "liger"]) == 2 or available_backends()["liger"] is None

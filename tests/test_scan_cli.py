@@ -1,0 +1,305 @@
+"""`normswap scan` end to end through click: --json parsed and checked against the tiny models,
+consumers for the architectures the convert command folds into, bad inputs, --strict."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import ARCHS, save_tiny, tiny_config
+
+from normswap.cli import cli
+
+L = 2  # layers in every tiny model
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, ["scan", *args])
+    return result
+
+
+def scan_json(path) -> dict:
+    result = run(str(path), "--json")
+    assert result.exit_code == 0, (result.output, result.stderr)
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny checkpoints written once per module: {arch: (directory, model)}."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            d = tmp_path_factory.mktemp(arch)
+            cache[arch] = (d, save_tiny(arch, d))
+        return cache[arch]
+
+    return get
+
+
+def _norm_counts_in(model) -> Counter:
+    return Counter(type(m).__name__ for _, m in model.named_modules()
+                   if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm")))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma", "gemma3_text", "t5", "gpt2", "bert", "falcon"])
+def test_scan_json_matches_the_checkpoint(saved, arch):
+    directory, model = saved(arch)
+    doc = scan_json(directory)
+    assert Counter(n["class"] for n in doc["norms"]) == _norm_counts_in(model)
+    assert doc["summary"]["norms"] == len(doc["norms"]) and doc["summary"]["unknown"] == 0
+    assert sum(doc["summary"]["by_kind"].values()) == len(doc["norms"])
+    cfg = tiny_config(arch)
+    eps = next(getattr(cfg, a) for a in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if hasattr(cfg, a))
+    assert {n["eps"] for n in doc["norms"]} == {eps}
+    # Every row names a real module of that class, with the shape of its weight.
+    modules = dict(model.named_modules())
+    for n in doc["norms"]:
+        m = modules[n["path"]]
+        assert type(m).__name__ == n["class"]
+        assert n["shape"] == list(m.weight.shape) and n["weight"] is True
+        assert n["bias"] == (getattr(m, "bias", None) is not None)
+        assert n["consumers"], f"{arch}: {n['path']} has no consumer"
+
+
+def test_scan_family_fields(saved):
+    gemma = scan_json(saved("gemma3_text")[0])
+    assert {(n["offset"], n["casting"]) for n in gemma["norms"]} == {(1.0, "gemma")}
+    qk = [n for n in gemma["norms"] if n["path"].endswith(("q_norm", "k_norm"))]
+    assert len(qk) == 2 * L and {tuple(n["shape"]) for n in qk} == {(8,)}
+    qwen = scan_json(saved("qwen3")[0])
+    assert len([n for n in qwen["norms"] if n["path"].endswith(("q_norm", "k_norm"))]) == 2 * L
+    assert {n["casting"] for n in qwen["norms"]} == {"llama"}
+    t5 = scan_json(saved("t5")[0])
+    assert {(n["kind"], n["casting"], n["eps_attr"]) for n in t5["norms"]} == {("rms", "t5", "variance_epsilon")}
+    gpt2 = scan_json(saved("gpt2")[0])
+    assert {(n["kind"], n["casting"], n["offset"]) for n in gpt2["norms"]} == {("layer", "none", 0.0)}
+    assert gpt2["summary"]["by_kind"] == {"layer": 2 * L + 1}
+    # How each was recognised, and whether the reference reproduces it bit for bit.
+    assert {(n["recognised_by"], n["bit_exact"]) for n in qwen["norms"]} == {("fingerprint:LlamaRMSNorm", True)}
+    assert {(n["recognised_by"], n["bit_exact"]) for n in gpt2["norms"]} == {("torch-class", False)}
+
+
+# What reads each norm, per architecture: layer 0's norms and the final one. These are the modules
+# `normswap convert` folds gains and biases into.
+EXPECTED_CONSUMERS = {
+    "llama": {
+        "model.layers.0.input_layernorm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
+        "model.layers.0.post_attention_layernorm": ["mlp.gate_proj", "mlp.up_proj"],
+        "model.norm": ["lm_head"],
+    },
+    "gpt2": {
+        "transformer.h.0.ln_1": ["attn.c_attn"],
+        "transformer.h.0.ln_2": ["mlp.c_fc"],
+        "transformer.ln_f": ["lm_head"],
+    },
+    "opt": {
+        "model.decoder.layers.0.self_attn_layer_norm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
+        "model.decoder.layers.0.final_layer_norm": ["fc1"],
+        "model.decoder.final_layer_norm": ["lm_head"],
+    },
+    "gpt_neox": {
+        "gpt_neox.layers.0.input_layernorm": ["attention.query_key_value"],
+        "gpt_neox.layers.0.post_attention_layernorm": ["mlp.dense_h_to_4h"],
+        "gpt_neox.final_layer_norm": ["lm_head"],
+    },
+    "phi": {  # parallel block: one norm feeds attention and MLP
+        "model.layers.0.input_layernorm": ["mlp.fc1", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
+        "model.final_layernorm": ["lm_head"],
+    },
+    "falcon": {  # parallel attention, one norm
+        "transformer.h.0.input_layernorm": ["mlp.dense_h_to_4h", "self_attention.query_key_value"],
+        "transformer.ln_f": ["lm_head"],
+    },
+    "falcon_new": {
+        "transformer.h.0.ln_attn": ["self_attention.query_key_value"],
+        "transformer.h.0.ln_mlp": ["mlp.dense_h_to_4h"],
+        "transformer.ln_f": ["lm_head"],
+    },
+    "bloom": {  # the embedding norm's output is the residual stream: the first block reads it too
+        "transformer.word_embeddings_layernorm": ["h.0.input_layernorm", "h.0.self_attention"],
+        "transformer.h.0.input_layernorm": ["self_attention.query_key_value"],
+        "transformer.h.0.post_attention_layernorm": ["mlp.dense_h_to_4h"],
+        "transformer.ln_f": ["lm_head"],
+    },
+}
+
+
+def _absolute(norm_path: str, rel: str) -> str:
+    if rel == "lm_head":
+        return rel
+    return f"{norm_path.rpartition('.')[0]}.{rel}"
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED_CONSUMERS))
+def test_consumers(saved, arch):
+    doc = scan_json(saved(arch)[0])
+    rows = {n["path"]: n["consumers"] for n in doc["norms"]}
+    assert doc["consumers_note"] is None
+    for norm, rel in EXPECTED_CONSUMERS[arch].items():
+        assert rows[norm] == sorted(_absolute(norm, r) for r in rel), (norm, rows[norm])
+
+
+def test_sandwich_post_norms_are_read_by_their_layer(saved):
+    """Gemma 2/3 post-norms write into the residual stream: the layer's own add reads them."""
+    doc = scan_json(saved("gemma3_text")[0])
+    rows = {n["path"]: n["consumers"] for n in doc["norms"]}
+    assert rows["model.layers.0.post_attention_layernorm"] == ["model.layers.0"]
+    assert rows["model.layers.1.post_feedforward_layernorm"] == ["model.layers.1"]
+
+
+def test_human_table(saved):
+    directory, _ = saved("llama")
+    result = run(str(directory))
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "model.layers.0.input_layernorm" in out and "LlamaRMSNorm" in out
+    assert "self_attn.q_proj" in out
+    assert f"{2 * L + 1} norms ({2 * L + 1} rms; {2 * L + 1} LlamaRMSNorm); 0 unknown" in out
+
+
+# ---- bad input: one line on stderr, exit 2, nothing on stdout
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    return {
+        "missing path": str(tmp_path / "nope"),
+        "directory without config.json": str((tmp_path / "empty").mkdir() or tmp_path / "empty"),
+        "a file that is not a model": str(_write(tmp_path / "notes.txt", "hello")),
+        "unknown model_type": str(_write(tmp_path / "alien" / "config.json",
+                                         json.dumps({"model_type": "no_such_arch_xyz"})).parent),
+        "malformed config.json": str(_write(tmp_path / "broken" / "config.json", '{"model_type": "llama",').parent),
+        "config.json that is not an object": str(_write(tmp_path / "list" / "config.json", "[1, 2]").parent),
+        "hub id not cached": "normswap-test-nobody/no-such-model",
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "missing path", "directory without config.json", "a file that is not a model", "unknown model_type",
+    "malformed config.json", "config.json that is not an object", "hub id not cached",
+])
+def test_bad_input_is_one_line_and_exit_2(bad_inputs, case, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for extra in ([], ["--json"]):
+        result = run(bad_inputs[case], *extra)
+        assert result.exit_code == 2, (case, result.output, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("normswap: error: "), (case, result.stderr)
+        assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+# ---- unknown norm-like modules: a warning, or exit 2 under --strict
+
+MAMBA2 = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], vocab_size=96, hidden_size=32,
+              num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8)
+
+
+@pytest.fixture
+def mamba2_dir(tmp_path):
+    _write(tmp_path / "mamba2" / "config.json", json.dumps(MAMBA2))
+    return str(tmp_path / "mamba2")
+
+
+def test_unknown_norm_warns_and_is_listed(mamba2_dir):
+    result = run(mamba2_dir, "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["summary"]["unknown"] == L
+    assert {u["class"] for u in doc["unknown"]} == {"MambaRMSNormGated"}
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("normswap: warning:")]
+    assert len(warnings) == L
+    assert "backbone.layers.0.mixer.norm (MambaRMSNormGated)" in warnings[0]
+
+
+def test_strict_turns_unknown_norms_into_exit_2(mamba2_dir):
+    result = run(mamba2_dir, "--strict")
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MambaRMSNormGated" in lines[0] and "backbone.layers.0.mixer.norm" in lines[0]
+
+
+# ---- size: a 70B-class config scans from its config alone (timing is measured, not asserted)
+
+LLAMA_70B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                 rms_norm_eps=1e-5, max_position_embeddings=8192, torch_dtype="bfloat16")
+
+
+def test_70b_config_scans_without_weights(tmp_path):
+    _write(tmp_path / "llama70b" / "config.json", json.dumps(LLAMA_70B))
+    doc = scan_json(tmp_path / "llama70b")
+    assert doc["summary"]["by_class"] == {"LlamaRMSNorm": 2 * 80 + 1}
+    assert {tuple(n["shape"]) for n in doc["norms"]} == {(8192,)}
+    assert {n["dtype"] for n in doc["norms"]} == {"bfloat16"}
+    assert doc["norms"][-1]["consumers"] == ["lm_head"]
+
+
+@pytest.mark.slow
+def test_real_smollm2_scan():
+    """The embedded default model (first use converts its GGUF once, ~20 s)."""
+    result = CliRunner().invoke(cli, ["scan", "--json"])  # MODEL defaults to smollm2-135m
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["model"] == "smollm2-135m"
+    assert doc["summary"]["by_class"] == {"LlamaRMSNorm": 61}
+    assert doc["summary"]["by_kind"] == {"rms": 61} and doc["summary"]["by_casting"] == {"llama": 61}
+    assert all(abs(n["eps"] - 1e-5) < 1e-9 for n in doc["norms"])
+    assert doc["norms"][-1]["path"] == "model.norm" and doc["norms"][-1]["consumers"] == ["lm_head"]
+
+
+@pytest.mark.slow
+def test_demo_runs_the_scan():
+    result = CliRunner().invoke(cli, ["demo"])
+    assert result.exit_code == 0, result.stderr
+    assert "61 norms (61 rms; 61 LlamaRMSNorm)" in result.stdout
+
+
+def test_all_archs_listed_here_exist():
+    assert set(EXPECTED_CONSUMERS) <= set(ARCHS)
+
+
+def test_example_script_runs(saved, monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    directory, _ = saved("gemma")
+    script = Path(__file__).resolve().parent.parent / "examples" / "scan_model.py"
+    monkeypatch.setattr("sys.argv", [str(script), str(directory)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert f"{2 * L + 1} x rms norm, casting=gemma, offset=1, eps=1e-06" in out
+    assert "final norm model.norm is read by lm_head" in out
+
+
+def test_consumers_unknown_when_the_forward_cannot_run():
+    """A model whose forward does not take token ids: norms still listed, consumers None with a note."""
+    from normswap.scan import scan_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+    doc = scan_model(model)
+    assert [n["path"] for n in doc["norms"]] == ["1"]
+    assert doc["norms"][0]["consumers"] is None
+    assert doc["consumers_note"].startswith("consumers unknown: the model's forward did not run")
+
+
+def test_consumers_on_a_real_cpu_model():
+    """Not only meta: on a model with weights the same trace runs for real (and leaves it in its mode)."""
+    from tiny_models import tiny_model
+
+    from normswap.consumers import find_consumers
+
+    model = tiny_model("gpt2").train()
+    consumers, note = find_consumers(model, ["transformer.h.0.ln_1", "transformer.ln_f"])
+    assert note is None and model.training
+    assert consumers == {"transformer.h.0.ln_1": ["transformer.h.0.attn.c_attn"], "transformer.ln_f": ["lm_head"]}
