@@ -177,7 +177,11 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
                 progress("carrying tokenizer and config files")
             if source is not None:
                 _carry_from_source(source, tmp)
-            write_manifest(tmp, build_manifest(report, source.ref if source is not None else None))
+            manifest = build_manifest(report, source.ref if source is not None else None)
+            earlier = _other_manifest(source)
+            if earlier is not None:  # e.g. normswap convert's: same file name, kept inside ours
+                manifest["carried"] = earlier
+            write_manifest(tmp, manifest)
         except OSError:
             raise
         except NormswapError:
@@ -192,6 +196,24 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
         if progress:
             progress("publishing")
     return target
+
+
+def _other_manifest(source) -> dict | None:
+    """The source's normswap.json when another command wrote it (normswap convert records which
+    LayerNorms may run as RMS norms there); ours replaces the file, so it is kept inside ours."""
+    import json
+
+    from normswap.manifest import FORMAT, MANIFEST_NAME
+
+    if source is None or source.gguf_file:
+        return None
+    try:
+        data = json.loads((source.path / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") == FORMAT:
+        return None
+    return data
 
 
 def _carry_from_source(source, out_dir: Path) -> None:

@@ -180,3 +180,15 @@ def test_load_rejects_missing_or_tampered_manifest(tmp_path):
     (out / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(NormswapError, match="unreadable manifest"):
         load(out, impl="torch")
+
+
+def test_convert_manifest_is_kept_inside_ours(tmp_path):
+    src = tmp_path / "src"
+    save_tiny("gpt2", src)
+    convert_manifest = {"format": "normswap.convert/1", "norms": [{"path": "transformer.ln_f", "rms": True}]}
+    (src / MANIFEST_NAME).write_text(json.dumps(convert_manifest))
+    source = resolve(src)
+    model = load_model(source)
+    out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
+    m = read_manifest(out)
+    assert m["format"] == "normswap.patch/1" and m["carried"] == convert_manifest
