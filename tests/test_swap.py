@@ -223,3 +223,16 @@ def test_smollm2_triton_passes_verification(dtype):
     assert report.ok and len(report.patched) == 61 and not report.by_status("unknown")
     assert all(e.check.passed and e.check.worst_margin_ulps <= 1 for e in report.patched)
     assert report.model_check.passed and report.model_check.argmax_agreement >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_smollm2_triton_on_cuda(dtype):
+    """On a GPU the compiled kernels (not the interpreter) must pass the same per-module proof."""
+    from normswap.io import DEFAULT_MODEL, load_model, resolve
+
+    model = load_model(resolve(DEFAULT_MODEL), dtype=dtype, device="cuda")
+    report = patch(model, "triton")
+    assert report.ok and len(report.patched) == 61
+    assert all(e.check.passed for e in report.patched)
+    assert report.model_check.passed
