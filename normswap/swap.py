@@ -183,8 +183,12 @@ def patch(
 
     batch = before = None
     if check_model and todo:
-        batch = probe_batch(model, probe)
-        kind, before = model_output(model, batch)
+        try:
+            batch = probe_batch(model, probe)
+        except ValueError:  # not a token model (no config.vocab_size): per-module proof only
+            batch = None
+        if batch is not None:
+            kind, before = model_output(model, batch)
 
     swapped: list[tuple[str, nn.Module]] = []
     try:

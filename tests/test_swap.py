@@ -236,3 +236,15 @@ def test_smollm2_triton_on_cuda(dtype):
     assert report.ok and len(report.patched) == 61
     assert all(e.check.passed for e in report.patched)
     assert report.model_check.passed
+
+
+def test_plain_module_without_config():
+    """Any nn.Module with norms can be patched; without a vocabulary there is no whole-model probe."""
+    net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.LayerNorm(32, bias=False))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = net(x)
+    r = patch(net, "torch", probe=ProbeConfig(elements=4096))
+    assert len(r.patched) == 2 and r.model_check is None and r.ok
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), want)
