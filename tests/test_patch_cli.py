@@ -191,3 +191,19 @@ def test_strict_unknown_norm(src, monkeypatch):
     assert_one_line_error(r, "unknown norm class at model.layers.0.input_layernorm")
     r = run(src, "--impl", "torch", "--json")  # without --strict: left alone, reported
     assert r.exit_code == 0 and json.loads(r.stdout)["counts"]["unknown"] == 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton runs natively on a GPU")
+def test_triton_without_gpu_or_interpreter(src):
+    """A real process with TRITON_INTERPRET=0 and no GPU: one line naming what does run here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    p = subprocess.run([sys.executable, "-m", "normswap", "patch", str(src), "--impl", "triton"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "backend 'triton' is not available" in lines[0]
+    assert "available: torch" in lines[0] and "Traceback" not in p.stderr
