@@ -204,11 +204,21 @@ def test_peft_wrapped_model():
     model = tiny_model("llama")
     batch = probe_batch(model)
     _, before = model_output(model, batch)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    # the norms are also trained (modules_to_save matches every *norm): PEFT wraps each one,
+    # holding the original and a trainable copy, and both are patched
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["norm"]))
     r = patch(lora, "torch")
-    assert r.ok and len(r.patched) == 5
+    assert r.ok and len(r.patched) == 10, [e.path for e in r.patched]
+    assert sum(e.path.endswith("modules_to_save.default") for e in r.patched) == 5
+    assert all(e.path.startswith("base_model.model.") for e in r.patched)
     _, after = model_output(lora, batch)
     torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    # training the adapter still reaches the trainable norm copy through the replacement
+    lora.train()
+    lora(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad and "norm" in n]
+    assert trainable and all(dict(lora.named_parameters())[n].grad is not None for n in trainable)
 
 
 @pytest.mark.slow
