@@ -110,7 +110,11 @@ def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Pat
     except OSError as e:
         raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
+        # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
+        # (or the replaced directory's own mode)
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~_umask())
         yield tmp
+        _normalise_file_modes(tmp)
         _kill_point("before-publish")
         publish_dir(tmp, target)
     except OSError as e:
@@ -118,6 +122,20 @@ def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Pat
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _normalise_file_modes(directory: Path) -> None:
+    """Files written through temporary files come out 0600; give them the usual mode."""
+    mode = 0o666 & ~_umask()
+    for p in directory.iterdir():
+        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) == 0o600:
+            os.chmod(p, mode)
 
 
 def carry_over_files(source_dir: Path, out_dir: Path) -> list[str]:

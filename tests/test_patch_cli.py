@@ -100,8 +100,10 @@ def test_in_place(tmp_path):
     save_tiny("llama", d)
     batch = BATCH
     want = _stock(d, batch)
+    d.chmod(0o750)
     r = run(d, "--impl", "torch", "--in-place")
     assert r.exit_code == 0, r.stderr
+    assert (d.stat().st_mode & 0o777) == 0o750  # the replaced directory keeps its mode
     assert (d / MANIFEST_NAME).is_file() and (d / "tokenizer.json").is_file()
     assert torch.equal(_stock(d, batch), want)
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging or old trees left behind

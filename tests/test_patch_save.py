@@ -192,3 +192,12 @@ def test_convert_manifest_is_kept_inside_ours(tmp_path):
     out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
     m = read_manifest(out)
     assert m["format"] == "normswap.patch/1" and m["carried"] == convert_manifest
+
+
+def test_published_modes_are_ordinary(tmp_path):
+    model = tiny_model("llama")
+    out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
+    assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in out.iterdir())
