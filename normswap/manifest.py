@@ -71,6 +71,25 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def zero_mean_layernorms(directory: str | os.PathLike) -> set[str]:
+    """LayerNorm paths that `normswap convert` made zero-mean in this checkpoint (they may run as
+    RMS norms): from convert's own normswap.json, or from the one a patch kept inside ours."""
+    from normswap.convert import rms_eligible, rms_eligible_in
+
+    paths = set(rms_eligible_in(directory))
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return paths
+    if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("carried"), dict):
+        try:
+            paths |= rms_eligible(data["carried"])
+        except (NormswapError, KeyError, TypeError):
+            pass  # carried something that is not a conversion manifest
+    return paths
+
+
 def _same_family(a: NormSpec, b: NormSpec) -> bool:
     """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
     da, db = a.to_dict(), b.to_dict()

@@ -209,3 +209,24 @@ def test_triton_without_gpu_or_interpreter(src):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "backend 'triton' is not available" in lines[0]
     assert "available: torch" in lines[0] and "Traceback" not in p.stderr
+
+
+def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
+    """The hook for `normswap convert`: its zero-mean LayerNorms run as RMS norms (verified on
+    zero-mean probes and by the whole-model check), and the choice survives save -> load."""
+    from normswap.manifest import load
+    from normswap.modules import NormswapLayerNorm
+
+    src, conv, out = tmp_path / "gpt2", tmp_path / "conv", tmp_path / "out"
+    save_tiny("gpt2", src)
+    r = CliRunner().invoke(cli, ["convert", str(src), "--to", "rms", "--out", str(conv)])
+    assert r.exit_code == 0, r.stderr
+    r = run(conv, "--impl", "torch", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [m["as_rms"] for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
+    assert read_manifest(out)["carried"]["format"] == "normswap.convert/1"
+    again = load(out)
+    assert [m.as_rms for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
+    r = run(conv, "--impl", "torch", "--no-rms", "--json")
+    assert [m["as_rms"] for m in json.loads(r.stdout)["modules"]] == [False] * 5

@@ -47,8 +47,11 @@ def _check_writable(target: Path) -> None:
 @click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
+              help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
 @json_option
-def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, max_shard_size, as_json):
+def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, max_shard_size, use_rms,
+              as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
@@ -61,6 +64,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     from normswap.backends import get_backend
     from normswap.checkpoint import save_patched
     from normswap.io import load_model, parse_dtype, resolve
+    from normswap.manifest import zero_mean_layernorms
     from normswap.swap import VerificationError, patch, regex_filter
 
     if out is not None and in_place:
@@ -95,9 +99,11 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
 
     n = sum(1 for f in walk.find_norms(m, warn=False)
             if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
+    rms_for = zero_mean_layernorms(source.path) if use_rms and not source.gguf_file else set()
     try:
         with _bar(f"patch+verify ({impl})", n, "module") as bar:
-            report = patch(m, impl, filter_fn=filter_fn, strict=strict, progress=lambda _p: bar.update(1))
+            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_for=rms_for,
+                           progress=lambda _p: bar.update(1))
     except VerificationError as e:
         emit(_payload(e.report, model, None), as_json, _render)
         raise
@@ -137,7 +143,8 @@ def _render(data: dict) -> None:
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
         margin = c["worst_margin_ulps"]
-        table.add_row(m["path"], m["class"], c["impl"], repr(c["eps"]), c["dtype"],
+        cls = m["class"] + (" as RMS" if m["as_rms"] else "")
+        table.add_row(m["path"], cls, c["impl"], repr(c["eps"]), c["dtype"],
                       _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
                       "-" if margin is None else f"{margin:+.2f}", result)
     console.print(table)
