@@ -315,9 +315,18 @@ def _input_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def model_output(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor)."""
+    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor).
+
+    Runs in eval mode (dropout would make two runs differ) and restores every module's own
+    training flag afterwards: a model being fine-tuned stays in train mode."""
     device = _input_device(model)
-    out = model(**{k: v.to(device) for k, v in batch.items()})
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        out = model(**{k: v.to(device) for k, v in batch.items()})
+    finally:
+        for m, training in flags:
+            m.training = training
     for kind in ("logits", "last_hidden_state"):
         t = getattr(out, kind, None)
         if t is not None:

@@ -258,3 +258,10 @@ def test_plain_module_without_config():
     assert len(r.patched) == 2 and r.model_check is None and r.ok
     with torch.no_grad():
         torch.testing.assert_close(net(x), want)
+
+
+def test_training_model_keeps_train_mode_and_checks_without_dropout():
+    model = tiny_model("gpt2").train()  # GPT-2 has dropout: a train-mode probe would never match
+    r = patch(model, "torch", probe=ProbeConfig(elements=4096))
+    assert r.ok and r.model_check.max_abs_diff < 1e-4
+    assert all(m.training for m in model.modules())
