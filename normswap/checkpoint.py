@@ -209,7 +209,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
         _kill_point("after-manifest")
         if progress:
             progress("reloading with stock transformers")
-        check_saved(tmp, type(model), report, kind, expected, batch)
+        check_saved(tmp, type(model), report, kind, expected, batch, _placement(model))
         _kill_point("after-check")
         if progress:
             progress("publishing")
@@ -246,7 +246,17 @@ def _carry_from_source(source, out_dir: Path) -> None:
     carry_over_files(source.path, out_dir)
 
 
-def check_saved(directory: Path, model_cls, report, kind: str, expected, batch) -> None:
+def _placement(model) -> dict:
+    """from_pretrained kwargs that put the reloaded copy where the model is: the comparison is
+    bit for bit, and a GPU and a CPU do not compute the same bits."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        return {"device_map": dict(device_map)}
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    return {"device_map": str(device)} if device is not None and device.type != "cpu" else {}
+
+
+def check_saved(directory: Path, model_cls, report, kind: str, expected, batch, placement=None) -> None:
     """Reload `directory` with stock transformers and compare its outputs with `expected`."""
     import torch
 
@@ -255,7 +265,7 @@ def check_saved(directory: Path, model_cls, report, kind: str, expected, batch) 
 
     dtype = DTYPES.get(report.dtype, torch.float32)
     try:
-        reloaded = model_cls.from_pretrained(directory, dtype=dtype).eval()
+        reloaded = model_cls.from_pretrained(directory, dtype=dtype, **(placement or {})).eval()
     except Exception as e:  # noqa: BLE001
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
         raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {first}; "

@@ -201,3 +201,14 @@ def test_published_modes_are_ordinary(tmp_path):
     os.umask(umask)
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask  # not mkdtemp's 0700
     assert all((p.stat().st_mode & 0o777) == 0o666 & ~umask for p in out.iterdir())
+
+
+@pytest.mark.gpu
+def test_save_from_cuda(tmp_path):
+    """The bit-for-bit reload check runs the reloaded copy on the model's own device."""
+    src = tmp_path / "src"
+    save_tiny("llama", src, torch.bfloat16)
+    source = resolve(src)
+    model = load_model(source, device="cuda")
+    out = checkpoint.save_patched(model, patch(model, "triton"), tmp_path / "out", source=source)
+    assert (out / MANIFEST_NAME).is_file()
