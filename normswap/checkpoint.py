@@ -13,7 +13,8 @@ Safety protocol (every step can be killed and the target still holds a loadable 
      renamex_np(RENAME_SWAP)), after which the old tree, now at the hidden name, is removed.
      Elsewhere the fallback is two renames (target aside, new into place): a kill between them
      leaves the complete old checkpoint at the hidden `.NAME.old-*` name, never a partial one.
-A kill leaves at worst a stale hidden directory beside the target, never a broken target.
+A kill leaves at worst a stale hidden directory beside the target (the next run removes it:
+its name carries the pid of the run that made it), never a broken target.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Pat
     parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.normswap-", dir=parent))
+        remove_stale_staging(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
     except OSError as e:
         raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
@@ -122,6 +124,34 @@ def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Pat
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _staging_prefix(target: Path) -> str:
+    return f".{target.name}.normswap-"
+
+
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Remove staging directories beside `target` left by a killed run: hidden, named after the
+    target and the pid that made them, and that pid is gone. A live run's are left alone."""
+    removed = []
+    prefix = _staging_prefix(target)
+    for p in target.parent.glob(prefix + "*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not (p.is_dir() and pid.isdigit()) or _alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:

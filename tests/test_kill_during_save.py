@@ -68,6 +68,7 @@ def _kill_at_stage(model_dir, stage, published, rerun=False):
     assert p.returncode == 0, p.stderr[-2000:]
     assert (d / MANIFEST_NAME).is_file()
     _assert_loadable_and_unchanged_output(d, want)
+    assert [q.name for q in d.parent.iterdir()] == [d.name]  # the killed run's staging is gone
 
 
 @pytest.mark.parametrize("stage,published,rerun", [("after-weights", False, False),
@@ -99,3 +100,6 @@ def test_kill_at_random_instants(model_dir):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         _assert_loadable_and_unchanged_output(d, want)
+    full = subprocess.run(_cmd(d), env=_env(), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-2000:]
+    assert [q.name for q in d.parent.iterdir()] == [d.name]

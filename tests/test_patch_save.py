@@ -212,3 +212,19 @@ def test_save_from_cuda(tmp_path):
     model = load_model(source, device="cuda")
     out = checkpoint.save_patched(model, patch(model, "triton"), tmp_path / "out", source=source)
     assert (out / MANIFEST_NAME).is_file()
+
+
+def test_stale_staging_of_dead_runs_is_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    target = tmp_path / "model"
+    stale = tmp_path / f".model.normswap-{dead}-abc"
+    live = tmp_path / f".model.normswap-{os.getpid()}-def"
+    other = tmp_path / ".other.normswap-1-x"
+    for p in (stale, live, other):
+        p.mkdir()
+    assert checkpoint.remove_stale_staging(target) == [stale]
+    assert live.exists() and other.exists() and not stale.exists()
