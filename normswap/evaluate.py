@@ -471,25 +471,10 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
 
 
 def patched_copy(model, impl: str):
-    """A copy of `model` with its norms swapped for `impl` by normswap's patch API (the original
-    is left untouched, so the two can be diffed)."""
-    patch = require_patch_api()
+    """A copy of `model` with its norms swapped for `impl` (the original is left untouched, so
+    the two can be diffed). Each swapped module is verified, as in `normswap patch`."""
+    from normswap.swap import patch
+
     twin = copy.deepcopy(model)
-    out = patch(twin, impl=impl)
-    return out if isinstance(out, torch.nn.Module) else twin
-
-
-def require_patch_api():
-    """normswap.patch(model, impl=...) or a one-line NormswapError when this build lacks it."""
-    import importlib
-
-    # normswap.patch is the public name; the function lives in normswap.swap (or normswap/patch.py).
-    for module_name in ("normswap", "normswap.swap", "normswap.patch"):
-        try:
-            fn = getattr(importlib.import_module(module_name), "patch", None)
-        except ImportError:
-            continue
-        if callable(fn) and not isinstance(fn, type(sys)):
-            return fn
-    raise NormswapError("normswap.patch (the patch API) is not in this build; comparing with a patched model needs it")
-
+    patch(twin, impl=impl)
+    return twin

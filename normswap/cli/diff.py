@@ -23,8 +23,9 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     """Perplexity and next-token distributions of A against B (or against A --patched IMPL).
 
     Both models read the same windows, tokenised with A's tokenizer."""
+    from normswap.backends import get_backend
     from normswap.data import open_corpus
-    from normswap.evaluate import diff_models, patched_copy, require_patch_api
+    from normswap.evaluate import diff_models, patched_copy
     from normswap.io import load_model, load_tokenizer, parse_dtype, resolve
 
     if (model_b is None) == (impl is None):
@@ -32,7 +33,7 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     settings = window_settings(max_length, stride, max_tokens, batch_size)
     corpus = open_corpus(data_path, text_field)
     if impl is not None:
-        require_patch_api()  # fail before loading anything when this build cannot patch
+        get_backend(impl)  # an unavailable implementation fails before anything loads
     source_a = resolve(model_a)
     source_b = resolve(model_b) if model_b is not None else None
     tokenizer = load_tokenizer(source_a)
