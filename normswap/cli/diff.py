@@ -45,13 +45,15 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
             "data": data_path, "dtype": str(next(a.parameters()).dtype).removeprefix("torch."),
             **result.to_dict()}
 
-    def render(d: dict) -> None:
-        click.echo(f"A: {d['model_a']}\nB: {d['model_b']}\non {d['data']} ({d['dtype']})")
-        click.echo(f"perplexity     A {d['ppl_a']:.4f}   B {d['ppl_b']:.4f}   "
-                   f"delta {d['delta_ppl']:+.4g} ({100 * d['relative_delta']:+.4g}%)")
-        click.echo(f"KL(A||B)       mean {d['kl_mean']:.3g}   max {d['kl_max']:.3g} nats/token")
-        click.echo(f"top-1 agree    {100 * d['top1_agreement']:.2f}%   max |logit A - logit B| "
-                   f"{d['max_abs_logit_diff']:.3g}")
-        click.echo(describe_windows(d))
+    emit(data, as_json, render_diff)
 
-    emit(data, as_json, render)
+
+def render_diff(d: dict) -> None:
+    """The human form of a diff result (also printed by `normswap patch --eval`)."""
+    click.echo(f"A: {d['model_a']}\nB: {d['model_b']}\non {d['data']} ({d['dtype']})")
+    click.echo(f"perplexity     A {d['ppl_a']:.4f}   B {d['ppl_b']:.4f}   "
+               f"delta {d['delta_ppl']:+.4g} ({100 * d['relative_delta']:+.4g}%)")
+    click.echo(f"KL(A||B)       mean {d['kl_mean']:.3g}   max {d['kl_max']:.3g} nats/token")
+    click.echo(f"top-1 agree    {100 * d['top1_agreement']:.2f}%   max |logit A - logit B| "
+               f"{d['max_abs_logit_diff']:.3g}")
+    click.echo(describe_windows(d))

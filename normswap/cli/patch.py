@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import tempfile
@@ -49,9 +50,13 @@ def _check_writable(target: Path) -> None:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
               help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
+@click.option("--eval", "eval_path", default=None, metavar="PATH",
+              help="After patching, diff the patched model against the original on this text (see `normswap diff`).")
+@click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context).")
+@click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text.")
 @json_option
 def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, max_shard_size, use_rms,
-              as_json):
+              eval_path, eval_max_length, eval_max_tokens, as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
@@ -60,6 +65,9 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     Report columns: err orig / err new = max |output - float64 value| of the original module and
     of the replacement on the same probe inputs; Δerr ulp = (err new - err orig) in units of the
     dtype's ulp at the largest output (pass needs <= 1; negative: the replacement is closer).
+
+    With --eval PATH the patched model is also scored against an untouched copy of the original
+    (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes.
     """
     from normswap.backends import get_backend
     from normswap.checkpoint import save_patched
@@ -86,6 +94,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
             raise NormswapError("--out is the model's own directory; use --in-place for that")
     if target is not None:
         _check_writable(target)
+    evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source)
 
     import transformers
 
@@ -99,6 +108,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
 
     n = sum(1 for f in walk.find_norms(m, warn=False)
             if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
+    original = copy.deepcopy(m) if evaluation else None
     rms_for = zero_mean_layernorms(source.path) if use_rms and not source.gguf_file else set()
     try:
         with _bar(f"patch+verify ({impl})", n, "module") as bar:
@@ -107,17 +117,39 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     except VerificationError as e:
         emit(_payload(e.report, model, None), as_json, _render)
         raise
+    eval_result = None
+    if evaluation:
+        from normswap.evaluate import diff_models
+
+        corpus, tokenizer, settings = evaluation
+        eval_result = diff_models(original, m, tokenizer, corpus, **settings).to_dict()
+        eval_result.update(model_a=model, model_b=f"{model} --impl {impl}", data=eval_path,
+                           dtype=str(next(m.parameters()).dtype).removeprefix("torch."))
+        del original
     saved = None
     if target is not None:
         with _bar("save", 4) as bar:
             saved = save_patched(m, report, target, source=source, replace=in_place or force,
                                  max_shard_size=max_shard_size, progress=lambda _s: bar.update(1))
-    emit(_payload(report, model, saved), as_json, _render)
+    emit(_payload(report, model, saved, eval_result), as_json, _render)
 
 
-def _payload(report, model: str, saved: Path | None) -> dict:
+def _prepare_eval(path, max_length, max_tokens, source):
+    """Check --eval's text and options before the (long) load; None when --eval is not given."""
+    if path is None:
+        return None
+    from normswap.cli.ppl import window_settings
+    from normswap.data import open_corpus
+    from normswap.io import load_tokenizer
+
+    settings = window_settings(max_length, None, max_tokens, 1)
+    return open_corpus(path, "text"), load_tokenizer(source), settings
+
+
+def _payload(report, model: str, saved: Path | None, eval_result: dict | None = None) -> dict:
     data = {"model": model, **report.to_dict()}
     data["saved_to"] = str(saved) if saved else None
+    data["eval"] = eval_result
     return data
 
 
@@ -157,6 +189,11 @@ def _render(data: dict) -> None:
         console.print(f"whole model: max |Δ{mc['kind']}| {_fmt(mc['max_abs_diff'])} "
                       f"(limit {mc['rtol']:g} x {_fmt(mc['max_abs_value'])}){agree}: "
                       f"{'pass' if mc['passed'] else 'FAIL'}")
+    if data.get("eval"):
+        from normswap.cli.diff import render_diff
+
+        console.print("perplexity diff, original (A) vs patched (B):")
+        render_diff(data["eval"])
     if data["saved_to"]:
         console.print(f"saved to {data['saved_to']} (stock checkpoint + normswap.json; reload check passed)")
     elif data["ok"]:
