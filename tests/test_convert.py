@@ -252,7 +252,9 @@ def test_rms_eligible_reads_the_manifest_file(tmp_path):
 
     model = tiny_model("gpt2")
     manifest = convert_model(model)
-    (tmp_path / "normswap.json").write_text(json.dumps(manifest))
+    from normswap.manifest import new_manifest, write_manifest
+
+    write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
     assert rms_eligible(tmp_path) == {n["path"] for n in manifest["norms"]} == rms_eligible(manifest)
     assert rms_forms(tmp_path)["transformer.ln_f"] == {"eps": 1e-5, "weight": "weight", "bias": True}
     assert rms_forms(tmp_path)["transformer.h.0.ln_1"] == {"eps": 1e-5, "weight": "none", "bias": False}
@@ -379,17 +381,26 @@ def test_zero_mean_check_is_recorded_and_catches_a_missed_writer(monkeypatch):
     monkeypatch.setattr(fold, "center_writer", real)
 
 
-def test_rms_eligible_in_a_directory(tmp_path):
-    from normswap.convert import rms_eligible_in
-
-    assert rms_eligible_in(tmp_path) == set()
-    (tmp_path / "normswap.json").write_text('{"format": "normswap.patch/1", "modules": []}')
-    assert rms_eligible_in(tmp_path) == set()
+def test_zero_mean_layernorms_of_a_directory(tmp_path):
+    """What `normswap patch` / `normswap.load` read: the convert section's norms and RMS forms;
+    nothing for a directory without a manifest or with a patch section only."""
     import json
 
+    from normswap.manifest import new_manifest, write_manifest, zero_mean_layernorms
+    from normswap.modules import RmsForm
+
+    assert zero_mean_layernorms(tmp_path) == {}
+    write_manifest(tmp_path, new_manifest(patch={"impl": "torch", "modules": []}))
+    assert zero_mean_layernorms(tmp_path) == {}
     manifest = convert_model(tiny_model("phi"))
-    (tmp_path / "normswap.json").write_text(json.dumps(manifest))
-    assert rms_eligible_in(tmp_path) == rms_eligible(manifest) and len(rms_eligible(manifest)) == 3
+    write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
+    forms = zero_mean_layernorms(tmp_path)
+    assert set(forms) == rms_eligible(manifest) and len(forms) == 3
+    # phi: the final norm's β folds into lm_head's bias, γ too: nothing left to multiply or add
+    assert forms["model.final_layernorm"] == RmsForm(weight=False, bias=False)
+    (tmp_path / "normswap.json").write_text(json.dumps(manifest))  # a bare section is not a manifest
+    with pytest.raises(NormswapError, match="not a normswap/1 manifest"):
+        zero_mean_layernorms(tmp_path)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,9 @@ def test_convert_gpt2_json(gpt2_dir, tmp_path):
     assert data["verification"]["passed"] and data["verification"]["max_rel_logit_error"] <= 1e-5
     assert data["summary"] == {"norms": 5, "converted": 5, "refused": 0, "folded_gain": 4, "folded_bias": 4,
                                "kept_bias": 1}
-    assert json.loads((out / "normswap.json").read_text())["norms"] == data["norms"]
+    written = json.loads((out / "normswap.json").read_text())
+    assert written["format"] == "normswap/1" and "patch" not in written
+    assert written["convert"]["norms"] == data["norms"]
     ref, _ = logits(gpt2_dir)
     got, model = logits(out)
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
