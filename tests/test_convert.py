@@ -18,6 +18,7 @@ from normswap.convert import (
     rms_forms,
 )
 from normswap.errors import NormswapError
+from normswap.manifest import zero_mean_layernorms
 from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, tiny_model
 
 ARCHS_CONVERTED = ["gpt2", "opt", "gpt_neox", "phi", "falcon", "falcon_new", "bloom"]
@@ -330,11 +331,25 @@ def test_patched_converted_model_matches_the_original(arch):
     ids = probe()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    report = patch(model, "torch", rms_for=rms_eligible(manifest))
-    assert {e.path for e in report.modules if e.as_rms and e.status == "patched"} == rms_eligible(manifest)
+    forms = zero_mean_layernorms(manifest)  # weightless where γ was folded, β only where kept
+    report = patch(model, "torch", rms_for=forms)  # each module proved vs the LayerNorm's float64 value
+    assert {e.path: e.rms_form for e in report.modules if e.as_rms and e.status == "patched"} == forms
+    assert set(forms) == rms_eligible(manifest)
     err = rel_err(logits(model, ids), ref)
     print(f"\n[max-logit-error] {arch} fp32 patched-rms(torch)={err:.3e}")
     assert err <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "bloom"])
+def test_patched_converted_float64_is_exact(arch):
+    """float64 through the RMS path stays float64 (reference impl): as exact as the conversion."""
+    from normswap.swap import patch
+
+    model = tiny_model(arch, dtype=torch.float64)
+    ids = probe()
+    ref = logits(model, ids)
+    patch(model, "reference", rms_for=zero_mean_layernorms(convert_model(model)))
+    assert rel_err(logits(model, ids), ref) <= 1e-12
 
 
 @pytest.mark.slow
@@ -344,7 +359,7 @@ def test_patched_converted_with_triton_kernels():
     model = tiny_model("gpt2", dtype=torch.float32)
     ids = probe()
     ref = logits(model, ids)
-    patch(model, "triton", rms_for=rms_eligible(convert_model(model)))
+    patch(model, "triton", rms_for=zero_mean_layernorms(convert_model(model)))
     assert rel_err(logits(model, ids), ref) <= 1e-5
 
 
@@ -413,5 +428,5 @@ def test_patched_converted_on_cuda_with_triton(arch):
     ids = probe().cuda()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    patch(model, "triton", rms_for=rms_eligible(manifest))
+    patch(model, "triton", rms_for=zero_mean_layernorms(manifest))
     assert rel_err(logits(model, ids), ref) <= 1e-5
