@@ -145,7 +145,8 @@ def logit_errors() -> list[dict]:
     original: float64 and float32, run as stock LayerNorms and as RMSNorms through normswap patch."""
     import torch
 
-    from normswap.convert import attach_rms, convert_model, rms_eligible
+    from normswap.convert import attach_rms, convert_model
+    from normswap.manifest import zero_mean_layernorms
     from normswap.swap import patch
     from tests.tiny_models import VOCAB, tiny_model
 
@@ -164,7 +165,7 @@ def logit_errors() -> list[dict]:
                 for h in handles:
                     h.remove()
                 patch(model, "reference" if dtype == torch.float64 else "torch",
-                      rms_for=rms_eligible(manifest), verify=False)
+                      rms_for=zero_mean_layernorms(manifest), verify=False)  # weightless where γ folded
                 got_rms = model(input_ids=ids).logits
             scale = float(ref.abs().max())
             row[f"{tag}_layernorm"] = float((got - ref).abs().max()) / scale
@@ -198,7 +199,8 @@ def main() -> None:
         for r in rows:
             print(f"{r['arch']:<11} " + " ".join(f"{r[c]:>19.2e}" for c in cols))
         print("layernorm: stock classes; rms_reference: normswap.convert.attach_rms (float RMSNorm in the "
-              "model dtype); rms_patch: normswap patch rms_for=... (reference impl for fp64, torch for fp32)")
+              "model dtype); rms_patch: normswap patch rms_for=zero_mean_layernorms(...) (weightless where γ was "
+              "folded; reference impl for fp64, torch for fp32)")
         results = ROOT / "benchmarks" / "results"
         results.mkdir(parents=True, exist_ok=True)
         path = results / f"convert-errors-{socket.gethostname()}-{dt.date.today().isoformat()}.json"

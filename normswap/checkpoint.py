@@ -207,7 +207,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     is published it is reloaded with stock transformers and its outputs on a probe batch must
     equal, bit for bit, those of the in-memory model with its original norms.
     """
-    from normswap.manifest import build_manifest, write_manifest
+    from normswap.manifest import new_manifest, patch_section, write_manifest
     from normswap.swap import unpatched
     from normswap.verify import ProbeConfig, model_output, probe_batch
 
@@ -218,6 +218,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     with unpatched(model):
         kind, expected = model_output(model, batch)
     target = Path(target).expanduser().resolve()
+    conversion = _conversion_of(source)  # read (and validated) before anything is written
     with staged_dir(target, replace=replace) as tmp:
         try:
             write_model_files(model, tmp, max_shard_size, progress)
@@ -225,11 +226,10 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
                 progress("carrying tokenizer and config files")
             if source is not None:
                 _carry_from_source(source, tmp)
-            manifest = build_manifest(report, source.ref if source is not None else None)
-            earlier = _other_manifest(source)
-            if earlier is not None:  # e.g. normswap convert's: same file name, kept inside ours
-                manifest["carried"] = earlier
-            write_manifest(tmp, manifest)
+            # A converted source keeps its convert section: the weights are still the converted
+            # ones, and it is what says which LayerNorms may run as RMS norms.
+            write_manifest(tmp, new_manifest(
+                convert=conversion, patch=patch_section(report, source.ref if source is not None else None)))
         except OSError:
             raise
         except NormswapError:
@@ -246,22 +246,13 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     return target
 
 
-def _other_manifest(source) -> dict | None:
-    """The source's normswap.json when another command wrote it (normswap convert records which
-    LayerNorms may run as RMS norms there); ours replaces the file, so it is kept inside ours."""
-    import json
-
-    from normswap.manifest import FORMAT, MANIFEST_NAME
+def _conversion_of(source) -> dict | None:
+    """The source's convert section (normswap.json), if normswap convert wrote one."""
+    from normswap.manifest import conversion_section
 
     if source is None or source.gguf_file:
         return None
-    try:
-        data = json.loads((source.path / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("format") == FORMAT:
-        return None
-    return data
+    return conversion_section(source.path)
 
 
 def _carry_from_source(source, out_dir: Path) -> None:

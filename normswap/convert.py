@@ -9,8 +9,9 @@ once in memory (convert_model, the in-memory checkpoint path) or one group at a 
 
 The converted model is a checkpoint of the *original* class: the LayerNorms stay LayerNorms
 (weight ones / bias zeros where γ / β were folded), and give the same outputs because their
-input is now zero-mean. The manifest (normswap.json) records which norms may instead run as
-RMSNorm kernels: rms_eligible(manifest).
+input is now zero-mean. The "convert" section of the manifest (normswap.json, see
+normswap.manifest) records which norms may instead run as RMSNorm kernels, and which of their
+γ/β were folded (the RMS form skips those): rms_eligible(...), rms_forms(...).
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ import torch
 from normswap import fold
 from normswap.archs import ArchData, expand, load_arch, pattern_regex
 from normswap.errors import NormswapError
-
-MANIFEST_NAME = "normswap.json"
-MANIFEST_FORMAT = "normswap.convert/1"
-
+from normswap.manifest import MANIFEST_NAME, conversion_section, new_manifest, write_manifest
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -599,8 +597,8 @@ def _configs(config) -> Iterable:
 
 
 def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None = None) -> dict:
-    import normswap
-
+    """The "convert" section of normswap.json (normswap.manifest.new_manifest(convert=...) makes
+    the file): per norm what was folded or kept, and whether it may run as an RMS norm."""
     norms = []
     for d in plan.norms:
         rec = asdict(d)
@@ -608,8 +606,6 @@ def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None
         rec["rms_bias"] = d.kept_bias if d.rms else None
         norms.append(rec)
     manifest = {
-        "format": MANIFEST_FORMAT,
-        "normswap_version": normswap.__version__,
         "to": "rms",
         "arch": plan.model_type,
         "arch_file": plan.arch_file,
@@ -634,33 +630,26 @@ def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None
     return manifest
 
 
-def read_manifest(where: str | os.PathLike | dict) -> dict:
-    if isinstance(where, dict):
-        return where
-    p = Path(where)
-    if p.is_dir():
-        p = p / MANIFEST_NAME
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise NormswapError(f"{p}: not a readable normswap manifest ({e})") from None
-    if data.get("format") != MANIFEST_FORMAT:
-        raise NormswapError(f"{p}: unknown manifest format {data.get('format')!r}")
-    return data
+def _section(where: str | os.PathLike | dict) -> dict:
+    section = conversion_section(where)
+    if section is None:
+        raise NormswapError(f"{where}: no convert section in its {MANIFEST_NAME} (not converted by normswap)")
+    return section
 
 
 def rms_eligible(manifest: str | os.PathLike | dict) -> set[str]:
     """Paths of the norms whose input the conversion made zero-mean: each may run as an RMSNorm
     with the module's eps, its weight when the manifest's rms_weight is 'weight' (else none: the
-    weight is ones), and its bias when rms_bias is true (a kept β)."""
-    return {n["path"] for n in read_manifest(manifest)["norms"] if n["rms"]}
+    weight is ones), and its bias when rms_bias is true (a kept β). `manifest`: a directory, a
+    whole manifest or its convert section."""
+    return {n["path"] for n in _section(manifest)["norms"] if n["rms"]}
 
 
 def rms_forms(manifest: str | os.PathLike | dict) -> dict[str, dict]:
     """path -> {'eps', 'weight': 'none'|'weight', 'bias': bool} for each RMS-eligible norm."""
     return {
         n["path"]: {"eps": n["eps"], "weight": n["rms_weight"], "bias": bool(n["rms_bias"])}
-        for n in read_manifest(manifest)["norms"] if n["rms"]
+        for n in _section(manifest)["norms"] if n["rms"]
     }
 
 
@@ -726,9 +715,11 @@ def convert_directory(
             io.load_tokenizer(source).save_pretrained(out)
         except NormswapError:
             pass
-    manifest = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
+    # Only a convert section: a patch section of the source (if any) was verified against the
+    # unconverted weights and is not carried (see normswap.manifest).
+    write_manifest(out, new_manifest(convert=section))
+    return section
 
 
 def _untie_config_dict(cfg: dict) -> None:
@@ -777,12 +768,14 @@ def attach_rms(model, manifest) -> list:
 
 def patch_as_rms(model, manifest, impl: str = "reference"):
     """The speedup path: `normswap patch` runs every RMS-eligible norm of a converted model as an
-    RMSNorm (plus the kept bias) and leaves every other norm alone. In place; returns the model."""
+    RMSNorm (weightless where γ was folded, plus the bias only where β was kept) and leaves every
+    other norm alone. In place; returns the model."""
+    from normswap.manifest import zero_mean_layernorms
     from normswap.swap import patch
 
-    eligible = rms_eligible(manifest)
-    if eligible:
-        patch(model, impl, filter_fn=lambda _m, path: path in eligible, rms_for=eligible, verify=False)
+    forms = zero_mean_layernorms(_section(manifest))
+    if forms:
+        patch(model, impl, filter_fn=lambda _m, path: path in forms, rms_for=forms, verify=False)
     return model
 
 
@@ -821,9 +814,9 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     tol = tolerance_for(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
     if run_dtype == torch.float32:
         tol = max(tol, 1e-4)
-    # The RMS path runs normswap's norm modules, which may compute in fp32 even for float64
-    # inputs (kernels do): hold it to the fp32 gate there, the stock reload to the float64 one.
-    tol_rms = max(tol, 1e-4)
+    # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
+    # it is held to the same gate as the stock reload.
+    tol_rms = tol
     result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
@@ -840,19 +833,3 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
             f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
         )
     return result
-
-
-def rms_eligible_in(directory: str | os.PathLike) -> set[str]:
-    """rms_eligible() of the conversion manifest in a model directory, or the empty set when the
-    directory holds none (no normswap.json, or one written by another command). The one call
-    `normswap patch` / `normswap.load` need: patch(model, impl, rms_for=rms_eligible_in(dir))."""
-    p = Path(directory) / MANIFEST_NAME
-    if not p.is_file():
-        return set()
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return set()
-    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        return set()
-    return rms_eligible(data)

@@ -1,9 +1,27 @@
-"""normswap.json: what was patched, with which implementation, and the proof.
+"""normswap.json: the one manifest of a checkpoint directory that normswap wrote.
 
-Written beside the weights of a saved checkpoint. The checkpoint itself is stock (original
-classes, original keys, stock config), so the manifest is the only place the patch lives:
-`normswap.load(DIR)` loads the model with stock transformers and re-applies the patch to exactly
-the modules listed, after checking that each one still is what the manifest says it was.
+The weights beside it are stock (original classes, original keys, stock config): transformers
+loads them as they are. What normswap did lives only here, one section per command:
+
+    {
+      "format": "normswap/1",
+      "normswap_version": "0.1.0",
+      "updated": "2026-11-21T09:30:00Z",
+      "convert": {...},   # normswap convert: which norms now read a zero-mean stream, and what
+                          # was folded (γ, β) -- they may run as RMS norms; absent if not converted
+      "patch": {...}      # normswap patch: impl, per-module spec, RMS form and proof; absent if
+                          # not patched
+    }
+
+Composition rules (the convert -> patch speedup path):
+- `normswap patch` on a converted directory keeps its "convert" section verbatim and adds (or
+  replaces) "patch"; the LayerNorms the convert section marks run as RMS norms in that patch.
+- `normswap convert` reads stock weights and writes a new "convert" section only. A "patch"
+  section of its input is not carried: the patch was verified against the input's weights, not
+  the converted ones (run `normswap patch` on the output). A "convert" section of its input is
+  replaced by the new one (converting again folds ones and zeros: a no-op).
+- `normswap.load(DIR)` applies the "patch" section (impl, modules, RMS forms); a directory that
+  is only converted gets its zero-mean LayerNorms run as RMS norms.
 """
 
 from __future__ import annotations
@@ -16,25 +34,45 @@ from pathlib import Path
 from typing import Any
 
 from normswap.errors import NormswapError
+from normswap.modules import RmsForm
 from normswap.specs import NormSpec
 
 MANIFEST_NAME = "normswap.json"
-FORMAT = "normswap.patch/1"
+FORMAT = "normswap/1"
+SECTIONS = ("convert", "patch")
 
 
-def build_manifest(report, source: str | None = None) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------
+# Building and writing
+# ---------------------------------------------------------------------------------------------
+
+
+def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict[str, Any]:
+    """The whole file; a section that is None is left out."""
     import normswap
 
-    return {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "normswap_version": normswap.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": source,
+        "updated": _now(),
+    }
+    for name, section in (("convert", convert), ("patch", patch)):
+        if section is not None:
+            manifest[name] = section
+    return manifest
+
+
+def patch_section(report, source: str | None = None) -> dict[str, Any]:
+    """What `normswap patch` did: impl, and per patched module its spec, RMS form and proof."""
+    return {
+        "created": _now(),
+        "source": None if source is None else str(source),
         "impl": report.impl,
         "dtype": report.dtype,
         "verified": report.verified,
         "modules": [
             {"path": m.path, "class": m.module_class, "spec": m.spec.to_dict(), "as_rms": m.as_rms,
+             "rms_form": m.rms_form.to_dict() if m.rms_form else None,
              "verification": m.check.to_dict() if m.check else None}
             for m in report.patched
         ],
@@ -44,50 +82,102 @@ def build_manifest(report, source: str | None = None) -> dict[str, Any]:
     }
 
 
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     path = Path(directory) / MANIFEST_NAME
+    text = json.dumps(manifest, indent=2, default=_json_default) + "\n"
+    _validate(json.loads(text), path)  # never write a file that read_manifest would refuse
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
     return path
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST_NAME
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _json_default(o):
+    if isinstance(o, NormSpec):
+        return o.to_dict()
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+
+
+def read_manifest(where: str | os.PathLike) -> dict[str, Any]:
+    """The validated manifest of a directory (or of the normswap.json file itself)."""
+    path = Path(where)
+    if path.is_dir() or not path.name.endswith(".json"):
+        path = path / MANIFEST_NAME
     if not path.is_file():
-        raise NormswapError(f"{directory}: not a normswap checkpoint (no {MANIFEST_NAME})")
+        raise NormswapError(f"{path.parent}: not a normswap checkpoint (no {MANIFEST_NAME})")
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise NormswapError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
+    return _validate(data, path)
+
+
+def read_manifest_if_any(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """read_manifest, or None when the directory has no normswap.json (a malformed one raises:
+    silently dropping it would lose what the conversion promised)."""
+    if not (Path(directory) / MANIFEST_NAME).is_file():
+        return None
+    return read_manifest(directory)
+
+
+def _validate(data: Any, path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise NormswapError(f"{path}: not a {FORMAT} manifest")
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise NormswapError(f"{path}: not a {FORMAT} manifest (format {found!r})")
+    if not any(name in data for name in SECTIONS):
+        raise NormswapError(f"{path}: malformed manifest (neither a convert nor a patch section)")
     try:
-        for m in data["modules"]:
-            m["spec"] = NormSpec.from_dict(m["spec"])
-        str(data["impl"])
+        if "convert" in data:
+            for n in data["convert"]["norms"]:
+                str(n["path"]), bool(n["rms"])
+        if "patch" in data:
+            p = data["patch"]
+            str(p["impl"])
+            for m in p["modules"]:
+                if not isinstance(m["spec"], NormSpec):
+                    m["spec"] = NormSpec.from_dict(m["spec"])
+                if m.get("rms_form") is not None:
+                    RmsForm.coerce(m["rms_form"])
     except (KeyError, TypeError, ValueError) as e:
         raise NormswapError(f"{path}: malformed manifest ({e.__class__.__name__}: {e})") from None
     return data
 
 
-def zero_mean_layernorms(directory: str | os.PathLike) -> set[str]:
-    """LayerNorm paths that `normswap convert` made zero-mean in this checkpoint (they may run as
-    RMS norms): from convert's own normswap.json, or from the one a patch kept inside ours."""
-    from normswap.convert import rms_eligible, rms_eligible_in
+def conversion_section(where: str | os.PathLike | dict) -> dict[str, Any] | None:
+    """The "convert" section of a manifest, given a directory, a whole manifest, or the section
+    itself (what convert_model returns); None when nothing was converted."""
+    if isinstance(where, dict):
+        if "format" in where:
+            _validate(where, Path("<manifest>"))
+            return where.get("convert")
+        return where  # a bare convert section
+    data = read_manifest_if_any(where)
+    return None if data is None else data.get("convert")
 
-    paths = set(rms_eligible_in(directory))
-    path = Path(directory) / MANIFEST_NAME
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return paths
-    if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("carried"), dict):
-        try:
-            paths |= rms_eligible(data["carried"])
-        except (NormswapError, KeyError, TypeError):
-            pass  # carried something that is not a conversion manifest
-    return paths
+
+def zero_mean_layernorms(where: str | os.PathLike | dict) -> dict[str, RmsForm]:
+    """path -> RmsForm of each LayerNorm that `normswap convert` made zero-mean (it may run as an
+    RMS norm; γ/β applied only where they were kept). Empty when the directory has no manifest or
+    only a patch section. What `normswap patch` and `normswap.load` pass as patch(rms_for=...)."""
+    section = conversion_section(where)
+    if section is None:
+        return {}
+    return {n["path"]: RmsForm(weight=n.get("rms_weight") == "weight", bias=bool(n.get("rms_bias")))
+            for n in section["norms"] if n["rms"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
 
 
 def _same_family(a: NormSpec, b: NormSpec) -> bool:
@@ -100,7 +190,10 @@ def _same_family(a: NormSpec, b: NormSpec) -> bool:
 
 def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, device: str | None = None,
          verify: bool = False, progress: Callable[[str], None] | None = None):
-    """Load a checkpoint saved by `normswap patch --out` and re-apply its patch.
+    """Load a checkpoint written by `normswap patch --out` or `normswap convert --out` and re-apply
+    what its manifest says: the patch section's modules with its impl (its converted LayerNorms as
+    RMS norms, γ/β skipped where folded); a converted-only checkpoint gets its zero-mean
+    LayerNorms run as RMS norms (impl default "torch").
 
     impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
     verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
@@ -113,10 +206,17 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     model = load_model(source, dtype=dtype, device=device)
-    wanted = {m["path"]: m for m in manifest["modules"]}
-    report = patch(model, impl or manifest["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_for={p for p, m in wanted.items() if m.get("as_rms")},
-                   progress=progress)
+    section = manifest.get("patch")
+    if section is None:  # converted only: the speedup path without a recorded patch
+        forms = zero_mean_layernorms(manifest)
+        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
+                       rms_for=forms, progress=progress)
+        model.normswap_report = report
+        return model
+    wanted = {m["path"]: m for m in section["modules"]}
+    forms = {p: RmsForm.coerce(m.get("rms_form") or True) for p, m in wanted.items() if m.get("as_rms")}
+    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
+                   verify=verify, rms_for=forms, progress=progress)
     got = {m.path: m for m in report.patched}
     for path, m in wanted.items():
         if path not in got:

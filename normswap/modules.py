@@ -11,6 +11,8 @@ copied too, and the original module is kept (unregistered, so it is invisible to
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -94,40 +96,78 @@ class NormswapRMSNorm(NormswapNorm):
         return self._unflatten(y, x)
 
 
+@dataclass(frozen=True)
+class RmsForm:
+    """How a LayerNorm with a zero-mean input runs as an RMS norm (the speedup path).
+
+    LN(x) = RMS(x)·γ + β when mean(x) = 0. After `normswap convert` folded γ (β) into the layers
+    that read the norm, the stored weight is ones (bias zeros): multiplying (adding) them changes
+    nothing, so weight=False (bias=False) skips that work. The module's own tensors are still the
+    ones the float64 proof uses, so a weight that is not ones would be caught by verification.
+    """
+
+    weight: bool = True  # multiply by the module's weight (False: γ was folded, the weight is ones)
+    bias: bool = True  # add the module's bias (False: β was folded, the bias is zeros)
+
+    @classmethod
+    def coerce(cls, value) -> RmsForm:
+        if isinstance(value, RmsForm):
+            return value
+        if isinstance(value, Mapping):
+            return cls(weight=bool(value.get("weight", True)), bias=bool(value.get("bias", True)))
+        if value is True:
+            return cls()
+        raise TypeError(f"not an RMS form: {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return "RMS" + ("·γ" if self.weight else "") + ("+β" if self.bias else "")
+
+
 class NormswapLayerNorm(NormswapNorm):
     """LayerNorm (with or without weight/bias) via backend.layer_norm.
 
-    as_rms=True is the hook for converted checkpoints: when the input stream is known to be
-    zero-mean (normswap convert centred every writer), LN(x) = RMS(x)·γ + β, so the mean
-    subtraction can be skipped. It is only valid on such models; verification probes it with
-    zero-mean inputs against the LayerNorm's own float64 value.
+    as_rms is the hook for converted checkpoints: when the input stream is known to be zero-mean
+    (normswap convert centred every writer), LN(x) = RMS(x)·γ + β, so the mean subtraction can be
+    skipped, and with it the multiply/add of a folded γ/β (see RmsForm). It is only valid on such
+    models; verification probes it with zero-mean inputs against the LayerNorm's own float64 value.
     """
 
     def __init__(self, original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
-                 as_rms: bool = False):
+                 as_rms: bool | RmsForm | Mapping = False):
         super().__init__(original, spec, impl, backend)
-        self.as_rms = as_rms
+        self.rms_form = RmsForm.coerce(as_rms) if as_rms else None
+        self.as_rms = self.rms_form is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         x2, (w, b) = self._flatten(x, self.norm_weight, self.norm_bias)
-        if not self.as_rms:
+        form = self.rms_form
+        if form is None:
             y = self._backend.layer_norm(x2, w, b, self.norm_eps, s.offset)
-        elif b is None:
+            return self._unflatten(y, x)
+        w = w if form.weight else None
+        b = b if form.bias else None
+        if b is None:
             y = self._backend.rms_norm(x2, w, self.norm_eps, s.offset, "none")
         else:
-            # Keep LayerNorm's single rounding: normalise, scale and shift in fp32, cast once.
-            y = self._backend.rms_norm(x2.float(), w, self.norm_eps, s.offset, "none")
-            y = (y + b.float()).to(x.dtype)
+            # Keep LayerNorm's single rounding: normalise, scale and shift in (at least) fp32, cast
+            # once; float64 stays float64.
+            acc = torch.promote_types(x2.dtype, torch.float32)
+            y = self._backend.rms_norm(x2.to(acc), w, self.norm_eps, s.offset, "none")
+            y = (y + b.to(acc)).to(x.dtype)
         return self._unflatten(y, x)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", as_rms=True" if self.as_rms else "")
+        return super().extra_repr() + (f", as_rms={self.rms_form.describe()}" if self.rms_form else "")
 
 
 def build_replacement(original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
-                      as_rms: bool = False) -> NormswapNorm:
-    """The replacement module for `original`, described by `spec` (from the registry)."""
+                      as_rms: bool | RmsForm | Mapping = False) -> NormswapNorm:
+    """The replacement module for `original`, described by `spec` (from the registry). as_rms
+    (a LayerNorm on a zero-mean stream only): True or an RmsForm saying which of γ/β to apply."""
     if spec.kind == "rms":
         if as_rms:
             raise ValueError("as_rms applies to LayerNorms only")

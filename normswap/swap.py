@@ -10,7 +10,7 @@ never left half-patched with an unproven module in it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -20,7 +20,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
-from normswap.modules import NormswapNorm, build_replacement, restore_original
+from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
     ModelCheck,
@@ -50,14 +50,20 @@ class ModuleEntry:
     module_class: str
     status: str  # patched | failed | excluded | unknown | already-patched
     spec: NormSpec | None = None
-    as_rms: bool = False
+    rms_form: RmsForm | None = None  # set: a zero-mean LayerNorm run as an RMS norm
     reason: str | None = None
     check: ModuleCheck | None = None
+
+    @property
+    def as_rms(self) -> bool:
+        return self.rms_form is not None
 
     def to_dict(self) -> dict:
         return {
             "path": self.path, "class": self.module_class, "status": self.status,
             "spec": self.spec.to_dict() if self.spec else None, "as_rms": self.as_rms,
+            "rms_form": self.rms_form.to_dict() if self.rms_form else None,
+            "runs_as": self.rms_form.describe() if self.rms_form else None,
             "reason": self.reason, "check": self.check.to_dict() if self.check else None,
         }
 
@@ -128,7 +134,7 @@ def patch(
     strict: bool = False,
     verify: bool = True,
     *,
-    rms_for: Collection[str] = (),
+    rms_for: Collection[str] | Mapping[str, RmsForm | dict] = (),
     dtype: torch.dtype | None = None,
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
@@ -139,7 +145,9 @@ def patch(
     filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
     raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
     is left alone and reported as unknown). rms_for names LayerNorm paths whose input is known to
-    be zero-mean (a `normswap convert` manifest), run as RMS norms plus bias. verify=False skips
+    be zero-mean (a `normswap convert` manifest: normswap.manifest.zero_mean_layernorms), run as
+    RMS norms; a mapping path -> RmsForm also says which of γ/β were folded (their multiply/add
+    is skipped; a bare path applies both). verify=False skips
     the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
     is undone and VerificationError (a NormswapError, carrying the report) is raised.
     """
@@ -149,7 +157,7 @@ def patch(
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
     dtype = dtype or model_dtype(model)
-    rms_for = set(rms_for)
+    rms_forms = _rms_forms(rms_for)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
 
     already = {p for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
@@ -164,7 +172,7 @@ def patch(
         f = unknown[0]
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnknownNormError(f"unknown norm class at {f.path} ({f.module_class}): {f.unknown_reason}{more}")
-    missing = rms_for - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
+    missing = set(rms_forms) - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
     if missing:
         raise NormswapError(f"rms_for names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
 
@@ -174,10 +182,12 @@ def patch(
             report.modules.append(ModuleEntry(f.path, f.module_class, "unknown", reason=f.unknown_reason))
             continue
         module = walk.get_submodule(model, f.path)
-        entry = ModuleEntry(f.path, f.module_class, "patched", f.spec, as_rms=f.path in rms_for)
+        entry = ModuleEntry(f.path, f.module_class, "patched", f.spec, rms_form=rms_forms.get(f.path))
         if filter_fn is not None and not filter_fn(module, f.path):
             entry.status, entry.reason = "excluded", "filtered out"
         else:
+            if entry.rms_form is not None:
+                _check_folded(module, f.spec, entry)
             todo.append((entry, module))
         report.modules.append(entry)
 
@@ -193,7 +203,7 @@ def patch(
     swapped: list[tuple[str, nn.Module]] = []
     try:
         for entry, original in todo:
-            replacement = build_replacement(original, entry.spec, impl, backend, as_rms=entry.as_rms)
+            replacement = build_replacement(original, entry.spec, impl, backend, as_rms=entry.rms_form or False)
             _move_accelerate_hook(original, replacement)
             walk.set_submodule(model, entry.path, replacement)
             swapped.append((entry.path, original))
@@ -214,6 +224,29 @@ def patch(
         _undo(model, swapped)
         raise VerificationError(_failure_message(report), report)
     return report
+
+
+def _rms_forms(rms_for) -> dict[str, RmsForm]:
+    if isinstance(rms_for, Mapping):
+        return {p: RmsForm.coerce(f) for p, f in rms_for.items()}
+    return {p: RmsForm() for p in rms_for}
+
+
+def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None:
+    """A form that skips γ (β) is only right while the stored weight is ones (bias zeros), as
+    `normswap convert` left it. Checked on every patch (also verify=False, e.g. normswap.load):
+    a checkpoint fine-tuned after conversion must not silently lose its new gains."""
+    form = entry.rms_form
+    for skip, attr, has, fill in ((not form.weight, spec.weight_attr, spec.has_weight, 1.0),
+                                  (not form.bias, spec.bias_attr, spec.has_bias, 0.0)):
+        t = getattr(module, attr, None) if (skip and has) else None
+        if t is None or t.is_meta:
+            continue
+        if not bool((t.detach() == fill).all()):
+            raise NormswapError(
+                f"{entry.path}: its {'γ' if fill else 'β'} was folded by normswap convert, so its {attr} should be "
+                f"all {fill:g}, but it is not (changed after the conversion?); patch with --no-rms"
+            )
 
 
 def _failure_message(report: PatchReport) -> str:

@@ -18,6 +18,7 @@ from normswap.convert import (
     rms_forms,
 )
 from normswap.errors import NormswapError
+from normswap.manifest import zero_mean_layernorms
 from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, tiny_model
 
 ARCHS_CONVERTED = ["gpt2", "opt", "gpt_neox", "phi", "falcon", "falcon_new", "bloom"]
@@ -252,7 +253,9 @@ def test_rms_eligible_reads_the_manifest_file(tmp_path):
 
     model = tiny_model("gpt2")
     manifest = convert_model(model)
-    (tmp_path / "normswap.json").write_text(json.dumps(manifest))
+    from normswap.manifest import new_manifest, write_manifest
+
+    write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
     assert rms_eligible(tmp_path) == {n["path"] for n in manifest["norms"]} == rms_eligible(manifest)
     assert rms_forms(tmp_path)["transformer.ln_f"] == {"eps": 1e-5, "weight": "weight", "bias": True}
     assert rms_forms(tmp_path)["transformer.h.0.ln_1"] == {"eps": 1e-5, "weight": "none", "bias": False}
@@ -328,11 +331,25 @@ def test_patched_converted_model_matches_the_original(arch):
     ids = probe()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    report = patch(model, "torch", rms_for=rms_eligible(manifest))
-    assert {e.path for e in report.modules if e.as_rms and e.status == "patched"} == rms_eligible(manifest)
+    forms = zero_mean_layernorms(manifest)  # weightless where γ was folded, β only where kept
+    report = patch(model, "torch", rms_for=forms)  # each module proved vs the LayerNorm's float64 value
+    assert {e.path: e.rms_form for e in report.modules if e.as_rms and e.status == "patched"} == forms
+    assert set(forms) == rms_eligible(manifest)
     err = rel_err(logits(model, ids), ref)
     print(f"\n[max-logit-error] {arch} fp32 patched-rms(torch)={err:.3e}")
     assert err <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "bloom"])
+def test_patched_converted_float64_is_exact(arch):
+    """float64 through the RMS path stays float64 (reference impl): as exact as the conversion."""
+    from normswap.swap import patch
+
+    model = tiny_model(arch, dtype=torch.float64)
+    ids = probe()
+    ref = logits(model, ids)
+    patch(model, "reference", rms_for=zero_mean_layernorms(convert_model(model)))
+    assert rel_err(logits(model, ids), ref) <= 1e-12
 
 
 @pytest.mark.slow
@@ -342,7 +359,7 @@ def test_patched_converted_with_triton_kernels():
     model = tiny_model("gpt2", dtype=torch.float32)
     ids = probe()
     ref = logits(model, ids)
-    patch(model, "triton", rms_for=rms_eligible(convert_model(model)))
+    patch(model, "triton", rms_for=zero_mean_layernorms(convert_model(model)))
     assert rel_err(logits(model, ids), ref) <= 1e-5
 
 
@@ -379,17 +396,26 @@ def test_zero_mean_check_is_recorded_and_catches_a_missed_writer(monkeypatch):
     monkeypatch.setattr(fold, "center_writer", real)
 
 
-def test_rms_eligible_in_a_directory(tmp_path):
-    from normswap.convert import rms_eligible_in
-
-    assert rms_eligible_in(tmp_path) == set()
-    (tmp_path / "normswap.json").write_text('{"format": "normswap.patch/1", "modules": []}')
-    assert rms_eligible_in(tmp_path) == set()
+def test_zero_mean_layernorms_of_a_directory(tmp_path):
+    """What `normswap patch` / `normswap.load` read: the convert section's norms and RMS forms;
+    nothing for a directory without a manifest or with a patch section only."""
     import json
 
+    from normswap.manifest import new_manifest, write_manifest, zero_mean_layernorms
+    from normswap.modules import RmsForm
+
+    assert zero_mean_layernorms(tmp_path) == {}
+    write_manifest(tmp_path, new_manifest(patch={"impl": "torch", "modules": []}))
+    assert zero_mean_layernorms(tmp_path) == {}
     manifest = convert_model(tiny_model("phi"))
-    (tmp_path / "normswap.json").write_text(json.dumps(manifest))
-    assert rms_eligible_in(tmp_path) == rms_eligible(manifest) and len(rms_eligible(manifest)) == 3
+    write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
+    forms = zero_mean_layernorms(tmp_path)
+    assert set(forms) == rms_eligible(manifest) and len(forms) == 3
+    # phi: the final norm's β folds into lm_head's bias, γ too: nothing left to multiply or add
+    assert forms["model.final_layernorm"] == RmsForm(weight=False, bias=False)
+    (tmp_path / "normswap.json").write_text(json.dumps(manifest))  # a bare section is not a manifest
+    with pytest.raises(NormswapError, match="not a normswap/1 manifest"):
+        zero_mean_layernorms(tmp_path)
 
 
 @pytest.mark.gpu
@@ -402,5 +428,5 @@ def test_patched_converted_on_cuda_with_triton(arch):
     ids = probe().cuda()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    patch(model, "triton", rms_for=rms_eligible(manifest))
+    patch(model, "triton", rms_for=zero_mean_layernorms(manifest))
     assert rel_err(logits(model, ids), ref) <= 1e-5

@@ -37,7 +37,9 @@ def test_convert_gpt2_json(gpt2_dir, tmp_path):
     assert data["verification"]["passed"] and data["verification"]["max_rel_logit_error"] <= 1e-5
     assert data["summary"] == {"norms": 5, "converted": 5, "refused": 0, "folded_gain": 4, "folded_bias": 4,
                                "kept_bias": 1}
-    assert json.loads((out / "normswap.json").read_text())["norms"] == data["norms"]
+    written = json.loads((out / "normswap.json").read_text())
+    assert written["format"] == "normswap/1" and "patch" not in written
+    assert written["convert"]["norms"] == data["norms"]
     ref, _ = logits(gpt2_dir)
     got, model = logits(out)
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
@@ -122,3 +124,27 @@ def test_failed_verification_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
 def test_bad_model_reference(tmp_path):
     r = run(tmp_path / "missing", "--to", "rms", "--out", tmp_path / "o")
     assert r.exit_code == 2 and "no such file" in r.stderr
+
+
+def test_force_replaces_through_the_atomic_exchange(gpt2_dir, tmp_path, monkeypatch):
+    """convert publishes like patch (checkpoint.staged_dir): an existing --out is swapped with the
+    verified result in one renameat2(RENAME_EXCHANGE), never removed first."""
+    from normswap import checkpoint
+
+    out = tmp_path / "conv"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    calls = []
+    real = checkpoint.exchange_dirs
+
+    def spy(a, b):
+        assert (b / "old.txt").is_file()  # the old tree is still in place at the instant of the swap
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(checkpoint, "exchange_dirs", spy)
+    r = run(gpt2_dir, "--to", "rms", "--out", out, "--force")
+    assert r.exit_code == 0, r.output
+    assert len(calls) == 1 and calls[0][1] == out.resolve()
+    assert not (out / "old.txt").exists() and (out / "normswap.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv"]  # no staging or aside dirs left

@@ -11,7 +11,13 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-from normswap.modules import NormswapLayerNorm, NormswapRMSNorm, build_replacement, restore_original
+from normswap.modules import (
+    NormswapLayerNorm,
+    NormswapRMSNorm,
+    RmsForm,
+    build_replacement,
+    restore_original,
+)
 from normswap.specs import NormSpec
 
 
@@ -130,3 +136,65 @@ def test_layernorm_as_rms_equals_layernorm_on_zero_mean_input():
     with pytest.raises(ValueError):
         build_replacement(LlamaRMSNorm(4), NormSpec("rms", 1e-6, "variance_epsilon", shape=(4,)),
                           "reference", as_rms=True)
+
+
+def _zero_mean(rows: int, width: int, dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = 3.0 * torch.randn(rows, width, generator=g, dtype=torch.float64)
+    return (x - x.mean(-1, keepdim=True)).to(dtype)
+
+
+def _layer_norm64(x, weight, bias, eps):
+    x = x.double()
+    y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    return y * weight.double() + (bias.double() if bias is not None else 0)
+
+
+@pytest.mark.parametrize("form", [RmsForm(), RmsForm(weight=True, bias=False), RmsForm(weight=False, bias=True)])
+def test_layernorm_as_rms_keeps_float64_exact(form):
+    """float64 stays float64 on the RMS path (the bias branch used to drop to fp32): equal to the
+    LayerNorm's float64 value on zero-mean input to ~1e-12."""
+    orig = _randomise(nn.LayerNorm(32, 1e-5)).double()
+    with torch.no_grad():  # what convert leaves where it folded: ones / zeros
+        if not form.weight:
+            orig.weight.fill_(1.0)
+        if not form.bias:
+            orig.bias.zero_()
+    rep = build_replacement(orig, NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,)), "reference",
+                            as_rms=form)
+    x = _zero_mean(16, 32, torch.float64)
+    with torch.no_grad():
+        y = rep(x)
+    assert y.dtype == torch.float64
+    assert (y - _layer_norm64(x, orig.weight, orig.bias, 1e-5)).abs().max().item() <= 1e-12
+
+
+def test_weightless_rms_form_skips_the_folded_gain_and_bias():
+    """RmsForm(weight=False, bias=False) must not read the weight/bias at all: with a weight
+    that is not ones it gives the bare RMS-normalised value (so the flag is really honoured)."""
+    orig = _randomise(nn.LayerNorm(32, 1e-5)).double()
+    spec = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
+    bare = build_replacement(orig, spec, "reference", as_rms=RmsForm(weight=False, bias=False))
+    full = build_replacement(orig, spec, "reference", as_rms=True)
+    x = _zero_mean(8, 32, torch.float64)
+    with torch.no_grad():
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert (bare(x) - expected).abs().max().item() <= 1e-12
+        assert (full(x) - bare(x)).abs().max().item() > 0.1
+    assert "as_rms=RMS" in repr(bare) and "as_rms=RMS·γ+β" in repr(full)
+
+
+def test_patch_refuses_a_weightless_form_when_the_weight_is_not_ones():
+    """The manifest says γ was folded (weight ones); a checkpoint fine-tuned afterwards is not
+    silently run without its gains, also with verify=False (normswap.load's default)."""
+    from normswap.errors import NormswapError
+    from normswap.swap import patch
+
+    model = nn.Sequential(_randomise(nn.LayerNorm(32, 1e-5)))
+    with pytest.raises(NormswapError, match="should be all 1"):
+        patch(model, "reference", rms_for={"0": RmsForm(weight=False, bias=True)}, verify=False)
+    assert type(model[0]) is nn.LayerNorm
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    patch(model, "reference", rms_for={"0": {"weight": False, "bias": True}}, verify=False)
+    assert model[0].rms_form == RmsForm(weight=False, bias=True)

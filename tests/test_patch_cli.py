@@ -88,11 +88,11 @@ def test_out_force_and_stock_reload(src, tmp_path):
     assert json.loads(r.stdout)["saved_to"] == str(out.resolve())
     batch = BATCH
     assert torch.equal(_stock(out, batch), _stock(src, batch))
-    assert read_manifest(out)["impl"] == "torch"
+    assert read_manifest(out)["patch"]["impl"] == "torch"
     assert_one_line_error(run(src, "--impl", "torch", "--out", out), "already exists; pass --force")
     r = run(src, "--impl", "reference", "--out", out, "--force")
     assert r.exit_code == 0, r.stderr
-    assert read_manifest(out)["impl"] == "reference"
+    assert read_manifest(out)["patch"]["impl"] == "reference"
 
 
 def test_in_place(tmp_path):
@@ -135,7 +135,7 @@ def test_verification_failure_saves_nothing_unless_excluded(tmp_path, monkeypatc
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["qwen3"]
     r = run(d, "--impl", "reference", "--out", out, "--exclude", "q_norm|k_norm", "--json")
     assert r.exit_code == 0, r.stderr
-    left = read_manifest(out)["left_alone"]
+    left = read_manifest(out)["patch"]["left_alone"]
     assert len(left) == 4 and {e["status"] for e in left} == {"excluded"}
 
 
@@ -225,7 +225,7 @@ def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
     assert r.exit_code == 0, r.stderr
     data = json.loads(r.stdout)
     assert [m["as_rms"] for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
-    assert read_manifest(out)["carried"]["format"] == "normswap.convert/1"
+    assert read_manifest(out)["convert"] == read_manifest(conv)["convert"]
     again = load(out)
     assert [m.as_rms for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
     r = run(conv, "--impl", "torch", "--no-rms", "--json")

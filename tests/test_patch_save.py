@@ -63,8 +63,10 @@ def test_save_stock_reload_and_normswap_load(arch, tmp_path):
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert (out / "tokenizer.json").is_file()  # carried over from the source
 
-    m = read_manifest(out)
-    assert m["impl"] == "torch" and m["normswap_version"]
+    whole = read_manifest(out)
+    assert whole["format"] == "normswap/1" and whole["normswap_version"] and "convert" not in whole
+    m = whole["patch"]
+    assert m["impl"] == "torch"
     assert [e["path"] for e in m["modules"]] == [e.path for e in report.patched]
     assert all(e["verification"]["passed"] for e in m["modules"])
 
@@ -173,7 +175,7 @@ def test_load_rejects_missing_or_tampered_manifest(tmp_path):
     model = load_model(source)
     out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
     data = json.loads((out / MANIFEST_NAME).read_text())
-    data["modules"][0]["spec"]["eps"] = 1e-3
+    data["patch"]["modules"][0]["spec"]["eps"] = 1e-3
     (out / MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(NormswapError, match="no longer matches"):
         load(out, impl="torch")
@@ -182,16 +184,28 @@ def test_load_rejects_missing_or_tampered_manifest(tmp_path):
         load(out, impl="torch")
 
 
-def test_convert_manifest_is_kept_inside_ours(tmp_path):
+def test_convert_section_is_kept_and_an_old_patch_section_replaced(tmp_path):
     src = tmp_path / "src"
     save_tiny("gpt2", src)
-    convert_manifest = {"format": "normswap.convert/1", "norms": [{"path": "transformer.ln_f", "rms": True}]}
-    (src / MANIFEST_NAME).write_text(json.dumps(convert_manifest))
+    convert_section = {"norms": [{"path": "transformer.ln_f", "rms": False}]}
+    (src / MANIFEST_NAME).write_text(json.dumps({"format": "normswap/1", "convert": convert_section,
+                                                 "patch": {"impl": "old", "modules": []}}))
     source = resolve(src)
     model = load_model(source)
     out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
     m = read_manifest(out)
-    assert m["format"] == "normswap.patch/1" and m["carried"] == convert_manifest
+    assert m["format"] == "normswap/1" and m["convert"] == convert_section and m["patch"]["impl"] == "torch"
+
+
+def test_a_malformed_source_manifest_is_refused_before_writing(tmp_path):
+    src = tmp_path / "src"
+    save_tiny("gpt2", src)
+    (src / MANIFEST_NAME).write_text(json.dumps({"format": "normswap.convert/1", "norms": []}))
+    source = resolve(src)
+    model = load_model(source)
+    with pytest.raises(NormswapError, match="not a normswap/1 manifest"):
+        checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_published_modes_are_ordinary(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from normswap.cli.main import cli, emit, json_option
@@ -64,19 +62,20 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
             force: bool, as_json: bool) -> None:
     """Fold LayerNorm γ/β into the layers that read them and center every writer into the residual
     stream, so each LayerNorm equals an RMSNorm. The output loads in stock transformers with the
-    same logits; its normswap.json lists the norms that may run as RMSNorm kernels."""
+    same logits; its normswap.json lists the norms that may run as RMSNorm kernels
+    (`normswap patch DIR` then runs them as such: weightless where γ was folded)."""
     from pathlib import Path
 
     from normswap import io
+    from normswap.checkpoint import staged_dir
     from normswap.convert import (
-        MANIFEST_NAME,
         build_manifest,
         check_refusals,
         convert_directory,
         plan_conversion,
         verify_conversion,
     )
-    from normswap.save import atomic_output_dir
+    from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
 
     source = io.resolve(model)
     config = io.load_config(source)
@@ -87,16 +86,24 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
         report = build_manifest(plan, config, partial=partial)
         emit(dict(report, model=model, out=None, error=str(e)), as_json, _render)
         raise
-    target_dir = Path(out).expanduser()
+    target_dir = Path(out).expanduser().resolve()
     if target_dir.exists() and not force:
         raise NormswapError(f"{target_dir} already exists; pass --force to replace it")
-    with atomic_output_dir(target_dir, force=force) as tmp:
+    if target_dir == source.path.resolve():
+        raise NormswapError("--out is the model's own directory; write the conversion elsewhere")
+    earlier = None if source.gguf_file else read_manifest_if_any(source.path)
+    if earlier is not None and "patch" in earlier:
+        click.echo(f"note: {model} carries a normswap patch ({earlier['patch']['impl']}); it is not carried "
+                   "into the conversion (run `normswap patch` on the output)", err=True)
+    # Same staging and publishing as `normswap patch`: a fresh directory beside the target,
+    # verified there, then renamed into place (an existing one is exchanged atomically).
+    with staged_dir(target_dir, replace=force) as tmp:
         click.echo(f"converting {model} into {target_dir} ...", err=True)
-        manifest = convert_directory(
+        section = convert_directory(
             source, tmp, keep_gain=keep_gain, partial=partial, dtype=io.parse_dtype(dtype),
             progress=not as_json,
         )
         click.echo("verifying: stock reload and logits against the original ...", err=True)
-        manifest["verification"] = verify_conversion(source, tmp, manifest)
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    emit(dict(manifest, model=model, out=str(target_dir.resolve())), as_json, _render)
+        section["verification"] = verify_conversion(source, tmp, section)
+        write_manifest(tmp, new_manifest(convert=section))
+    emit(dict(section, model=model, out=str(target_dir)), as_json, _render)

@@ -1,0 +1,120 @@
+"""The speedup path end to end: `normswap convert --to rms` then `normswap patch --impl triton`
+(interpreter on CPU). The result is a stock checkpoint with the original logits, one normswap.json
+recording both steps, and normswap.load runs the converted LayerNorms as RMS norms (weightless
+where γ was folded) with the original logits."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+import normswap
+from normswap.cli import cli
+from normswap.manifest import read_manifest
+from normswap.modules import NormswapLayerNorm, RmsForm
+from tests.tiny_models import VOCAB, save_tiny
+
+IDS = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [*map(str, args)], catch_exceptions=False)
+
+
+def logits(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=IDS).logits
+
+
+def stock_logits(directory):
+    return logits(transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32))
+
+
+def rel_err(got, ref):
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def expected_forms(convert_section):
+    """The RMS form each converted norm must run with, from what convert says it folded."""
+    return {n["path"]: RmsForm(weight=not n["folded_gain"] and n["kept_gain"] or n["baked"],
+                               bias=n["kept_bias"])
+            for n in convert_section["norms"] if n["rms"]}
+
+
+# gpt2: Conv1D, tied head, final β kept; opt: learned positions with an offset; gpt_neox: a
+# parallel block (attention and MLP read two norms of the same stream).
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "gpt_neox"])
+def test_convert_then_patch_triton(arch, tmp_path):
+    src, conv, out = tmp_path / "src", tmp_path / "conv", tmp_path / "patched"
+    save_tiny(arch, src)
+    ref = stock_logits(src)
+
+    r = run("convert", src, "--to", "rms", "--out", conv, "--json")
+    assert r.exit_code == 0, r.output
+    convert_section = read_manifest(conv)["convert"]
+    forms = expected_forms(convert_section)
+    assert forms and len(forms) == len(convert_section["norms"])  # every norm of these archs converts
+    assert any(not f.weight and not f.bias for f in forms.values())  # some run with nothing to apply
+
+    r = run("patch", conv, "--impl", "triton", "--out", out)
+    assert r.exit_code == 0, r.output
+    # the human report names each converted norm and says it runs as an RMS norm
+    for path in forms:
+        line = next(ln for ln in r.stdout.splitlines() if path + " " in ln)
+        assert "as RMS" in line and "pass" in line, line
+
+    # one manifest, both steps
+    manifest = read_manifest(out)
+    assert manifest["format"] == "normswap/1"
+    assert manifest["convert"] == convert_section
+    p = manifest["patch"]
+    assert p["impl"] == "triton" and p["verified"] and p["model_check"]["passed"]
+    recorded = {m["path"]: RmsForm.coerce(m["rms_form"]) for m in p["modules"] if m["as_rms"]}
+    assert recorded == forms
+
+    # stock transformers: the original model's logits
+    assert rel_err(stock_logits(out), ref) <= 1e-5
+
+    # normswap.load: the converted norms run as RMS norms, in the recorded form, same logits
+    model = normswap.load(out)
+    kinds = {path: (type(mod), mod.impl, mod.rms_form) for path, mod in model.named_modules()
+             if isinstance(mod, NormswapLayerNorm)}
+    assert kinds == {path: (NormswapLayerNorm, "triton", form) for path, form in forms.items()}
+    err = rel_err(logits(model), ref)
+    print(f"\n[convert->patch] {arch} triton-interpreter max rel logit error {err:.3e}")
+    assert err <= 1e-5
+
+
+def test_patch_json_reports_rms_forms_and_load_of_a_converted_only_checkpoint(tmp_path):
+    """`patch --json` says, per module, whether and how it runs as RMS; normswap.load of a
+    directory that was only converted runs its zero-mean LayerNorms as RMS norms."""
+    src, conv = tmp_path / "src", tmp_path / "conv"
+    save_tiny("gpt2", src)
+    ref = stock_logits(src)
+    assert run("convert", src, "--to", "rms", "--out", conv).exit_code == 0
+    r = run("patch", conv, "--impl", "torch", "--json")
+    assert r.exit_code == 0, r.output
+    mods = {m["path"]: m for m in json.loads(r.stdout)["modules"]}
+    assert mods["transformer.ln_f"]["runs_as"] == "RMS·γ+β"  # β kept: lm_head has no bias
+    assert mods["transformer.h.0.ln_1"]["runs_as"] == "RMS"  # γ and β folded into c_attn
+    assert mods["transformer.h.0.ln_1"]["rms_form"] == {"weight": False, "bias": False}
+
+    model = normswap.load(conv)
+    forms = {p: m.rms_form for p, m in model.named_modules() if isinstance(m, NormswapLayerNorm)}
+    assert forms == expected_forms(read_manifest(conv)["convert"]) and len(forms) == 5
+    assert rel_err(logits(model), ref) <= 1e-5
+
+
+def test_converting_a_patched_checkpoint_drops_the_patch_section(tmp_path):
+    """convert reads stock weights; a patch recorded in its input was verified against other
+    weights, so the output carries only the new convert section (and says so on stderr)."""
+    src, patched, conv = tmp_path / "src", tmp_path / "patched", tmp_path / "conv"
+    save_tiny("gpt2", src)
+    assert run("patch", src, "--impl", "torch", "--out", patched).exit_code == 0
+    r = run("convert", patched, "--to", "rms", "--out", conv)
+    assert r.exit_code == 0, r.output
+    assert "not carried" in r.stderr
+    manifest = read_manifest(conv)
+    assert "patch" not in manifest and manifest["convert"]["summary"]["converted"] == 5
