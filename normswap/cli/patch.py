@@ -175,7 +175,7 @@ def _render(data: dict) -> None:
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
         margin = c["worst_margin_ulps"]
-        cls = m["class"] + (" as RMS" if m["as_rms"] else "")
+        cls = m["class"] + (f" as {m['runs_as']}" if m["as_rms"] else "")
         table.add_row(m["path"], cls, c["impl"], repr(c["eps"]), c["dtype"],
                       _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
                       "-" if margin is None else f"{margin:+.2f}", result)
