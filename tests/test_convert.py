@@ -48,6 +48,18 @@ def running_as_rms(model, manifest):
             h.remove()
 
 
+def convert_and_measure(model):
+    """Convert `model` in place. Returns (manifest, err, err_rms): the max-logit relative error
+    against the unconverted model, with the norms run as LayerNorms and as RMSNorms."""
+    ids = probe()
+    ref = logits(model, ids)
+    manifest = convert_model(model)
+    err = rel_err(logits(model, ids), ref)
+    with running_as_rms(model, manifest):
+        err_rms = rel_err(logits(model, ids), ref)
+    return manifest, err, err_rms
+
+
 def custom_model(arch, dtype=torch.float64, **overrides):
     cfg_name, model_name, kwargs = ARCHS[arch]
     torch.manual_seed(0)
@@ -59,13 +71,8 @@ def custom_model(arch, dtype=torch.float64, **overrides):
 @pytest.mark.parametrize("arch", ARCHS_CONVERTED)
 def test_float64_conversion_is_exact_as_layernorm_and_as_rmsnorm(arch):
     model = tiny_model(arch, dtype=torch.float64)
-    ids = probe()
-    ref = logits(model, ids)
-    manifest = convert_model(model)
+    manifest, err, err_rms = convert_and_measure(model)
     assert manifest["summary"]["refused"] == 0
-    err = rel_err(logits(model, ids), ref)
-    with running_as_rms(model, manifest):
-        err_rms = rel_err(logits(model, ids), ref)
     print(f"\n[max-logit-error] {arch} fp64 layernorm={err:.3e} rms={err_rms:.3e}")
     assert err <= 1e-10
     assert err_rms <= 1e-10
@@ -81,12 +88,7 @@ def test_float64_conversion_is_exact_as_layernorm_and_as_rmsnorm(arch):
 @pytest.mark.parametrize("arch", ARCHS_CONVERTED)
 def test_float32_conversion_is_within_rounding(arch):
     model = tiny_model(arch, dtype=torch.float32)
-    ids = probe()
-    ref = logits(model, ids)
-    manifest = convert_model(model)
-    err = rel_err(logits(model, ids), ref)
-    with running_as_rms(model, manifest):
-        err_rms = rel_err(logits(model, ids), ref)
+    _, err, err_rms = convert_and_measure(model)
     print(f"\n[max-logit-error] {arch} fp32 layernorm={err:.3e} rms={err_rms:.3e}")
     assert err <= 1e-5
     assert err_rms <= 1e-5
