@@ -1,5 +1,6 @@
 """Plumbing shared by the Triton norm ops: dtype codes and exact rounding, launch heuristics,
-output allocation, and the answer to "do Triton kernels run here?".
+argument checks, the launchers and fake impls of both op pairs, and the answer to "do Triton
+kernels run here?".
 
 Why explicit rounding: every intermediate cast that a norm family performs (Llama rounds the
 normalized value to the input dtype, T5 to a half weight's dtype, the residual sum to the stream's
