@@ -22,6 +22,7 @@ Never imports transformers.
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,27 +98,28 @@ def _load_compile() -> Backend:
     return _COMPILED["compile"]
 
 
-def _load_liger() -> Backend:
+def _load_adapted(name: str, package: str, modules: tuple[str, ...], install: str, vendor: str) -> Backend:
+    """A third-party backend: its `modules` must import and its kernels need a CUDA device; the
+    functions are adapters.<name>_rms_norm and adapters.<name>_layer_norm."""
     try:
-        import liger_kernel.ops.layer_norm  # noqa: F401
-        import liger_kernel.ops.rms_norm  # noqa: F401
+        for module in modules:
+            importlib.import_module(module)
     except ImportError as e:
-        raise RuntimeError(f"liger_kernel does not import ({e}); pip install liger-kernel") from None
+        raise RuntimeError(f"{package} does not import ({e}); {install}") from None
     from normswap.kernels import adapters
 
-    adapters.require_cuda("Liger-Kernel")
-    return Backend("liger", adapters.liger_rms_norm, adapters.liger_layer_norm)
+    adapters.require_cuda(vendor)
+    return Backend(name, getattr(adapters, f"{name}_rms_norm"), getattr(adapters, f"{name}_layer_norm"))
+
+
+def _load_liger() -> Backend:
+    return _load_adapted("liger", "liger_kernel", ("liger_kernel.ops.layer_norm", "liger_kernel.ops.rms_norm"),
+                         "pip install liger-kernel", "Liger-Kernel")
 
 
 def _load_quack() -> Backend:
-    try:
-        import quack.rmsnorm  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError(f"quack does not import ({e}); pip install quack-kernels (needs an H100/B200-class GPU)") from None
-    from normswap.kernels import adapters
-
-    adapters.require_cuda("quack")
-    return Backend("quack", adapters.quack_rms_norm, adapters.quack_layer_norm)
+    return _load_adapted("quack", "quack", ("quack.rmsnorm",),
+                         "pip install quack-kernels (needs an H100/B200-class GPU)", "quack")
 
 
 _LOADERS: dict[str, Callable[[], Backend]] = {

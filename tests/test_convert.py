@@ -3,6 +3,7 @@ the original in float64 and float32, as stock LayerNorms and as RMSNorms (the sp
 output reloads in stock transformers, and unsupported models are refused with a reason per norm."""
 
 import math
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,29 @@ def rel_err(got, ref):
     return float((got - ref).abs().max() / ref.abs().max())
 
 
+@contextmanager
+def running_as_rms(model, manifest):
+    """Inside the block the converted norms run as RMSNorms (attach_rms hooks); after it, as before."""
+    handles = attach_rms(model, manifest)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def convert_and_measure(model):
+    """Convert `model` in place. Returns (manifest, err, err_rms): the max-logit relative error
+    against the unconverted model, with the norms run as LayerNorms and as RMSNorms."""
+    ids = probe()
+    ref = logits(model, ids)
+    manifest = convert_model(model)
+    err = rel_err(logits(model, ids), ref)
+    with running_as_rms(model, manifest):
+        err_rms = rel_err(logits(model, ids), ref)
+    return manifest, err, err_rms
+
+
 def custom_model(arch, dtype=torch.float64, **overrides):
     cfg_name, model_name, kwargs = ARCHS[arch]
     torch.manual_seed(0)
@@ -48,15 +72,8 @@ def custom_model(arch, dtype=torch.float64, **overrides):
 @pytest.mark.parametrize("arch", ARCHS_CONVERTED)
 def test_float64_conversion_is_exact_as_layernorm_and_as_rmsnorm(arch):
     model = tiny_model(arch, dtype=torch.float64)
-    ids = probe()
-    ref = logits(model, ids)
-    manifest = convert_model(model)
+    manifest, err, err_rms = convert_and_measure(model)
     assert manifest["summary"]["refused"] == 0
-    err = rel_err(logits(model, ids), ref)
-    handles = attach_rms(model, manifest)
-    err_rms = rel_err(logits(model, ids), ref)
-    for h in handles:
-        h.remove()
     print(f"\n[max-logit-error] {arch} fp64 layernorm={err:.3e} rms={err_rms:.3e}")
     assert err <= 1e-10
     assert err_rms <= 1e-10
@@ -72,14 +89,7 @@ def test_float64_conversion_is_exact_as_layernorm_and_as_rmsnorm(arch):
 @pytest.mark.parametrize("arch", ARCHS_CONVERTED)
 def test_float32_conversion_is_within_rounding(arch):
     model = tiny_model(arch, dtype=torch.float32)
-    ids = probe()
-    ref = logits(model, ids)
-    manifest = convert_model(model)
-    err = rel_err(logits(model, ids), ref)
-    handles = attach_rms(model, manifest)
-    err_rms = rel_err(logits(model, ids), ref)
-    for h in handles:
-        h.remove()
+    _, err, err_rms = convert_and_measure(model)
     print(f"\n[max-logit-error] {arch} fp32 layernorm={err:.3e} rms={err_rms:.3e}")
     assert err <= 1e-5
     assert err_rms <= 1e-5
@@ -91,10 +101,8 @@ def test_rms_check_can_fail_on_an_unconverted_model():
     ids = probe()
     ref = logits(model, ids)
     manifest = build_manifest(plan_conversion(model, model.config), model.config)
-    handles = attach_rms(model, manifest)
-    assert rel_err(logits(model, ids), ref) > 1e-3
-    for h in handles:
-        h.remove()
+    with running_as_rms(model, manifest):
+        assert rel_err(logits(model, ids), ref) > 1e-3
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt", "bloom", "falcon", "gpt_neox"])
@@ -166,10 +174,8 @@ def test_bias_free_readers_keep_beta_in_the_norm():
     assert rel_err(logits(model, ids), ref) <= 1e-10
     for n in manifest["norms"]:
         assert n["rms"] and n["kept_bias"] and not n["folded_bias"] and not n["folded_gain"]
-    handles = attach_rms(model, manifest)
-    assert rel_err(logits(model, ids), ref) <= 1e-10
-    for h in handles:
-        h.remove()
+    with running_as_rms(model, manifest):
+        assert rel_err(logits(model, ids), ref) <= 1e-10
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -184,10 +190,8 @@ def test_other_layouts(arch, overrides):
     ref = logits(model, ids)
     manifest = convert_model(model)
     assert manifest["summary"]["refused"] == 0
-    handles = attach_rms(model, manifest)
-    assert rel_err(logits(model, ids), ref) <= 1e-10
-    for h in handles:
-        h.remove()
+    with running_as_rms(model, manifest):
+        assert rel_err(logits(model, ids), ref) <= 1e-10
 
 
 def test_bloom_embedding_norm_is_baked_stock_loadably(tmp_path):
@@ -213,10 +217,8 @@ def test_partial_conversion_of_phi_with_qk_norms():
     assert set(refused) == {f"model.layers.{i}.self_attn.{q}_layernorm" for i in (0, 1) for q in "qk"}
     assert all("q/k norm" in why for why in refused.values())
     assert rel_err(logits(model, ids), ref) <= 1e-10
-    handles = attach_rms(model, manifest)
-    assert rel_err(logits(model, ids), ref) <= 1e-10
-    for h in handles:
-        h.remove()
+    with running_as_rms(model, manifest):
+        assert rel_err(logits(model, ids), ref) <= 1e-10
 
 
 def test_bert_is_refused_norm_by_norm():
@@ -309,10 +311,8 @@ def test_trained_gpt2_perplexity_unchanged():
     assert before < 20  # it learned something (uniform over the vocabulary would be ~96)
     manifest = convert_model(model)
     after = perplexity(model, held)
-    handles = attach_rms(model, manifest)
-    after_rms = perplexity(model, held)
-    for h in handles:
-        h.remove()
+    with running_as_rms(model, manifest):
+        after_rms = perplexity(model, held)
     print(f"\n[trained-gpt2] ppl before={before:.6f} after={after:.6f} as-rms={after_rms:.6f}")
     assert f"{before:.4g}" == f"{after:.4g}" == f"{after_rms:.4g}"
     assert abs(after - before) / before < 1e-5

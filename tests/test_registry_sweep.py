@@ -78,21 +78,25 @@ def norm_like_classes() -> tuple[dict[str, type], list[str]]:
 
     found: dict[str, type] = {}
     failed: list[str] = []
+
+    def import_or_note(name: str):
+        try:
+            return importlib.import_module(name)
+        except Exception:
+            failed.append(name)
+            return None
+
     for pkg_info in pkgutil.iter_modules(models.__path__):
         pkg_name = f"transformers.models.{pkg_info.name}"
-        try:
-            pkg = importlib.import_module(pkg_name)
-        except Exception:
-            failed.append(pkg_name)
+        pkg = import_or_note(pkg_name)
+        if pkg is None:
             continue
         for sub in pkgutil.iter_modules(getattr(pkg, "__path__", [])):
             if not sub.name.startswith("modeling_"):
                 continue
             name = f"{pkg_name}.{sub.name}"
-            try:
-                module = importlib.import_module(name)
-            except Exception:
-                failed.append(name)
+            module = import_or_note(name)
+            if module is None:
                 continue
             for cls_name, obj in vars(module).items():
                 if (inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and obj.__module__ == name

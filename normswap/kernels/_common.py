@@ -1,5 +1,6 @@
 """Plumbing shared by the Triton norm ops: dtype codes and exact rounding, launch heuristics,
-output allocation, and the answer to "do Triton kernels run here?".
+argument checks, the launchers and fake impls of both op pairs, and the answer to "do Triton
+kernels run here?".
 
 Why explicit rounding: every intermediate cast that a norm family performs (Llama rounds the
 normalized value to the input dtype, T5 to a half weight's dtype, the residual sum to the stream's
@@ -194,3 +195,139 @@ def backward_programs(m: int, block_m: int, device: torch.device, kernel) -> int
     # Two programs per SM keep the memory system busy while the partial buffer stays ~2*SMs*N*4 bytes.
     return min(row_blocks, 2 * sm_count(device))
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side plumbing shared by the RMSNorm and LayerNorm ops. Both kernel pairs take their
+# arguments in one layout, which is what lets one launcher serve both:
+#   forward:  X, R, *params, Y, H, *stats, M, N, stride_x, stride_r, stride_y, stride_h, eps, offset
+#   backward: DY, DH, Z, W, *stats, DX, DR, *partials, M, N, stride_dy, stride_dh, stride_z,
+#             stride_dx, stride_dr, offset
+# Absent tensors are replaced by a harmless pointer of the right device (their HAS_* flag is off).
+
+_PLURAL = {"weight": "weights", "bias": "biases"}
+
+
+def check_norm_inputs(op: str, kernel, x: torch.Tensor, residual: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, params: dict[str, torch.Tensor | None]) -> None:
+    """The functional API's argument checks, one clear NormswapError each. `params` maps the
+    per-column vectors' names ("weight", "bias") to the tensors (or None)."""
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise NormswapError(f"{op} needs a non-empty last dimension, got shape {tuple(x.shape)}")
+    check_device(x, kernel)
+    check_dtype(x, "inputs")
+    for what, t in params.items():
+        check_dtype(t, _PLURAL[what])
+    check_dtype(residual, "residuals")
+    for what, t in params.items():
+        check_vector(t, x.shape[-1], what)
+    for what, t in (*params.items(), ("residual", residual)):
+        if t is not None and t.device != x.device:
+            raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
+    if residual is not None and residual.shape != x.shape:
+        raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise NormswapError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+
+
+def stream_dtype(residual: torch.Tensor | None, residual_in_fp32: bool) -> torch.dtype | None:
+    """The dtype h = x + residual is stored in (None without a residual)."""
+    if residual is None:
+        return None
+    return torch.float32 if residual_in_fp32 else residual.dtype
+
+
+def _tile_args(cfg: dict) -> dict:
+    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "SINGLE": cfg["SINGLE"], "num_warps": cfg["num_warps"]}
+
+
+def launch_forward(kernel, x, residual, params, n_stats, y_dtype, residual_in_fp32, eps, offset, **consts):
+    """Run a forward kernel over the rows of x: returns (y, h, *stats) shaped like x (stats like
+    x.shape[:-1], fp32); h is an empty tensor without a residual. `params` are the per-column
+    vectors (None where absent); `consts` the kernel's own constexprs (HAS_W, ...)."""
+    n = x.shape[-1]
+    x2 = as_rows(x, n)
+    r2 = as_rows(residual, n)
+    params = [None if p is None else p.contiguous() for p in params]
+    m = x2.shape[0]
+    dev = x.device
+    y = new_empty((m, n), y_dtype, dev)
+    h_dtype = stream_dtype(residual, residual_in_fp32)
+    h = new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
+    stats = [new_empty((m,), torch.float32, dev) for _ in range(n_stats)]
+    if m > 0:
+        cfg = row_config(m, n, kernel)
+        kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+            x2, x2 if r2 is None else r2, *(x2 if p is None else p for p in params),
+            y, y if residual is None else h, *stats,
+            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
+            0 if residual is None else h.stride(0),
+            float(eps), float(offset),
+            HAS_R=residual is not None, H_CODE=0 if h_dtype is None else DTYPE_CODE[h_dtype],
+            OUT_CODE=DTYPE_CODE[y_dtype], **consts, **_tile_args(cfg),
+        )
+    y = y.view(x.shape)
+    if residual is not None:
+        h = h.view(x.shape)
+    return (y, h, *(s.view(x.shape[:-1]) for s in stats))
+
+
+def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_dtype, param_grads, **consts):
+    """Run a persistent backward kernel: returns (dx, *dparams, dresidual). `param_grads` holds, per
+    parameter, the tensor whose grad is wanted (for its dtype and shape) or None to skip it (an
+    empty tensor then stands in its place); `consts` are the kernel's own constexprs."""
+    n = z.shape[-1]
+    z2 = as_rows(z, n)
+    dy2 = as_rows(dy, n)
+    dh2 = as_rows(dh, n)
+    m = z2.shape[0]
+    dev = z.device
+    dx = new_empty((m, n), x_dtype, dev)
+    dr = new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
+    w = weight.contiguous() if weight is not None else None
+    cfg = row_config(m, n, kernel, backward=True)
+    progs = backward_programs(m, cfg["BLOCK_M"], dev, kernel)
+    # Single-tile programs store their whole partial row once; looping ones accumulate into it.
+    alloc = torch.empty if cfg["SINGLE"] else torch.zeros
+    partials = [None if like is None else alloc((max(progs, 1), n), dtype=torch.float32, device=dev)
+                for like in param_grads]
+    if m > 0:
+        kernel[(progs,)](
+            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, *(s.reshape(-1) for s in stats),
+            dx, dx if residual_dtype is None else dr, *(dx if p is None else p for p in partials),
+            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
+            0 if residual_dtype is None else dr.stride(0),
+            float(offset),
+            HAS_W=w is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
+            DX_CODE=DTYPE_CODE[x_dtype], DR_CODE=DTYPE_CODE[residual_dtype or x_dtype],
+            **consts, **_tile_args(cfg),
+        )
+
+    def reduce(part, like):
+        if like is None:
+            return z.new_empty((0,))
+        if m == 0:
+            return torch.zeros_like(like)
+        return part.sum(0).to(like.dtype)
+
+    dparams = [reduce(part, like) for part, like in zip(partials, param_grads, strict=True)]
+    dx = dx.view(z.shape)
+    if residual_dtype is not None:
+        dr = dr.view(z.shape)
+    return (dx, *dparams, dr)
+
+
+def fake_forward(x, residual, residual_in_fp32, n_stats, y_dtype):
+    """What launch_forward returns, as empty tensors (the ops' fake impls for torch.compile)."""
+    h_dtype = stream_dtype(residual, residual_in_fp32)
+    h = x.new_empty((0,)) if h_dtype is None else x.new_empty(x.shape, dtype=h_dtype)
+    stats = (x.new_empty(x.shape[:-1], dtype=torch.float32) for _ in range(n_stats))
+    return (x.new_empty(x.shape, dtype=y_dtype), h, *stats)
+
+
+def fake_backward(z, x_dtype, residual_dtype, param_grads):
+    """What launch_backward returns, as empty tensors (each its own: custom ops' outputs must not
+    alias one another)."""
+    dparams = (z.new_empty((0,)) if like is None else torch.empty_like(like) for like in param_grads)
+    dr = z.new_empty((0,)) if residual_dtype is None else z.new_empty(z.shape, dtype=residual_dtype)
+    return (z.new_empty(z.shape, dtype=x_dtype), *dparams, dr)

@@ -11,18 +11,7 @@ from __future__ import annotations
 import torch
 
 from normswap.errors import NormswapError
-from normswap.kernels.reference import _add_residual
-
-
-def _residual(x, residual, residual_in_fp32):
-    return (x, None) if residual is None else (_add_residual(x, residual, residual_in_fp32),) * 2
-
-
-def _finish(y, h, residual, out_dtype):
-    if out_dtype is not None:
-        y = y.to(out_dtype)
-    return (y, h) if residual is not None else y
-
+from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_residual
 
 # Liger-Kernel ---------------------------------------------------------------------------------
 # Supported: llama with offset 0 (its llama mode adds the offset in the weight's dtype), gemma with
@@ -39,11 +28,11 @@ def liger_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, o
         raise NormswapError("the liger backend cannot run casting 'llama' with an offset (it adds it in low precision)")
     if casting not in ("llama", "gemma"):
         raise NormswapError(f"the liger backend has no casting mode {casting!r} with normswap's numerics; use llama or gemma")
-    z, h = _residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     z = z.to(x.dtype).contiguous()
     # in_place=False: Liger's in-place backward writes dX into dY, a buffer it does not own.
     y = LigerRMSNormFunction.apply(z, weight, float(eps), float(offset), casting, False)
-    return _finish(y, h, residual, out_dtype)
+    return norm_result(y, h, out_dtype)
 
 
 def liger_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
@@ -51,9 +40,9 @@ def liger_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=
 
     if weight is None or bias is None or offset != 0:
         raise NormswapError("the liger backend's LayerNorm needs both weight and bias, and no offset")
-    z, h = _residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     y = LigerLayerNormFunction.apply(z.to(x.dtype).contiguous(), weight, bias, float(eps))
-    return _finish(y, h, residual, out_dtype)
+    return norm_result(y, h, out_dtype)
 
 
 # quack ----------------------------------------------------------------------------------------
@@ -66,9 +55,7 @@ def quack_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, o
                    residual_in_fp32=False):
     from quack.rmsnorm import rmsnorm
 
-    from normswap.kernels.reference import HALF, rms_out_dtype
-
-    z, h = _residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     z = z.to(x.dtype)
     eps = float(eps)
     if weight is None:
@@ -80,7 +67,7 @@ def quack_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, o
         y = (w * rmsnorm(z, None, eps=eps)).to(rms_out_dtype(x.dtype, weight.dtype, casting))
     else:
         raise NormswapError(f"the quack backend cannot run casting {casting!r} with a {weight.dtype} weight on {x.dtype}")
-    return _finish(y, h, residual, out_dtype)
+    return norm_result(y, h, out_dtype)
 
 
 def quack_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
@@ -90,12 +77,12 @@ def quack_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=
         raise NormswapError("the quack backend has LayerNorm forward only (no backward); use it without grads")
     if weight is None:
         raise NormswapError("the quack backend's LayerNorm needs a weight")
-    z, h = _residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     n = z.shape[-1]
     w = weight.float() + offset
     b = None if bias is None else bias.float()
     y = layernorm_fwd(z.to(x.dtype).reshape(-1, n).contiguous(), w, b, eps=float(eps)).view(z.shape)
-    return _finish(y, h, residual, out_dtype)
+    return norm_result(y, h, out_dtype)
 
 
 def require_cuda(name: str) -> None:

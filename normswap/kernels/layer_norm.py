@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from normswap.errors import NormswapError
 from normswap.kernels import _common as C
 from normswap.kernels._common import load_norm_input, round_to, store_input_grads
 
@@ -185,79 +184,19 @@ def _ln_bwd_kernel(
 
 
 def _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32):
-    n = x.shape[-1]
-    x2 = C.as_rows(x, n)
-    r2 = C.as_rows(residual, n)
-    w = weight.contiguous() if weight is not None else None
-    b = bias.contiguous() if bias is not None else None
-    m = x2.shape[0]
-    y_dtype = out_dtype or x.dtype
-    dev = x.device
-    y = C.new_empty((m, n), y_dtype, dev)
-    h_dtype = None if residual is None else (torch.float32 if residual_in_fp32 else residual.dtype)
-    h = C.new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
-    mean = C.new_empty((m,), torch.float32, dev)
-    rstd = C.new_empty((m,), torch.float32, dev)
-    if m > 0:
-        cfg = C.row_config(m, n, _ln_fwd_kernel)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-        _ln_fwd_kernel[grid](
-            x2, x2 if r2 is None else r2, x2 if w is None else w, x2 if b is None else b, y,
-            y if residual is None else h, mean, rstd,
-            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
-            0 if residual is None else h.stride(0),
-            float(eps), float(offset),
-            HAS_W=w is not None, HAS_B=b is not None, HAS_R=residual is not None,
-            H_CODE=0 if h_dtype is None else C.DTYPE_CODE[h_dtype], OUT_CODE=C.DTYPE_CODE[y_dtype],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
-        )
-    y = y.view(x.shape)
-    if residual is not None:
-        h = h.view(x.shape)
-    return y, h, mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+    return C.launch_forward(
+        _ln_fwd_kernel, x, residual, [weight, bias], 2, out_dtype or x.dtype, residual_in_fp32, eps, offset,
+        HAS_W=weight is not None, HAS_B=bias is not None,
+    )
 
 
 def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw=True):
     """`bias` only tells whether (and in which dtype) dbias is wanted: pass None to skip it."""
-    n = z.shape[-1]
-    z2 = C.as_rows(z, n)
-    dy2 = C.as_rows(dy, n)
-    dh2 = C.as_rows(dh, n)
-    m = z2.shape[0]
-    dev = z.device
-    dx = C.new_empty((m, n), x_dtype, dev)
-    dr = C.new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
-    w = weight.contiguous() if weight is not None else None
-    cfg = C.row_config(m, n, _ln_bwd_kernel, backward=True)
-    progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _ln_bwd_kernel)
-    alloc = torch.empty if cfg["SINGLE"] else torch.zeros
-    need_dw = need_dw and w is not None
-    dwp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if need_dw else None
-    dbp = alloc((max(progs, 1), n), dtype=torch.float32, device=dev) if bias is not None else None
-    if m > 0:
-        _ln_bwd_kernel[(progs,)](
-            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, mean.reshape(-1), rstd.reshape(-1),
-            dx, dx if residual_dtype is None else dr, dx if dwp is None else dwp, dx if dbp is None else dbp,
-            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
-            0 if residual_dtype is None else dr.stride(0),
-            float(offset),
-            HAS_W=w is not None, HAS_DW=need_dw, HAS_DB=bias is not None, HAS_DH=dh2 is not None,
-            HAS_DR=residual_dtype is not None,
-            DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
-        )
-
-    def reduce(part, like):
-        if like is None:
-            return z.new_empty((0,))
-        if m == 0:
-            return torch.zeros_like(like)
-        return part.sum(0).to(like.dtype)
-
-    dx = dx.view(z.shape)
-    if residual_dtype is not None:
-        dr = dr.view(z.shape)
-    return dx, reduce(dwp, weight if need_dw else None), reduce(dbp, bias), dr
+    need_dw = need_dw and weight is not None
+    return C.launch_backward(
+        _ln_bwd_kernel, dy, dh, z, weight, [mean, rstd], offset, x_dtype, residual_dtype,
+        [weight if need_dw else None, bias], HAS_DW=need_dw, HAS_DB=bias is not None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,13 +215,7 @@ def layer_norm_fwd(
 
 @layer_norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, offset, out_dtype, residual_in_fp32):
-    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
-    if residual is None:
-        h = x.new_empty((0,))
-    else:
-        h = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else residual.dtype)
-    stats = x.shape[:-1]
-    return y, h, x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+    return C.fake_forward(x, residual, residual_in_fp32, 2, out_dtype or x.dtype)
 
 
 @torch.library.custom_op("normswap::layer_norm_bwd", mutates_args=())
@@ -299,13 +232,7 @@ def layer_norm_bwd(
 
 @layer_norm_bwd.register_fake
 def _(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw):
-    empty = z.new_empty((0,))
-    return (
-        z.new_empty(z.shape, dtype=x_dtype),
-        torch.empty_like(weight) if weight is not None and need_dw else empty,
-        torch.empty_like(bias) if bias is not None else z.new_empty((0,)),
-        z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,)),
-    )
+    return C.fake_backward(z, x_dtype, residual_dtype, [weight if need_dw else None, bias])
 
 
 def _setup_context(ctx, inputs, output):
@@ -348,19 +275,6 @@ def layer_norm(
     residual_in_fp32: bool = False,
 ):
     """Triton LayerNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise NormswapError(f"layer_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
-    C.check_device(x, _ln_fwd_kernel)
-    for t, what in ((x, "inputs"), (weight, "weights"), (bias, "biases"), (residual, "residuals")):
-        C.check_dtype(t, what)
-    C.check_vector(weight, x.shape[-1], "weight")
-    C.check_vector(bias, x.shape[-1], "bias")
-    for t, what in ((weight, "weight"), (bias, "bias"), (residual, "residual")):
-        if t is not None and t.device != x.device:
-            raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
-    if residual is not None and residual.shape != x.shape:
-        raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-    if out_dtype is not None and out_dtype not in C.SUPPORTED_DTYPES:
-        raise NormswapError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+    C.check_norm_inputs("layer_norm", _ln_fwd_kernel, x, residual, out_dtype, {"weight": weight, "bias": bias})
     y, h, _, _ = layer_norm_fwd(x, weight, bias, residual, float(eps), float(offset), out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y

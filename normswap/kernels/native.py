@@ -22,21 +22,14 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from normswap.kernels.reference import CASTING_MODES, HALF, _add_residual, rms_out_dtype
-
-
-def _split_residual(x, residual, residual_in_fp32):
-    if residual is None:
-        return x, None
-    h = _add_residual(x, residual, residual_in_fp32)
-    return h, h
+from normswap.kernels.reference import CASTING_MODES, HALF, norm_result, rms_out_dtype, split_residual
 
 
 def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None, residual_in_fp32=False):
     if casting not in CASTING_MODES:
         raise ValueError(f"unknown casting mode {casting!r}")
     in_dtype = x.dtype
-    z, h = _split_residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     n = (z.shape[-1],)
     eps = float(eps)
     natural = rms_out_dtype(in_dtype, None if weight is None else weight.dtype, casting)
@@ -56,14 +49,12 @@ def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dty
         y = F.rms_norm(z, n, weight, eps).to(in_dtype)
     else:
         y = F.rms_norm(z.float(), n, weight.float() + offset, eps).to(in_dtype)
-    if out_dtype is not None:
-        y = y.to(out_dtype)
-    return (y, h) if residual is not None else y
+    return norm_result(y, h, out_dtype)
 
 
 def layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
     in_dtype = x.dtype
-    z, h = _split_residual(x, residual, residual_in_fp32)
+    z, h = split_residual(x, residual, residual_in_fp32)
     n = (z.shape[-1],)
     eps = float(eps)
     native = offset == 0 and all(t is None or t.dtype == z.dtype for t in (weight, bias))
@@ -73,5 +64,4 @@ def layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, 
         w = None if weight is None else weight.float() + offset
         b = None if bias is None else bias.float()
         y = F.layer_norm(z.float(), n, w, b, eps)
-    y = y.to(out_dtype or in_dtype)
-    return (y, h) if residual is not None else y
+    return norm_result(y, h, out_dtype or in_dtype)

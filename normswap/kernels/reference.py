@@ -27,15 +27,40 @@ HALF = (torch.float16, torch.bfloat16)
 CASTING_MODES = ("llama", "gemma", "t5", "none")
 
 
+def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """fp32, or float64 when any of `dtypes` is (the references double as float64 ground truth)."""
+    acc = torch.float32
+    for dtype in dtypes:
+        acc = torch.promote_types(acc, dtype)
+    return acc
+
+
 def _add_residual(x, residual, residual_in_fp32):
     """h = x + residual, summed in fp32 (or the wider input dtype) and stored in the residual's dtype
     (fp32 when residual_in_fp32)."""
-    acc = torch.promote_types(torch.promote_types(x.dtype, residual.dtype), torch.float32)
+    acc = _acc_dtype(x.dtype, residual.dtype)
     h = x.to(acc) + residual.to(acc)
     store = torch.float32 if residual_in_fp32 else residual.dtype
     if store == torch.float32 and acc == torch.float64:
         store = torch.float64
     return h.to(store)
+
+
+def split_residual(x, residual, residual_in_fp32):
+    """(z, h): z is what the norm reads -- h = x + residual as stored, or x itself without a
+    residual -- and h is None without one."""
+    if residual is None:
+        return x, None
+    h = _add_residual(x, residual, residual_in_fp32)
+    return h, h
+
+
+def norm_result(y, h, out_dtype=None):
+    """What every backend returns: y (cast to out_dtype when given), paired with h when there was
+    a residual."""
+    if out_dtype is not None:
+        y = y.to(out_dtype)
+    return y if h is None else (y, h)
 
 
 def rms_out_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype | None, casting: str) -> torch.dtype:
@@ -63,13 +88,10 @@ def rms_norm_ref(
     if casting not in CASTING_MODES:
         raise ValueError(f"unknown casting mode {casting!r}")
     in_dtype = x.dtype
-    h = None
-    if residual is not None:
-        h = _add_residual(x, residual, residual_in_fp32)
-        x = h
-    acc = torch.promote_types(torch.promote_types(x.dtype, in_dtype), torch.float32)
-    xf = x.to(acc)
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    z, h = split_residual(x, residual, residual_in_fp32)
+    acc = _acc_dtype(z.dtype, in_dtype)
+    zf = z.to(acc)
+    normed = zf * torch.rsqrt(zf.pow(2).mean(-1, keepdim=True) + eps)
     natural = rms_out_dtype(in_dtype, None if weight is None else weight.dtype, casting)
     if weight is None:
         y = normed.to(in_dtype)
@@ -85,9 +107,7 @@ def rms_norm_ref(
         y = (w * normed).to(natural)
     else:  # "gemma" (HF Gemma: fp32 product with 1 + weight) and "none" (same arithmetic, any offset)
         y = (normed * (offset + weight.to(acc))).to(in_dtype)
-    if out_dtype is not None:
-        y = y.to(out_dtype)
-    return (y, h) if residual is not None else y
+    return norm_result(y, h, out_dtype)
 
 
 def layer_norm_ref(
@@ -102,18 +122,14 @@ def layer_norm_ref(
 ):
     """LayerNorm over the last dimension, statistics and affine in fp32 (or fp64), one final cast."""
     in_dtype = x.dtype
-    h = None
-    if residual is not None:
-        h = _add_residual(x, residual, residual_in_fp32)
-        x = h
-    acc = torch.promote_types(torch.promote_types(x.dtype, in_dtype), torch.float32)
-    xf = x.to(acc)
-    mean = xf.mean(-1, keepdim=True)
-    var = (xf - mean).pow(2).mean(-1, keepdim=True)
-    y = (xf - mean) * torch.rsqrt(var + eps)
+    z, h = split_residual(x, residual, residual_in_fp32)
+    acc = _acc_dtype(z.dtype, in_dtype)
+    zf = z.to(acc)
+    mean = zf.mean(-1, keepdim=True)
+    var = (zf - mean).pow(2).mean(-1, keepdim=True)
+    y = (zf - mean) * torch.rsqrt(var + eps)
     if weight is not None:
         y = y * (offset + weight.to(acc))
     if bias is not None:
         y = y + bias.to(acc)
-    y = y.to(out_dtype or in_dtype)
-    return (y, h) if residual is not None else y
+    return norm_result(y, h, out_dtype or in_dtype)

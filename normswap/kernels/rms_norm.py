@@ -180,77 +180,20 @@ def _norm_code(casting: str, x_dtype: torch.dtype, w_dtype: torch.dtype | None) 
 
 
 def _rms_forward(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32):
-    n = x.shape[-1]
-    x2 = C.as_rows(x, n)
-    r2 = C.as_rows(residual, n)
-    w = weight.contiguous() if weight is not None else None
-    m = x2.shape[0]
-    natural = rms_out_dtype(x.dtype, None if w is None else w.dtype, casting)
-    y_dtype = out_dtype or natural
-    dev = x.device
-    y = C.new_empty((m, n), y_dtype, dev)
-    h_dtype = None if residual is None else (torch.float32 if residual_in_fp32 else residual.dtype)
-    h = C.new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
-    rstd = C.new_empty((m,), torch.float32, dev)
-    if m > 0:
-        cfg = C.row_config(m, n, _rms_fwd_kernel)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-        _rms_fwd_kernel[grid](
-            x2, x2 if r2 is None else r2, x2 if w is None else w, y, y if residual is None else h, rstd,
-            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
-            0 if residual is None else h.stride(0),
-            float(eps), float(offset),
-            HAS_W=w is not None, HAS_R=residual is not None,
-            H_CODE=0 if h_dtype is None else C.DTYPE_CODE[h_dtype],
-            NORM_CODE=_norm_code(casting, x.dtype, None if w is None else w.dtype),
-            NAT_CODE=C.DTYPE_CODE[natural], OUT_CODE=C.DTYPE_CODE[y_dtype],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
-        )
-    y = y.view(x.shape)
-    if residual is not None:
-        h = h.view(x.shape)
-    return y, h, rstd.view(x.shape[:-1])
+    w_dtype = None if weight is None else weight.dtype
+    natural = rms_out_dtype(x.dtype, w_dtype, casting)
+    return C.launch_forward(
+        _rms_fwd_kernel, x, residual, [weight], 1, out_dtype or natural, residual_in_fp32, eps, offset,
+        HAS_W=weight is not None, NORM_CODE=_norm_code(casting, x.dtype, w_dtype), NAT_CODE=C.DTYPE_CODE[natural],
+    )
 
 
 def _rms_backward(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw=True):
-    n = z.shape[-1]
-    z2 = C.as_rows(z, n)
-    dy2 = C.as_rows(dy, n)
-    dh2 = C.as_rows(dh, n)
-    m = z2.shape[0]
-    dev = z.device
-    dx = C.new_empty((m, n), x_dtype, dev)
-    dr = C.new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
-    w = weight.contiguous() if weight is not None else None
-    cfg = C.row_config(m, n, _rms_bwd_kernel, backward=True)
-    progs = C.backward_programs(m, cfg["BLOCK_M"], dev, _rms_bwd_kernel)
-    # Single-tile programs store their whole partial row once; looping ones accumulate into it.
-    dwp = None
-    need_dw = need_dw and w is not None
-    if need_dw:
-        dwp = (torch.empty if cfg["SINGLE"] else torch.zeros)((max(progs, 1), n), dtype=torch.float32, device=dev)
-    if m > 0:
-        _rms_bwd_kernel[(progs,)](
-            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, rstd.reshape(-1), dx,
-            dx if residual_dtype is None else dr, dx if dwp is None else dwp,
-            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
-            0 if residual_dtype is None else dr.stride(0),
-            float(offset),
-            HAS_W=w is not None, HAS_DW=need_dw, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
-            NORM_CODE=_norm_code(casting, x_dtype, None if w is None else w.dtype),
-            DX_CODE=C.DTYPE_CODE[x_dtype], DR_CODE=C.DTYPE_CODE[residual_dtype or x_dtype],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], SINGLE=cfg["SINGLE"], num_warps=cfg["num_warps"],
-        )
-    if not need_dw:
-        dw = z.new_empty((0,))
-    elif m == 0:
-        dw = torch.zeros_like(w)
-    else:
-        dw = dwp.sum(0).to(w.dtype)
-    dx = dx.view(z.shape)
-    if residual_dtype is not None:
-        dr = dr.view(z.shape)
-    return dx, dw, dr
+    need_dw = need_dw and weight is not None
+    return C.launch_backward(
+        _rms_bwd_kernel, dy, dh, z, weight, [rstd], offset, x_dtype, residual_dtype, [weight if need_dw else None],
+        HAS_DW=need_dw, NORM_CODE=_norm_code(casting, x_dtype, None if weight is None else weight.dtype),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,12 +213,8 @@ def rms_norm_fwd(
 
 @rms_norm_fwd.register_fake
 def _(x, weight, residual, eps, offset, casting, out_dtype, residual_in_fp32):
-    y = x.new_empty(x.shape, dtype=out_dtype or rms_out_dtype(x.dtype, None if weight is None else weight.dtype, casting))
-    if residual is None:
-        h = x.new_empty((0,))
-    else:
-        h = x.new_empty(x.shape, dtype=torch.float32 if residual_in_fp32 else residual.dtype)
-    return y, h, x.new_empty(x.shape[:-1], dtype=torch.float32)
+    y_dtype = out_dtype or rms_out_dtype(x.dtype, None if weight is None else weight.dtype, casting)
+    return C.fake_forward(x, residual, residual_in_fp32, 1, y_dtype)
 
 
 @torch.library.custom_op("normswap::rms_norm_bwd", mutates_args=())
@@ -291,10 +230,7 @@ def rms_norm_bwd(
 
 @rms_norm_bwd.register_fake
 def _(dy, dh, z, weight, rstd, offset, casting, x_dtype, residual_dtype, need_dw):
-    dx = z.new_empty(z.shape, dtype=x_dtype)
-    dw = torch.empty_like(weight) if weight is not None and need_dw else z.new_empty((0,))
-    dr = z.new_empty(z.shape, dtype=residual_dtype) if residual_dtype is not None else z.new_empty((0,))
-    return dx, dw, dr
+    return C.fake_backward(z, x_dtype, residual_dtype, [weight if need_dw else None])
 
 
 def _setup_context(ctx, inputs, output):
@@ -326,23 +262,6 @@ rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # Functional API (the signature every backend shares).
 
 
-def _validate(x, weight, residual, casting):
-    if casting not in CASTING_MODES:
-        raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTING_MODES)}")
-    if x.dim() < 1 or x.shape[-1] < 1:
-        raise NormswapError(f"rms_norm needs a non-empty last dimension, got shape {tuple(x.shape)}")
-    C.check_device(x, _rms_fwd_kernel)
-    C.check_dtype(x, "inputs")
-    C.check_dtype(weight, "weights")
-    C.check_dtype(residual, "residuals")
-    C.check_vector(weight, x.shape[-1], "weight")
-    for t, what in ((weight, "weight"), (residual, "residual")):
-        if t is not None and t.device != x.device:
-            raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
-    if residual is not None and residual.shape != x.shape:
-        raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -354,8 +273,8 @@ def rms_norm(
     residual_in_fp32: bool = False,
 ):
     """Triton RMSNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
-    _validate(x, weight, residual, casting)
-    if out_dtype is not None and out_dtype not in C.SUPPORTED_DTYPES:
-        raise NormswapError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+    if casting not in CASTING_MODES:
+        raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTING_MODES)}")
+    C.check_norm_inputs("rms_norm", _rms_fwd_kernel, x, residual, out_dtype, {"weight": weight})
     y, h, _ = rms_norm_fwd(x, weight, residual, float(eps), float(offset), casting, out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y
