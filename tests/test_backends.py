@@ -229,3 +229,30 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == 16
     assert bench.main(["--dry-run", "--impls", "liger"]) == 2 or available_backends()["liger"] is None
+
+
+def test_gradient_reaching_the_empty_h_placeholder_is_ignored():
+    """Without a residual the ops return an empty h; a gradient flowing into it (e.g. summing every
+    output) must not be handed to the kernel, which would read past its end."""
+    from normswap.kernels.layer_norm import layer_norm_fwd
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+    from normswap.kernels.rms_norm import rms_norm_fwd
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 37, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (1 + 0.3 * torch.randn(37, generator=g)).requires_grad_()
+    b = (0.3 * torch.randn(37, generator=g)).requires_grad_()
+    dy = torch.randn(4, 37, generator=g)
+    for op, ref, params in [
+        (lambda: rms_norm_fwd(x, w, None, 1e-6, 0.0, "llama", None, False),
+         lambda x, w: rms_norm_ref(x, w, 1e-6, casting="llama"), (w,)),
+        (lambda: layer_norm_fwd(x, w, b, None, 1e-5, 0.0, None, False),
+         lambda x, w: layer_norm_ref(x, w, b.double(), 1e-5), (w, b)),
+    ]:
+        outs = op()
+        assert outs[1].numel() == 0
+        grads = torch.autograd.grad((outs[0] * dy).sum() + outs[1].sum(), [x, *params])
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref_dx, ref_dw = torch.autograd.grad((ref(x64, w64) * dy.double()).sum(), [x64, w64])
+        torch.testing.assert_close(grads[0].double(), ref_dx, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(grads[1].double(), ref_dw, rtol=1e-4, atol=1e-5)
