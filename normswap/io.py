@@ -175,9 +175,23 @@ def model_class(config):
         ) from None
 
 
+def _name_gguf_architecture(source: ModelSource, config) -> None:
+    """A GGUF file holds a causal LM (llama.cpp's format), but the config transformers reads from
+    it names no architecture, so model_class would build the bare base model: no lm_head, no
+    logits, and norm paths without the `model.` prefix the built-in (converted) copy has."""
+    if not source.gguf_file or getattr(config, "architectures", None):
+        return
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is not None:
+        config.architectures = [cls.__name__]
+
+
 def build_meta_model(source: ModelSource):
     """The model's module tree on the meta device: no weights read, any size in seconds."""
     config = load_config(source)
+    _name_gguf_architecture(source, config)
     cls = model_class(config)
     try:
         with torch.device("meta"):
@@ -190,6 +204,7 @@ def build_meta_model(source: ModelSource):
 def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None):
     """The model with its weights, in eval mode."""
     config = load_config(source)
+    _name_gguf_architecture(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"

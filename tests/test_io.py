@@ -184,6 +184,60 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
     _one_line(e)
 
 
+
+def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48):
+    """A tiny float32 Llama GGUF with random weights and no tokenizer: what llama.cpp writes,
+    shapes as transformers' GGUF loader expects them (arrays in torch layout)."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+
+    def t(*shape):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    kv = kv_heads * hidden // heads
+    w.add_tensor("token_embd.weight", t(vocab, hidden))
+    w.add_tensor("output_norm.weight", 1 + t(hidden))
+    w.add_tensor("output.weight", t(vocab, hidden))
+    for i in range(layers):
+        for name, shape in (("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (hidden, hidden)),
+                            ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)),
+                            ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            w.add_tensor(f"blk.{i}.{name}.weight", t(*shape) + (1 if "norm" in name else 0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
+    """A GGUF's config names no architecture; the loader must still build the causal LM (with
+    lm_head and logits, paths as in the converted built-in copy), not the bare base model."""
+    src = io.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    meta = io.build_meta_model(src)
+    assert type(meta).__name__ == "LlamaForCausalLM"
+    assert all(p.is_meta for p in meta.parameters())
+    model = io.load_model(src)
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert not any(p.is_meta for p in model.parameters())
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
+
+
 # ---- weights and tokenizer
 
 
