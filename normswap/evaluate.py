@@ -323,8 +323,23 @@ def _check_causal(model) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise NormswapError(
-            f"{type(model).__name__} is an encoder-decoder model; perplexity here needs a causal language model"
+            f"{_model_name(model)} is an encoder-decoder model; perplexity here needs a causal language model"
         )
+
+
+@dataclass(frozen=True)
+class _ConfigOnly:
+    """Stands in for a model whose weights are not loaded yet: window planning and the checks
+    before scoring read only `config`."""
+
+    config: object
+
+
+def _model_name(model) -> str:
+    if isinstance(model, _ConfigOnly):
+        names = getattr(model.config, "architectures", None) or [getattr(model.config, "model_type", "the model")]
+        return str(names[0])
+    return type(model).__name__
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -405,6 +420,17 @@ class _Scoring:
                 self.longest = max(self.longest, len(batch[0].ids))
                 self.tokens += sum(w.scored for w in batch)
                 bar.update(sum(w.new_tokens for w in batch))
+
+
+def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | None = None,
+                         stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
+                         text_field: str = "text") -> None:
+    """Raise the NormswapError that `perplexity` / `diff_models` would raise for these options and
+    this data (encoder-decoder, unknown context length, stride past the window, text shorter than
+    one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
+    loads any weights, so bad input fails fast and with nothing but its one line on stderr."""
+    _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
+             max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="")
 
 
 def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,

@@ -201,9 +201,11 @@ def build_meta_model(source: ModelSource):
         raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {msg}") from None
 
 
-def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None):
-    """The model with its weights, in eval mode."""
-    config = load_config(source)
+def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None,
+               config=None):
+    """The model with its weights, in eval mode. `config`: load_config(source) when the caller
+    already read it (reading a GGUF's takes seconds)."""
+    config = load_config(source) if config is None else config
     _name_gguf_architecture(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)

@@ -27,6 +27,7 @@ def models(tmp_path_factory):
         g = torch.Generator().manual_seed(1)
         b.model.norm.weight.mul_(1 + 0.2 * torch.randn(b.model.norm.weight.shape, generator=g))
     b.save_pretrained(root / "b")
+    save_tiny("t5", root / "t5")  # encoder-decoder: refused from its config, before any weight loads
     save_tiny("llama", root / "no-tokenizer")
     for f in os.listdir(root / "no-tokenizer"):
         if "token" in f:
@@ -109,6 +110,10 @@ def bad(tmp_path: Path, name: str, content: bytes) -> Path:
     (lambda r, t: ("ppl", r / "a", "--data", TEXT, "--stride", 0), "positive"),
     (lambda r, t: ("ppl", t / "nomodel", "--data", TEXT), "no such file or directory"),
     (lambda r, t: ("ppl", r / "a", "--data", bad(t, "r.jsonl", b'{"body": "x"}\n')), "no field 'text'"),
+    (lambda r, t: ("ppl", r / "t5", "--data", TEXT), "encoder-decoder model"),
+    (lambda r, t: ("diff", r / "a", "--patched", "torch", "--data", bad(t, "s.txt", b"too short"),
+                   "--max-length", 32), "shorter than one window"),
+    (lambda r, t: ("diff", r / "a", r / "t5", "--data", TEXT), "encoder-decoder model"),
     (lambda r, t: ("diff", r / "a", "--data", TEXT), "exactly one"),
     (lambda r, t: ("diff", r / "a", r / "b", "--patched", "triton", "--data", TEXT), "exactly one"),
 ])
@@ -117,6 +122,8 @@ def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, message):
     result = run(*args(root, tmp_path), "--json")
     assert result.exit_code == 2, result.output
     assert result.stdout == ""
-    lines = [line for line in result.stderr.splitlines() if line.startswith("normswap: error:")]
-    assert len(lines) == 1 and message in lines[0], result.stderr
+    # Exactly one line: bad input is caught before weights load, so not even transformers'
+    # loading bar precedes it (lines a progress bar blanked out with \r and spaces do not count).
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("normswap: error:") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr

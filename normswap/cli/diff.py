@@ -25,8 +25,8 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     Both models read the same windows, tokenised with A's tokenizer."""
     from normswap.backends import get_backend
     from normswap.data import open_corpus
-    from normswap.evaluate import diff_models, patched_copy
-    from normswap.io import load_model, load_tokenizer, parse_dtype, resolve
+    from normswap.evaluate import check_before_loading, diff_models, patched_copy
+    from normswap.io import load_config, load_model, load_tokenizer, parse_dtype, resolve
 
     if (model_b is None) == (impl is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
@@ -37,9 +37,12 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     source_a = resolve(model_a)
     source_b = resolve(model_b) if model_b is not None else None
     tokenizer = load_tokenizer(source_a)
+    config_a = load_config(source_a)
+    config_b = load_config(source_b) if source_b is not None else config_a
+    check_before_loading([config_a, config_b], tokenizer, corpus, text_field=text_field, **settings)
     torch_dtype = parse_dtype(dtype)
-    a = load_model(source_a, dtype=torch_dtype)
-    b = load_model(source_b, dtype=torch_dtype) if source_b is not None else patched_copy(a, impl)
+    a = load_model(source_a, dtype=torch_dtype, config=config_a)
+    b = load_model(source_b, dtype=torch_dtype, config=config_b) if source_b is not None else patched_copy(a, impl)
     result = diff_models(a, b, tokenizer, corpus, **settings)
     data = {"model_a": model_a, "model_b": model_b if model_b is not None else f"{model_a} --patched {impl}",
             "data": data_path, "dtype": str(next(a.parameters()).dtype).removeprefix("torch."),

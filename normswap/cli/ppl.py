@@ -49,14 +49,16 @@ def describe_windows(d: dict) -> str:
 def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, as_json) -> None:
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
     from normswap.data import open_corpus
-    from normswap.evaluate import perplexity
-    from normswap.io import load_model, load_tokenizer, parse_dtype, resolve
+    from normswap.evaluate import check_before_loading, perplexity
+    from normswap.io import load_config, load_model, load_tokenizer, parse_dtype, resolve
 
     settings = window_settings(max_length, stride, max_tokens, batch_size)
     corpus = open_corpus(data_path, text_field)
     source = resolve(model)
     tokenizer = load_tokenizer(source)
-    loaded = load_model(source, dtype=parse_dtype(dtype))
+    config = load_config(source)
+    check_before_loading([config], tokenizer, corpus, text_field=text_field, **settings)
+    loaded = load_model(source, dtype=parse_dtype(dtype), config=config)
     result = perplexity(loaded, tokenizer, corpus, **settings)
     data = {"model": model, "data": data_path, "dtype": str(next(loaded.parameters()).dtype).removeprefix("torch."),
             **result.to_dict()}
