@@ -100,9 +100,13 @@ def dummy_inputs(model: nn.Module) -> dict:
     ids = torch.ones((1, SEQ_LEN), dtype=torch.long, device=device)
     inputs = {"input_ids": ids}
     config = getattr(model, "config", None)
+    params = _forward_params(model)
+    if "attention_mask" in params:
+        # Explicit, so that no model warns that the dummy ids (1, a common pad id) may be padding.
+        inputs["attention_mask"] = torch.ones_like(ids)
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
-    if "use_cache" in _forward_params(model):
+    if "use_cache" in params:
         inputs["use_cache"] = False
     return inputs
 

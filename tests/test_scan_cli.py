@@ -296,3 +296,17 @@ def test_consumers_on_a_real_cpu_model():
     consumers, note = find_consumers(model, ["transformer.h.0.ln_1", "transformer.ln_f"])
     assert note is None and model.training
     assert consumers == {"transformer.h.0.ln_1": ["transformer.h.0.attn.c_attn"], "transformer.ln_f": ["lm_head"]}
+
+
+def test_scan_warns_about_nothing_on_a_clean_model(saved, capfd):
+    """The dummy forward passes an explicit attention mask: the ids it uses (1) are the pad id of
+    many configs, and transformers would otherwise print a padding warning into the scan's stderr."""
+    import logging
+
+    directory, _ = saved("gpt2")
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process
+    capfd.readouterr()  # what writing the checkpoint printed
+    result = run(str(directory), "--json")
+    assert result.exit_code == 0 and result.stderr == ""
+    json.loads(result.stdout)
+    assert capfd.readouterr().err == ""
