@@ -68,17 +68,22 @@ def resolve(ref: str | os.PathLike) -> ModelSource:
             raise NormswapError(f"{ref}: a file that is not .gguf; pass a model directory or a .gguf file")
         return ModelSource(ref, p.parent.resolve(), p.name)
     if p.is_dir():
-        if not (p / "config.json").is_file():
-            ggufs = sorted(p.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return ModelSource(ref, p.resolve(), ggufs[0].name)
-            raise NormswapError(f"{ref}: not a model directory (no config.json)")
-        return ModelSource(ref, p.resolve())
+        return _directory_source(ref, p)
     if ref in _BUILTINS:
         return ModelSource(ref, builtin_model_dir(ref))
     if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
-        return ModelSource(ref, _hub_snapshot(ref))
+        # A cached snapshot is a directory like any other (a GGUF-only repo included).
+        return _directory_source(ref, _hub_snapshot(ref))
     raise NormswapError(f"{ref}: no such file or directory, and not a hub id (org/name)")
+
+
+def _directory_source(ref: str, p: Path) -> ModelSource:
+    if not (p / "config.json").is_file():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(ref, p.resolve(), ggufs[0].name)
+        raise NormswapError(f"{ref}: not a model directory (no config.json)")
+    return ModelSource(ref, p.resolve())
 
 
 def _hub_snapshot(repo_id: str) -> Path:

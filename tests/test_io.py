@@ -82,6 +82,36 @@ def test_resolve_hub_id_from_the_cache(tmp_path, monkeypatch):
     assert io.resolve("someone/tiny").path.resolve() == snap.resolve()
 
 
+
+def _cached_repo(cache, repo_id, files):
+    """A snapshot laid out as huggingface_hub caches it: models--org--name/snapshots/<rev> + refs/main."""
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name, write in files.items():
+        write(snap / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snap
+
+
+def test_a_cached_gguf_only_repo_resolves_to_its_gguf(tmp_path, monkeypatch):
+    """Repos that publish only a .gguf are common; a cached one is read like a local directory
+    holding one .gguf, not as a directory with a missing ("malformed") config.json."""
+    import huggingface_hub.constants as hc
+
+    snap = _cached_repo(tmp_path, "someone/tiny-gguf", {"tiny.gguf": write_tiny_llama_gguf})
+    _cached_repo(tmp_path, "someone/nothing", {"README.md": lambda p: p.write_text("hi")})
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = io.resolve("someone/tiny-gguf")
+    assert (src.path.resolve(), src.gguf_file) == (snap.resolve(), "tiny.gguf")
+    assert type(io.build_meta_model(src)).__name__ == "LlamaForCausalLM"
+    with pytest.raises(NormswapError, match="someone/nothing: not a model directory") as e:
+        io.resolve("someone/nothing")
+    _one_line(e)
+
 def test_resolve_builtin_reuses_the_materialised_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
     target = tmp_path / io.DEFAULT_MODEL
