@@ -27,12 +27,28 @@ def models(tmp_path_factory):
         g = torch.Generator().manual_seed(1)
         b.model.norm.weight.mul_(1 + 0.2 * torch.randn(b.model.norm.weight.shape, generator=g))
     b.save_pretrained(root / "b")
+    save_tiny("llama", root / "other-tokenizer")
+    renumbered_tokenizer().save_pretrained(root / "other-tokenizer")
     save_tiny("t5", root / "t5")  # encoder-decoder: refused from its config, before any weight loads
     save_tiny("llama", root / "no-tokenizer")
     for f in os.listdir(root / "no-tokenizer"):
         if "token" in f:
             os.remove(root / "no-tokenizer" / f)
     return root, a, b
+
+
+def renumbered_tokenizer():
+    """The tiny tokenizer's tokens with their ids reversed: the same vocabulary size, other ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    base = tiny_tokenizer()
+    vocab = base.get_vocab()
+    reversed_ids = dict(zip(sorted(vocab, key=vocab.get), sorted(vocab.values(), reverse=True), strict=True))
+    backend = Tokenizer(WordLevel(vocab=reversed_ids, unk_token="<unk>"))
+    backend.pre_tokenizer = base.backend_tokenizer.pre_tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
 def run(*args: str):
@@ -114,6 +130,7 @@ def bad(tmp_path: Path, name: str, content: bytes) -> Path:
     (lambda r, t: ("diff", r / "a", "--patched", "torch", "--data", bad(t, "s.txt", b"too short"),
                    "--max-length", 32), "shorter than one window"),
     (lambda r, t: ("diff", r / "a", r / "t5", "--data", TEXT), "encoder-decoder model"),
+    (lambda r, t: ("diff", r / "a", r / "other-tokenizer", "--data", TEXT), "different tokenizers"),
     (lambda r, t: ("diff", r / "a", "--data", TEXT), "exactly one"),
     (lambda r, t: ("diff", r / "a", r / "b", "--patched", "triton", "--data", TEXT), "exactly one"),
 ])

@@ -37,6 +37,8 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     source_a = resolve(model_a)
     source_b = resolve(model_b) if model_b is not None else None
     tokenizer = load_tokenizer(source_a)
+    if source_b is not None:
+        _check_same_tokenizer(tokenizer, source_b)
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
     check_before_loading([config_a, config_b], tokenizer, corpus, text_field=text_field, **settings)
@@ -49,6 +51,20 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
             **result.to_dict()}
 
     emit(data, as_json, render_diff)
+
+
+def _check_same_tokenizer(tokenizer_a, source_b) -> None:
+    """Both models read A's token ids: B must map them to the same strings, or the numbers compare
+    unrelated predictions (same-sized vocabularies would not even fail the logit-width check)."""
+    from normswap.io import load_tokenizer
+
+    try:
+        tokenizer_b = load_tokenizer(source_b)
+    except NormswapError:
+        return  # B ships no tokenizer (a bare re-save of A's weights): it reads A's ids by design
+    if tokenizer_a.get_vocab() != tokenizer_b.get_vocab():
+        raise NormswapError(f"A and B have different tokenizers ({len(tokenizer_a)} vs {len(tokenizer_b)} "
+                            f"tokens, or the same tokens numbered differently); a diff needs one tokenizer")
 
 
 def render_diff(d: dict) -> None:
