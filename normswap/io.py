@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp64": torch.float64, "float64": torch.float64,
 }
+
+
+# Hub ids: org/name, or a bare legacy name (gpt2, bert-base-uncased, t5-small) that the cache keeps
+# as models--gpt2.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ def resolve(ref: str | os.PathLike) -> ModelSource:
         return _directory_source(ref, p)
     if ref in _BUILTINS:
         return ModelSource(ref, builtin_model_dir(ref))
-    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+    if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))
     raise NormswapError(f"{ref}: no such file or directory, and not a hub id (org/name)")
@@ -92,6 +98,8 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:
+        if "/" not in repo_id:  # as likely a mistyped local path as a legacy hub id
+            raise NormswapError(f"{repo_id}: no such file or directory, and no cached hub model of that name") from None
         raise NormswapError(
             f"{repo_id}: not in the local Hugging Face cache (normswap works offline); "
             "download it first or pass a local directory"

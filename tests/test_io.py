@@ -312,3 +312,18 @@ def test_builtin_default_model_loads():
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_cached_legacy_hub_name_without_org_resolves(tmp_path, monkeypatch):
+    """gpt2, bert-base-uncased, t5-small: hub ids without an org, cached as models--gpt2."""
+    import huggingface_hub.constants as hc
+
+    cache = tmp_path / "cache"
+    snap = _cached_repo(cache, "gpt2", {"config.json": lambda p: p.write_text(json.dumps({"model_type": "gpt2"}))})
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local directory named gpt2
+    assert io.resolve("gpt2").path.resolve() == snap.resolve()
+    with pytest.raises(NormswapError, match="no-such-model: no such file or directory, and no cached hub") as e:
+        io.resolve("no-such-model")
+    _one_line(e)
