@@ -481,11 +481,14 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
             logp_b = torch.log_softmax(b64, dim=-1)
             nll_a -= logp_a.gather(1, tgt[:, None]).sum().item()
             nll_b -= logp_b.gather(1, tgt[:, None]).sum().item()
-            kl = (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+            # Tokens A rules out (logit -inf, e.g. a masked padding slot of the vocabulary) add
+            # 0 * (-inf - x) = nan in the plain formula; by definition they add nothing.
+            kl = torch.where(logp_a == -math.inf, 0.0, logp_a.exp() * (logp_a - logp_b)).sum(-1)
             kl_sum += kl.sum().item()
             kl_max = max(kl_max, kl.max().item())
             agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
-            max_abs = max(max_abs, (a64 - b64).abs().max().item())
+            # Equal logits differ by 0, the infinite ones included (inf - inf would be nan).
+            max_abs = max(max_abs, torch.where(a64 == b64, 0.0, (a64 - b64).abs()).max().item())
     n = run.tokens
     nll_a, nll_b = nll_a / n, nll_b / n
     ppl_a, ppl_b = _ppl(nll_a), _ppl(nll_b)

@@ -280,6 +280,33 @@ def test_diff_of_a_perturbed_model_matches_the_kl_by_hand(llama):
     assert d.delta_ppl == pytest.approx(d.ppl_b - d.ppl_a)
 
 
+class _MaskedVocab(torch.nn.Module):
+    """A model whose last vocabulary slots are ruled out (logit -inf), as padded vocabularies are."""
+
+    def __init__(self, model, masked: int, scale: float = 1.0):
+        super().__init__()
+        self.model, self.masked, self.scale = model, masked, scale
+        self.config = model.config
+
+    def forward(self, input_ids, **kwargs):
+        out = self.model(input_ids=input_ids, **kwargs)
+        logits = out.logits * self.scale
+        logits[..., -self.masked:] = -math.inf
+        return type(out)(logits=logits)
+
+
+def test_diff_with_masked_vocabulary_slots_is_finite(llama):
+    ids = random_ids(30, seed=9).clamp(max=VOCAB - 7)  # the text itself uses no ruled-out token
+    same = diff_models(_MaskedVocab(llama, 5), _MaskedVocab(llama, 5), None, ids, max_length=16, progress=False)
+    assert (same.kl_mean, same.kl_max, same.max_abs_logit_diff, same.delta_ppl) == (0.0, 0.0, 0.0, 0.0)
+    other = diff_models(_MaskedVocab(llama, 5), _MaskedVocab(llama, 5, scale=1.1), None, ids, max_length=16,
+                        progress=False)
+    assert math.isfinite(other.kl_mean) and other.kl_mean > 0 and math.isfinite(other.max_abs_logit_diff)
+    # B ruling out a token A gives probability to: an infinite KL, not nan.
+    worse = diff_models(_MaskedVocab(llama, 5), _MaskedVocab(llama, 6), None, ids, max_length=16, progress=False)
+    assert worse.kl_max == math.inf
+
+
 def test_diff_refuses_models_with_different_vocabularies(llama):
     other = tiny_model("gpt2")
     other.resize_token_embeddings(VOCAB + 8)
