@@ -327,6 +327,20 @@ def _check_causal(model) -> None:
         )
 
 
+def _vocabulary_size(model) -> int | None:
+    """Rows of the input embedding table (the config's vocab_size before the weights are loaded)."""
+    if isinstance(model, _ConfigOnly):
+        size = getattr(model.config, "vocab_size", None)
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+    size = getattr(embeddings, "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
 @dataclass(frozen=True)
 class _ConfigOnly:
     """Stands in for a model whose weights are not loaded yet: window planning and the checks
@@ -387,12 +401,24 @@ class _Scoring:
         self.window, self.stride = plan_window(models, max_length, stride)
         windows = sliding_windows(token_chunks(tokenizer, data, text_field), self.window, self.stride,
                                   max_tokens, short_ok=max_length is None)
+        limits = [v for v in (_vocabulary_size(m) for m in models) if v is not None]
+        self.vocab_limit = min(limits) if limits else None
         # Cut the first window before the bar appears: bad input fails with a clean line.
         first = next(windows)
+        self._check_ids(first.ids)
         self.windows = itertools.chain([first], windows)
         self.models, self.max_tokens, self.batch_size = models, max_tokens, batch_size
         self.progress, self.desc = progress, desc
         self.count = self.longest = self.tokens = 0
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        """A token id past the embedding table would crash the forward with an IndexError: the
+        tokenizer does not belong to the model."""
+        if self.vocab_limit is not None and ids and max(ids) >= self.vocab_limit:
+            raise NormswapError(
+                f"the tokenizer produced token id {max(ids)}, but the model has only {self.vocab_limit} token "
+                "embeddings: the tokenizer does not belong to this model"
+            )
 
     def batches(self) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
         """(windows, scored-row logits per model, scored targets) for each batch."""
@@ -413,6 +439,8 @@ class _Scoring:
     def _batches(self, bar) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
         with bar, torch.inference_mode():
             for batch in batched_windows(self.windows, self.batch_size):
+                for w in batch:
+                    self._check_ids(w.ids)
                 ids = torch.tensor([w.ids for w in batch], dtype=torch.long)
                 rows = [_scored_rows(_logits(m, ids), batch) for m in self.models]
                 yield batch, rows, _scored_targets(batch)

@@ -205,6 +205,14 @@ def test_nothing_to_score_is_an_error(llama):
         perplexity(llama, tiny_tokenizer(), ["", "   "], progress=False)
 
 
+def test_token_ids_past_the_embeddings_are_refused(llama):
+    """A tokenizer that is not the model's: one clear error, not an IndexError from the forward."""
+    ids = random_ids(40, seed=10)
+    ids[35] = VOCAB + 4  # past the first window: caught per batch, not only up front
+    with pytest.raises(NormswapError, match=f"token id {VOCAB + 4}, but the model has only {VOCAB} token"):
+        perplexity(llama, None, ids, max_length=16, progress=False)
+
+
 def test_models_that_cannot_be_scored_are_refused():
     with pytest.raises(NormswapError, match="encoder-decoder"):
         perplexity(tiny_model("t5"), None, random_ids(10), progress=False)

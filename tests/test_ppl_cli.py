@@ -29,6 +29,8 @@ def models(tmp_path_factory):
     b.save_pretrained(root / "b")
     save_tiny("llama", root / "other-tokenizer")
     renumbered_tokenizer().save_pretrained(root / "other-tokenizer")
+    save_tiny("llama", root / "foreign-tokenizer")
+    renumbered_tokenizer(offset=1000).save_pretrained(root / "foreign-tokenizer")
     save_tiny("t5", root / "t5")  # encoder-decoder: refused from its config, before any weight loads
     save_tiny("llama", root / "no-tokenizer")
     for f in os.listdir(root / "no-tokenizer"):
@@ -37,15 +39,17 @@ def models(tmp_path_factory):
     return root, a, b
 
 
-def renumbered_tokenizer():
-    """The tiny tokenizer's tokens with their ids reversed: the same vocabulary size, other ids."""
+def renumbered_tokenizer(offset: int = 0):
+    """The tiny tokenizer's tokens with their ids reversed (the same vocabulary size, other ids),
+    and moved up by `offset` (past the model's embeddings when offset > 0)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
     base = tiny_tokenizer()
     vocab = base.get_vocab()
-    reversed_ids = dict(zip(sorted(vocab, key=vocab.get), sorted(vocab.values(), reverse=True), strict=True))
+    new_ids = [i + offset for i in sorted(vocab.values(), reverse=True)]
+    reversed_ids = dict(zip(sorted(vocab, key=vocab.get), new_ids, strict=True))
     backend = Tokenizer(WordLevel(vocab=reversed_ids, unk_token="<unk>"))
     backend.pre_tokenizer = base.backend_tokenizer.pre_tokenizer
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
@@ -131,6 +135,8 @@ def bad(tmp_path: Path, name: str, content: bytes) -> Path:
                    "--max-length", 32), "shorter than one window"),
     (lambda r, t: ("diff", r / "a", r / "t5", "--data", TEXT), "encoder-decoder model"),
     (lambda r, t: ("diff", r / "a", r / "other-tokenizer", "--data", TEXT), "different tokenizers"),
+    (lambda r, t: ("ppl", r / "foreign-tokenizer", "--data", TEXT, "--max-length", 32),
+     "the tokenizer does not belong to this model"),
     (lambda r, t: ("diff", r / "a", "--data", TEXT), "exactly one"),
     (lambda r, t: ("diff", r / "a", r / "b", "--patched", "triton", "--data", TEXT), "exactly one"),
 ])
