@@ -46,7 +46,7 @@ def _norm_counts_in(model) -> Counter:
                    if isinstance(m, torch.nn.LayerNorm) or type(m).__name__.endswith(("RMSNorm", "LayerNorm")))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma", "gemma3_text", "t5", "gpt2", "bert", "falcon"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_scan_json_matches_the_checkpoint(saved, arch):
     directory, model = saved(arch)
     doc = scan_json(directory)
@@ -54,7 +54,9 @@ def test_scan_json_matches_the_checkpoint(saved, arch):
     assert doc["summary"]["norms"] == len(doc["norms"]) and doc["summary"]["unknown"] == 0
     assert sum(doc["summary"]["by_kind"].values()) == len(doc["norms"])
     cfg = tiny_config(arch)
-    eps = next(getattr(cfg, a) for a in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if hasattr(cfg, a))
+    # OPT's config has no eps: its nn.LayerNorms keep torch's default.
+    eps = next((getattr(cfg, a) for a in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if hasattr(cfg, a)),
+               1e-5)
     assert {n["eps"] for n in doc["norms"]} == {eps}
     # Every row names a real module of that class, with the shape of its weight.
     modules = dict(model.named_modules())
@@ -91,6 +93,25 @@ EXPECTED_CONSUMERS = {
         "model.layers.0.input_layernorm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
         "model.layers.0.post_attention_layernorm": ["mlp.gate_proj", "mlp.up_proj"],
         "model.norm": ["lm_head"],
+    },
+    "phi3": {  # fused projections: one module reads the norm for q, k and v (and for gate and up)
+        "model.layers.0.input_layernorm": ["self_attn.qkv_proj"],
+        "model.layers.0.post_attention_layernorm": ["mlp.gate_up_proj"],
+        "model.norm": ["lm_head"],
+    },
+    "qwen3": {  # q/k norms are read by their attention module's own code (the rotary embedding)
+        "model.layers.0.self_attn.q_norm": [""],
+        "model.layers.0.self_attn.k_norm": [""],
+        "model.layers.0.input_layernorm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
+    },
+    "t5": {  # the encoder's final norm feeds every decoder cross-attention's k and v
+        "encoder.block.0.layer.0.layer_norm": ["SelfAttention.k", "SelfAttention.q", "SelfAttention.v"],
+        "decoder.block.0.layer.2.layer_norm": ["DenseReluDense.wi"],
+        "encoder.final_layer_norm": [f"=decoder.block.{i}.layer.1.EncDecAttention.{p}" for i in range(L) for p in "kv"],
+    },
+    "bert": {  # post-LN: the norm's output is the stream the next block reads
+        "encoder.layer.0.attention.output.LayerNorm": ["=encoder.layer.0.intermediate.dense",
+                                                       "=encoder.layer.0.output"],
     },
     "gpt2": {
         "transformer.h.0.ln_1": ["attn.c_attn"],
@@ -130,9 +151,12 @@ EXPECTED_CONSUMERS = {
 
 
 def _absolute(norm_path: str, rel: str) -> str:
-    if rel == "lm_head":
-        return rel
-    return f"{norm_path.rpartition('.')[0]}.{rel}"
+    """Consumers are written relative to the norm's parent ("" is the parent itself); "=path" and
+    lm_head are absolute."""
+    parent = norm_path.rpartition(".")[0]
+    if rel == "lm_head" or rel.startswith("="):
+        return rel.removeprefix("=")
+    return f"{parent}.{rel}" if rel else parent
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED_CONSUMERS))
