@@ -334,3 +334,17 @@ def test_scan_warns_about_nothing_on_a_clean_model(saved, capfd):
     assert result.exit_code == 0 and result.stderr == ""
     json.loads(result.stdout)
     assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("args, says", [
+    (["scan", "--strid"], "No such option '--strid'. Did you mean '--strict'?"),
+    (["ppl", "some-model"], "Missing option '--data'."),
+    (["ppl", "m", "--data", "x", "--stride", "abc"], "'abc' is not a valid integer"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, says):
+    """Mistyped options and commands are bad input too: one line (not click's usage block)."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normswap: error: ") and says in lines[0], result.stderr

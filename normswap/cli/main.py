@@ -25,6 +25,11 @@ class NormswapGroup(click.Group):
         except NormswapError as e:
             click.echo(f"normswap: error: {e}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
+        except click.UsageError as e:
+            # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            click.echo(f"normswap: error: {e.format_message()}{hint}", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             click.echo("normswap: interrupted", err=True)
             ctx.exit(130)
