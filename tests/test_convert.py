@@ -237,6 +237,19 @@ def test_post_ln_opt_is_refused():
     assert all("do_layer_norm_before" in n.why_not for n in plan.refused)
 
 
+def test_opt_without_final_norm_is_refused():
+    """_remove_final_layer_norm: lm_head reads the stream itself, so centering it would change the
+    logits (by 18% of their scale on this model): refused whole, nothing is changed."""
+    model = custom_model("opt", dtype=torch.float64, _remove_final_layer_norm=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = plan_conversion(model, model.config)
+    assert not plan.converted and not plan.jobs
+    assert all("lm_head reads the residual stream without" in n.why_not for n in plan.refused)
+    with pytest.raises(NormswapError, match="nothing converts"):
+        convert_model(model, partial=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_llama_has_nothing_to_convert():
     model = tiny_model("llama")
     with pytest.raises(NormswapError, match="nothing to convert: this llama model has no LayerNorm"):
