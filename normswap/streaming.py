@@ -109,13 +109,17 @@ class CheckpointReader:
         return self._locate(name)[0]
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         file, key = self._locate(name)
-        with safe_open(self.src / file, framework="pt") as f:
-            # A lazily mapped view of the file: its pages are read when touched and released when
-            # the tensor is freed, so nothing of the shard outlives the job that asked for it.
-            return f.get_tensor(key)
+        try:
+            with safe_open(self.src / file, framework="pt") as f:
+                # A lazily mapped view of the file: its pages are read when touched and released
+                # when the tensor is freed, so nothing of the shard outlives the job that asked.
+                return f.get_tensor(key)
+        except (SafetensorError, OSError) as e:  # a truncated or corrupt shard is bad input
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+            raise NormswapError(f"{self.src / file}: unreadable safetensors file ({msg})") from None
 
     def names(self) -> list[str]:
         return list(self.raw)
