@@ -722,8 +722,12 @@ def convert_directory(
             ):
                 shutil.copy2(f, out / f.name)
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
-        model = io.load_model(source, dtype=dtype)
+        # With --dtype, load in float64 and cast after the conversion: loading straight into the
+        # target dtype would round the weights once before the float64 arithmetic and once after.
+        model = io.load_model(source, dtype=torch.float64 if dtype is not None else None)
         plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
+        if dtype is not None:
+            model.to(dtype)
         model.save_pretrained(out)
         try:
             io.load_tokenizer(source).save_pretrained(out)
