@@ -177,3 +177,13 @@ def test_truncated_shard_is_bad_input(gpt2_dir, tmp_path):
     r = run(src, "--to", "rms", "--out", tmp_path / "o")
     assert r.exit_code == 2 and "unreadable safetensors file" in r.stderr, r.output
     assert "internal error" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_out_containing_the_source_is_refused(tmp_path):
+    """--out PARENT --force would replace the directory that holds the model being converted."""
+    save_tiny("gpt2", tmp_path / "models" / "gpt2")
+    (tmp_path / "models" / "notes.txt").write_text("user data")
+    r = run(tmp_path / "models" / "gpt2", "--to", "rms", "--out", tmp_path / "models", "--force")
+    assert r.exit_code == 2 and "contains the model being converted" in r.stderr
+    assert (tmp_path / "models" / "gpt2" / "model.safetensors").is_file()
+    assert (tmp_path / "models" / "notes.txt").read_text() == "user data"
