@@ -58,6 +58,9 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
         except (OSError, ValueError, KeyError) as e:
             raise NormswapError(f"{index}: malformed index ({e})") from None
         files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:  # said here: a missing shard would otherwise surface as a failed write
+            raise NormswapError(f"{index}: names {len(missing)} shard(s) that are not there (e.g. {missing[0]})")
         return files, dict(weight_map), True
     single = src / SINGLE_NAME
     if single.is_file():

@@ -217,3 +217,17 @@ def test_half_precision_checkpoints_verify(arch, src_dtype, out_dtype, tmp_path)
     assert v["passed"] and v["max_rel_logit_error"] < 1e-2 and v["max_rel_logit_error_rms"] < 1e-2
     want = out_dtype or src_dtype
     assert {t.dtype for t in read_dir(tmp_path / "out").values()} == {want}
+
+
+def test_missing_shard_is_named(tmp_path):
+    """A shard the index lists but the directory lacks is the input's fault, and said so (it
+    used to surface as 'cannot write' the output)."""
+    from normswap.errors import NormswapError
+
+    save_tiny("gpt2", tmp_path / "src").save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    (tmp_path / "src" / "model.safetensors").unlink()
+    shard = sorted((tmp_path / "src").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    (tmp_path / "out").mkdir()
+    with pytest.raises(NormswapError, match=f"shard.*not there.*{shard.name}"):
+        convert_directory(resolve(tmp_path / "src"), tmp_path / "out")
