@@ -80,6 +80,10 @@ _COMPILED: dict[str, Backend] = {}
 # silently turns Llama casting into Gemma-like arithmetic (~25% of bf16 outputs differ by an ulp).
 # emulate_precision_casts keeps every cast the reference writes.
 _EXACT_CASTS = {"emulate_precision_casts": True}
+# Every (dtypes, casting, offset, residual, grad mode) combination the reference is called with is
+# a graph of its own. Dynamo's default of 8 graphs per function, with fullgraph=True, turns the 9th
+# combination in a process into a hard FailOnRecompileLimitHit; raised (never lowered) to this.
+_MIN_RECOMPILE_LIMIT = 64
 
 
 def _load_compile() -> Backend:
@@ -88,7 +92,12 @@ def _load_compile() -> Backend:
     if not torch.cuda.is_available() and shutil.which("cc") is None and shutil.which("gcc") is None:
         raise RuntimeError("torch.compile on CPU needs a C++ compiler (no cc/gcc on PATH) and there is no CUDA device")
     if "compile" not in _COMPILED:
+        import torch._dynamo
+
         from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, _MIN_RECOMPILE_LIMIT)
 
         # One compiled wrapper per process: torch.compile caches its graphs on the wrapper.
         _COMPILED["compile"] = Backend(

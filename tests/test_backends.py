@@ -176,6 +176,17 @@ def test_backend_layer_norm(name, dtype):
         run_ln_case(be, dtype, 0.0, True, True, False, w_dtype=torch.float32)
 
 
+def test_compile_backend_allows_many_configurations():
+    """Each dtype/casting/offset combination is its own graph: with fullgraph=True, dynamo's default
+    limit of 8 graphs made the 9th combination in a process a hard error."""
+    if available_backends()["compile"] is not None:
+        pytest.skip(available_backends()["compile"])
+    import torch._dynamo
+
+    get_backend("compile")
+    assert torch._dynamo.config.recompile_limit >= 64
+
+
 @pytest.mark.slow
 def test_compile_backend():
     """torch.compile of the reference (inductor needs gcc on CPU and ~30 s per graph: one case each)."""
