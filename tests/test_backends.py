@@ -267,3 +267,62 @@ def test_gradient_reaching_the_empty_h_placeholder_is_ignored():
         ref_dx, ref_dw = torch.autograd.grad((ref(x64, w64) * dy.double()).sum(), [x64, w64])
         torch.testing.assert_close(grads[0].double(), ref_dx, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(grads[1].double(), ref_dw, rtol=1e-4, atol=1e-5)
+
+
+def _hf_norms(n: int):
+    """(family, HF module factory, casting, offset) for each RMSNorm family the casting modes name."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    return (("llama", lambda: LlamaRMSNorm(n, eps=1e-6), "llama", 0.0),
+            ("gemma", lambda: GemmaRMSNorm(n, eps=1e-6), "gemma", 1.0),
+            ("gemma3", lambda: Gemma3RMSNorm(n, eps=1e-6), "gemma", 1.0),
+            ("t5", lambda: T5LayerNorm(n, eps=1e-6), "t5", 0.0))
+
+
+@pytest.mark.parametrize("name", [n for n in ("reference", "torch", "triton") if available_backends()[n] is None])
+def test_half_precision_outputs_equal_the_hf_modules(name):
+    """Each casting mode is the HF family's own arithmetic: for every x/weight dtype mix whose result
+    is half precision, the backend's RMSNorm output equals the HF module's bit for bit (the reference
+    runs HF's very ops; on a GPU, native and Triton reductions may move a rare element by one ulp).
+    fp32 results are left to the tolerance tests (reduction order sets their last bits)."""
+    be = get_backend(name)
+    limit = 0.0 if name == "reference" or DEV == "cpu" else 0.01
+    gen = torch.Generator().manual_seed(11)
+    n, half, checked = 257, (torch.float16, torch.bfloat16), 0
+    for x_dtype in half:
+        for w_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = (torch.randn(16, n, generator=gen) * 2 + 0.3).to(x_dtype).to(DEV)
+            w = 1 + 0.3 * torch.randn(n, generator=gen)
+            for family, factory, casting, offset in _hf_norms(n):
+                hf = factory()
+                with torch.no_grad():
+                    hf.weight.copy_(w - offset)
+                hf = hf.to(device=DEV, dtype=w_dtype)
+                with torch.no_grad():
+                    want = hf(x)
+                    got = be.rms_norm(x, hf.weight, 1e-6, offset, casting)
+                what = f"{family} x={x_dtype} w={w_dtype}"
+                assert got.dtype == want.dtype, what
+                if want.dtype in half:
+                    assert (got != want).float().mean().item() <= limit, what
+                    checked += 1
+            if w_dtype == x_dtype:
+                ln = torch.nn.LayerNorm(n, eps=1e-5)
+                with torch.no_grad():
+                    ln.weight.copy_(w)
+                    ln.bias.copy_(torch.randn(n, generator=gen))
+                ln = ln.to(device=DEV, dtype=w_dtype)
+                with torch.no_grad():
+                    want, got = ln(x), be.layer_norm(x, ln.weight, ln.bias, 1e-5)
+                assert got.dtype == want.dtype
+                # nn.LayerNorm is one native op: only the torch backend runs that very op; the others
+                # compute mean and variance themselves (summation order moves a rare ulp).
+                ln_limit = 0.0 if name == "torch" else 0.01
+                assert (got != want).float().mean().item() <= ln_limit, f"LayerNorm {x_dtype}"
+                checked += 1
+    # 24 RMS cases less llama/t5 with an fp32 weight and llama with the other half dtype (fp32 results),
+    # plus two LayerNorms
+    assert checked == 24 - 4 - 2 + 2
