@@ -239,7 +239,36 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == 16
-    assert bench.main(["--dry-run", "--impls", "liger"]) == 2 or available_backends()["liger"] is None
+    # CUDA-only backends are refused in a dry run whether or not they import (they would crash on CPU tensors).
+    for name in ("liger", "quack"):
+        assert bench.main(["--dry-run", "--impls", name]) == 2
+
+
+def test_benchmark_survives_a_backend_failing_one_shape(tmp_path, capsys, monkeypatch):
+    """Liger raises a RuntimeError for rows wider than 65,536: such a cell is marked `error`, the
+    message goes to stderr, the other cells are measured, and the JSON holds what was measured."""
+    import json
+
+    import normswap.backends as backends
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+    def picky_rms_norm(x, *args, **kwargs):
+        if x.shape[-1] > 16:
+            raise RuntimeError("Cannot launch Triton kernel since n = 48 exceeds the recommended blocksize")
+        return rms_norm_ref(x, *args, **kwargs)
+
+    monkeypatch.setattr(backends, "available_backends", lambda: {"reference": None})
+    monkeypatch.setattr(backends, "get_backend", lambda name: backends.Backend(name, picky_rms_norm, layer_norm_ref))
+    out = tmp_path / "bench.json"
+    assert _load_benchmark().main(["--dry-run", "--impls", "reference", "--dtypes", "fp32", "--rows", "4",
+                                   "--hidden", "16,48", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "reference failed on rms_norm fwd fp32 4x48: RuntimeError: Cannot launch" in cap.err
+    assert "error" in cap.out
+    rows = json.loads(out.read_text())["rows"]
+    measured = {(r["op"], r["pass"], r["N"]) for r in rows}
+    assert measured == {(op, p, n) for op in ("rms_norm", "layer_norm") for p in ("fwd", "fwd+bwd") for n in (16, 48)
+                        if not (op == "rms_norm" and n == 48)}
 
 
 def test_gradient_reaching_the_empty_h_placeholder_is_ignored():
