@@ -12,8 +12,8 @@ Backends:
 - torch     PyTorch's native F.rms_norm / F.layer_norm; all modes, some composed around the native
             op (normswap/kernels/native.py lists which).
 - compile   torch.compile of the reference; all modes.
-- liger     Liger-Kernel, when it imports (CUDA only): rms llama (offset 0) and gemma with a
-            weight; layer_norm with weight and bias.
+- liger     Liger-Kernel, when it imports (CUDA only): rms llama (offset 0, weight in x's dtype)
+            and gemma with a weight; layer_norm with weight and bias.
 - quack     quack, when it imports (CUDA, Hopper/Blackwell): rms without weight, gemma, none,
             llama, t5 with a half weight of x's dtype; layer_norm forward only.
 - reference the pure-torch contract (normswap/kernels/reference.py); all modes.

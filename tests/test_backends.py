@@ -355,3 +355,17 @@ def test_half_precision_outputs_equal_the_hf_modules(name):
     # 24 RMS cases less llama/t5 with an fp32 weight and llama with the other half dtype (fp32 results),
     # plus two LayerNorms
     assert checked == 24 - 4 - 2 + 2
+
+
+def test_liger_adapter_refuses_what_it_would_compute_differently():
+    """Checked before Liger is imported, so this runs without it: Liger writes y in x's dtype, so
+    Llama casting with a weight of another dtype (HF returns the promoted dtype) is refused."""
+    from normswap.kernels.adapters import liger_rms_norm
+
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    for w, kw, why in ((torch.ones(8), {}, "float32 weight on torch.bfloat16"),
+                       (None, {}, "needs a weight"),
+                       (torch.ones(8, dtype=torch.bfloat16), {"offset": 1.0}, "with an offset"),
+                       (torch.ones(8, dtype=torch.bfloat16), {"casting": "t5"}, "no casting mode 't5'")):
+        with pytest.raises(NormswapError, match=why):
+            liger_rms_norm(x, w, 1e-6, **kw)
