@@ -122,3 +122,28 @@ def test_widest_hidden_size_one_row():
     """Hidden 262,144 (the issue's upper bound): rows loop over 16 column blocks; fwd + bwd."""
     check_rms((1, 262144), BF16, "llama", residual=BF16)
     check_ln((1, 262144), BF16, residual=BF16, shift=3.0)
+
+
+def _unspecialised(kernel) -> set[str]:
+    """The arguments a @triton.jit kernel was told never to specialise on (interpreted or not)."""
+    if _common.interpreting(kernel):
+        return set(kernel.kwargs.get("do_not_specialize") or ())
+    return {p.name for p in kernel.params if p.do_not_specialize}
+
+
+def test_row_count_never_selects_a_new_gpu_kernel():
+    """No recompilation per batch size, checked without a GPU: the kernels never specialise on M
+    (Triton would otherwise compile anew for M == 1 or M % 16 == 0), and the GPU launch heuristics
+    pick the same tile and warps for every row count. (tests/test_kernels_gpu.py counts the
+    compiled variants on a real device.)"""
+    from normswap.kernels.layer_norm import _ln_bwd_kernel, _ln_fwd_kernel
+    from normswap.kernels.rms_norm import _rms_bwd_kernel
+
+    for kernel in (_rms_fwd_kernel, _rms_bwd_kernel, _ln_fwd_kernel, _ln_bwd_kernel):
+        assert "M" in _unspecialised(kernel), kernel
+    for n in (1, 17, 1024, 4096, 70000, 262144):
+        for backward in (False, True):
+            configs = {tuple(sorted(_common._row_config(m, n, False, backward, _common.MAX_BLOCK_N,
+                                                        _common.INTERPRETER_TILE).items()))
+                       for m in (1, 3, 16, 1000, 4099, 32768)}
+            assert len(configs) == 1, (n, backward, configs)
