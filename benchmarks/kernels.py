@@ -12,7 +12,7 @@ timed with CUDA events instead (marked `~` in the table).
 
 GB/s counts the minimal bytes of a pass (each input read once, each output written once):
     fwd      x + weight (+ bias) read, y written
-    fwd+bwd  the fwd bytes plus x, weight, dy read and dx, dweight (+ dbias) written
+    fwd+bwd  the fwd bytes plus dy read and dx, dweight (+ dbias) written (x and weight count once)
 Shapes that do not fit in device memory for a pass/dtype/backend are skipped and marked `oom`;
 combinations a backend refuses (e.g. quack's LayerNorm has no backward) are marked `n/a`; any other
 failure of one backend on one shape (e.g. Liger refusing rows wider than 65,536) is marked `error`,
@@ -142,7 +142,9 @@ def make_case(op, pass_, be, m, n, dtype, device, casting):
 
     def run_fwd_bwd():
         return torch.autograd.grad(forward(), inputs, dy)
-    bwd_bytes = 3 * m * n * e + 2 * params * n * e  # x, dy read, dx written; params read, grads written
+    # The rule, each input read once and each output written once over the whole pass:
+    # x and the params are already counted in fwd_bytes; the backward adds dy read, dx and grads written.
+    bwd_bytes = 2 * m * n * e + params * n * e
     return run_fwd_bwd, fwd_bytes + bwd_bytes
 
 
