@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -60,9 +61,21 @@ def json_option(f: Callable) -> Callable:
 def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
     """Print `data` as one JSON document, or hand it to the command's human renderer."""
     if as_json:
-        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        sys.stdout.write(json.dumps(finite_or_null(data), indent=2, default=str, allow_nan=False) + "\n")
     else:
         render(data)
+
+
+def finite_or_null(value: Any) -> Any:
+    """NaN and ±inf as null: Python's json writes them as bare NaN/Infinity, which strict JSON
+    parsers reject (e.g. a perplexity that overflowed)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
 
 
 def main() -> None:
