@@ -7,7 +7,8 @@ Checks for one module (all must hold):
              original, and on every probe the output dtype equals the original's: in mixed
              precision the families differ exactly there (Llama promotes to the weight's dtype,
              Gemma casts back to the input's, T5 to a half-precision weight's);
-  numeric    on ~65K random probe elements (rows at scales 1e-2, 1, 1e2 with per-row offsets),
+  numeric    on ~65K random probe elements (rows at scales 1e-2, 1, 1e2 and sqrt(eps), where eps
+             weighs as much as the data, with per-row offsets),
              in the model's dtype (plus a smaller mixed-dtype probe), original and replacement are both compared with the float64 value of the
              same formula (normswap.kernels.reference on float64 tensors):
                  E_orig = max|orig(x) - ref(x)|,  E_new = max|new(x) - ref(x)|
@@ -139,6 +140,27 @@ def reference64(spec: NormSpec, x: torch.Tensor, weight, bias, eps: float) -> to
     return y.reshape(x.shape)
 
 
+def eps_scale(eps: float, dtype: torch.dtype) -> float | None:
+    """The input scale at which eps weighs as much as the data: rows with mean square ~ eps.
+
+    At the fixed scales eps is negligible (at 1e-2 an eps of 1e-6 moves a bf16 output by half an
+    ulp), so a kernel that doubles eps, or adds it outside the square root, would pass there.
+    None when eps is 0 or when such rows would be subnormal in `dtype` (eps cannot matter for
+    any input the dtype can hold at full precision, e.g. eps=1e-12 in fp16)."""
+    if not eps > 0:
+        return None
+    scale = math.sqrt(eps)
+    return scale if scale >= 16 * torch.finfo(dtype).tiny else None
+
+
+def probe_scales(cfg: ProbeConfig, eps: float, dtype: torch.dtype) -> tuple[float, ...]:
+    """cfg.scales plus the eps scale (see eps_scale), unless one of them is already near it."""
+    extra = eps_scale(eps, dtype)
+    if extra is None or any(0.5 <= s / extra <= 2 for s in cfg.scales):
+        return tuple(cfg.scales)
+    return (*cfg.scales, extra)
+
+
 def probe_input(spec: NormSpec, dtype: torch.dtype, device, cfg: ProbeConfig, scales=None,
                 elements: int | None = None, zero_mean: bool = False) -> torch.Tensor:
     """One batch of probe rows, an equal share at each scale: Gaussian rows with a per-row offset
@@ -201,7 +223,8 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         return check
     zero_mean = bool(getattr(replacement, "as_rms", False))
 
-    probes = [("main", probe_input(spec, dtype, device, cfg, zero_mean=zero_mean)),
+    probes = [("main", probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_orig, dtype),
+                                   zero_mean=zero_mean)),
               ("mixed", probe_input(spec, _other_dtype(dtype), device, cfg, scales=(1.0,),
                                     elements=cfg.elements // 4, zero_mean=zero_mean))]
     for scale, x in probes:

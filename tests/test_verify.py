@@ -15,7 +15,7 @@ from normswap.backends import Backend
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import build_replacement
 from normswap.specs import NormSpec
-from normswap.verify import ProbeConfig, compare_outputs, ulp, verify_module
+from normswap.verify import ProbeConfig, compare_outputs, eps_scale, probe_scales, ulp, verify_module
 
 LLAMA = NormSpec("rms", 1e-5, "variance_epsilon", casting="llama", shape=(32,))
 GEMMA = NormSpec("rms", 1e-6, "eps", offset=1.0, casting="gemma", shape=(32,))
@@ -110,6 +110,34 @@ def test_eps_must_be_exact_and_zero_stays_zero():
     rep.variance_epsilon = 1e-6  # a default slipped in
     c = verify_module("n", m, rep, spec0, torch.float32, CFG)
     assert not c.passed and any("eps differs" in f for f in c.failures)
+
+
+def _eps_times(factor):
+    def rms(x, w, eps, offset=0.0, casting="llama", **kw):
+        return rms_norm_ref(x, w, eps * factor, offset, casting, **kw)
+
+    def layer(x, w, b, eps, offset=0.0, **kw):
+        return layer_norm_ref(x, w, b, eps * factor, offset, **kw)
+
+    return _backend(rms=rms, layer=layer)
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA, T5, LN], ids=lambda s: s.casting + s.kind)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_that_misuses_eps_fails(spec, dtype):
+    # The module's eps attribute is right; the kernel uses twice that. At the fixed probe scales eps
+    # is negligible (half a bf16 ulp at 1e-2), so only rows with mean square ~ eps can see it.
+    m = _module(spec, dtype)
+    c = verify_module("n", m, build_replacement(m, spec, "fake", backend=_eps_times(2.0)), spec, dtype, CFG)
+    assert not c.passed and any(f.startswith("numeric") for f in c.failures), c.failures
+
+
+def test_eps_scale_probe():
+    assert eps_scale(0.0, torch.bfloat16) is None  # eps = 0: no such scale
+    assert eps_scale(1e-6, torch.bfloat16) == pytest.approx(1e-3)
+    assert eps_scale(1e-12, torch.float16) is None  # would be subnormal in fp16
+    assert probe_scales(CFG, 1e-6, torch.float32) == (*CFG.scales, pytest.approx(1e-3))
+    assert probe_scales(CFG, 1e-4, torch.float32) == CFG.scales  # 1e-2 already probes there
 
 
 def test_copied_parameters_fail_adoption():
