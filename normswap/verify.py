@@ -8,7 +8,7 @@ Checks for one module (all must hold):
              precision the families differ exactly there (Llama promotes to the weight's dtype,
              Gemma casts back to the input's, T5 to a half-precision weight's);
   numeric    on ~65K random probe elements (rows at scales 1e-2, 1, 1e2 and sqrt(eps), where eps
-             weighs as much as the data, with per-row offsets),
+             weighs as much as the data, with per-row offsets; a non-contiguous 3-D view),
              in the model's dtype (plus a smaller mixed-dtype probe), original and replacement are both compared with the float64 value of the
              same formula (normswap.kernels.reference on float64 tensors):
                  E_orig = max|orig(x) - ref(x)|,  E_new = max|new(x) - ref(x)|
@@ -182,6 +182,15 @@ def probe_input(spec: NormSpec, dtype: torch.dtype, device, cfg: ProbeConfig, sc
     return torch.cat(blocks).to(dtype).to(device)
 
 
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """The probe rows as a non-contiguous (2, rows/2, *norm shape) view, the way a model hands a norm
+    its activations: leading dimensions, and (after a transpose) rows not evenly strided. A kernel
+    that assumes a contiguous 2-D input ("strided inputs giving silently wrong output") fails the
+    numeric check instead of passing on tidy probes."""
+    n = x.shape[0] - x.shape[0] % 2
+    return x[:n].reshape(n // 2, 2, *x.shape[1:]).transpose(0, 1)
+
+
 @torch.no_grad()
 def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spec: NormSpec,
                   dtype: torch.dtype | None = None, cfg: ProbeConfig = ProbeConfig(),
@@ -223,8 +232,8 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         return check
     zero_mean = bool(getattr(replacement, "as_rms", False))
 
-    probes = [("main", probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_orig, dtype),
-                                   zero_mean=zero_mean)),
+    probes = [("main", strided(probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_orig, dtype),
+                                           zero_mean=zero_mean))),
               ("mixed", probe_input(spec, _other_dtype(dtype), device, cfg, scales=(1.0,),
                                     elements=cfg.elements // 4, zero_mean=zero_mean))]
     for scale, x in probes:

@@ -140,6 +140,19 @@ def test_eps_scale_probe():
     assert probe_scales(CFG, 1e-4, torch.float32) == CFG.scales  # 1e-2 already probes there
 
 
+def test_kernel_that_ignores_strides_fails():
+    # Reads the input's storage as if it were a contiguous (rows, hidden) matrix: right on tidy
+    # 2-D probes, silently wrong on a transposed view of the activations.
+    def rms(x, w, eps, offset=0.0, casting="llama", **kw):
+        rows = torch.as_strided(x, (x.numel() // x.shape[-1], x.shape[-1]), (x.shape[-1], 1))
+        return rms_norm_ref(rows, w, eps, offset, casting, **kw).reshape(x.shape)
+
+    m = _module(LLAMA, torch.bfloat16)
+    c = verify_module("n", m, build_replacement(m, LLAMA, "fake", backend=_backend(rms=rms)), LLAMA,
+                      torch.bfloat16, CFG)
+    assert not c.passed and any(f.startswith("numeric") for f in c.failures), c.failures
+
+
 def test_copied_parameters_fail_adoption():
     m = _module(LN, torch.float32)
     rep = build_replacement(m, LN, "reference")
