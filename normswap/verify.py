@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
-from normswap.modules import NormswapNorm
+from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
 
 DEFAULT_SCALES = (1e-2, 1.0, 1e2)
@@ -75,7 +75,7 @@ class ModuleCheck:
     path: str
     module_class: str
     impl: str
-    eps: float
+    eps: float | None  # None: nn.RMSNorm(eps=None), a machine epsilon (modules.default_eps)
     dtype: str  # the probe dtype (the model's dtype)
     param_dtype: str | None
     max_err_original: float = 0.0  # max over probes of |orig - fp64|
@@ -198,15 +198,22 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
     """Run every check on one (original, replacement) pair; never raises for a failed check."""
     pdtype = _param_dtype(original)
     dtype = dtype or pdtype or torch.float32
-    eps_orig = float(getattr(original, spec.eps_attr)) if spec.eps_attr else spec.eps
+    eps_orig = getattr(original, spec.eps_attr) if spec.eps_attr else spec.eps
+    eps_orig = None if eps_orig is None else float(eps_orig)  # None: nn.RMSNorm(eps=None), see below
     check = ModuleCheck(path=path, module_class=type(original).__name__, impl=replacement.impl,
                         eps=eps_orig, dtype=str(dtype).removeprefix("torch."),
                         param_dtype=str(pdtype).removeprefix("torch.") if pdtype else None)
 
     # eps: exactly equal, as the bits of a float (0.0 stays 0.0; no default slipped in).
+    # eps None (torch's nn.RMSNorm(eps=None)) means a machine epsilon chosen by the input's dtype
+    # on every call (modules.default_eps): the replacement must keep None too.
     eps_new = replacement.norm_eps
-    if not (eps_new == eps_orig and math.copysign(1, eps_new) == math.copysign(1, eps_orig)
-            and eps_orig == spec.eps):
+    if eps_orig is None or eps_new is None:
+        same = eps_orig is None and eps_new is None
+    else:
+        same = (eps_new == eps_orig and math.copysign(1, eps_new) == math.copysign(1, eps_orig)
+                and eps_orig == spec.eps)
+    if not same:
         check.fail(f"eps differs: original {eps_orig!r}, spec {spec.eps!r}, replacement {eps_new!r}")
 
     # dtype / adoption: same Parameter objects, same dtypes.
@@ -232,7 +239,8 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         return check
     zero_mean = bool(getattr(replacement, "as_rms", False))
 
-    probes = [("main", strided(probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_orig, dtype),
+    eps_main = default_eps(dtype) if eps_orig is None else eps_orig
+    probes = [("main", strided(probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_main, dtype),
                                            zero_mean=zero_mean))),
               ("mixed", probe_input(spec, _other_dtype(dtype), device, cfg, scales=(1.0,),
                                     elements=cfg.elements // 4, zero_mean=zero_mean))]
@@ -248,7 +256,8 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         except Exception as e:  # noqa: BLE001 - a replacement that cannot run where the original can
             check.fail(f"replacement raised on {_probe_name(scale, x)}: {e.__class__.__name__}: {e}")
             continue
-        _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps_orig),
+        eps = default_eps(x.dtype) if eps_orig is None else eps_orig
+        _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps),
                  [t.dtype for t in (weight, bias) if t is not None])
     return check
 
