@@ -129,6 +129,16 @@ def test_in_place_keeps_every_file_of_the_user(tmp_path):
     assert (d / MANIFEST_NAME).is_file() and (d / "model.safetensors").is_file()
 
 
+def test_in_place_refuses_another_dtype(tmp_path):
+    d = tmp_path / "m"
+    save_tiny("llama", d)  # float32
+    before = _listing(d)
+    assert_one_line_error(run(d, "--impl", "torch", "--in-place", "--dtype", "bf16"), "--out DIR")
+    assert _listing(d) == before
+    r = run(d, "--impl", "torch", "--in-place", "--dtype", "fp32")  # its own dtype: fine
+    assert r.exit_code == 0, r.stderr
+
+
 def test_only_and_exclude(src):
     r = run(src, "--impl", "torch", "--only", r"layers\.1\.", "--exclude", "post_attention", "--json")
     data = json.loads(r.stdout)
