@@ -153,6 +153,19 @@ def test_kernel_that_ignores_strides_fails():
     assert not c.passed and any(f.startswith("numeric") for f in c.failures), c.failures
 
 
+class ViewingRMSNorm(LlamaRMSNorm):
+    """Its forward .view()s the input: it cannot take a strided view, and its model never gives it one."""
+
+    def forward(self, x):
+        return super().forward(x.view(-1, x.shape[-1])).view(x.shape)
+
+
+def test_original_that_needs_contiguous_input_is_probed_contiguous():
+    m = _rand(ViewingRMSNorm(32, LLAMA.eps))
+    c = verify_module("n", m, build_replacement(m, LLAMA, "reference"), LLAMA, torch.float32, CFG)
+    assert c.passed, c.failures
+
+
 def test_copied_parameters_fail_adoption():
     m = _module(LN, torch.float32)
     rep = build_replacement(m, LN, "reference")
