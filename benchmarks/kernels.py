@@ -12,13 +12,17 @@ timed with CUDA events instead (marked `~` in the table).
 
 GB/s counts the minimal bytes of a pass (each input read once, each output written once):
     fwd      x + weight (+ bias) read, y written
-    fwd+bwd  the fwd bytes plus x, weight, dy read and dx, dweight (+ dbias) written
+    fwd+bwd  the fwd bytes plus dy read and dx, dweight (+ dbias) written (x and weight count once)
 Shapes that do not fit in device memory for a pass/dtype/backend are skipped and marked `oom`;
-combinations a backend refuses (e.g. quack's LayerNorm has no backward) are marked `n/a`.
+combinations a backend refuses (e.g. quack's LayerNorm has no backward) are marked `n/a`; any other
+failure of one backend on one shape (e.g. Liger refusing rows wider than 65,536) is marked `error`,
+its message goes to stderr, and the run goes on. The `compile` backend is compiled afresh, with
+static shapes, for every shape (dynamo reset per case): inductor's best case, and no recompile limit.
 The JSON schema:
     {"device", "torch", "triton", "copy_gbs", "rows": [{"op", "pass", "dtype", "M", "N", "impl", "us", "gbs"}]}
 Re-running on the same device and day merges rows into the same file (a new measurement of the
-same op/pass/dtype/shape/impl replaces the old one), so the grid can be measured in parts.
+same op/pass/dtype/shape/impl replaces the old one), so the grid can be measured in parts; the file
+is rewritten after every shape, so a run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ ROWS = (4096, 32768)
 HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 SMALL_SHAPE = (512, 4096)
 RESULTS = Path(__file__).resolve().parent / "results"
+# Backends whose kernels only take CUDA tensors: never part of a CPU dry run.
+CUDA_ONLY = ("liger", "quack")
 
 
 def parse_args(argv=None):
@@ -82,12 +88,15 @@ def time_us(fn, device: str, reps: int) -> tuple[float, bool]:
 
     fn()  # compile / autotune outside the measurement
     torch.cuda.synchronize()
+    # The capture allocates from a private pool: blocks cached by the warm-up calls would otherwise
+    # stay reserved beside it and turn the largest shapes that fit into spurious OOMs.
+    torch.cuda.empty_cache()
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3, True
-    except torch.OutOfMemoryError:
-        raise
-    except Exception:  # noqa: BLE001 - not capturable: fall back to events (host overhead included)
+    except Exception:  # noqa: BLE001 - not capturable (or no room for the capture's pool): fall back
+        # to events (host overhead included); an OOM there too is a real one and propagates.
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3, False
 
 
@@ -133,7 +142,9 @@ def make_case(op, pass_, be, m, n, dtype, device, casting):
 
     def run_fwd_bwd():
         return torch.autograd.grad(forward(), inputs, dy)
-    bwd_bytes = 3 * m * n * e + 2 * params * n * e  # x, dy read, dx written; params read, grads written
+    # The issue's rule, each input read once and each output written once over the whole pass:
+    # x and the params are already counted in fwd_bytes; the backward adds dy read, dx and grads written.
+    bwd_bytes = 2 * m * n * e + params * n * e
     return run_fwd_bwd, fwd_bytes + bwd_bytes
 
 
@@ -221,6 +232,9 @@ def main(argv=None) -> int:
     from normswap.backends import available_backends, get_backend
 
     avail = available_backends()
+    if args.dry_run:
+        for name in CUDA_ONLY:
+            avail[name] = avail.get(name) or "its kernels take CUDA tensors only (not part of a --dry-run)"
     if args.impls:
         impls = csv(args.impls)
         bad = [i for i in impls if avail.get(i, "unknown backend") is not None]
@@ -236,6 +250,14 @@ def main(argv=None) -> int:
             if why is not None:
                 print(f"  (backend {n} not measured: {why})", file=sys.stderr)
     backends = {i: get_backend(i) for i in impls}
+    dynamo = None
+    if "compile" in impls:
+        from torch import _dynamo as dynamo
+
+        # Static shapes, compiled afresh per case (reset below): a graph made dynamic by the
+        # previous shapes would time a generic kernel, and a static recompile per shape would run
+        # into dynamo's recompile limit.
+        dynamo.config.automatic_dynamic_shapes = False
     try:
         dtypes = {d: DTYPES[d] for d in csv(args.dtypes)}
     except KeyError as e:
@@ -246,6 +268,12 @@ def main(argv=None) -> int:
     copy_gbs = copy_bandwidth(device)
     meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__, "copy_gbs": copy_gbs}
     print(f"{device_name}: copy bandwidth {copy_gbs:.0f} GB/s", file=sys.stderr)
+    if args.out:
+        out = Path(args.out)
+    elif args.dry_run:  # results/ holds GPU measurements only
+        out = Path(tempfile.gettempdir()) / "normswap-kernels-dry-run.json"
+    else:
+        out = RESULTS / f"{slug(device_name)}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.json"
 
     from normswap.errors import NormswapError
 
@@ -263,6 +291,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 continue
             try:
+                if impl == "compile":
+                    dynamo.reset()
                 fn, nbytes = make_case(op, pass_, backends[impl], m, n, dtype, device, args.casting)
                 us, graphed = time_us(fn, device, reps)
                 row.update(us=us, gbs=nbytes / (us * 1e-6) / 1e9, graph=graphed)
@@ -270,19 +300,18 @@ def main(argv=None) -> int:
                 row["skip"] = "oom"
             except NormswapError:
                 row["skip"] = "n/a"
+            except Exception as e:  # noqa: BLE001 - one backend failing one shape must not end the run
+                row["skip"] = "error"
+                print(f"  {impl} failed on {op} {pass_} {dname} {m}x{n}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
             finally:
                 fn = None  # noqa: F841 - release the case's tensors before the next one
                 if device == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
+        write_json(out, meta, rows)  # after every shape: a run cut short keeps what it measured
 
     print_table(rows, impls, copy_gbs)
-    if args.out:
-        out = Path(args.out)
-    elif args.dry_run:  # results/ holds GPU measurements only
-        out = Path(tempfile.gettempdir()) / "normswap-kernels-dry-run.json"
-    else:
-        out = RESULTS / f"{slug(device_name)}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.json"
     write_json(out, meta, rows)
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -12,8 +12,8 @@ Backends:
 - torch     PyTorch's native F.rms_norm / F.layer_norm; all modes, some composed around the native
             op (normswap/kernels/native.py lists which).
 - compile   torch.compile of the reference; all modes.
-- liger     Liger-Kernel, when it imports (CUDA only): rms llama (offset 0) and gemma with a
-            weight; layer_norm with weight and bias.
+- liger     Liger-Kernel, when it imports (CUDA only): rms llama (offset 0, weight in x's dtype)
+            and gemma with a weight; layer_norm with weight and bias.
 - quack     quack, when it imports (CUDA, Hopper/Blackwell): rms without weight, gemma, none,
             llama, t5 with a half weight of x's dtype; layer_norm forward only.
 - reference the pure-torch contract (normswap/kernels/reference.py); all modes.
@@ -80,6 +80,10 @@ _COMPILED: dict[str, Backend] = {}
 # silently turns Llama casting into Gemma-like arithmetic (~25% of bf16 outputs differ by an ulp).
 # emulate_precision_casts keeps every cast the reference writes.
 _EXACT_CASTS = {"emulate_precision_casts": True}
+# Every (dtypes, casting, offset, residual, grad mode) combination the reference is called with is
+# a graph of its own. Dynamo's default of 8 graphs per function, with fullgraph=True, turns the 9th
+# combination in a process into a hard FailOnRecompileLimitHit; raised (never lowered) to this.
+_MIN_RECOMPILE_LIMIT = 64
 
 
 def _load_compile() -> Backend:
@@ -88,7 +92,12 @@ def _load_compile() -> Backend:
     if not torch.cuda.is_available() and shutil.which("cc") is None and shutil.which("gcc") is None:
         raise RuntimeError("torch.compile on CPU needs a C++ compiler (no cc/gcc on PATH) and there is no CUDA device")
     if "compile" not in _COMPILED:
+        import torch._dynamo
+
         from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, _MIN_RECOMPILE_LIMIT)
 
         # One compiled wrapper per process: torch.compile caches its graphs on the wrapper.
         _COMPILED["compile"] = Backend(

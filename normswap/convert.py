@@ -180,6 +180,20 @@ def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False) -> 
                 (_local(arch, expand(r, i), modules), arch.orientation_of(r)) for r in entry.readers
             ]
 
+    # A reader the data puts behind a norm, present in the model while no norm in front of it is
+    # (OPT with _remove_final_layer_norm: lm_head reads the stream itself), would see the centered
+    # stream directly and change its output: the layout is not the one the data describes.
+    assigned = {r for readers in readers_of.values() for r, _ in readers}
+    for entry in arch.norms:
+        for r in entry.readers:
+            rx = pattern_regex(_local(arch, r, modules))
+            stray = next((p for p in modules if rx.match(p) and p not in assigned), None)
+            if stray is not None:
+                return refuse_all(
+                    f"{stray} reads the residual stream without the norm {arch.source} puts in front of it "
+                    f"({_local(arch, entry.path, modules)}): centering the stream would change its output"
+                )
+
     # Writers and tables: every one must exist, or the data does not describe this model.
     writers: list[tuple[str, str]] = []
     for pat in arch.writers:
@@ -708,8 +722,12 @@ def convert_directory(
             ):
                 shutil.copy2(f, out / f.name)
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
-        model = io.load_model(source, dtype=dtype)
+        # With --dtype, load in float64 and cast after the conversion: loading straight into the
+        # target dtype would round the weights once before the float64 arithmetic and once after.
+        model = io.load_model(source, dtype=torch.float64 if dtype is not None else None)
         plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
+        if dtype is not None:
+            model.to(dtype)
         model.save_pretrained(out)
         try:
             io.load_tokenizer(source).save_pretrained(out)

@@ -58,6 +58,9 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
         except (OSError, ValueError, KeyError) as e:
             raise NormswapError(f"{index}: malformed index ({e})") from None
         files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:  # said here: a missing shard would otherwise surface as a failed write
+            raise NormswapError(f"{index}: names {len(missing)} shard(s) that are not there (e.g. {missing[0]})")
         return files, dict(weight_map), True
     single = src / SINGLE_NAME
     if single.is_file():
@@ -109,13 +112,17 @@ class CheckpointReader:
         return self._locate(name)[0]
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         file, key = self._locate(name)
-        with safe_open(self.src / file, framework="pt") as f:
-            # A lazily mapped view of the file: its pages are read when touched and released when
-            # the tensor is freed, so nothing of the shard outlives the job that asked for it.
-            return f.get_tensor(key)
+        try:
+            with safe_open(self.src / file, framework="pt") as f:
+                # A lazily mapped view of the file: its pages are read when touched and released
+                # when the tensor is freed, so nothing of the shard outlives the job that asked.
+                return f.get_tensor(key)
+        except (SafetensorError, OSError) as e:  # a truncated or corrupt shard is bad input
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+            raise NormswapError(f"{self.src / file}: unreadable safetensors file ({msg})") from None
 
     def names(self) -> list[str]:
         return list(self.raw)

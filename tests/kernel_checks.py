@@ -38,7 +38,13 @@ def rand_weight(n: int, dtype: torch.dtype, offset: float, gen: torch.Generator)
 
 
 def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone().requires_grad_(True)
+    """A grad-requiring copy with t's exact strides (clone() would make a strided view contiguous,
+    and the op would never see the layout the test means to give it)."""
+    if t is None:
+        return None
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t.detach())
+    return out.requires_grad_(True)
 
 
 def leaf64(t: torch.Tensor | None) -> torch.Tensor | None:

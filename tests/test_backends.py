@@ -67,8 +67,11 @@ def test_triton_reason_without_interpreter():
 
 
 def test_kernels_and_backends_never_import_transformers():
+    # Liger and quack are blocked: what they import is theirs (Liger imports peft, which imports
+    # transformers), and the test must not depend on whether they are installed.
     code = (
         "import sys\n"
+        "sys.modules['liger_kernel'] = sys.modules['quack'] = None\n"
         "import normswap.backends as b, normswap.kernels.rms_norm, normswap.kernels.layer_norm\n"
         "import normswap.kernels.native, normswap.kernels.adapters\n"
         "b.available_backends()\n"
@@ -155,7 +158,10 @@ def test_backend_rms_all_claimed_modes(name, dtype):
                 run_rms_case(be, dtype, casting, offset, True, residual=offset == 1.0)
             except NormswapError as e:  # adapters refuse some combinations, loudly
                 assert name in ("liger", "quack"), e
-    run_rms_case(be, dtype, "llama", 0.0, False, residual=True)
+    try:
+        run_rms_case(be, dtype, "llama", 0.0, False, residual=True)
+    except NormswapError as e:  # Liger's RMSNorm has no weight-free form, and says so
+        assert name == "liger", e
     # Weight in another dtype: llama returns promote(w, x); t5 rounds to the half weight.
     if name not in ("liger", "quack"):
         run_rms_case(be, dtype, "llama", 0.0, True, False, w_dtype=torch.float32)
@@ -174,6 +180,17 @@ def test_backend_layer_norm(name, dtype):
             assert name in ("liger", "quack"), e
     if name not in ("liger", "quack"):
         run_ln_case(be, dtype, 0.0, True, True, False, w_dtype=torch.float32)
+
+
+def test_compile_backend_allows_many_configurations():
+    """Each dtype/casting/offset combination is its own graph: with fullgraph=True, dynamo's default
+    limit of 8 graphs made the 9th combination in a process a hard error."""
+    if available_backends()["compile"] is not None:
+        pytest.skip(available_backends()["compile"])
+    import torch._dynamo
+
+    get_backend("compile")
+    assert torch._dynamo.config.recompile_limit >= 64
 
 
 @pytest.mark.slow
@@ -228,7 +245,36 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == 16
-    assert bench.main(["--dry-run", "--impls", "liger"]) == 2 or available_backends()["liger"] is None
+    # CUDA-only backends are refused in a dry run whether or not they import (they would crash on CPU tensors).
+    for name in ("liger", "quack"):
+        assert bench.main(["--dry-run", "--impls", name]) == 2
+
+
+def test_benchmark_survives_a_backend_failing_one_shape(tmp_path, capsys, monkeypatch):
+    """Liger raises a RuntimeError for rows wider than 65,536: such a cell is marked `error`, the
+    message goes to stderr, the other cells are measured, and the JSON holds what was measured."""
+    import json
+
+    import normswap.backends as backends
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+
+    def picky_rms_norm(x, *args, **kwargs):
+        if x.shape[-1] > 16:
+            raise RuntimeError("Cannot launch Triton kernel since n = 48 exceeds the recommended blocksize")
+        return rms_norm_ref(x, *args, **kwargs)
+
+    monkeypatch.setattr(backends, "available_backends", lambda: {"reference": None})
+    monkeypatch.setattr(backends, "get_backend", lambda name: backends.Backend(name, picky_rms_norm, layer_norm_ref))
+    out = tmp_path / "bench.json"
+    assert _load_benchmark().main(["--dry-run", "--impls", "reference", "--dtypes", "fp32", "--rows", "4",
+                                   "--hidden", "16,48", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert "reference failed on rms_norm fwd fp32 4x48: RuntimeError: Cannot launch" in cap.err
+    assert "error" in cap.out
+    rows = json.loads(out.read_text())["rows"]
+    measured = {(r["op"], r["pass"], r["N"]) for r in rows}
+    assert measured == {(op, p, n) for op in ("rms_norm", "layer_norm") for p in ("fwd", "fwd+bwd") for n in (16, 48)
+                        if not (op == "rms_norm" and n == 48)}
 
 
 def test_gradient_reaching_the_empty_h_placeholder_is_ignored():
@@ -256,3 +302,76 @@ def test_gradient_reaching_the_empty_h_placeholder_is_ignored():
         ref_dx, ref_dw = torch.autograd.grad((ref(x64, w64) * dy.double()).sum(), [x64, w64])
         torch.testing.assert_close(grads[0].double(), ref_dx, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(grads[1].double(), ref_dw, rtol=1e-4, atol=1e-5)
+
+
+def _hf_norms(n: int):
+    """(family, HF module factory, casting, offset) for each RMSNorm family the casting modes name."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    return (("llama", lambda: LlamaRMSNorm(n, eps=1e-6), "llama", 0.0),
+            ("gemma", lambda: GemmaRMSNorm(n, eps=1e-6), "gemma", 1.0),
+            ("gemma3", lambda: Gemma3RMSNorm(n, eps=1e-6), "gemma", 1.0),
+            ("t5", lambda: T5LayerNorm(n, eps=1e-6), "t5", 0.0))
+
+
+@pytest.mark.parametrize("name", [n for n in ("reference", "torch", "triton") if available_backends()[n] is None])
+def test_half_precision_outputs_equal_the_hf_modules(name):
+    """Each casting mode is the HF family's own arithmetic: for every x/weight dtype mix whose result
+    is half precision, the backend's RMSNorm output equals the HF module's bit for bit (the reference
+    runs HF's very ops; on a GPU, native and Triton reductions may move a rare element by one ulp).
+    fp32 results are left to the tolerance tests (reduction order sets their last bits)."""
+    be = get_backend(name)
+    limit = 0.0 if name == "reference" or DEV == "cpu" else 0.01
+    gen = torch.Generator().manual_seed(11)
+    n, half, checked = 257, (torch.float16, torch.bfloat16), 0
+    for x_dtype in half:
+        for w_dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = (torch.randn(16, n, generator=gen) * 2 + 0.3).to(x_dtype).to(DEV)
+            w = 1 + 0.3 * torch.randn(n, generator=gen)
+            for family, factory, casting, offset in _hf_norms(n):
+                hf = factory()
+                with torch.no_grad():
+                    hf.weight.copy_(w - offset)
+                hf = hf.to(device=DEV, dtype=w_dtype)
+                with torch.no_grad():
+                    want = hf(x)
+                    got = be.rms_norm(x, hf.weight, 1e-6, offset, casting)
+                what = f"{family} x={x_dtype} w={w_dtype}"
+                assert got.dtype == want.dtype, what
+                if want.dtype in half:
+                    assert (got != want).float().mean().item() <= limit, what
+                    checked += 1
+            if w_dtype == x_dtype:
+                ln = torch.nn.LayerNorm(n, eps=1e-5)
+                with torch.no_grad():
+                    ln.weight.copy_(w)
+                    ln.bias.copy_(torch.randn(n, generator=gen))
+                ln = ln.to(device=DEV, dtype=w_dtype)
+                with torch.no_grad():
+                    want, got = ln(x), be.layer_norm(x, ln.weight, ln.bias, 1e-5)
+                assert got.dtype == want.dtype
+                # nn.LayerNorm is one native op: only the torch backend runs that very op; the others
+                # compute mean and variance themselves (summation order moves a rare ulp).
+                ln_limit = 0.0 if name == "torch" else 0.01
+                assert (got != want).float().mean().item() <= ln_limit, f"LayerNorm {x_dtype}"
+                checked += 1
+    # 24 RMS cases less llama/t5 with an fp32 weight and llama with the other half dtype (fp32 results),
+    # plus two LayerNorms
+    assert checked == 24 - 4 - 2 + 2
+
+
+def test_liger_adapter_refuses_what_it_would_compute_differently():
+    """Checked before Liger is imported, so this runs without it: Liger writes y in x's dtype, so
+    Llama casting with a weight of another dtype (HF returns the promoted dtype) is refused."""
+    from normswap.kernels.adapters import liger_rms_norm
+
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    for w, kw, why in ((torch.ones(8), {}, "float32 weight on torch.bfloat16"),
+                       (None, {}, "needs a weight"),
+                       (torch.ones(8, dtype=torch.bfloat16), {"offset": 1.0}, "with an offset"),
+                       (torch.ones(8, dtype=torch.bfloat16), {"casting": "t5"}, "no casting mode 't5'")):
+        with pytest.raises(NormswapError, match=why):
+            liger_rms_norm(x, w, 1e-6, **kw)

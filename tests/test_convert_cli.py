@@ -148,3 +148,42 @@ def test_force_replaces_through_the_atomic_exchange(gpt2_dir, tmp_path, monkeypa
     assert len(calls) == 1 and calls[0][1] == out.resolve()
     assert not (out / "old.txt").exists() and (out / "normswap.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv"]  # no staging or aside dirs left
+
+
+def test_real_architecture_without_data_is_refused_norm_by_norm(tmp_path):
+    """A transformers model with LayerNorms that normswap/archs/ does not describe (GPT-BigCode):
+    every norm is listed with the reason, exit 2, nothing written."""
+    cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    transformers.GPTBigCodeForCausalLM(cfg).save_pretrained(tmp_path / "bigcode")
+    r = run(tmp_path / "bigcode", "--to", "rms", "--out", tmp_path / "o", "--json")
+    assert r.exit_code == 2 and not (tmp_path / "o").exists()
+    data = json.loads(r.stdout)
+    assert [n["path"] for n in data["norms"]] == [
+        "transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1", "transformer.h.1.ln_2",
+        "transformer.ln_f"]
+    assert all(not n["rms"] and "no architecture data for model_type 'gpt_bigcode'" in n["why_not"]
+               for n in data["norms"])
+    assert r.stderr.startswith("normswap: error: nothing converts") and r.stderr.count("\n") == 1
+
+
+def test_truncated_shard_is_bad_input(gpt2_dir, tmp_path):
+    """A corrupt checkpoint is the user's input, not an internal error: one line, exit 2."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(gpt2_dir, src)
+    with open(src / "model.safetensors", "r+b") as f:
+        f.truncate(5000)
+    r = run(src, "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "unreadable safetensors file" in r.stderr, r.output
+    assert "internal error" not in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_out_containing_the_source_is_refused(tmp_path):
+    """--out PARENT --force would replace the directory that holds the model being converted."""
+    save_tiny("gpt2", tmp_path / "models" / "gpt2")
+    (tmp_path / "models" / "notes.txt").write_text("user data")
+    r = run(tmp_path / "models" / "gpt2", "--to", "rms", "--out", tmp_path / "models", "--force")
+    assert r.exit_code == 2 and "contains the model being converted" in r.stderr
+    assert (tmp_path / "models" / "gpt2" / "model.safetensors").is_file()
+    assert (tmp_path / "models" / "notes.txt").read_text() == "user data"

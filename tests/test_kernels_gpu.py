@@ -1,7 +1,8 @@
-"""GPU-only checks (marker gpu; skipped without CUDA). The CPU grids in test_kernels_rms.py /
-test_kernels_layer.py / test_backends.py run natively on a GPU machine as well; this file adds
-what only a GPU can show: large shapes, >2^31-element tensors, CUDA graph capture/replay of
-forward+backward, inductor fullgraph compile, no recompilation per row count, determinism."""
+"""GPU-only checks (marker gpu; skipped without CUDA). `pytest -m gpu` runs the CPU grid of
+test_kernels_rms.py / test_kernels_layer.py natively (test_grid_natively) plus what only a GPU can
+show: large shapes, >2^31-element tensors, CUDA graph capture/replay of forward+backward, inductor
+fullgraph compile, no recompilation per row count, determinism. The CPU test files themselves also
+run natively on a GPU machine (plain `pytest`, no TRITON_INTERPRET)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 import torch
 
 from normswap.backends import available_backends, get_backend
-from normswap.kernels.layer_norm import _ln_fwd_kernel, layer_norm
+from normswap.kernels.layer_norm import _ln_bwd_kernel, _ln_fwd_kernel, layer_norm
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.kernels.rms_norm import _rms_bwd_kernel, _rms_fwd_kernel, rms_norm
 from tests.kernel_checks import TOL, assert_close, rand_weight
 from tests.test_kernels_layer import check_ln
-from tests.test_kernels_rms import MODES, check_rms
+from tests.test_kernels_rms import MODES, SMALL, check_rms
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +27,26 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16))
+def test_grid_natively(dtype):
+    """The interpreter grid, compiled for the GPU: every shape, casting mode and offset, with and
+    without weight, bias and fused residual, mixed weight dtypes, forward and backward."""
+    for shape in (*SMALL, (64, 4096), (3, 70000)):
+        for casting in MODES:
+            for offset in (0.0, 1.0):
+                check_rms(shape, dtype, casting, offset)
+                check_rms(shape, dtype, casting, offset, residual=dtype, seed=1)
+        check_rms(shape, dtype, with_weight=False, residual=dtype, seed=2)
+        check_rms(shape, dtype, "t5", weight_dtype=torch.bfloat16, residual=torch.float32, residual_in_fp32=True)
+        check_rms(shape, dtype, "llama", weight_dtype=torch.float32, out_dtype=torch.float32, seed=3)
+        for offset in (0.0, 1.0):
+            check_ln(shape, dtype, offset=offset)
+            check_ln(shape, dtype, offset=offset, residual=dtype, seed=1)
+        for with_weight, with_bias in ((False, False), (True, False), (False, True)):
+            check_ln(shape, dtype, with_weight, with_bias, residual=dtype, seed=2)
+        check_ln(shape, dtype, weight_dtype=torch.float32, residual=torch.float32, seed=3)
+
+
 @pytest.mark.parametrize("shape", [(4096, 8192), (512, 4096), (33, 131072), (8, 262144), (4, 300000)])
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_large_shapes(shape, dtype):
@@ -35,21 +56,40 @@ def test_large_shapes(shape, dtype):
 
 
 @pytest.mark.slow
-def test_past_two_to_the_31_elements():
-    """Row offsets beyond int32: the last rows of a >2^31-element bf16 tensor are normalised right."""
-    n = 8192
+@pytest.mark.parametrize("n", (8192, 65536))  # one tile per row, and rows looped over column blocks
+def test_past_two_to_the_31_elements(n):
+    """Offsets beyond int32: the last rows of a >2^31-element bf16 tensor are normalised right, and
+    their dx (and the fused residual's h and dr) are right too."""
     m = (1 << 31) // n + 64
     free, _ = torch.cuda.mem_get_info()
-    if free < 3 * m * n * 2 + (1 << 30):
-        pytest.skip("not enough GPU memory for a >2^31-element tensor")
+    if free < 8 * m * n * 2 + (2 << 30):
+        pytest.skip("not enough GPU memory for >2^31-element tensors")
+    bf16 = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = rand_weight(n, torch.bfloat16, 0.0, torch.Generator().manual_seed(1)).cuda()
-    y = rms_norm(x, w, 1e-6)
+    x = torch.randn(m, n, device="cuda", dtype=bf16, generator=gen)
+    w = rand_weight(n, bf16, 0.0, torch.Generator().manual_seed(1)).cuda()
     tail = slice(m - 64, m)
-    assert_close(y[tail], rms_norm_ref(x[tail].double(), w.double(), 1e-6), TOL[torch.bfloat16][0], "tail rows")
-    z = layer_norm(x, w, None, 1e-5)
-    assert_close(z[tail], layer_norm_ref(x[tail].double(), w.double(), None, 1e-5), TOL[torch.bfloat16][0], "tail")
+    fwd_tol, bwd_tol = TOL[bf16]
+    with torch.no_grad():
+        y = rms_norm(x, w, 1e-6)
+        assert_close(y[tail], rms_norm_ref(x[tail].double(), w.double(), 1e-6), fwd_tol, "rms tail rows")
+        del y
+        z = layer_norm(x, w, None, 1e-5)
+        assert_close(z[tail], layer_norm_ref(x[tail].double(), w.double(), None, 1e-5), fwd_tol, "ln tail rows")
+        del z
+    # Backward with a fused residual: dy, y, h, dx, dr besides x and r (weight frozen: no dW sums).
+    r = torch.randn(m, n, device="cuda", dtype=bf16, generator=gen)
+    xs, rs = x.requires_grad_(), r.requires_grad_()
+    y, h = rms_norm(xs, w, 1e-6, residual=rs)
+    dy = torch.randn(m, n, device="cuda", dtype=bf16, generator=gen)
+    dx, dr = torch.autograd.grad(y, (xs, rs), dy)
+    del y
+    x64 = x[tail].detach().double().requires_grad_()
+    y64, h64 = rms_norm_ref(x64, w.double(), 1e-6, residual=r[tail].detach().double())
+    (want,) = torch.autograd.grad(y64, (x64,), dy[tail].double())
+    assert_close(h[tail], h64, fwd_tol, "h tail rows")
+    assert_close(dx[tail], want, bwd_tol, "dx tail rows")
+    assert_close(dr[tail], want, bwd_tol, "dr tail rows")
 
 
 def _fwd_bwd(x, w, r, dy, dh):
@@ -119,14 +159,21 @@ def _compiled_variants(kernel) -> int:
 
 
 def test_no_recompilation_per_row_count():
-    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
-    for kernel_fn in (lambda x: rms_norm(x, w, 1e-6), lambda x: layer_norm(x, w, None, 1e-5)):
-        kernel_fn(torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16))
-        before = (_compiled_variants(_rms_fwd_kernel), _compiled_variants(_ln_fwd_kernel))
-        for rows in (1, 3, 7, 1001, 1017, 2048, 3001, 4099):
-            kernel_fn(torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16))
-        after = (_compiled_variants(_rms_fwd_kernel), _compiled_variants(_ln_fwd_kernel))
-        assert after == before, f"row counts triggered recompiles: {before} -> {after}"
+    """Forward and backward: a new batch size reuses the compiled kernels (M is a runtime argument)."""
+    w = torch.randn(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kernels = (_rms_fwd_kernel, _rms_bwd_kernel, _ln_fwd_kernel, _ln_bwd_kernel)
+
+    def fwd_bwd(rows):
+        x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for y in (rms_norm(x, w, 1e-6), layer_norm(x, w, None, 1e-5)):
+            torch.autograd.grad(y, (x, w), torch.randn_like(y))
+
+    fwd_bwd(1000)
+    before = [_compiled_variants(k) for k in kernels]
+    for rows in (1, 3, 7, 1001, 1017, 2048, 3001, 4099):
+        fwd_bwd(rows)
+    after = [_compiled_variants(k) for k in kernels]
+    assert after == before, f"row counts triggered recompiles: {before} -> {after}"
 
 
 def test_backward_is_deterministic():

@@ -145,6 +145,8 @@ def test_non_contiguous_and_3d_inputs():
     check_ln(x.shape, torch.float32, x=x)
     sliced = torch.randn(7, 64, generator=gen).to(DEV)[1::2, 3:50]
     check_ln(sliced.shape, torch.float32, x=sliced)
+    transposed = torch.randn(40, 6, generator=gen).to(DEV).T
+    check_ln(transposed.shape, torch.float32, x=transposed, residual=torch.float32)
     check_ln((2, 3, 50), torch.float16, residual=torch.float16)
 
 

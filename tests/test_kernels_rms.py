@@ -162,6 +162,8 @@ def test_non_contiguous_and_3d_inputs():
     check_rms(x.shape, torch.float32, "llama", x=x)
     sliced = torch.randn(7, 64, generator=gen).to(DEV)[::2, 5:45]  # row stride 128, unit column stride
     check_rms(sliced.shape, torch.float32, "gemma", 1.0, x=sliced)
+    transposed = torch.randn(40, 6, generator=gen).to(DEV).T  # strides (1, 6)
+    check_rms(transposed.shape, torch.bfloat16, "llama", x=transposed.to(torch.bfloat16), residual=torch.bfloat16)
     check_rms((2, 3, 50), torch.bfloat16, "llama", residual=torch.bfloat16)
 
 

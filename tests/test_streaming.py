@@ -105,6 +105,23 @@ def test_dtype_cast_happens_once_from_float64(tmp_path):
     assert torch.equal(tensors["transformer.h.0.attn.c_attn.weight"], want)
 
 
+def test_dtype_cast_happens_once_for_pickled_weights(tmp_path):
+    """A checkpoint that is not safetensors (pytorch_model.bin; GGUF takes the same path) is
+    converted in memory: with --dtype it too is rounded once, from the float64 result."""
+    model = save_tiny("gpt2", tmp_path / "src")
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "src" / "pytorch_model.bin")
+    (tmp_path / "src" / "model.safetensors").unlink()
+    (tmp_path / "out").mkdir()
+    convert_directory(resolve(tmp_path / "src"), tmp_path / "out", dtype=torch.bfloat16)
+    tensors = read_dir(tmp_path / "out")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    reference = tiny_model("gpt2", dtype=torch.float64)
+    convert_model(reference)
+    want = reference.state_dict()
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.bias", "transformer.wte.weight"):
+        assert torch.equal(tensors[name], want[name].to(torch.bfloat16)), name
+
+
 def test_checkpoint_without_the_model_prefix(tmp_path):
     """Hub GPT-2 checkpoints name tensors 'h.0...' (base model); the converter maps them."""
     model = save_tiny("gpt2", tmp_path / "src")
@@ -200,3 +217,17 @@ def test_half_precision_checkpoints_verify(arch, src_dtype, out_dtype, tmp_path)
     assert v["passed"] and v["max_rel_logit_error"] < 1e-2 and v["max_rel_logit_error_rms"] < 1e-2
     want = out_dtype or src_dtype
     assert {t.dtype for t in read_dir(tmp_path / "out").values()} == {want}
+
+
+def test_missing_shard_is_named(tmp_path):
+    """A shard the index lists but the directory lacks is the input's fault, and said so (it
+    used to surface as 'cannot write' the output)."""
+    from normswap.errors import NormswapError
+
+    save_tiny("gpt2", tmp_path / "src").save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    (tmp_path / "src" / "model.safetensors").unlink()
+    shard = sorted((tmp_path / "src").glob("model-*.safetensors"))[1]
+    shard.unlink()
+    (tmp_path / "out").mkdir()
+    with pytest.raises(NormswapError, match=f"shard.*not there.*{shard.name}"):
+        convert_directory(resolve(tmp_path / "src"), tmp_path / "out")

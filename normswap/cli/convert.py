@@ -91,6 +91,9 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
         raise NormswapError(f"{target_dir} already exists; pass --force to replace it")
     if target_dir == source.path.resolve():
         raise NormswapError("--out is the model's own directory; write the conversion elsewhere")
+    if source.path.resolve().is_relative_to(target_dir):
+        # --force would replace target_dir, and with it the model being converted
+        raise NormswapError(f"--out {target_dir} contains the model being converted; write the conversion elsewhere")
     earlier = None if source.gguf_file else read_manifest_if_any(source.path)
     if earlier is not None and "patch" in earlier:
         click.echo(f"note: {model} carries a normswap patch ({earlier['patch']['impl']}); it is not carried "

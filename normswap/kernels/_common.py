@@ -287,9 +287,11 @@ def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_
     w = weight.contiguous() if weight is not None else None
     cfg = row_config(m, n, kernel, backward=True)
     progs = backward_programs(m, cfg["BLOCK_M"], dev, kernel)
-    # Single-tile programs store their whole partial row once; looping ones accumulate into it.
-    alloc = torch.empty if cfg["SINGLE"] else torch.zeros
-    partials = [None if like is None else alloc((max(progs, 1), n), dtype=torch.float32, device=dev)
+    # Single-tile programs store their whole partial row once (poisoned in tests like every output,
+    # so a row no program writes shows up); looping ones accumulate into a zeroed row.
+    shape = (max(progs, 1), n)
+    partials = [None if like is None else
+                new_empty(shape, torch.float32, dev) if cfg["SINGLE"] else torch.zeros(shape, dtype=torch.float32, device=dev)
                 for like in param_grads]
     if m > 0:
         kernel[(progs,)](

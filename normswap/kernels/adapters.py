@@ -20,14 +20,18 @@ from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_r
 
 def liger_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None,
                    residual_in_fp32=False):
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
     if weight is None:
         raise NormswapError("the liger backend needs a weight (Liger's RMSNorm has no weight-free form)")
     if casting == "llama" and offset != 0:
         raise NormswapError("the liger backend cannot run casting 'llama' with an offset (it adds it in low precision)")
+    if casting == "llama" and weight.dtype != x.dtype:
+        # Liger writes y in x's dtype; Llama's weight * normed returns promote(weight, x) (fp32 for an
+        # fp32 weight on bf16 activations).
+        raise NormswapError(f"the liger backend cannot run casting 'llama' with a {weight.dtype} weight on "
+                            f"{x.dtype} inputs (it returns {x.dtype}, Llama returns the promoted dtype)")
     if casting not in ("llama", "gemma"):
         raise NormswapError(f"the liger backend has no casting mode {casting!r} with normswap's numerics; use llama or gemma")
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     z, h = split_residual(x, residual, residual_in_fp32)
     z = z.to(x.dtype).contiguous()
     # in_place=False: Liger's in-place backward writes dX into dY, a buffer it does not own.

@@ -1,0 +1,149 @@
+"""The torch.library ops themselves: fake impls agree with the real outputs (shape, dtype, stride)
+in every casting mode and dtype mix, torch.library.opcheck passes, dW keeps fp32 accumulation,
+and the widest hidden size the issue names (262,144) runs through the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from normswap.kernels import _common
+from normswap.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+from normswap.kernels.reference import rms_norm_ref
+from normswap.kernels.rms_norm import _rms_fwd_kernel, rms_norm, rms_norm_bwd, rms_norm_fwd
+from tests.kernel_checks import rand_weight
+from tests.test_kernels_layer import check_ln
+from tests.test_kernels_rms import check_rms
+
+pytestmark = pytest.mark.skipif(
+    _common.triton_unavailable_reason(_rms_fwd_kernel) is not None,
+    reason="triton kernels cannot run here (no CUDA, no TRITON_INTERPRET=1)",
+)
+DEV = "cpu" if _common.interpreting(_rms_fwd_kernel) else "cuda"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr(_common, "POISON_OUTPUTS", True)
+
+
+def _rand(shape, dtype, gen, scale=1.0, shift=0.0):
+    return (torch.randn(shape, generator=gen) * scale + shift).to(dtype).to(DEV)
+
+
+def _meta(outs):
+    return [(tuple(t.shape), t.dtype, t.stride()) for t in outs]
+
+
+def _fake_agrees(op, *args):
+    """The op's outputs and its fake impl's outputs: same shapes, dtypes and strides."""
+    real = op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = op(*fake_args)
+    assert _meta(fake) == _meta(real), f"{op}: fake {_meta(fake)} != real {_meta(real)}"
+    return real
+
+
+@pytest.mark.parametrize("casting", ("llama", "gemma", "t5", "none"))
+def test_rms_fake_impls_match_real_outputs(casting):
+    gen = torch.Generator().manual_seed(0)
+    for x_dtype, w_dtype in ((BF16, BF16), (BF16, FP32), (FP16, BF16), (FP32, FP16), (FP32, None)):
+        for res_dtype, in_fp32, out_dtype in ((None, False, None), (FP32, False, None), (x_dtype, True, FP32)):
+            x = _rand((2, 3, 17), x_dtype, gen)
+            w = None if w_dtype is None else rand_weight(17, w_dtype, 1.0, gen).to(DEV)
+            r = None if res_dtype is None else _rand((2, 3, 17), res_dtype, gen)
+            y, h, rstd = _fake_agrees(rms_norm_fwd, x, w, r, 1e-6, 1.0, casting, out_dtype, in_fp32)
+            z = x if r is None else h
+            dy = _rand(y.shape, y.dtype, gen)
+            dh = None if r is None else _rand(h.shape, h.dtype, gen)
+            for need_dw in (True, False):
+                dx, dw, dr = _fake_agrees(rms_norm_bwd, dy, dh, z, w, rstd, 1.0, casting, x_dtype,
+                                          None if r is None else r.dtype, need_dw)
+                assert dx.dtype == x_dtype and (dr.numel() == 0) == (r is None)
+                assert dw.numel() == (17 if need_dw and w is not None else 0)
+
+
+def test_layer_norm_fake_impls_match_real_outputs():
+    gen = torch.Generator().manual_seed(1)
+    for x_dtype, p_dtype in ((BF16, BF16), (BF16, FP32), (FP16, FP16), (FP32, None)):
+        for res_dtype, in_fp32, out_dtype in ((None, False, None), (FP32, False, None), (x_dtype, True, FP32)):
+            x = _rand((2, 3, 19), x_dtype, gen, shift=2.0)
+            w = None if p_dtype is None else rand_weight(19, p_dtype, 0.0, gen).to(DEV)
+            b = None if p_dtype is None else _rand((19,), p_dtype, gen)
+            r = None if res_dtype is None else _rand((2, 3, 19), res_dtype, gen)
+            y, h, mean, rstd = _fake_agrees(layer_norm_fwd, x, w, b, r, 1e-5, 0.0, out_dtype, in_fp32)
+            z = x if r is None else h
+            dy = _rand(y.shape, y.dtype, gen)
+            dh = None if r is None else _rand(h.shape, h.dtype, gen)
+            _fake_agrees(layer_norm_bwd, dy, dh, z, w, b, mean, rstd, 0.0, x_dtype, None if r is None else r.dtype,
+                         w is not None)
+
+
+def test_opcheck():
+    """torch.library's own checks: schema, fake tensors, autograd registration, AOT dispatch."""
+    gen = torch.Generator().manual_seed(2)
+    x = _rand((3, 5, 17), BF16, gen).requires_grad_()
+    w = rand_weight(17, FP32, 1.0, gen).to(DEV).requires_grad_()
+    b = _rand((17,), FP32, gen).requires_grad_()
+    r = _rand((3, 5, 17), BF16, gen).requires_grad_()
+    torch.library.opcheck(rms_norm_fwd, (x, w, r, 1e-6, 1.0, "llama", None, True))
+    torch.library.opcheck(layer_norm_fwd, (x, w, b, r, 1e-5, 1.0, None, False))
+    y, h, rstd = rms_norm_fwd(x, w, r, 1e-6, 1.0, "llama", None, True)
+    dy, dh = _rand(y.shape, y.dtype, gen), _rand(h.shape, h.dtype, gen)
+    torch.library.opcheck(rms_norm_bwd, (dy, dh, h.detach(), w.detach(), rstd.detach(), 1.0, "llama", BF16, BF16, True))
+    y, h, mean, rstd = layer_norm_fwd(x, w, b, r, 1e-5, 1.0, None, False)
+    torch.library.opcheck(layer_norm_bwd, (_rand(y.shape, y.dtype, gen), _rand(h.shape, h.dtype, gen), h.detach(),
+                                           w.detach(), b.detach(), mean.detach(), rstd.detach(), 1.0, BF16, BF16, True))
+
+
+def test_dweight_is_accumulated_in_fp32():
+    """dW of a bf16 weight over 2,048 rows: a sum kept in fp32 and rounded once lands within one
+    bf16 ulp of the float64 value on every column; summing in bf16 would drift far past that.
+    Gemma casting: the forward multiplies the weight by the unrounded fp32 normalized value, so the
+    float64 reference sees the same products."""
+    gen = torch.Generator().manual_seed(3)
+    m, n = 2048, 16
+    x = _rand((m, n), BF16, gen).requires_grad_()
+    w = rand_weight(n, BF16, 1.0, gen).to(DEV).requires_grad_()
+    dy = _rand((m, n), BF16, gen)
+    (dw,) = torch.autograd.grad(rms_norm(x, w, 1e-6, 1.0, "gemma"), (w,), dy)
+    w64 = w.detach().double().requires_grad_()
+    (want,) = torch.autograd.grad(rms_norm_ref(x.detach().double(), w64, 1e-6, 1.0, "gemma"), (w64,), dy.double())
+    ulp = 2.0 ** -7
+    assert dw.dtype == BF16
+    assert ((dw.double() - want).abs() <= ulp * want.abs()).all(), (dw.double() - want).abs().max()
+
+
+@pytest.mark.slow
+def test_widest_hidden_size_one_row():
+    """Hidden 262,144 (the issue's upper bound): rows loop over 16 column blocks; fwd + bwd."""
+    check_rms((1, 262144), BF16, "llama", residual=BF16)
+    check_ln((1, 262144), BF16, residual=BF16, shift=3.0)
+
+
+def _unspecialised(kernel) -> set[str]:
+    """The arguments a @triton.jit kernel was told never to specialise on (interpreted or not)."""
+    if _common.interpreting(kernel):
+        return set(kernel.kwargs.get("do_not_specialize") or ())
+    return {p.name for p in kernel.params if p.do_not_specialize}
+
+
+def test_row_count_never_selects_a_new_gpu_kernel():
+    """No recompilation per batch size, checked without a GPU: the kernels never specialise on M
+    (Triton would otherwise compile anew for M == 1 or M % 16 == 0), and the GPU launch heuristics
+    pick the same tile and warps for every row count. (tests/test_kernels_gpu.py counts the
+    compiled variants on a real device.)"""
+    from normswap.kernels.layer_norm import _ln_bwd_kernel, _ln_fwd_kernel
+    from normswap.kernels.rms_norm import _rms_bwd_kernel
+
+    for kernel in (_rms_fwd_kernel, _rms_bwd_kernel, _ln_fwd_kernel, _ln_bwd_kernel):
+        assert "M" in _unspecialised(kernel), kernel
+    for n in (1, 17, 1024, 4096, 70000, 262144):
+        for backward in (False, True):
+            configs = {tuple(sorted(_common._row_config(m, n, False, backward, _common.MAX_BLOCK_N,
+                                                        _common.INTERPRETER_TILE).items()))
+                       for m in (1, 3, 16, 1000, 4099, 32768)}
+            assert len(configs) == 1, (n, backward, configs)
