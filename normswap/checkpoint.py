@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -38,6 +39,11 @@ from normswap.errors import NormswapError
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _REWRITTEN = {"config.json", "generation_config.json", "normswap.json",
               "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+# The model weights in the names transformers saves and loads them under: what the new
+# safetensors replace. Only these are left behind when a directory is rewritten in place; every
+# other file of the user's (a .git, training_args.bin, optimizer.pt) must survive --in-place.
+_STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
+                            r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 
 RENAME_EXCHANGE = 2  # linux/fs.h
 RENAME_SWAP = 2  # macOS sys/stdio.h
@@ -164,25 +170,45 @@ def _normalise_file_modes(directory: Path) -> None:
     """Files written through temporary files come out 0600; give them the usual mode."""
     mode = 0o666 & ~_umask()
     for p in directory.iterdir():
-        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) == 0o600:
+        # a hard link is a user's own file carried over by --in-place: its mode is theirs
+        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) == 0o600 and p.stat().st_nlink == 1:
             os.chmod(p, mode)
 
 
-def carry_over_files(source_dir: Path, out_dir: Path) -> list[str]:
+def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) -> list[str]:
     """Copy what save_pretrained does not write: tokenizer files, chat template, README, license,
-    custom code. Weights and the files that are regenerated are left behind."""
+    custom code. Weights and the files that are regenerated are left behind.
+
+    in_place (out_dir replaces source_dir): the published directory is the user's only copy, so
+    everything is kept (hidden entries such as .git, other weight-like files such as
+    training_args.bin or optimizer.pt) except the stock weight files the new ones replace. Those
+    are hard links where the filesystem allows (no second copy of a large .git on disk); the old
+    tree they also belong to is removed once the new one is in place."""
     carried = []
     for p in sorted(source_dir.iterdir()):
-        if p.name.startswith(".") or p.name in _REWRITTEN or p.name.endswith(_WEIGHT_SUFFIXES):
+        if p.name in _REWRITTEN or (out_dir / p.name).exists():
             continue
-        if (out_dir / p.name).exists():
+        if in_place:
+            if _STOCK_WEIGHTS.fullmatch(p.name):
+                continue
+        elif p.name.startswith(".") or p.name.endswith(_WEIGHT_SUFFIXES):
             continue
-        if p.is_dir():
-            shutil.copytree(p, out_dir / p.name, symlinks=False)
+        copy = _link_or_copy if in_place else shutil.copy2
+        if p.is_symlink() and in_place:
+            os.symlink(os.readlink(p), out_dir / p.name)
+        elif p.is_dir():
+            shutil.copytree(p, out_dir / p.name, symlinks=in_place, copy_function=copy)
         elif p.is_file():
-            shutil.copy2(p, out_dir / p.name)
+            copy(p, out_dir / p.name)
         carried.append(p.name)
     return carried
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB",
@@ -225,7 +251,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
             if progress:
                 progress("carrying tokenizer and config files")
             if source is not None:
-                _carry_from_source(source, tmp)
+                _carry_from_source(source, tmp, in_place=source.path.resolve() == target)
             # A converted source keeps its convert section: the weights are still the converted
             # ones, and it is what says which LayerNorms may run as RMS norms.
             write_manifest(tmp, new_manifest(
@@ -255,7 +281,7 @@ def _conversion_of(source) -> dict | None:
     return conversion_section(source.path)
 
 
-def _carry_from_source(source, out_dir: Path) -> None:
+def _carry_from_source(source, out_dir: Path, in_place: bool = False) -> None:
     if source.gguf_file:  # the tokenizer lives inside the .gguf: write it out as files
         from normswap.io import load_tokenizer
 
@@ -264,7 +290,7 @@ def _carry_from_source(source, out_dir: Path) -> None:
         except NormswapError:
             pass  # a GGUF without a usable tokenizer still gives a usable model
         return
-    carry_over_files(source.path, out_dir)
+    carry_over_files(source.path, out_dir, in_place=in_place)
 
 
 def _placement(model) -> dict:

@@ -26,6 +26,12 @@ from normswap.specs import NormSpec
 _PLAIN = (bool, int, float, str, tuple, list, type(None), torch.dtype, torch.Size)
 
 
+def default_eps(dtype: torch.dtype) -> float:
+    """What torch's rms_norm uses for eps=None: the machine epsilon of the dtype it computes in
+    (float32 for half inputs; the docs say the input dtype's, the kernel uses its opmath type's)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 class NormswapNorm(nn.Module):
     """Common base: adoption, eps lookup, bookkeeping for revert. Subclasses define forward."""
 
@@ -54,9 +60,18 @@ class NormswapNorm(nn.Module):
 
     # -- what the forward needs -------------------------------------------------------------
     @property
-    def norm_eps(self) -> float:
-        """The eps actually used: read from the adopted attribute, like the original does."""
-        return float(getattr(self, self.spec.eps_attr)) if self.spec.eps_attr else self.spec.eps
+    def norm_eps(self) -> float | None:
+        """The eps attribute, read like the original reads it. None only for torch's
+        nn.RMSNorm(eps=None), whose eps then depends on the input's dtype (see eps_for)."""
+        if not self.spec.eps_attr:
+            return self.spec.eps
+        eps = getattr(self, self.spec.eps_attr)
+        return None if eps is None else float(eps)
+
+    def eps_for(self, x: torch.Tensor) -> float:
+        """The eps this call uses."""
+        eps = self.norm_eps
+        return default_eps(x.dtype) if eps is None else eps
 
     def _param(self, attr: str) -> torch.Tensor | None:
         return self._parameters.get(attr, self._buffers.get(attr))
@@ -92,7 +107,7 @@ class NormswapRMSNorm(NormswapNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         x2, (w,) = self._flatten(x, self.norm_weight)
-        y = self._backend.rms_norm(x2, w, self.norm_eps, s.offset, s.casting)
+        y = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, s.casting)
         return self._unflatten(y, x)
 
 
@@ -146,17 +161,17 @@ class NormswapLayerNorm(NormswapNorm):
         x2, (w, b) = self._flatten(x, self.norm_weight, self.norm_bias)
         form = self.rms_form
         if form is None:
-            y = self._backend.layer_norm(x2, w, b, self.norm_eps, s.offset)
+            y = self._backend.layer_norm(x2, w, b, self.eps_for(x), s.offset)
             return self._unflatten(y, x)
         w = w if form.weight else None
         b = b if form.bias else None
         if b is None:
-            y = self._backend.rms_norm(x2, w, self.norm_eps, s.offset, "none")
+            y = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, "none")
         else:
             # Keep LayerNorm's single rounding: normalise, scale and shift in (at least) fp32, cast
             # once; float64 stays float64.
             acc = torch.promote_types(x2.dtype, torch.float32)
-            y = self._backend.rms_norm(x2.to(acc), w, self.norm_eps, s.offset, "none")
+            y = self._backend.rms_norm(x2.to(acc), w, self.eps_for(x), s.offset, "none")
             y = (y + b.to(acc)).to(x.dtype)
         return self._unflatten(y, x)
 

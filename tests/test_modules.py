@@ -122,6 +122,22 @@ def test_eps_is_read_from_the_adopted_attribute():
     assert rep.norm_eps == 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_rmsnorm_with_eps_none(dtype):
+    # nn.RMSNorm(eps=None) picks its eps per call from the input's dtype; the replacement must too
+    # (it crashed with float(None), and a fixed eps would be off by 2**16 in bf16).
+    from normswap import patch
+    from normswap.verify import ProbeConfig
+
+    net = nn.Sequential(_randomise(nn.RMSNorm(32, eps=None))).to(dtype)
+    orig = net[0]
+    x = 1e-3 * torch.randn(4, 32)  # small enough for eps to matter
+    report = patch(net, "reference", probe=ProbeConfig(elements=2048))
+    assert isinstance(net[0], NormswapRMSNorm) and net[0].norm_eps is None and report.patched[0].check.eps is None
+    for xd in (x.to(dtype), x.to(torch.bfloat16), x):
+        torch.testing.assert_close(net[0](xd), orig(xd), rtol=0, atol=0)
+
+
 def test_layernorm_as_rms_equals_layernorm_on_zero_mean_input():
     orig = _randomise(nn.LayerNorm(32, 1e-5))
     spec = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))

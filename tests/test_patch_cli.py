@@ -109,6 +109,36 @@ def test_in_place(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging or old trees left behind
 
 
+def test_in_place_keeps_every_file_of_the_user(tmp_path):
+    # --in-place publishes a new tree and deletes the old one: whatever is not carried over is gone
+    d = tmp_path / "m"
+    save_tiny("llama", d)
+    (d / ".git").mkdir()
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (d / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (d / "training_args.bin").write_bytes(b"trainer state")
+    (d / "secret.txt").write_text("mine")
+    (d / "secret.txt").chmod(0o600)
+    (d / "pytorch_model.bin").write_bytes(b"old weights")  # replaced by the new safetensors
+    r = run(d, "--impl", "torch", "--in-place")
+    assert r.exit_code == 0, r.stderr
+    assert (d / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert (d / ".gitattributes").is_file() and (d / "training_args.bin").read_bytes() == b"trainer state"
+    assert (d / "secret.txt").stat().st_mode & 0o777 == 0o600
+    assert not (d / "pytorch_model.bin").exists()
+    assert (d / MANIFEST_NAME).is_file() and (d / "model.safetensors").is_file()
+
+
+def test_in_place_refuses_another_dtype(tmp_path):
+    d = tmp_path / "m"
+    save_tiny("llama", d)  # float32
+    before = _listing(d)
+    assert_one_line_error(run(d, "--impl", "torch", "--in-place", "--dtype", "bf16"), "--out DIR")
+    assert _listing(d) == before
+    r = run(d, "--impl", "torch", "--in-place", "--dtype", "fp32")  # its own dtype: fine
+    assert r.exit_code == 0, r.stderr
+
+
 def test_only_and_exclude(src):
     r = run(src, "--impl", "torch", "--only", r"layers\.1\.", "--exclude", "post_attention", "--json")
     data = json.loads(r.stdout)

@@ -149,6 +149,27 @@ def test_failed_reload_check_publishes_nothing(tmp_path, monkeypatch):
     assert (target / "old.txt").read_text() == "old" and not _leftovers(tmp_path)
 
 
+def test_reload_with_different_logits_publishes_nothing(tmp_path, monkeypatch):
+    # the file is valid safetensors, but a norm weight changed on the way to disk
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    report = patch(model, "torch", probe=SMALL)
+    real = checkpoint.write_model_files
+
+    def tampering(model, out_dir, *a, **k):
+        real(model, out_dir, *a, **k)
+        f = out_dir / "model.safetensors"
+        tensors = load_file(f)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.001
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    monkeypatch.setattr(checkpoint, "write_model_files", tampering)
+    with pytest.raises(NormswapError, match="reloads with different logits"):
+        checkpoint.save_patched(model, report, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
 def test_exchange_and_fallback(tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()

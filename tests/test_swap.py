@@ -148,6 +148,25 @@ def test_failed_verification_undoes_everything(monkeypatch):
     assert _classes(model) == classes
 
 
+def test_failed_whole_model_check_undoes_everything(monkeypatch):
+    # Right on the probe rows, wrong on the model's own (batch=2, seq=8) activations: every module
+    # check passes; only the logits can catch it.
+    def wrong_when_batched(x, w, eps, offset=0.0, casting="llama", **kw):
+        y = rms_norm_ref(x, w, eps, offset, casting, **kw)
+        return y * 1.05 if tuple(x.shape[:-1]) == (2, 8) else y
+
+    from normswap import backends
+
+    model = tiny_model("llama")
+    classes = _classes(model)
+    monkeypatch.setitem(backends._LOADERS, "reference",
+                        lambda: Backend("reference", wrong_when_batched, layer_norm_ref))
+    with pytest.raises(VerificationError, match="whole-model check failed") as info:
+        patch(model, "reference", probe=SMALL)
+    assert not info.value.report.failed and not info.value.report.model_check.passed
+    assert _classes(model) == classes
+
+
 def test_unavailable_impl_fails_before_any_change(monkeypatch):
     from normswap import backends
 

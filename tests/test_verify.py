@@ -15,7 +15,7 @@ from normswap.backends import Backend
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import build_replacement
 from normswap.specs import NormSpec
-from normswap.verify import ProbeConfig, compare_outputs, ulp, verify_module
+from normswap.verify import ProbeConfig, compare_outputs, eps_scale, probe_scales, ulp, verify_module
 
 LLAMA = NormSpec("rms", 1e-5, "variance_epsilon", casting="llama", shape=(32,))
 GEMMA = NormSpec("rms", 1e-6, "eps", offset=1.0, casting="gemma", shape=(32,))
@@ -84,11 +84,15 @@ def test_wrong_casting_is_caught_by_output_dtype():
 
 
 def test_two_ulp_error_fails_and_half_ulp_passes():
+    # The max rule's threshold, on a sparse set of elements (every 64th off by k ulp at the max):
+    # an offset on *every* element would be a systematic bias, which the mean rule catches.
     def noisy(k):
         def rms(x, w, eps, offset=0.0, casting="llama", **kw):
             y = rms_norm_ref(x, w, eps, offset, casting, **kw)
             m = y.detach().double().abs().max().item()
-            return (y.double() + k * ulp(m, y.dtype)).to(y.dtype)  # every element off by k ulp (at max)
+            bump = torch.zeros(y.numel(), dtype=torch.float64)
+            bump[::64] = k * ulp(m, y.dtype)
+            return (y.double() + bump.reshape(y.shape)).to(y.dtype)
         return rms
 
     m = _module(LLAMA, torch.float32)
@@ -110,6 +114,77 @@ def test_eps_must_be_exact_and_zero_stays_zero():
     rep.variance_epsilon = 1e-6  # a default slipped in
     c = verify_module("n", m, rep, spec0, torch.float32, CFG)
     assert not c.passed and any("eps differs" in f for f in c.failures)
+
+
+def _eps_times(factor):
+    def rms(x, w, eps, offset=0.0, casting="llama", **kw):
+        return rms_norm_ref(x, w, eps * factor, offset, casting, **kw)
+
+    def layer(x, w, b, eps, offset=0.0, **kw):
+        return layer_norm_ref(x, w, b, eps * factor, offset, **kw)
+
+    return _backend(rms=rms, layer=layer)
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA, T5, LN], ids=lambda s: s.casting + s.kind)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_that_misuses_eps_fails(spec, dtype):
+    # The module's eps attribute is right; the kernel uses twice that. At the fixed probe scales eps
+    # is negligible (half a bf16 ulp at 1e-2), so only rows with mean square ~ eps can see it.
+    m = _module(spec, dtype)
+    c = verify_module("n", m, build_replacement(m, spec, "fake", backend=_eps_times(2.0)), spec, dtype, CFG)
+    assert not c.passed and any(f.startswith("numeric") for f in c.failures), c.failures
+
+
+def test_eps_scale_probe():
+    assert eps_scale(0.0, torch.bfloat16) is None  # eps = 0: no such scale
+    assert eps_scale(1e-6, torch.bfloat16) == pytest.approx(1e-3)
+    assert eps_scale(1e-12, torch.float16) is None  # would be subnormal in fp16
+    assert probe_scales(CFG, 1e-6, torch.float32) == (*CFG.scales, pytest.approx(1e-3))
+    assert probe_scales(CFG, 1e-4, torch.float32) == CFG.scales  # 1e-2 already probes there
+
+
+def _gemma_cast_like_llama(x, w, eps, offset=0.0, casting="gemma", **kw):
+    """Gemma's formula with Llama's extra rounding: the normalised value is cast to x's dtype
+    before the (1 + w) product. At most one ulp worse anywhere; worse on many elements."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * (offset + w.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_with_an_extra_rounding_fails(dtype):
+    m = _module(GEMMA, dtype)
+    rep = build_replacement(m, GEMMA, "fake", backend=_backend(rms=_gemma_cast_like_llama))
+    c = verify_module("n", m, rep, GEMMA, dtype, CFG)
+    assert not c.passed and any("mean error" in f for f in c.failures), c.failures
+    assert c.mean_err_ratio > 1.25
+
+
+def test_kernel_that_ignores_strides_fails():
+    # Reads the input's storage as if it were a contiguous (rows, hidden) matrix: right on tidy
+    # 2-D probes, silently wrong on a transposed view of the activations.
+    def rms(x, w, eps, offset=0.0, casting="llama", **kw):
+        rows = torch.as_strided(x, (x.numel() // x.shape[-1], x.shape[-1]), (x.shape[-1], 1))
+        return rms_norm_ref(rows, w, eps, offset, casting, **kw).reshape(x.shape)
+
+    m = _module(LLAMA, torch.bfloat16)
+    c = verify_module("n", m, build_replacement(m, LLAMA, "fake", backend=_backend(rms=rms)), LLAMA,
+                      torch.bfloat16, CFG)
+    assert not c.passed and any(f.startswith("numeric") for f in c.failures), c.failures
+
+
+class ViewingRMSNorm(LlamaRMSNorm):
+    """Its forward .view()s the input: it cannot take a strided view, and its model never gives it one."""
+
+    def forward(self, x):
+        return super().forward(x.view(-1, x.shape[-1])).view(x.shape)
+
+
+def test_original_that_needs_contiguous_input_is_probed_contiguous():
+    m = _rand(ViewingRMSNorm(32, LLAMA.eps))
+    c = verify_module("n", m, build_replacement(m, LLAMA, "reference"), LLAMA, torch.float32, CFG)
+    assert c.passed, c.failures
 
 
 def test_copied_parameters_fail_adoption():

@@ -86,6 +86,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
             raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
                                 "(use --out DIR)")
         target = source.path
+        _refuse_lossy_in_place(source, parse_dtype(dtype))
     elif out is not None:
         target = out.expanduser().resolve()
         if target.exists() and not force:
@@ -132,6 +133,24 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
             saved = save_patched(m, report, target, source=source, replace=in_place or force,
                                  max_shard_size=max_shard_size, progress=lambda _s: bar.update(1))
     emit(_payload(report, model, saved, eval_result), as_json, _render)
+
+
+def _refuse_lossy_in_place(source, dtype) -> None:
+    """--in-place saves in the dtype the model was loaded in: with another --dtype it would
+    rewrite the user's only copy of the weights (fp32 -> bf16 cannot be undone)."""
+    if dtype is None:
+        return
+    import torch
+
+    from normswap.io import load_config
+
+    stored = getattr(load_config(source), "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if isinstance(stored, torch.dtype) and stored != dtype:
+        name = str(stored).removeprefix("torch.")
+        raise NormswapError(f"--in-place with --dtype would rewrite the {name} weights of {source.ref} as "
+                            f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
 
 
 def _prepare_eval(path, max_length, max_tokens, source):
