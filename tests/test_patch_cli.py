@@ -215,6 +215,12 @@ def test_read_only_destination(src, tmp_path, monkeypatch):
     assert list(ro.iterdir()) == []
 
 
+def test_filters_that_leave_nothing_to_patch_are_an_error(src, tmp_path):
+    r = run(src, "--impl", "torch", "--only", "no_such_module", "--out", tmp_path / "out")
+    assert_one_line_error(r, "--only/--exclude leave no recognised norm to patch")
+    assert not (tmp_path / "out").exists()
+
+
 def test_strict_unknown_norm(src, monkeypatch):
     from normswap import registry
 

@@ -43,9 +43,11 @@ def test_without_eval_there_is_no_diff(model_and_text):
 @pytest.mark.parametrize("args, says", [
     (["--eval", "/no/such/file.txt"], "no/such/file.txt"),
     (["--eval", "TEXT", "--eval-max-length", 0], "max-length"),
+    (["--eval", "TEXT", "--eval-max-length", 32, "--eval-max-tokens", 10], "shorter than one window"),
 ])
 def test_bad_eval_input_fails_before_loading(model_and_text, args, says):
     model, text = model_and_text
     args = [text if a == "TEXT" else a for a in args]
     result = run(model, "--impl", "torch", *args)
     assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr
+    assert "patch+verify" not in result.stderr  # refused before the model was loaded and patched

@@ -109,6 +109,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
 
     n = sum(1 for f in walk.find_norms(m, warn=False)
             if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
+    if n == 0 and filter_fn is not None:
+        raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if evaluation else None
     rms_for = zero_mean_layernorms(source.path) if use_rms and not source.gguf_file else set()
     try:
@@ -159,10 +161,13 @@ def _prepare_eval(path, max_length, max_tokens, source):
         return None
     from normswap.cli.ppl import window_settings
     from normswap.data import open_corpus
-    from normswap.io import load_tokenizer
+    from normswap.evaluate import check_before_loading
+    from normswap.io import load_config, load_tokenizer
 
     settings = window_settings(max_length, None, max_tokens, 1)
-    return open_corpus(path, "text"), load_tokenizer(source), settings
+    corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
+    check_before_loading([load_config(source)], tokenizer, corpus, **settings)
+    return corpus, tokenizer, settings
 
 
 def _payload(report, model: str, saved: Path | None, eval_result: dict | None = None) -> dict:
