@@ -11,4 +11,21 @@ from normswap.swap import patch, revert  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["NormSpec", "NormswapError", "__version__", "load", "patch", "revert"]
+# The rest of the public API, imported on first use (each pulls in more of transformers).
+# (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)
+_LAZY = {
+    "convert_model": "normswap.convert",
+    "convert_directory": "normswap.convert",
+    "perplexity": "normswap.evaluate",
+    "diff_models": "normswap.evaluate",
+}
+
+__all__ = ["NormSpec", "NormswapError", "__version__", "load", "patch", "revert", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'normswap' has no attribute {name!r}")

@@ -1,0 +1,16 @@
+"""The names README.md promises at the top level of the package."""
+
+import normswap
+
+
+def test_every_public_name_resolves():
+    for name in normswap.__all__:
+        assert getattr(normswap, name) is not None, name
+    assert callable(normswap.perplexity) and callable(normswap.convert_model)
+
+
+def test_unknown_names_still_raise_attribute_error():
+    import pytest
+
+    with pytest.raises(AttributeError):
+        normswap.no_such_thing  # noqa: B018
