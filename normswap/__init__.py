@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 # (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)
 _LAZY = {
     "convert_model": "normswap.convert",
-    "convert_directory": "normswap.convert",
     "perplexity": "normswap.evaluate",
     "diff_models": "normswap.evaluate",
 }
