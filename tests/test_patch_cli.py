@@ -215,6 +215,15 @@ def test_read_only_destination(src, tmp_path, monkeypatch):
     assert list(ro.iterdir()) == []
 
 
+def test_out_that_contains_the_model_is_refused_even_with_force(tmp_path):
+    model_dir = tmp_path / "models" / "llama"
+    save_tiny("llama", model_dir)
+    before = _listing(model_dir)
+    r = run(model_dir, "--impl", "torch", "--out", tmp_path / "models", "--force")
+    assert_one_line_error(r, "contains the model being patched")
+    assert _listing(model_dir) == before
+
+
 def test_filters_that_leave_nothing_to_patch_are_an_error(src, tmp_path):
     r = run(src, "--impl", "torch", "--only", "no_such_module", "--out", tmp_path / "out")
     assert_one_line_error(r, "--only/--exclude leave no recognised norm to patch")

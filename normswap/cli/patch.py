@@ -93,6 +93,9 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
             raise NormswapError(f"{target} already exists; pass --force to replace it")
         if target == source.path:
             raise NormswapError("--out is the model's own directory; use --in-place for that")
+        if source.path.resolve().is_relative_to(target):
+            # --force would replace `target`, and with it the model being patched
+            raise NormswapError(f"--out {target} contains the model being patched; write elsewhere")
     if target is not None:
         _check_writable(target)
     evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source)
