@@ -97,6 +97,21 @@ def publish_dir(tmp: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def check_out_target(out: str | os.PathLike, source_dir: Path, force: bool, verb: str, own_dir_hint: str) -> Path:
+    """The resolved --out directory, or a one-line error when writing there would be refused or
+    would destroy the model being read (`verb`: "patched", "converted")."""
+    target = Path(out).expanduser().resolve()
+    source_dir = source_dir.resolve()
+    if target.exists() and not force:
+        raise NormswapError(f"{target} already exists; pass --force to replace it")
+    if target == source_dir:
+        raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
+    if source_dir.is_relative_to(target):
+        # --force would replace `target`, and with it the model being read
+        raise NormswapError(f"--out {target} contains the model being {verb}; write elsewhere")
+    return target
+
+
 @contextmanager
 def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """Yield a fresh directory beside `target`; publish it there when the block exits cleanly.

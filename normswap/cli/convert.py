@@ -64,10 +64,9 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
     stream, so each LayerNorm equals an RMSNorm. The output loads in stock transformers with the
     same logits; its normswap.json lists the norms that may run as RMSNorm kernels
     (`normswap patch DIR` then runs them as such: weightless where γ was folded)."""
-    from pathlib import Path
 
     from normswap import io
-    from normswap.checkpoint import staged_dir
+    from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert import (
         build_manifest,
         check_refusals,
@@ -86,14 +85,7 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
         report = build_manifest(plan, config, partial=partial)
         emit(dict(report, model=model, out=None, error=str(e)), as_json, _render)
         raise
-    target_dir = Path(out).expanduser().resolve()
-    if target_dir.exists() and not force:
-        raise NormswapError(f"{target_dir} already exists; pass --force to replace it")
-    if target_dir == source.path.resolve():
-        raise NormswapError("--out is the model's own directory; write the conversion elsewhere")
-    if source.path.resolve().is_relative_to(target_dir):
-        # --force would replace target_dir, and with it the model being converted
-        raise NormswapError(f"--out {target_dir} contains the model being converted; write the conversion elsewhere")
+    target_dir = check_out_target(out, source.path, force, "converted", "write the conversion elsewhere")
     earlier = None if source.gguf_file else read_manifest_if_any(source.path)
     if earlier is not None and "patch" in earlier:
         click.echo(f"note: {model} carries a normswap patch ({earlier['patch']['impl']}); it is not carried "

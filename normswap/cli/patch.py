@@ -70,7 +70,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes.
     """
     from normswap.backends import get_backend
-    from normswap.checkpoint import save_patched
+    from normswap.checkpoint import check_out_target, save_patched
     from normswap.io import load_model, parse_dtype, resolve
     from normswap.manifest import zero_mean_layernorms
     from normswap.swap import VerificationError, patch, regex_filter
@@ -88,14 +88,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
         target = source.path
         _refuse_lossy_in_place(source, parse_dtype(dtype))
     elif out is not None:
-        target = out.expanduser().resolve()
-        if target.exists() and not force:
-            raise NormswapError(f"{target} already exists; pass --force to replace it")
-        if target == source.path:
-            raise NormswapError("--out is the model's own directory; use --in-place for that")
-        if source.path.resolve().is_relative_to(target):
-            # --force would replace `target`, and with it the model being patched
-            raise NormswapError(f"--out {target} contains the model being patched; write elsewhere")
+        target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target)
     evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source)
