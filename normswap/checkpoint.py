@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
 # stale next to the new ones; a previous manifest is replaced).
@@ -329,7 +329,7 @@ def check_saved(directory: Path, model_cls, report, kind: str, expected, batch, 
     try:
         reloaded = model_cls.from_pretrained(directory, dtype=dtype, **(placement or {})).eval()
     except Exception as e:  # noqa: BLE001
-        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        first = first_line(e)
         raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {first}; "
                             "nothing was published") from None
     got_kind, got = model_output(reloaded, batch)

@@ -10,3 +10,10 @@ class NormswapError(Exception):
 
 class UnknownNormError(NormswapError):
     """A norm-like module that the registry does not recognise (raised under --strict)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (or its class name when it has none): library
+    errors often run to many lines, and a NormswapError must stay one."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else error.__class__.__name__

