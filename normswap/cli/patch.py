@@ -71,7 +71,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     """
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, save_patched
-    from normswap.io import load_model, parse_dtype, resolve
+    from normswap.io import load_config, load_model, parse_dtype, resolve
     from normswap.manifest import zero_mean_layernorms
     from normswap.swap import VerificationError, patch, regex_filter
 
@@ -80,25 +80,26 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     filter_fn = regex_filter(only, exclude)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     source = resolve(model)
+    config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
             raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
                                 "(use --out DIR)")
         target = source.path
-        _refuse_lossy_in_place(source, parse_dtype(dtype))
+        _refuse_lossy_in_place(source, config, parse_dtype(dtype))
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target)
-    evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source)
+    evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source, config)
 
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # ours are on stderr; one bar per stage
     transformers.utils.logging.set_verbosity_error()
     with _bar(f"load {model}", 1) as bar:
-        m = load_model(source, dtype=parse_dtype(dtype))
+        m = load_model(source, dtype=parse_dtype(dtype), config=config)
         bar.update(1)
 
     from normswap import walk
@@ -133,16 +134,14 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     emit(_payload(report, model, saved, eval_result), as_json, _render)
 
 
-def _refuse_lossy_in_place(source, dtype) -> None:
+def _refuse_lossy_in_place(source, config, dtype) -> None:
     """--in-place saves in the dtype the model was loaded in: with another --dtype it would
     rewrite the user's only copy of the weights (fp32 -> bf16 cannot be undone)."""
     if dtype is None:
         return
     import torch
 
-    from normswap.io import load_config
-
-    stored = getattr(load_config(source), "dtype", None)
+    stored = getattr(config, "dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     if isinstance(stored, torch.dtype) and stored != dtype:
@@ -151,18 +150,18 @@ def _refuse_lossy_in_place(source, dtype) -> None:
                             f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
 
 
-def _prepare_eval(path, max_length, max_tokens, source):
+def _prepare_eval(path, max_length, max_tokens, source, config):
     """Check --eval's text and options before the (long) load; None when --eval is not given."""
     if path is None:
         return None
     from normswap.cli.ppl import window_settings
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
-    from normswap.io import load_config, load_tokenizer
+    from normswap.io import load_tokenizer
 
     settings = window_settings(max_length, None, max_tokens, 1)
     corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
-    check_before_loading([load_config(source)], tokenizer, corpus, **settings)
+    check_before_loading([config], tokenizer, corpus, **settings)
     return corpus, tokenizer, settings
 
 
