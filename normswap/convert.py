@@ -693,7 +693,7 @@ def convert_directory(
 
     out = Path(out_dir)
     config = io.load_config(source)
-    meta = io.build_meta_model(source)
+    meta = io.build_meta_model(source, config)
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     policy = keep_dtype(dtype)

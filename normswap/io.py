@@ -201,9 +201,10 @@ def _name_gguf_architecture(source: ModelSource, config) -> None:
         config.architectures = [cls.__name__]
 
 
-def build_meta_model(source: ModelSource):
-    """The model's module tree on the meta device: no weights read, any size in seconds."""
-    config = load_config(source)
+def build_meta_model(source: ModelSource, config=None):
+    """The model's module tree on the meta device: no weights read, any size in seconds.
+    `config`: load_config(source) when the caller already read it, as for load_model."""
+    config = load_config(source) if config is None else config
     _name_gguf_architecture(source, config)
     cls = model_class(config)
     try:

@@ -78,7 +78,7 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
 
     source = io.resolve(model)
     config = io.load_config(source)
-    plan = plan_conversion(io.build_meta_model(source), config, keep_gain=keep_gain)
+    plan = plan_conversion(io.build_meta_model(source, config), config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)
     except NormswapError as e:
