@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import NormswapError
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
 # stale next to the new ones; a previous manifest is replaced).
@@ -483,15 +483,15 @@ def check_saved(directory: Path, model_cls, report, kind: str, expected, batch, 
     """Reload `directory` with stock transformers and compare its outputs with `expected`."""
     import torch
 
-    from normswap.io import DTYPES
+    from normswap.io import DTYPES, from_pretrained_checked
     from normswap.verify import model_output
 
     dtype = DTYPES.get(report.dtype, torch.float32)
     try:
-        reloaded = model_cls.from_pretrained(directory, dtype=dtype, **(placement or {})).eval()
-    except Exception as e:  # noqa: BLE001
-        first = first_line(e)
-        raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {first}; "
+        reloaded = from_pretrained_checked(model_cls, directory, str(directory), dtype=dtype,
+                                           **(placement or {})).eval()
+    except NormswapError as e:
+        raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {e}; "
                             "nothing was published") from None
     got_kind, got = model_output(reloaded, batch)
     del reloaded

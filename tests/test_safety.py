@@ -191,3 +191,55 @@ def test_case3_lock_is_reentrant_and_removed(tmp_path):
         with checkpoint.target_lock(t):
             assert (tmp_path / ".t.normswap.lock").read_text() == str(os.getpid())
     assert not (tmp_path / ".t.normswap.lock").exists()
+
+
+# ---- case 2 (and 7: a size mismatch names the tensor and both shapes) --------------------------
+
+
+def _edited_copy(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path):
+    fewer = _edited_copy(src, tmp_path / "fewer", num_hidden_layers=1)
+    before = _tree(fewer)
+    r = run("patch", fewer, "--impl", "torch", "--in-place")
+    assert_one_line_error(r, "tensor(s) the config has no place for: model.layers.1.")
+    assert _tree(fewer) == before  # the only copy keeps every layer
+
+    more = _edited_copy(src, tmp_path / "more", num_hidden_layers=3)
+    r = run("patch", more, "--impl", "torch", "--out", tmp_path / "out")
+    assert_one_line_error(r, "tensor(s) missing from the checkpoint: model.layers.2.")
+    assert not (tmp_path / "out").exists()
+    # evaluation and the library loader follow the same rule
+    (tmp_path / "t.txt").write_text("some text to score " * 20)
+    assert_one_line_error(run("ppl", more, "--data", tmp_path / "t.txt", "--max-length", "16"),
+                          "missing from the checkpoint")
+    from normswap.io import load_model, resolve
+
+    with pytest.raises(NormswapError, match="missing from the checkpoint"):
+        load_model(resolve(more))
+
+    wide = _edited_copy(src, tmp_path / "wide", intermediate_size=64)
+    r = run("patch", wide, "--impl", "torch")
+    assert_one_line_error(r, "model.layers.0.mlp.down_proj.weight (checkpoint [32, 48], config [32, 64])")
+    assert "above report" not in r.stderr
+
+
+def test_case2_tied_and_ignorable_keys_still_load(tmp_path):
+    from normswap.io import load_model, resolve
+
+    save_tiny("gpt2", tmp_path / "g")  # lm_head tied to wte: not in the file, not "missing"
+    from safetensors.torch import load_file, save_file
+
+    f = tmp_path / "g" / "model.safetensors"
+    tensors = load_file(f)
+    tensors["transformer.h.0.attn.bias"] = torch.ones(1)  # what old GPT-2 files carry (ignorable)
+    save_file(tensors, f, metadata={"format": "pt"})
+    load_model(resolve(tmp_path / "g"))
