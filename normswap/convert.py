@@ -11,7 +11,7 @@ The converted model is a checkpoint of the *original* class: the LayerNorms stay
 (weight ones / bias zeros where γ / β were folded), and give the same outputs because their
 input is now zero-mean. The "convert" section of the manifest (normswap.json, see
 normswap.manifest) records which norms may instead run as RMSNorm kernels, and which of their
-γ/β were folded (the RMS form skips those): rms_eligible(...), rms_forms(...).
+γ/β were folded (the RMS form skips those): normswap.manifest.rms_forms(...).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from normswap import fold
 from normswap.archs import ArchData, expand, load_arch, pattern_regex
 from normswap.errors import NormswapError
-from normswap.manifest import MANIFEST_NAME, conversion_section, new_manifest, write_manifest
+from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -560,7 +560,7 @@ def check_zero_mean(model, manifest, ids: torch.Tensor, raise_on_failure: bool =
     verdict; raises NormswapError (unless told not to) when it is over the tolerance."""
     worst: dict[str, float] = {}
     handles = []
-    for path in rms_eligible(manifest):
+    for path in rms_forms(manifest):
         mod = model.get_submodule(path)
 
         def hook(mod, args, path=path):
@@ -644,29 +644,6 @@ def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None
     return manifest
 
 
-def _section(where: str | os.PathLike | dict) -> dict:
-    section = conversion_section(where)
-    if section is None:
-        raise NormswapError(f"{where}: no convert section in its {MANIFEST_NAME} (not converted by normswap)")
-    return section
-
-
-def rms_eligible(manifest: str | os.PathLike | dict) -> set[str]:
-    """Paths of the norms whose input the conversion made zero-mean: each may run as an RMSNorm
-    with the module's eps, its weight when the manifest's rms_weight is 'weight' (else none: the
-    weight is ones), and its bias when rms_bias is true (a kept β). `manifest`: a directory, a
-    whole manifest or its convert section."""
-    return {n["path"] for n in _section(manifest)["norms"] if n["rms"]}
-
-
-def rms_forms(manifest: str | os.PathLike | dict) -> dict[str, dict]:
-    """path -> {'eps', 'weight': 'none'|'weight', 'bias': bool} for each RMS-eligible norm."""
-    return {
-        n["path"]: {"eps": n["eps"], "weight": n["rms_weight"], "bias": bool(n["rms_bias"])}
-        for n in _section(manifest)["norms"] if n["rms"]
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoint directories: convert (streaming), verify
 # ---------------------------------------------------------------------------------------------
@@ -683,17 +660,17 @@ def convert_directory(
     streaming: bool = True,
     progress: bool = False,
 ) -> dict:
-    """Convert the checkpoint `source` (a normswap.io.ModelSource) into the existing empty
+    """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
     directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, manifest.
     Safetensors checkpoints are converted shard by shard; anything else is loaded whole."""
     import shutil
 
-    from normswap import io
+    from normswap import loading
     from normswap import streaming as st
 
     out = Path(out_dir)
-    config = io.load_config(source)
-    meta = io.build_meta_model(source, config)
+    config = loading.load_config(source)
+    meta = loading.build_meta_model(source, config)
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     policy = keep_dtype(dtype)
@@ -724,13 +701,13 @@ def convert_directory(
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
-        model = io.load_model(source, dtype=torch.float64 if dtype is not None else None)
+        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None)
         plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
         if dtype is not None:
             model.to(dtype)
         model.save_pretrained(out)
         try:
-            io.load_tokenizer(source).save_pretrained(out)
+            loading.load_tokenizer(source).save_pretrained(out)
         except NormswapError:
             pass
     section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
@@ -765,36 +742,15 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
-def attach_rms(model, manifest) -> list:
-    """Run every RMS-eligible norm of a converted model as a float reference RMSNorm (forward
-    hooks; weightless where γ was folded, bias where β was kept). A stand-in for `normswap patch`
-    that lets verification check the speedup path; returns the hook handles."""
-    handles = []
-    for path, form in rms_forms(manifest).items():
-        mod = model.get_submodule(path)
-
-        def hook(mod, args, out, form=form):
-            x = args[0]
-            acc = torch.promote_types(x.dtype, torch.float32)
-            w = mod.weight.to(acc) if form["weight"] == "weight" else None
-            b = mod.bias.to(acc) if form["bias"] else None
-            return fold.apply_rms_norm(x.to(acc), w, b, form["eps"]).to(x.dtype)
-
-        handles.append(mod.register_forward_hook(hook))
-    return handles
-
-
-def patch_as_rms(model, manifest, impl: str = "reference"):
-    """The speedup path: `normswap patch` runs every RMS-eligible norm of a converted model as an
-    RMSNorm (weightless where γ was folded, plus the bias only where β was kept) and leaves every
-    other norm alone. In place; returns the model."""
-    from normswap.manifest import zero_mean_layernorms
+def _run_as_rms(model, manifest) -> None:
+    """The speedup path on a converted model: every zero-mean LayerNorm as an RMS norm (reference
+    backend: float64 stays float64), every other norm left alone. In place, unverified: the
+    caller compares logits."""
     from normswap.swap import patch
 
-    forms = zero_mean_layernorms(_section(manifest))
+    forms = rms_forms(manifest)
     if forms:
-        patch(model, impl, filter_fn=lambda _m, path: path in forms, rms_for=forms, verify=False)
-    return model
+        patch(model, "reference", filter_fn=lambda _m, path: path in forms, rms_forms=forms, verify=False)
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
@@ -806,11 +762,11 @@ def tolerance_for(dtype: torch.dtype) -> float:
 def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None) -> dict:
     """Reload the converted directory with stock transformers; compare its logits (and those of
     its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance."""
-    from normswap import io
+    from normswap import loading
 
-    config = io.load_config(source)
+    config = loading.load_config(source)
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    conv_cfg = io.load_config(io.resolve(converted_dir))
+    conv_cfg = loading.load_config(loading.resolve(converted_dir))
     conv_dtype = getattr(conv_cfg, "dtype", None) or stored
     if isinstance(conv_dtype, str):
         conv_dtype = getattr(torch, conv_dtype, torch.float32)
@@ -818,14 +774,15 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
     ids = probe_batch(config) if batch is None else batch
-    original = io.load_model(source, dtype=run_dtype)
+    original = loading.load_model(source, dtype=run_dtype)
     ref = _logits(original, ids)
     del original
-    converted = io.load_model(io.resolve(converted_dir), dtype=run_dtype)
+    converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
     got = _logits(converted, ids)
     zero_mean = check_zero_mean(converted, manifest, ids, raise_on_failure=False,
                                 stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)
-    got_rms = _logits(patch_as_rms(converted, manifest), ids)
+    _run_as_rms(converted, manifest)
+    got_rms = _logits(converted, ids)
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max()) / scale
     err_rms = float((got_rms - ref).abs().max()) / scale

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from normswap import streaming as st
 from normswap.convert import convert_directory, convert_model, verify_conversion
-from normswap.io import resolve
+from normswap.loading import resolve
 from tests.tiny_models import save_tiny, tiny_model
 
 
