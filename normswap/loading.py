@@ -60,6 +60,26 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
         raise NormswapError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
 
 
+def parse_device(name: str) -> str | None:
+    """'auto' (CUDA when there is one: natively the Triton kernels only take CUDA tensors), 'cpu',
+    'cuda' or 'cuda:N'; None means the CPU, where from_pretrained puts weights by default."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise NormswapError(f"unknown device {name!r}; choose auto, cpu, cuda or cuda:N")
+    if device.type == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise NormswapError(f"device {name!r}: no CUDA device here")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise NormswapError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("NORMSWAP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"

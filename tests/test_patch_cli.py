@@ -69,6 +69,7 @@ def test_report_only_writes_nothing(src):
     assert {"path", "class", "check"} <= set(m) and m["check"]["passed"]
     assert {"max_err_original", "max_err_replacement", "eps", "dtype", "impl"} <= set(m["check"])
     assert data["model_check"]["passed"]
+    assert data["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert _listing(src) == before
 
 
@@ -185,6 +186,20 @@ def test_bad_inputs(src, tmp_path, monkeypatch):
 
     (tmp_path / "empty").mkdir()
     assert_one_line_error(run(tmp_path / "empty"), "not a model directory")
+
+
+def test_device_option(src):
+    """--device: cpu runs (and is reported); a device this machine lacks or a non-device is one line."""
+    r = run(src, "--impl", "torch", "--device", "cpu", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["device"] == "cpu"
+    assert_one_line_error(run(src, "--device", "tpu"), "unknown device 'tpu'")
+    assert_one_line_error(run(src, "--device", "cuda:x"), "unknown device 'cuda:x'")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run(src, "--device", "cuda"), "no CUDA device here")
+    else:
+        n = torch.cuda.device_count()
+        assert_one_line_error(run(src, "--device", f"cuda:{n}"), f"has {n} CUDA device(s)")
 
 
 def test_unavailable_impl_lists_available(src, monkeypatch):
