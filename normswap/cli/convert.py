@@ -67,14 +67,9 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
 
     from normswap import loading
     from normswap.checkpoint import check_out_target, staged_dir
-    from normswap.convert import (
-        build_manifest,
-        check_refusals,
-        convert_directory,
-        plan_conversion,
-        verify_conversion,
-    )
+    from normswap.convert_checkpoint import convert_directory, verify_conversion
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
+    from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     source = loading.resolve(model)
     config = loading.load_config(source)
