@@ -221,7 +221,7 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
     (tmp_path / "t.txt").write_text("some text to score " * 20)
     assert_one_line_error(run("ppl", more, "--data", tmp_path / "t.txt", "--max-length", "16"),
                           "missing from the checkpoint")
-    from normswap.io import load_model, resolve
+    from normswap.loading import load_model, resolve
 
     with pytest.raises(NormswapError, match="missing from the checkpoint"):
         load_model(resolve(more))
@@ -233,7 +233,7 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
 
 
 def test_case2_tied_and_ignorable_keys_still_load(tmp_path):
-    from normswap.io import load_model, resolve
+    from normswap.loading import load_model, resolve
 
     save_tiny("gpt2", tmp_path / "g")  # lm_head tied to wte: not in the file, not "missing"
     from safetensors.torch import load_file, save_file
