@@ -20,6 +20,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
+from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
@@ -54,14 +55,10 @@ class ModuleEntry:
     reason: str | None = None
     check: ModuleCheck | None = None
 
-    @property
-    def as_rms(self) -> bool:
-        return self.rms_form is not None
-
     def to_dict(self) -> dict:
         return {
             "path": self.path, "class": self.module_class, "status": self.status,
-            "spec": self.spec.to_dict() if self.spec else None, "as_rms": self.as_rms,
+            "spec": self.spec.to_dict() if self.spec else None,
             "rms_form": self.rms_form.to_dict() if self.rms_form else None,
             "runs_as": self.rms_form.describe() if self.rms_form else None,
             "reason": self.reason, "check": self.check.to_dict() if self.check else None,
@@ -75,6 +72,7 @@ class PatchReport:
     modules: list[ModuleEntry] = field(default_factory=list)
     model_check: ModelCheck | None = None
     verified: bool = True
+    fusion: FusionReport | None = None  # patch(fuse_residual=True): the fused residual adds
 
     def by_status(self, status: str) -> list[ModuleEntry]:
         return [m for m in self.modules if m.status == status]
@@ -89,7 +87,8 @@ class PatchReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and (self.model_check is None or self.model_check.passed)
+        return (not self.failed and (self.model_check is None or self.model_check.passed)
+                and (self.fusion is None or self.fusion.ok))
 
     def max_errors(self) -> tuple[float, float]:
         """Largest per-module error vs float64 over the patched modules: (original, replacement)."""
@@ -106,6 +105,7 @@ class PatchReport:
             "max_err_original": e_orig, "max_err_replacement": e_new,
             "modules": [m.to_dict() for m in self.modules],
             "model_check": self.model_check.to_dict() if self.model_check else None,
+            "fuse_residual": self.fusion.to_dict() if self.fusion else None,
         }
 
 
@@ -134,22 +134,28 @@ def patch(
     strict: bool = False,
     verify: bool = True,
     *,
-    rms_for: Collection[str] | Mapping[str, RmsForm | dict] = (),
+    rms_forms: Collection[str] | Mapping[str, RmsForm | dict] = (),
     dtype: torch.dtype | None = None,
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
     progress: Callable[[str], None] | None = None,
+    fuse_residual: bool | Mapping[str, str] = False,
 ) -> PatchReport:
     """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
 
     filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
     raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
-    is left alone and reported as unknown). rms_for names LayerNorm paths whose input is known to
-    be zero-mean (a `normswap convert` manifest: normswap.manifest.zero_mean_layernorms), run as
-    RMS norms; a mapping path -> RmsForm also says which of γ/β were folded (their multiply/add
-    is skipped; a bare path applies both). verify=False skips
+    is left alone and reported as unknown). rms_forms names LayerNorm paths whose input is known to
+    be zero-mean (a `normswap convert` manifest: normswap.manifest.rms_forms), run as RMS norms; a
+    mapping path -> RmsForm also says which of γ/β were folded (their multiply/add is skipped; a
+    bare path applies both). verify=False skips
     the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
     is undone and VerificationError (a NormswapError, carrying the report) is raised.
+
+    fuse_residual=True then fuses each residual add into the patched norm that reads the sum
+    (normswap.fuse: one kernel call computes the add and the norm), found by one forward pass; a
+    mapping writer path -> norm path (a manifest's record) applies those pairs without the search.
+    The fused model's output is checked against the unfused patched model (when check_model).
     """
     from normswap import walk
 
@@ -157,7 +163,7 @@ def patch(
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
     dtype = dtype or model_dtype(model)
-    rms_forms = _rms_forms(rms_for)
+    rms_forms = _coerce_rms_forms(rms_forms)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
 
     already = {p for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
@@ -174,7 +180,7 @@ def patch(
         raise UnknownNormError(f"unknown norm class at {f.path} ({f.module_class}): {f.unknown_reason}{more}")
     missing = set(rms_forms) - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
     if missing:
-        raise NormswapError(f"rms_for names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
+        raise NormswapError(f"rms_forms names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
 
     todo: list[tuple[ModuleEntry, nn.Module]] = []
     for f in found:
@@ -203,7 +209,7 @@ def patch(
     swapped: list[tuple[str, nn.Module]] = []
     try:
         for entry, original in todo:
-            replacement = build_replacement(original, entry.spec, impl, backend, as_rms=entry.rms_form or False)
+            replacement = build_replacement(original, entry.spec, impl, backend, rms_form=entry.rms_form)
             _move_accelerate_hook(original, replacement)
             walk.set_submodule(model, entry.path, replacement)
             swapped.append((entry.path, original))
@@ -217,6 +223,8 @@ def patch(
         if before is not None:
             kind, after = model_output(model, batch)
             report.model_check = compare_outputs(kind, dtype, before, after)
+        if fuse_residual is not False and report.ok:
+            report.fusion = _fuse(model, fuse_residual, batch, check_model, dtype)
     except BaseException:
         _undo(model, swapped)
         raise
@@ -226,10 +234,23 @@ def patch(
     return report
 
 
-def _rms_forms(rms_for) -> dict[str, RmsForm]:
-    if isinstance(rms_for, Mapping):
-        return {p: RmsForm.coerce(f) for p, f in rms_for.items()}
-    return {p: RmsForm() for p in rms_for}
+def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
+    from normswap import fuse
+
+    pairs = None if fuse_residual is True else dict(fuse_residual)
+    if batch is None and (check or pairs is None):
+        try:
+            batch = probe_batch(model)
+        except ValueError:
+            raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
+                                "residual adds go") from None
+    return fuse.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
+
+
+def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
+    if isinstance(forms, Mapping):
+        return {p: RmsForm.coerce(f) for p, f in forms.items()}
+    return {p: RmsForm() for p in forms}
 
 
 def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None:
@@ -256,13 +277,19 @@ def _failure_message(report: PatchReport) -> str:
         return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
                 f"{first.reason}{more}; nothing was changed (exclude it with --exclude REGEX)")
     mc = report.model_check
+    if report.fusion is not None and not report.fusion.ok:
+        fc = report.fusion.model_check
+        return (f"the fused residual adds change the output beyond the dtype's rounding: max |Δ{fc.kind}| "
+                f"{fc.max_abs_diff:.3g} > {fc.rtol:g} x {fc.max_abs_value:.3g} against the unfused patch; "
+                "nothing was changed")
     return (f"whole-model check failed with impl {report.impl}: max |Δ{mc.kind}| {mc.max_abs_diff:.3g} > "
             f"{mc.rtol:g} x {mc.max_abs_value:.3g}; nothing was changed")
 
 
 def _undo(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
-    from normswap import walk
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     for path, original in reversed(swapped):
         current = walk.get_submodule(model, path)
         if isinstance(current, NormswapNorm):
@@ -276,9 +303,11 @@ def patched_modules(model: nn.Module) -> list[tuple[str, NormswapNorm]]:
 
 
 def revert(model: nn.Module) -> list[str]:
-    """Put every original norm back (holding the current Parameters); return the paths."""
-    from normswap import walk
+    """Put every original norm back (holding the current Parameters) and remove a residual
+    fusion; return the paths."""
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     paths = []
     for path, rep in patched_modules(model):
         original = restore_original(rep)
@@ -292,9 +321,10 @@ def revert(model: nn.Module) -> list[str]:
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import walk
+    from normswap import fuse, walk
 
     reps = patched_modules(model)
+    pairs = fuse.disable(model)
     for path, rep in reps:
         walk.set_submodule(model, path, restore_original(rep))
     try:
@@ -302,6 +332,8 @@ def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for path, rep in reps:
             walk.set_submodule(model, path, rep)
+        if pairs:
+            fuse.enable(model, pairs)
 
 
 def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:
