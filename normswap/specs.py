@@ -31,7 +31,9 @@ class NormSpec:
     casting: Casting = "none"
     has_weight: bool = True
     has_bias: bool = False
-    shape: tuple[int, ...] = ()  # normalized shape (the trailing dimensions reduced over)
+    # Parameter shape (..., N): the last dimension is reduced over; leading ones (per-head q/k norms,
+    # (heads, head_dim)) broadcast over the input's matching dimensions.
+    shape: tuple[int, ...] = ()
     dtype: str | None = None  # parameter dtype, e.g. "float32"; None when there are no parameters
     weight_attr: str = "weight"
     bias_attr: str = "bias"

@@ -138,16 +138,15 @@ def _other_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference64(spec: NormSpec, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
-    """The original family's formula evaluated in float64 (roundings vanish; only math is left)."""
-    k = max(len(spec.shape), 1)
-    x64 = x.to(torch.float64).reshape(*x.shape[:-k], -1)
-    w64 = weight.detach().to(torch.float64).reshape(-1) if weight is not None else None
-    b64 = bias.detach().to(torch.float64).reshape(-1) if bias is not None else None
+    """The original family's formula evaluated in float64 (roundings vanish; only math is left).
+    The reduction is over the last dimension; parameters of shape (..., N) (per-head norms)
+    broadcast over x's matching leading dimensions, as the original's do."""
+    x64 = x.to(torch.float64)
+    w64 = weight.detach().to(torch.float64) if weight is not None else None
+    b64 = bias.detach().to(torch.float64) if bias is not None else None
     if spec.kind == "rms":
-        y = rms_norm_ref(x64, w64, eps, spec.offset, spec.casting)
-    else:
-        y = layer_norm_ref(x64, w64, b64, eps, spec.offset)
-    return y.reshape(x.shape)
+        return rms_norm_ref(x64, w64, eps, spec.offset, spec.casting)
+    return layer_norm_ref(x64, w64, b64, eps, spec.offset)
 
 
 def eps_scale(eps: float, dtype: torch.dtype) -> float | None:

@@ -172,10 +172,10 @@ def test_per_head_weights(monkeypatch, split):
         dy = _rand(x.shape, dtype, gen)
         fwd_tol, bwd_tol = TOL[dtype]
         for name, ours, ref, params in (
-            ("rms", lambda x, w, b: rms_norm(x, w, 1e-6, offset, casting),
-             lambda x, w, b: rms_norm_ref(x, w, 1e-6, offset, casting), (w,)),
-            ("ln", lambda x, w, b: layer_norm(x, w, b, 1e-5, offset),
-             lambda x, w, b: layer_norm_ref(x, w, b, 1e-5, offset), (w, b)),
+            ("rms", lambda x, w, b, o=offset, c=casting: rms_norm(x, w, 1e-6, o, c),
+             lambda x, w, b, o=offset, c=casting: rms_norm_ref(x, w, 1e-6, o, c), (w,)),
+            ("ln", lambda x, w, b, o=offset: layer_norm(x, w, b, 1e-5, o),
+             lambda x, w, b, o=offset: layer_norm_ref(x, w, b, 1e-5, o), (w, b)),
         ):
             y = ours(x, w, b)
             x64, w64, b64 = leaf64(x), leaf64(w), leaf64(b)
