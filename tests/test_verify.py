@@ -237,7 +237,7 @@ def test_per_head_norm_is_recognised_run_and_verified(impl, dtype):
     rec = registry.recognise(m)
     assert rec.spec is not None, rec.reason
     spec = rec.spec
-    assert spec.kind == "layer" and spec.shape == (4, 8) and spec.has_weight
+    assert spec.kind == "layer" and spec.shape == (4, 8) and spec.has_weight and spec.per_head
     rep = build_replacement(m, spec, impl)
     c = verify_module("q_norm", m, rep, spec, dtype, CFG)
     assert c.passed, c.failures
