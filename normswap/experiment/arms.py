@@ -1,0 +1,61 @@
+"""The arms of a LayerNorm -> RMSNorm experiment: how each one's starting model is made.
+
+An arm is `<transform>[+<training>]`:
+- original: the model as it is (its norms running on the recipe's backend);
+- exact: normswap's exact conversion (centre the residual-stream writers, fold γ/β into the
+  readers), then every converted LayerNorm runs as an RMSNorm (normswap.convert.patch_as_rms);
+- approx: every LayerNorm becomes an RMSNorm that keeps γ and drops the centering and β
+  (the β tensor is zeroed and frozen: the arm has no β);
+- approx-bias: the same, keeping β;
+and the training: none (evaluated at step 0 only), `ft` (the language-modelling loss on the
+recipe's text), or `distill` (KL(original ‖ arm) over the logits, the original as teacher).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.experiment.recipe import parse_arm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _layer_norm_paths(model) -> list[str]:
+    from normswap import walk
+
+    return [f.path for f in walk.find_norms(model, strict=False, warn=False)
+            if f.spec is not None and f.spec.kind == "layer"]
+
+
+def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32") -> torch.nn.Module:
+    """A new model for `arm`, made from a copy of `original` (which is left untouched)."""
+    from normswap.modules import RmsForm
+    from normswap.swap import patch
+
+    transform, _training = parse_arm(arm)
+    model = copy.deepcopy(original)
+    if transform == "exact":
+        from normswap.convert import convert_model, patch_as_rms
+
+        manifest = convert_model(model)
+        patch_as_rms(model, manifest, impl)
+    elif transform in ("approx", "approx-bias"):
+        keep_bias = transform == "approx-bias"
+        paths = _layer_norm_paths(model)
+        if not paths:
+            raise NormswapError(f"{arm}: the model has no LayerNorm to replace")
+        if not keep_bias:
+            with torch.no_grad():
+                for path in paths:
+                    bias = getattr(model.get_submodule(path), "bias", None)
+                    if bias is not None:
+                        bias.zero_()
+                        bias.requires_grad_(False)
+        # No numeric proof: these modules are meant to compute something else than the LayerNorm.
+        patch(model, impl, rms_for={p: RmsForm(weight=True, bias=keep_bias) for p in paths}, verify=False)
+    # Every norm not swapped above runs on the recipe's backend too (already-patched ones are skipped).
+    patch(model, impl)
+    return model.to(DTYPES[dtype])
