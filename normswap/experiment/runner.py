@@ -15,6 +15,7 @@ import json
 import platform
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,8 +84,12 @@ def _load_model(path: str):
 
 
 def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = None, *, progress: bool = True,
-                   stop: StopFlag | None = None, accelerator=None, plot: bool = True) -> ExperimentResult:
-    """Run (or resume) every arm of `recipe` (or the `arms` subset), write the reports into `out`."""
+                   stop: StopFlag | None = None, accelerator=None, plot: bool = True,
+                   on_step: Callable[[str, int, float], None] | None = None) -> ExperimentResult:
+    """Run (or resume) every arm of `recipe` (or the `arms` subset), write the reports into `out`.
+
+    stop: a StopFlag; once set (Ctrl-C, or a caller) the running arm checkpoints and Interrupted is
+    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import diff_models
@@ -150,7 +155,8 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
             teacher = original if training == "distill" else None
             h = train(accelerator, model, ft, batches, arm_dir / "state",
                       loss="distill" if training == "distill" else "lm", teacher=teacher, evaluate=evaluate,
-                      eval_every=ft.eval_every, stop=stop, progress=progress, desc=desc, log_prefix=f"{arm}/")
+                      eval_every=ft.eval_every, stop=stop, progress=progress, desc=desc, log_prefix=f"{arm}/",
+                      on_step=(lambda s, loss, arm=arm: on_step(arm, s, loss)) if on_step else None)
             history = {"steps": h.step, "losses": h.losses, "evals": h.evals, "train_seconds": h.train_seconds}
         if accelerator.is_main_process:
             result = {"transform": transform, "training": training, **history,

@@ -193,10 +193,12 @@ def train(
     progress: bool = True,
     desc: str = "train",
     log_prefix: str = "",
+    on_step: Callable[[int, float], None] | None = None,
 ) -> History:
     """Train `model` for settings.steps optimizer steps, resuming from state_dir when it holds a
     checkpoint. `evaluate(model, step)` (main process) runs at step 0 and every eval_every steps
-    and at the end; its dict lands in history.evals. Returns the history (complete on every
+    and at the end; its dict lands in history.evals. on_step(step, loss) runs after every
+    optimizer step (before the checkpoint decision: it may set `stop`). Returns the history (complete on every
     process for losses; evals on the main process)."""
     from tqdm.auto import tqdm
 
@@ -263,6 +265,8 @@ def train(
             accelerator.log({f"{log_prefix}train/loss": step_loss, f"{log_prefix}train/lr": lr}, step=history.step)
             bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
             bar.update(1)
+            if on_step is not None:
+                on_step(history.step, step_loss)
             if eval_every and (history.step % eval_every == 0 or history.step == settings.steps):
                 run_eval(history.step)
             if history.step % settings.checkpoint_every == 0 or history.step == settings.steps:
