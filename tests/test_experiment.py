@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -216,6 +217,8 @@ def test_every_arm_runs_and_reports(every_arm):
     assert all(f"| {a} |" in summary for a in ALL_ARMS)
     csv_lines = (out / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("arm,step,ppl") and len(csv_lines) == 1 + 4 * 1 + 5 * 3
+    if importlib.util.find_spec("tensorboard"):  # accelerate's tracker, when installed
+        assert any((out / "logs").rglob("events.out.tfevents*"))
     # The arms' resumable state is gone once they are done; their results stay.
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
 

@@ -188,5 +188,5 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
             "seconds_this_invocation": round(time.perf_counter() - started, 1),
         }
         files = report.write_reports(data, out, plot=plot)
-    accelerator.wait_for_everyone()
+    accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
     return ExperimentResult(out=out, data=data, files=files)
