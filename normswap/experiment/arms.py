@@ -53,9 +53,24 @@ def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32
                     bias = getattr(model.get_submodule(path), "bias", None)
                     if bias is not None:
                         bias.zero_()
-                        bias.requires_grad_(False)
         # No numeric proof: these modules are meant to compute something else than the LayerNorm.
         patch(model, impl, rms_for={p: RmsForm(weight=True, bias=keep_bias) for p in paths}, verify=False)
     # Every norm not swapped above runs on the recipe's backend too (already-patched ones are skipped).
     patch(model, impl)
+    _freeze_unused(model)
     return model.to(DTYPES[dtype])
+
+
+def _freeze_unused(model) -> None:
+    """γ/β tensors an RMS form skips (folded by the exact conversion, dropped by approx) are not
+    part of the arm's model: frozen, so no optimizer touches them and DDP does not wait for
+    gradients that never come."""
+    from normswap.modules import NormswapLayerNorm
+
+    for mod in model.modules():
+        form = getattr(mod, "rms_form", None) if isinstance(mod, NormswapLayerNorm) else None
+        if form is None:
+            continue
+        for used, tensor in ((form.weight, mod.norm_weight), (form.bias, mod.norm_bias)):
+            if not used and tensor is not None:
+                tensor.requires_grad_(False)
