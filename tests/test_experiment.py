@@ -308,7 +308,7 @@ def test_triton_arm_is_built_on_normswap_modules(pretrained_dir):
     original = AutoModelForCausalLM.from_pretrained(pretrained_dir)
     model = build_arm(original, "approx+ft", "triton")
     norms = [m for m in model.modules() if isinstance(m, NormswapNorm)]
-    assert len(norms) == 5 and all(m.impl == "triton" and m.as_rms for m in norms)
+    assert len(norms) == 5 and all(m.impl == "triton" and m.rms_form is not None for m in norms)
     ids = torch.randint(0, 300, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in norms)

@@ -69,6 +69,7 @@ def test_report_only_writes_nothing(src):
     assert {"path", "class", "check"} <= set(m) and m["check"]["passed"]
     assert {"max_err_original", "max_err_replacement", "eps", "dtype", "impl"} <= set(m["check"])
     assert data["model_check"]["passed"]
+    assert data["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert _listing(src) == before
 
 
@@ -187,6 +188,20 @@ def test_bad_inputs(src, tmp_path, monkeypatch):
     assert_one_line_error(run(tmp_path / "empty"), "not a model directory")
 
 
+def test_device_option(src):
+    """--device: cpu runs (and is reported); a device this machine lacks or a non-device is one line."""
+    r = run(src, "--impl", "torch", "--device", "cpu", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["device"] == "cpu"
+    assert_one_line_error(run(src, "--device", "tpu"), "unknown device 'tpu'")
+    assert_one_line_error(run(src, "--device", "cuda:x"), "unknown device 'cuda:x'")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run(src, "--device", "cuda"), "no CUDA device here")
+    else:
+        n = torch.cuda.device_count()
+        assert_one_line_error(run(src, "--device", f"cuda:{n}"), f"has {n} CUDA device(s)")
+
+
 def test_unavailable_impl_lists_available(src, monkeypatch):
     from normswap import backends
 
@@ -259,7 +274,7 @@ def test_triton_without_gpu_or_interpreter(src):
 def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
     """The hook for `normswap convert`: its zero-mean LayerNorms run as RMS norms (verified on
     zero-mean probes and by the whole-model check), and the choice survives save -> load."""
-    from normswap.manifest import load
+    from normswap.loading import load
     from normswap.modules import NormswapLayerNorm
 
     src, conv, out = tmp_path / "gpt2", tmp_path / "conv", tmp_path / "out"
@@ -269,9 +284,9 @@ def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
     r = run(conv, "--impl", "torch", "--out", out, "--json")
     assert r.exit_code == 0, r.stderr
     data = json.loads(r.stdout)
-    assert [m["as_rms"] for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
+    assert [m["rms_form"] is not None for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
     assert read_manifest(out)["convert"] == read_manifest(conv)["convert"]
     again = load(out)
-    assert [m.as_rms for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
+    assert [m.rms_form is not None for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
     r = run(conv, "--impl", "torch", "--no-rms", "--json")
-    assert [m["as_rms"] for m in json.loads(r.stdout)["modules"]] == [False] * 5
+    assert [m["rms_form"] is not None for m in json.loads(r.stdout)["modules"]] == [False] * 5

@@ -45,6 +45,8 @@ def _check_writable(target: Path) -> None:
 @click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Load the weights in this dtype (default: the checkpoint's).")
+@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
+              help="Where the model runs; auto: the CUDA device when there is one.")
 @click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
@@ -55,7 +57,7 @@ def _check_writable(target: Path) -> None:
 @click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context).")
 @click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text.")
 @json_option
-def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, max_shard_size, use_rms,
+def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, force, max_shard_size, use_rms,
               eval_path, eval_max_length, eval_max_tokens, as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
@@ -71,13 +73,14 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     """
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, save_patched
-    from normswap.io import load_config, load_model, parse_dtype, resolve
-    from normswap.manifest import zero_mean_layernorms
+    from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
+    from normswap.manifest import rms_forms
     from normswap.swap import VerificationError, patch, regex_filter
 
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
+    device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     source = resolve(model)
     config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
@@ -99,7 +102,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     transformers.utils.logging.disable_progress_bar()  # ours are on stderr; one bar per stage
     transformers.utils.logging.set_verbosity_error()
     with _bar(f"load {model}", 1) as bar:
-        m = load_model(source, dtype=parse_dtype(dtype), config=config)
+        m = load_model(source, dtype=parse_dtype(dtype), device=device, config=config)
         bar.update(1)
 
     from normswap import walk
@@ -109,13 +112,13 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
     if n == 0 and filter_fn is not None:
         raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if evaluation else None
-    rms_for = zero_mean_layernorms(source.path) if use_rms and not source.gguf_file else set()
+    forms = rms_forms(source.path) if use_rms and not source.gguf_file else {}
     try:
         with _bar(f"patch+verify ({impl})", n, "module") as bar:
-            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_for=rms_for,
+            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms,
                            progress=lambda _p: bar.update(1))
     except VerificationError as e:
-        emit(_payload(e.report, model, None), as_json, _render)
+        emit(_payload(e.report, model, None, device=device), as_json, _render)
         raise
     eval_result = None
     if evaluation:
@@ -131,7 +134,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, strict, force, m
         with _bar("save", 4) as bar:
             saved = save_patched(m, report, target, source=source, replace=in_place or force,
                                  max_shard_size=max_shard_size, progress=lambda _s: bar.update(1))
-    emit(_payload(report, model, saved, eval_result), as_json, _render)
+    emit(_payload(report, model, saved, eval_result, device), as_json, _render)
 
 
 def _refuse_lossy_in_place(source, config, dtype) -> None:
@@ -157,7 +160,7 @@ def _prepare_eval(path, max_length, max_tokens, source, config):
     from normswap.cli.ppl import window_settings
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
-    from normswap.io import load_tokenizer
+    from normswap.loading import load_tokenizer
 
     settings = window_settings(max_length, None, max_tokens, 1)
     corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
@@ -165,8 +168,9 @@ def _prepare_eval(path, max_length, max_tokens, source, config):
     return corpus, tokenizer, settings
 
 
-def _payload(report, model: str, saved: Path | None, eval_result: dict | None = None) -> dict:
-    data = {"model": model, **report.to_dict()}
+def _payload(report, model: str, saved: Path | None, eval_result: dict | None = None,
+             device: str | None = None) -> dict:
+    data = {"model": model, **report.to_dict(), "device": device or "cpu"}
     data["saved_to"] = str(saved) if saved else None
     data["eval"] = eval_result
     return data
@@ -194,7 +198,7 @@ def _render(data: dict) -> None:
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
         margin = c["worst_margin_ulps"]
-        cls = m["class"] + (f" as {m['runs_as']}" if m["as_rms"] else "")
+        cls = m["class"] + (f" as {m['runs_as']}" if m["rms_form"] else "")
         table.add_row(m["path"], cls, c["impl"], repr(c["eps"]), c["dtype"],
                       _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
                       "-" if margin is None else f"{margin:+.2f}", result)

@@ -38,10 +38,13 @@ def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32
     transform, _training = parse_arm(arm)
     model = copy.deepcopy(original)
     if transform == "exact":
-        from normswap.convert import convert_model, patch_as_rms
+        from normswap.convert import convert_model
+        from normswap.manifest import rms_forms
 
-        manifest = convert_model(model)
-        patch_as_rms(model, manifest, impl)
+        forms = rms_forms(convert_model(model))
+        # The speedup path, as `normswap patch` takes it on a converted checkpoint (and verified
+        # as there): the zero-mean LayerNorms run as RMS norms.
+        patch(model, impl, filter_fn=lambda _m, path: path in forms, rms_forms=forms)
     elif transform in ("approx", "approx-bias"):
         keep_bias = transform == "approx-bias"
         paths = _layer_norm_paths(model)
@@ -54,7 +57,7 @@ def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32
                     if bias is not None:
                         bias.zero_()
         # No numeric proof: these modules are meant to compute something else than the LayerNorm.
-        patch(model, impl, rms_for={p: RmsForm(weight=True, bias=keep_bias) for p in paths}, verify=False)
+        patch(model, impl, rms_forms={p: RmsForm(weight=True, bias=keep_bias) for p in paths}, verify=False)
     # Every norm not swapped above runs on the recipe's backend too (already-patched ones are skipped).
     patch(model, impl)
     _freeze_unused(model)

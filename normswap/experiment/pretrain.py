@@ -53,7 +53,7 @@ def cache_key(section: PretrainSection, seed: int) -> str:
 
 
 def pretrain_dir(section: PretrainSection, seed: int, name: str) -> Path:
-    from normswap.io import cache_dir
+    from normswap.loading import cache_dir
 
     return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed)}"
 

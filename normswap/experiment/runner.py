@@ -77,7 +77,7 @@ def _check_out(out: Path, recipe: Recipe) -> None:
 
 
 def _load_model(path: str):
-    from normswap.io import load_model, load_tokenizer, resolve
+    from normswap.loading import load_model, load_tokenizer, resolve
 
     source = resolve(path)
     return load_model(source, dtype=torch.float32), load_tokenizer(source)
