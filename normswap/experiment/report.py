@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from normswap.experiment.recipe import parse_arm
+from normswap.jsonsafe import finite_or_null
 
 METRICS = ("ppl", "nll", "kl_mean", "kl_max", "top1_agreement")
 
@@ -119,20 +120,9 @@ def plot_curves(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _strict(obj):
-    """JSON without NaN/Infinity (an overflowed perplexity becomes null), like every --json."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _strict(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_strict(v) for v in obj]
-    return obj
-
-
 def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:
     """Write the four report files (each through a temporary name, renamed into place)."""
-    files = {"results.json": json.dumps(_strict(result), indent=1) + "\n", "results.csv": results_csv(result),
+    files = {"results.json": json.dumps(finite_or_null(result), indent=1) + "\n", "results.csv": results_csv(result),
              "summary.md": summary_markdown(result)}
     written = {}
     for name, text in files.items():

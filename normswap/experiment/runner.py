@@ -27,6 +27,7 @@ from normswap.experiment.arms import DTYPES, build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, parse_arm
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.jsonsafe import finite_or_null
 
 RESULT_FILE = "result.json"
 
@@ -165,7 +166,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
                 result["eval_window"] = evaluate.window
             tmp = arm_dir / (RESULT_FILE + ".tmp")
             arm_dir.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(report._strict(result)))
+            tmp.write_text(json.dumps(finite_or_null(result)))
             tmp.replace(done)
             shutil.rmtree(arm_dir / "state", ignore_errors=True)
             results[arm] = result
