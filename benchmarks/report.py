@@ -207,7 +207,7 @@ def run_section(run: dict) -> list[str]:
 
 def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> list[str]:
     lines = []
-    for path in sorted(results.rglob("*-tests.txt")):
+    for path in sorted(results.rglob("*-tests*.txt")):
         text = path.read_text()
         if "DRY RUN" in text:
             notes.append(f"`{path.name}`: a `gpu.py --dry-run` on CPU, not a GPU result")
@@ -222,6 +222,9 @@ def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> 
         except ValueError:
             continue
         if not isinstance(doc, dict):
+            continue
+        if str((doc.get("versions") or {}).get("device", "")).startswith("cpu-dry-run"):
+            notes.append(f"`{path.name}`: a `gpu.py --dry-run` on CPU, not a GPU result")
             continue
         rep = doc.get("report") if isinstance(doc.get("report"), dict) else {}
         counts = rep.get("counts") or {}

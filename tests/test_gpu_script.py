@@ -51,14 +51,16 @@ def test_stash_parts_reassemble_across_calls(gpu, isolated):
         held = gpu.ingest_parts(src, machine)
         return held, gpu.assemble(manifest, machine)
 
+    assert gpu.next_part(manifest, []) == 1
     held, (ready, missing) = call(1)
-    assert held == [1] and ready == []
+    assert held == [1] and ready == [] and gpu.next_part(manifest, held) == 2
     assert "part(s) 2 not carried" in missing["a.whl"] and "2, 3, 4" in missing["c.whl"]
     held, (ready, missing) = call(2)
     assert held == [1, 2] and [p.name for p in ready] == ["a.whl", "b.whl"] and list(missing) == ["c.whl"]
     call(3)
     held, (ready, missing) = call(4)
-    assert held == [1, 2, 3, 4] and not missing
+    assert held == [1, 2, 3, 4] and not missing and gpu.next_part(manifest, held) is None
+    assert gpu.next_part(manifest, [1, 2, 4]) == 3
     for got, want in zip(ready, files, strict=True):
         assert got.read_bytes() == want.read_bytes()
 
@@ -83,6 +85,12 @@ def test_pytest_outcome_lines(gpu):
     assert gpu._FINAL.match("==== 3 passed, 1 failed in 12.50s ====").group(1) == "3 passed, 1 failed in 12.50s"
 
 
+def test_json_report_found_among_progress_lines(gpu):
+    lines = ["load smollm2-135m:   0%|          | 0/1\r\n", "{not json\n", '{"ok": true,\n', ' "n": 61}\n', "tail\n"]
+    assert gpu._last_json(lines) == {"ok": True, "n": 61}
+    assert gpu._last_json(["normswap: error: bad input\n"]) is None
+
+
 def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     assert gpu.main(["run", str(tmp_path), "tests", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -104,9 +112,10 @@ def test_dry_run_writes_outcomes_as_they_happen(gpu, isolated, monkeypatch):
     text = run.tests_path.read_text()
     assert "DRY RUN" in text and "commit abc123" in text
     assert "## stuck: stopped at its time cap" in text and "outcomes so far: 1 passed" in text
-    assert "test_quick PASSED" in run.log_path.read_text()
+    assert "test_quick PASSED" in run.log_path.read_text() and run.log_path.name.endswith("-log-run.txt")
 
     assert gpu.main(["run", str(out), "tests-kernels", "--dry-run", "--budget", "200", "--commit", "abc123"]) == 0
     text = run.tests_path.read_text()  # same device and date: the same file, rewritten by the new run
     assert "## tests-kernels: pytest exit 0" in text and "outcomes so far: 1 passed" in text
     assert os.path.basename(run.tests_path).startswith("cpu-dry-run-")
+    assert "stash: the next call" not in (out / run.log_path.name.replace("-log-run", "-log-tests-kernels")).read_text()

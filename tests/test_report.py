@@ -33,6 +33,11 @@ def test_fixture_report_and_plot(report, tmp_path):
     dry["device"] = "cpu-dry-run"
     (results / "cpu-dry-run-2000-01-01.json").write_text(json.dumps(dry))
     (results / "patch.json").write_text("{broken")
+    patch = {"command": "normswap patch smollm2-135m --impl triton", "exit": 0, "versions": {"device": "FIXTURE-GPU"},
+             "report": {"ok": True, "device": "cuda", "counts": {"patched": 61},
+                        "eval": {"ppl_a": 3.5, "ppl_b": 3.5, "top1_agreement": 1.0}}}
+    (results / "x-patch-smollm2-bf16.json").write_text(json.dumps(patch))
+    (results / "y-patch-smollm2-bf16.json").write_text(json.dumps(dict(patch, versions={"device": "cpu-dry-run"})))
 
     assert report.main(["--results", str(results)]) == 0
     text = (results / "REPORT.md").read_text()
@@ -49,6 +54,9 @@ def test_fixture_report_and_plot(report, tmp_path):
     assert "Commit `0000000`" in text and "liger-kernel 0.0-fixture" in text
     assert "`cpu-dry-run-2000-01-01.json`: a `--dry-run` on CPU, not a measurement" in text
     assert "`patch.json`: not readable JSON" in text
+    assert ("`x-patch-smollm2-bf16.json`: `normswap patch smollm2-135m --impl triton`, exit 0, device cuda, ok True, "
+            "patched 61, ppl_a 3.5, ppl_b 3.5, top1_agreement 1") in text
+    assert "`y-patch-smollm2-bf16.json`: a `gpu.py --dry-run` on CPU, not a GPU result" in text
     assert "convert-vm" not in text.split("## Runs")[1].split("## Files left out")[0]
     png = results / "rms_norm_bf16.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
