@@ -101,11 +101,11 @@ def _rss_kib() -> int:
 def child(src: str, out: str, streaming: bool) -> None:
     """Run in a fresh process: convert and print one JSON line of measurements."""
     import normswap  # noqa: F401  (sets the environment before transformers)
-    from normswap import io
-    from normswap.convert import convert_directory
+    from normswap import loading
+    from normswap.convert_checkpoint import convert_directory
 
-    source = io.resolve(src)
-    io.build_meta_model(source)  # warm the import of the model class
+    source = loading.resolve(src)
+    loading.build_meta_model(source)  # warm the import of the model class
     base = _rss_kib()
     peak = [base]
     stop = threading.Event()
@@ -131,9 +131,9 @@ def child(src: str, out: str, streaming: bool) -> None:
 
 def largest_group_bytes(layers: int, hidden: int, vocab: int) -> int:
     """Bytes a streaming job holds at once: its fp32 input (mapped), its fp32 output and one slice
-    of float64 work (normswap.convert.CHUNK_ELEMENTS elements, about three live copies). The
+    of float64 work (normswap.jobs.CHUNK_ELEMENTS elements, about three live copies). The
     biggest job here is centering wte (or copying it into the untied lm_head)."""
-    from normswap.convert import CHUNK_ELEMENTS
+    from normswap.jobs import CHUNK_ELEMENTS
 
     d = hidden
     biggest = max(vocab * d, d * 4 * d + 6 * d)
@@ -145,9 +145,9 @@ def logit_errors() -> list[dict]:
     original: float64 and float32, run as stock LayerNorms and as RMSNorms through normswap patch."""
     import torch
 
-    from normswap.convert import attach_rms, convert_model
-    from normswap.manifest import zero_mean_layernorms
-    from normswap.swap import patch
+    from normswap.convert import convert_model
+    from normswap.manifest import rms_forms
+    from normswap.swap import patch, revert
     from tests.tiny_models import VOCAB, tiny_model
 
     ids = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -160,12 +160,12 @@ def logit_errors() -> list[dict]:
                 ref = model(input_ids=ids).logits
                 manifest = convert_model(model)
                 got = model(input_ids=ids).logits
-                handles = attach_rms(model, manifest)  # float reference RMSNorm, in the model dtype
+                forms = rms_forms(manifest)  # weightless where γ was folded, β only where kept
+                patch(model, "reference", rms_forms=forms, filter_fn=lambda _m, p, f=forms: p in f, verify=False)
                 got_ref = model(input_ids=ids).logits
-                for h in handles:
-                    h.remove()
+                revert(model)
                 patch(model, "reference" if dtype == torch.float64 else "torch",
-                      rms_for=zero_mean_layernorms(manifest), verify=False)  # weightless where γ folded
+                      rms_forms=forms, verify=False)
                 got_rms = model(input_ids=ids).logits
             scale = float(ref.abs().max())
             row[f"{tag}_layernorm"] = float((got - ref).abs().max()) / scale
@@ -198,9 +198,9 @@ def main() -> None:
         print(f"{'arch':<11} " + " ".join(f"{c:>19}" for c in cols))
         for r in rows:
             print(f"{r['arch']:<11} " + " ".join(f"{r[c]:>19.2e}" for c in cols))
-        print("layernorm: stock classes; rms_reference: normswap.convert.attach_rms (float RMSNorm in the "
-              "model dtype); rms_patch: normswap patch rms_for=zero_mean_layernorms(...) (weightless where γ was "
-              "folded; reference impl for fp64, torch for fp32)")
+        print("layernorm: stock classes; rms_reference: the zero-mean LayerNorms as RMS norms with the reference "
+              "impl, the other norms stock; rms_patch: every norm patched, rms_forms=normswap.manifest.rms_forms(...) "
+              "(weightless where γ was folded; reference impl for fp64, torch for fp32)")
         results = ROOT / "benchmarks" / "results"
         results.mkdir(parents=True, exist_ok=True)
         path = results / f"convert-errors-{socket.gethostname()}-{dt.date.today().isoformat()}.json"

@@ -12,7 +12,7 @@ import torch
 
 import normswap  # before transformers: switches the Triton interpreter on when there is no GPU
 from normswap.checkpoint import save_patched
-from normswap.io import DEFAULT_MODEL, load_model, resolve
+from normswap.loading import DEFAULT_MODEL, load_model, resolve
 
 model_ref = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
 out_dir = sys.argv[2] if len(sys.argv) > 2 else "smollm2-patched"

@@ -12,7 +12,7 @@ import normswap  # noqa: F401  (switches on the Triton interpreter when there is
 from normswap.data import open_corpus
 from normswap.errors import NormswapError
 from normswap.evaluate import diff_models, patched_copy, perplexity
-from normswap.io import DEFAULT_MODEL, load_model, load_tokenizer, resolve
+from normswap.loading import DEFAULT_MODEL, load_model, load_tokenizer, resolve
 
 model_ref = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
 path = sys.argv[2] if len(sys.argv) > 2 else Path(normswap.__file__).parent / "data" / "genesis-kjv.txt"

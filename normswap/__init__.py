@@ -4,12 +4,11 @@ from normswap._env import prepare_triton_env
 
 prepare_triton_env()
 
+from normswap._version import __version__  # noqa: E402
 from normswap.errors import NormswapError  # noqa: E402
-from normswap.manifest import load  # noqa: E402
+from normswap.loading import load  # noqa: E402
 from normswap.specs import NormSpec  # noqa: E402
 from normswap.swap import patch, revert  # noqa: E402
-
-__version__ = "0.1.0"
 
 # The rest of the public API, imported on first use (each pulls in more of transformers).
 # (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)

@@ -243,7 +243,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
                  progress: Callable[[str], None] | None = None) -> Path:
     """Save a patched model as a stock checkpoint with its normswap.json, safely (module doc).
 
-    source: the io.ModelSource it was loaded from (its tokenizer and other files are carried
+    source: the loading.ModelSource it was loaded from (its tokenizer and other files are carried
     over). replace: allow replacing an existing target (--force / --in-place). Before the result
     is published it is reloaded with stock transformers and its outputs on a probe batch must
     equal, bit for bit, those of the in-memory model with its original norms.
@@ -298,7 +298,7 @@ def _conversion_of(source) -> dict | None:
 
 def _carry_from_source(source, out_dir: Path, in_place: bool = False) -> None:
     if source.gguf_file:  # the tokenizer lives inside the .gguf: write it out as files
-        from normswap.io import load_tokenizer
+        from normswap.loading import load_tokenizer
 
         try:
             load_tokenizer(source).save_pretrained(out_dir)
@@ -322,7 +322,7 @@ def check_saved(directory: Path, model_cls, report, kind: str, expected, batch, 
     """Reload `directory` with stock transformers and compare its outputs with `expected`."""
     import torch
 
-    from normswap.io import DTYPES
+    from normswap.loading import DTYPES
     from normswap.verify import model_output
 
     dtype = DTYPES.get(report.dtype, torch.float32)

@@ -20,7 +20,7 @@ Composition rules (the convert -> patch speedup path):
   section of its input is not carried: the patch was verified against the input's weights, not
   the converted ones (run `normswap patch` on the output). A "convert" section of its input is
   replaced by the new one (converting again folds ones and zeros: a no-op).
-- `normswap.load(DIR)` applies the "patch" section (impl, modules, RMS forms); a directory that
+- `normswap.load(DIR)` (normswap.loading) applies the "patch" section (impl, modules, RMS forms); a directory that
   is only converted gets its zero-mean LayerNorms run as RMS norms.
 """
 
@@ -29,10 +29,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from normswap._version import __version__
 from normswap.errors import NormswapError
 from normswap.modules import RmsForm
 from normswap.specs import NormSpec
@@ -49,11 +49,9 @@ SECTIONS = ("convert", "patch")
 
 def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict[str, Any]:
     """The whole file; a section that is None is left out."""
-    import normswap
-
     manifest: dict[str, Any] = {
         "format": FORMAT,
-        "normswap_version": normswap.__version__,
+        "normswap_version": __version__,
         "updated": _now(),
     }
     for name, section in (("convert", convert), ("patch", patch)):
@@ -71,7 +69,7 @@ def patch_section(report, source: str | None = None) -> dict[str, Any]:
         "dtype": report.dtype,
         "verified": report.verified,
         "modules": [
-            {"path": m.path, "class": m.module_class, "spec": m.spec.to_dict(), "as_rms": m.as_rms,
+            {"path": m.path, "class": m.module_class, "spec": m.spec.to_dict(),
              "rms_form": m.rms_form.to_dict() if m.rms_form else None,
              "verification": m.check.to_dict() if m.check else None}
             for m in report.patched
@@ -164,66 +162,14 @@ def conversion_section(where: str | os.PathLike | dict) -> dict[str, Any] | None
     return None if data is None else data.get("convert")
 
 
-def zero_mean_layernorms(where: str | os.PathLike | dict) -> dict[str, RmsForm]:
+def rms_forms(where: str | os.PathLike | dict) -> dict[str, RmsForm]:
     """path -> RmsForm of each LayerNorm that `normswap convert` made zero-mean (it may run as an
-    RMS norm; γ/β applied only where they were kept). Empty when the directory has no manifest or
-    only a patch section. What `normswap patch` and `normswap.load` pass as patch(rms_for=...)."""
+    RMS norm; γ/β applied only where they were kept). `where`: a directory, a whole manifest or its
+    convert section (what convert_model returns). Empty when there is no manifest or only a patch
+    section. The one reader of that part of the manifest: `normswap patch`, `normswap.load` and
+    the conversion's own checks pass it as patch(rms_forms=...)."""
     section = conversion_section(where)
     if section is None:
         return {}
     return {n["path"]: RmsForm(weight=n.get("rms_weight") == "weight", bias=bool(n.get("rms_bias")))
             for n in section["norms"] if n["rms"]}
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
-
-
-def _same_family(a: NormSpec, b: NormSpec) -> bool:
-    """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
-    da, db = a.to_dict(), b.to_dict()
-    da.pop("dtype")
-    db.pop("dtype")
-    return da == db
-
-
-def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, device: str | None = None,
-         verify: bool = False, progress: Callable[[str], None] | None = None):
-    """Load a checkpoint written by `normswap patch --out` or `normswap convert --out` and re-apply
-    what its manifest says: the patch section's modules with its impl (its converted LayerNorms as
-    RMS norms, γ/β skipped where folded); a converted-only checkpoint gets its zero-mean
-    LayerNorms run as RMS norms (impl default "torch").
-
-    impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
-    verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
-    """
-    from normswap.io import load_model, parse_dtype, resolve
-    from normswap.swap import patch
-
-    source = resolve(directory)
-    manifest = read_manifest(source.path)
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
-    model = load_model(source, dtype=dtype, device=device)
-    section = manifest.get("patch")
-    if section is None:  # converted only: the speedup path without a recorded patch
-        forms = zero_mean_layernorms(manifest)
-        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
-                       rms_for=forms, progress=progress)
-        model.normswap_report = report
-        return model
-    wanted = {m["path"]: m for m in section["modules"]}
-    forms = {p: RmsForm.coerce(m.get("rms_form") or True) for p, m in wanted.items() if m.get("as_rms")}
-    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_for=forms, progress=progress)
-    got = {m.path: m for m in report.patched}
-    for path, m in wanted.items():
-        if path not in got:
-            raise NormswapError(f"{directory}: {path} is in {MANIFEST_NAME} but is not a recognised norm "
-                                "in the loaded model")
-        if not _same_family(got[path].spec, m["spec"]):
-            raise NormswapError(f"{directory}: {path} no longer matches {MANIFEST_NAME} "
-                                f"(now {got[path].spec}, manifest {m['spec']})")
-    model.normswap_report = report
-    return model

@@ -113,7 +113,9 @@ class NormswapRMSNorm(NormswapNorm):
 
 @dataclass(frozen=True)
 class RmsForm:
-    """How a LayerNorm with a zero-mean input runs as an RMS norm (the speedup path).
+    """How a LayerNorm with a zero-mean input runs as an RMS norm (the speedup path). The one
+    name of that concept: patch(rms_forms=...), NormswapLayerNorm.rms_form, the manifest's
+    per-module "rms_form", and normswap.manifest.rms_forms (the reader of a convert section).
 
     LN(x) = RMS(x)·γ + β when mean(x) = 0. After `normswap convert` folded γ (β) into the layers
     that read the norm, the stored weight is ones (bias zeros): multiplying (adding) them changes
@@ -144,17 +146,16 @@ class RmsForm:
 class NormswapLayerNorm(NormswapNorm):
     """LayerNorm (with or without weight/bias) via backend.layer_norm.
 
-    as_rms is the hook for converted checkpoints: when the input stream is known to be zero-mean
+    rms_form is the hook for converted checkpoints: when the input stream is known to be zero-mean
     (normswap convert centred every writer), LN(x) = RMS(x)·γ + β, so the mean subtraction can be
     skipped, and with it the multiply/add of a folded γ/β (see RmsForm). It is only valid on such
     models; verification probes it with zero-mean inputs against the LayerNorm's own float64 value.
     """
 
     def __init__(self, original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
-                 as_rms: bool | RmsForm | Mapping = False):
+                 rms_form: RmsForm | None = None):
         super().__init__(original, spec, impl, backend)
-        self.rms_form = RmsForm.coerce(as_rms) if as_rms else None
-        self.as_rms = self.rms_form is not None
+        self.rms_form = rms_form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -176,18 +177,18 @@ class NormswapLayerNorm(NormswapNorm):
         return self._unflatten(y, x)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (f", as_rms={self.rms_form.describe()}" if self.rms_form else "")
+        return super().extra_repr() + (f", rms_form={self.rms_form.describe()}" if self.rms_form else "")
 
 
 def build_replacement(original: nn.Module, spec: NormSpec, impl: str, backend: Backend | None = None,
-                      as_rms: bool | RmsForm | Mapping = False) -> NormswapNorm:
-    """The replacement module for `original`, described by `spec` (from the registry). as_rms
-    (a LayerNorm on a zero-mean stream only): True or an RmsForm saying which of γ/β to apply."""
+                      rms_form: RmsForm | None = None) -> NormswapNorm:
+    """The replacement module for `original`, described by `spec` (from the registry). rms_form
+    (a LayerNorm on a zero-mean stream only) says it runs as an RMS norm, and which of γ/β apply."""
     if spec.kind == "rms":
-        if as_rms:
-            raise ValueError("as_rms applies to LayerNorms only")
+        if rms_form is not None:
+            raise ValueError("rms_form applies to LayerNorms only")
         return NormswapRMSNorm(original, spec, impl, backend)
-    return NormswapLayerNorm(original, spec, impl, backend, as_rms=as_rms)
+    return NormswapLayerNorm(original, spec, impl, backend, rms_form=rms_form)
 
 
 def restore_original(replacement: NormswapNorm) -> nn.Module:

@@ -68,7 +68,7 @@ def scan_model(model: nn.Module, strict: bool = False, with_consumers: bool = Tr
 
 def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True) -> dict[str, Any]:
     """Scan a model reference (hub id, directory, .gguf, built-in name) without reading weights."""
-    from normswap.io import build_meta_model, resolve
+    from normswap.loading import build_meta_model, resolve
 
     source = resolve(ref)
     model = build_meta_model(source)

@@ -54,14 +54,10 @@ class ModuleEntry:
     reason: str | None = None
     check: ModuleCheck | None = None
 
-    @property
-    def as_rms(self) -> bool:
-        return self.rms_form is not None
-
     def to_dict(self) -> dict:
         return {
             "path": self.path, "class": self.module_class, "status": self.status,
-            "spec": self.spec.to_dict() if self.spec else None, "as_rms": self.as_rms,
+            "spec": self.spec.to_dict() if self.spec else None,
             "rms_form": self.rms_form.to_dict() if self.rms_form else None,
             "runs_as": self.rms_form.describe() if self.rms_form else None,
             "reason": self.reason, "check": self.check.to_dict() if self.check else None,
@@ -134,7 +130,7 @@ def patch(
     strict: bool = False,
     verify: bool = True,
     *,
-    rms_for: Collection[str] | Mapping[str, RmsForm | dict] = (),
+    rms_forms: Collection[str] | Mapping[str, RmsForm | dict] = (),
     dtype: torch.dtype | None = None,
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
@@ -144,10 +140,10 @@ def patch(
 
     filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
     raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
-    is left alone and reported as unknown). rms_for names LayerNorm paths whose input is known to
-    be zero-mean (a `normswap convert` manifest: normswap.manifest.zero_mean_layernorms), run as
-    RMS norms; a mapping path -> RmsForm also says which of γ/β were folded (their multiply/add
-    is skipped; a bare path applies both). verify=False skips
+    is left alone and reported as unknown). rms_forms names LayerNorm paths whose input is known to
+    be zero-mean (a `normswap convert` manifest: normswap.manifest.rms_forms), run as RMS norms; a
+    mapping path -> RmsForm also says which of γ/β were folded (their multiply/add is skipped; a
+    bare path applies both). verify=False skips
     the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
     is undone and VerificationError (a NormswapError, carrying the report) is raised.
     """
@@ -157,7 +153,7 @@ def patch(
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
     dtype = dtype or model_dtype(model)
-    rms_forms = _rms_forms(rms_for)
+    rms_forms = _coerce_rms_forms(rms_forms)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
 
     already = {p for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
@@ -174,7 +170,7 @@ def patch(
         raise UnknownNormError(f"unknown norm class at {f.path} ({f.module_class}): {f.unknown_reason}{more}")
     missing = set(rms_forms) - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
     if missing:
-        raise NormswapError(f"rms_for names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
+        raise NormswapError(f"rms_forms names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
 
     todo: list[tuple[ModuleEntry, nn.Module]] = []
     for f in found:
@@ -203,7 +199,7 @@ def patch(
     swapped: list[tuple[str, nn.Module]] = []
     try:
         for entry, original in todo:
-            replacement = build_replacement(original, entry.spec, impl, backend, as_rms=entry.rms_form or False)
+            replacement = build_replacement(original, entry.spec, impl, backend, rms_form=entry.rms_form)
             _move_accelerate_hook(original, replacement)
             walk.set_submodule(model, entry.path, replacement)
             swapped.append((entry.path, original))
@@ -226,10 +222,10 @@ def patch(
     return report
 
 
-def _rms_forms(rms_for) -> dict[str, RmsForm]:
-    if isinstance(rms_for, Mapping):
-        return {p: RmsForm.coerce(f) for p, f in rms_for.items()}
-    return {p: RmsForm() for p in rms_for}
+def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
+    if isinstance(forms, Mapping):
+        return {p: RmsForm.coerce(f) for p, f in forms.items()}
+    return {p: RmsForm() for p in forms}
 
 
 def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None:

@@ -247,7 +247,7 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
     if device.type == "meta":
         check.fail("parameters are on the meta device; nothing to run the probes on")
         return check
-    zero_mean = bool(getattr(replacement, "as_rms", False))
+    zero_mean = getattr(replacement, "rms_form", None) is not None
 
     eps_main = default_eps(dtype) if eps_orig is None else eps_orig
     probes = [("main", strided(probe_input(spec, dtype, device, cfg, scales=probe_scales(cfg, eps_main, dtype),

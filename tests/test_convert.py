@@ -10,16 +10,11 @@ import pytest
 import torch
 import transformers
 
-from normswap.convert import (
-    attach_rms,
-    build_manifest,
-    convert_model,
-    plan_conversion,
-    rms_eligible,
-    rms_forms,
-)
+from normswap.convert import convert_model
 from normswap.errors import NormswapError
-from normswap.manifest import zero_mean_layernorms
+from normswap.manifest import rms_forms
+from normswap.modules import RmsForm
+from normswap.plan import build_manifest, plan_conversion
 from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, tiny_model
 
 ARCHS_CONVERTED = ["gpt2", "opt", "gpt_neox", "phi", "falcon", "falcon_new", "bloom"]
@@ -39,14 +34,20 @@ def rel_err(got, ref):
 
 
 @contextmanager
-def running_as_rms(model, manifest):
-    """Inside the block the converted norms run as RMSNorms (attach_rms hooks); after it, as before."""
-    handles = attach_rms(model, manifest)
+def running_as_rms(model, manifest, keep_gain_and_bias=False):
+    """Inside the block the converted norms run as RMS norms (the reference backend, unverified:
+    the caller compares logits); after it, as before. keep_gain_and_bias: apply each norm's γ and β
+    whatever the manifest says was folded."""
+    from normswap.swap import patch, revert
+
+    forms = rms_forms(manifest)
+    if keep_gain_and_bias:
+        forms = {p: RmsForm() for p in forms}
+    patch(model, "reference", filter_fn=lambda _m, path: path in forms, rms_forms=forms, verify=False)
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
+        revert(model)
 
 
 def convert_and_measure(model):
@@ -96,12 +97,13 @@ def test_float32_conversion_is_within_rounding(arch):
 
 
 def test_rms_check_can_fail_on_an_unconverted_model():
-    """Negative control: RMSNorm in place of LayerNorm is wrong unless the stream was centered."""
+    """Negative control: RMSNorm in place of LayerNorm is wrong unless the stream was centered
+    (γ and β applied: only the mean differs)."""
     model = tiny_model("gpt2", dtype=torch.float64)
     ids = probe()
     ref = logits(model, ids)
     manifest = build_manifest(plan_conversion(model, model.config), model.config)
-    with running_as_rms(model, manifest):
+    with running_as_rms(model, manifest, keep_gain_and_bias=True):
         assert rel_err(logits(model, ids), ref) > 1e-3
 
 
@@ -135,7 +137,7 @@ def test_keep_gain_folds_only_beta():
     for n in manifest["norms"]:
         assert not n["folded_gain"] and n["kept_gain"] and n["kept_gain_why"] == "--keep-gain"
         assert torch.equal(model.get_submodule(n["path"]).weight, gains[n["path"]])
-    assert all(f["weight"] == "weight" for f in rms_forms(manifest).values())
+    assert all(f.weight for f in rms_forms(manifest).values())
 
 
 def test_zero_gains_are_fine():
@@ -162,7 +164,7 @@ def test_final_norm_before_bias_free_head_keeps_gain_and_beta():
     phi = convert_model(tiny_model("phi", dtype=torch.float64))
     final = next(n for n in phi["norms"] if n["path"] == "model.final_layernorm")
     assert final["folded_gain"] and final["folded_bias"] and not final["kept_bias"]
-    assert rms_forms(phi)["model.final_layernorm"] == {"eps": 1e-5, "weight": "none", "bias": False}
+    assert rms_forms(phi)["model.final_layernorm"] == RmsForm(weight=False, bias=False)
 
 
 def test_bias_free_readers_keep_beta_in_the_norm():
@@ -276,7 +278,7 @@ def test_unknown_architecture_is_refused_per_norm():
     assert all("no architecture data for model_type 'made_up_lm'" in n.why_not for n in plan.refused)
 
 
-def test_rms_eligible_reads_the_manifest_file(tmp_path):
+def test_rms_forms_reads_the_manifest_file(tmp_path):
     import json
 
     model = tiny_model("gpt2")
@@ -284,9 +286,9 @@ def test_rms_eligible_reads_the_manifest_file(tmp_path):
     from normswap.manifest import new_manifest, write_manifest
 
     write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
-    assert rms_eligible(tmp_path) == {n["path"] for n in manifest["norms"]} == rms_eligible(manifest)
-    assert rms_forms(tmp_path)["transformer.ln_f"] == {"eps": 1e-5, "weight": "weight", "bias": True}
-    assert rms_forms(tmp_path)["transformer.h.0.ln_1"] == {"eps": 1e-5, "weight": "none", "bias": False}
+    assert set(rms_forms(tmp_path)) == {n["path"] for n in manifest["norms"]} == set(rms_forms(manifest))
+    assert rms_forms(tmp_path)["transformer.ln_f"] == RmsForm(weight=True, bias=True)
+    assert rms_forms(tmp_path)["transformer.h.0.ln_1"] == RmsForm(weight=False, bias=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,10 +359,10 @@ def test_patched_converted_model_matches_the_original(arch):
     ids = probe()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    forms = zero_mean_layernorms(manifest)  # weightless where γ was folded, β only where kept
-    report = patch(model, "torch", rms_for=forms)  # each module proved vs the LayerNorm's float64 value
-    assert {e.path: e.rms_form for e in report.modules if e.as_rms and e.status == "patched"} == forms
-    assert set(forms) == rms_eligible(manifest)
+    forms = rms_forms(manifest)  # weightless where γ was folded, β only where kept
+    report = patch(model, "torch", rms_forms=forms)  # each module proved vs the LayerNorm's float64 value
+    assert {e.path: e.rms_form for e in report.modules if e.rms_form and e.status == "patched"} == forms
+    assert set(forms) == {n["path"] for n in manifest["norms"] if n["rms"]}
     err = rel_err(logits(model, ids), ref)
     print(f"\n[max-logit-error] {arch} fp32 patched-rms(torch)={err:.3e}")
     assert err <= 1e-5
@@ -374,7 +376,7 @@ def test_patched_converted_float64_is_exact(arch):
     model = tiny_model(arch, dtype=torch.float64)
     ids = probe()
     ref = logits(model, ids)
-    patch(model, "reference", rms_for=zero_mean_layernorms(convert_model(model)))
+    patch(model, "reference", rms_forms=rms_forms(convert_model(model)))
     assert rel_err(logits(model, ids), ref) <= 1e-12
 
 
@@ -385,7 +387,7 @@ def test_patched_converted_with_triton_kernels():
     model = tiny_model("gpt2", dtype=torch.float32)
     ids = probe()
     ref = logits(model, ids)
-    patch(model, "triton", rms_for=zero_mean_layernorms(convert_model(model)))
+    patch(model, "triton", rms_forms=rms_forms(convert_model(model)))
     assert rel_err(logits(model, ids), ref) <= 1e-5
 
 
@@ -396,8 +398,12 @@ def test_patch_refuses_rms_on_an_unconverted_model():
 
     model = tiny_model("gpt2", dtype=torch.float32)
     manifest = build_manifest(plan_conversion(model, model.config), model.config)
-    with pytest.raises(NormswapError):
-        patch(model, "torch", rms_for=rms_eligible(manifest))
+    # Forms that apply both γ and β: only the proof (here the whole-model check: the per-module
+    # probes are zero-mean by design) can tell the stream is not centered.
+    from normswap.swap import VerificationError
+
+    with pytest.raises(VerificationError):
+        patch(model, "torch", rms_forms={p: RmsForm() for p in rms_forms(manifest)})
 
 
 def test_gpt2_with_cross_attention_is_refused_whole():
@@ -422,26 +428,25 @@ def test_zero_mean_check_is_recorded_and_catches_a_missed_writer(monkeypatch):
     monkeypatch.setattr(fold, "center_writer", real)
 
 
-def test_zero_mean_layernorms_of_a_directory(tmp_path):
+def test_rms_forms_of_a_directory(tmp_path):
     """What `normswap patch` / `normswap.load` read: the convert section's norms and RMS forms;
     nothing for a directory without a manifest or with a patch section only."""
     import json
 
-    from normswap.manifest import new_manifest, write_manifest, zero_mean_layernorms
-    from normswap.modules import RmsForm
+    from normswap.manifest import new_manifest, write_manifest
 
-    assert zero_mean_layernorms(tmp_path) == {}
+    assert rms_forms(tmp_path) == {}
     write_manifest(tmp_path, new_manifest(patch={"impl": "torch", "modules": []}))
-    assert zero_mean_layernorms(tmp_path) == {}
+    assert rms_forms(tmp_path) == {}
     manifest = convert_model(tiny_model("phi"))
     write_manifest(tmp_path, new_manifest(convert=json.loads(json.dumps(manifest))))
-    forms = zero_mean_layernorms(tmp_path)
-    assert set(forms) == rms_eligible(manifest) and len(forms) == 3
+    forms = rms_forms(tmp_path)
+    assert set(forms) == set(rms_forms(manifest)) and len(forms) == 3
     # phi: the final norm's β folds into lm_head's bias, γ too: nothing left to multiply or add
     assert forms["model.final_layernorm"] == RmsForm(weight=False, bias=False)
     (tmp_path / "normswap.json").write_text(json.dumps(manifest))  # a bare section is not a manifest
     with pytest.raises(NormswapError, match="not a normswap/1 manifest"):
-        zero_mean_layernorms(tmp_path)
+        rms_forms(tmp_path)
 
 
 @pytest.mark.gpu
@@ -454,5 +459,5 @@ def test_patched_converted_on_cuda_with_triton(arch):
     ids = probe().cuda()
     ref = logits(model, ids)
     manifest = convert_model(model)
-    patch(model, "triton", rms_for=zero_mean_layernorms(manifest))
+    patch(model, "triton", rms_forms=rms_forms(manifest))
     assert rel_err(logits(model, ids), ref) <= 1e-5

@@ -71,7 +71,7 @@ def test_convert_then_patch_triton(arch, tmp_path):
     assert manifest["convert"] == convert_section
     p = manifest["patch"]
     assert p["impl"] == "triton" and p["verified"] and p["model_check"]["passed"]
-    recorded = {m["path"]: RmsForm.coerce(m["rms_form"]) for m in p["modules"] if m["as_rms"]}
+    recorded = {m["path"]: RmsForm.coerce(m["rms_form"]) for m in p["modules"] if m["rms_form"]}
     assert recorded == forms
 
     # stock transformers: the original model's logits

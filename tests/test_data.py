@@ -159,7 +159,7 @@ def test_pieces_tokenise_exactly_like_the_whole_text_for_smollm2(tmp_path, monke
     """The cut rule holds for a real byte-level BPE tokenizer: encoding the pieces of a file one
     by one gives the tokens of the whole file."""
     from normswap.evaluate import _cuts_are_exact, document_tokens
-    from normswap.io import DEFAULT_MODEL, load_tokenizer, resolve
+    from normswap.loading import DEFAULT_MODEL, load_tokenizer, resolve
 
     tok = load_tokenizer(resolve(DEFAULT_MODEL))
     assert _cuts_are_exact(tok)

@@ -337,7 +337,7 @@ def kjv_or_local_text() -> str:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from normswap.io import DEFAULT_MODEL, load_model, load_tokenizer, resolve
+    from normswap.loading import DEFAULT_MODEL, load_model, load_tokenizer, resolve
 
     source = resolve(DEFAULT_MODEL)
     return load_model(source, dtype=torch.float32), load_tokenizer(source)

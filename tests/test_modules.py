@@ -141,7 +141,7 @@ def test_torch_rmsnorm_with_eps_none(dtype):
 def test_layernorm_as_rms_equals_layernorm_on_zero_mean_input():
     orig = _randomise(nn.LayerNorm(32, 1e-5))
     spec = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
-    rep = build_replacement(orig, spec, "reference", as_rms=True)
+    rep = build_replacement(orig, spec, "reference", rms_form=RmsForm())
     x = torch.randn(6, 32, dtype=torch.float64)
     x = (x - x.mean(-1, keepdim=True)).float()
     with torch.no_grad():
@@ -151,7 +151,7 @@ def test_layernorm_as_rms_equals_layernorm_on_zero_mean_input():
         assert (rep(x + 3.0) - orig(x + 3.0)).abs().max() > 0.1
     with pytest.raises(ValueError):
         build_replacement(LlamaRMSNorm(4), NormSpec("rms", 1e-6, "variance_epsilon", shape=(4,)),
-                          "reference", as_rms=True)
+                          "reference", rms_form=RmsForm())
 
 
 def _zero_mean(rows: int, width: int, dtype, seed: int = 1) -> torch.Tensor:
@@ -177,7 +177,7 @@ def test_layernorm_as_rms_keeps_float64_exact(form):
         if not form.bias:
             orig.bias.zero_()
     rep = build_replacement(orig, NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,)), "reference",
-                            as_rms=form)
+                            rms_form=form)
     x = _zero_mean(16, 32, torch.float64)
     with torch.no_grad():
         y = rep(x)
@@ -190,14 +190,14 @@ def test_weightless_rms_form_skips_the_folded_gain_and_bias():
     that is not ones it gives the bare RMS-normalised value (so the flag is really honoured)."""
     orig = _randomise(nn.LayerNorm(32, 1e-5)).double()
     spec = NormSpec("layer", 1e-5, "eps", has_bias=True, shape=(32,))
-    bare = build_replacement(orig, spec, "reference", as_rms=RmsForm(weight=False, bias=False))
-    full = build_replacement(orig, spec, "reference", as_rms=True)
+    bare = build_replacement(orig, spec, "reference", rms_form=RmsForm(weight=False, bias=False))
+    full = build_replacement(orig, spec, "reference", rms_form=RmsForm())
     x = _zero_mean(8, 32, torch.float64)
     with torch.no_grad():
         expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
         assert (bare(x) - expected).abs().max().item() <= 1e-12
         assert (full(x) - bare(x)).abs().max().item() > 0.1
-    assert "as_rms=RMS" in repr(bare) and "as_rms=RMS·γ+β" in repr(full)
+    assert "rms_form=RMS" in repr(bare) and "rms_form=RMS·γ+β" in repr(full)
 
 
 def test_patch_refuses_a_weightless_form_when_the_weight_is_not_ones():
@@ -208,9 +208,9 @@ def test_patch_refuses_a_weightless_form_when_the_weight_is_not_ones():
 
     model = nn.Sequential(_randomise(nn.LayerNorm(32, 1e-5)))
     with pytest.raises(NormswapError, match="should be all 1"):
-        patch(model, "reference", rms_for={"0": RmsForm(weight=False, bias=True)}, verify=False)
+        patch(model, "reference", rms_forms={"0": RmsForm(weight=False, bias=True)}, verify=False)
     assert type(model[0]) is nn.LayerNorm
     with torch.no_grad():
         model[0].weight.fill_(1.0)
-    patch(model, "reference", rms_for={"0": {"weight": False, "bias": True}}, verify=False)
+    patch(model, "reference", rms_forms={"0": {"weight": False, "bias": True}}, verify=False)
     assert model[0].rms_form == RmsForm(weight=False, bias=True)

@@ -274,7 +274,7 @@ def test_triton_without_gpu_or_interpreter(src):
 def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
     """The hook for `normswap convert`: its zero-mean LayerNorms run as RMS norms (verified on
     zero-mean probes and by the whole-model check), and the choice survives save -> load."""
-    from normswap.manifest import load
+    from normswap.loading import load
     from normswap.modules import NormswapLayerNorm
 
     src, conv, out = tmp_path / "gpt2", tmp_path / "conv", tmp_path / "out"
@@ -284,9 +284,9 @@ def test_converted_checkpoint_runs_layernorms_as_rms(tmp_path):
     r = run(conv, "--impl", "torch", "--out", out, "--json")
     assert r.exit_code == 0, r.stderr
     data = json.loads(r.stdout)
-    assert [m["as_rms"] for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
+    assert [m["rms_form"] is not None for m in data["modules"]] == [True] * 5 and data["model_check"]["passed"]
     assert read_manifest(out)["convert"] == read_manifest(conv)["convert"]
     again = load(out)
-    assert [m.as_rms for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
+    assert [m.rms_form is not None for m in again.modules() if isinstance(m, NormswapLayerNorm)] == [True] * 5
     r = run(conv, "--impl", "torch", "--no-rms", "--json")
-    assert [m["as_rms"] for m in json.loads(r.stdout)["modules"]] == [False] * 5
+    assert [m["rms_form"] is not None for m in json.loads(r.stdout)["modules"]] == [False] * 5

@@ -12,8 +12,8 @@ from tiny_models import ARCHS, save_tiny, tiny_model
 
 from normswap import checkpoint
 from normswap.errors import NormswapError
-from normswap.io import load_model, model_class, resolve
-from normswap.manifest import MANIFEST_NAME, load, read_manifest
+from normswap.loading import load, load_model, model_class, resolve
+from normswap.manifest import MANIFEST_NAME, read_manifest
 from normswap.modules import NormswapNorm
 from normswap.swap import patch
 from normswap.verify import ProbeConfig, model_output, probe_batch

@@ -185,7 +185,7 @@ def test_unavailable_impl_fails_before_any_change(monkeypatch):
 def test_rms_for_must_name_layernorms():
     model = tiny_model("gpt2")
     with pytest.raises(NormswapError, match="not LayerNorms"):
-        patch(model, "torch", rms_for={"transformer.h.0.attn"})
+        patch(model, "torch", rms_forms={"transformer.h.0.attn"})
 
 
 def test_meta_model_without_verification():
@@ -245,7 +245,7 @@ def test_peft_wrapped_model():
 def test_smollm2_triton_passes_verification(dtype):
     """The real SmolLM2-135M (61 RMSNorms, hidden 576): every module within one ulp of the
     original's error, logits within the dtype's tolerance. ~15 s per dtype in the interpreter."""
-    from normswap.io import DEFAULT_MODEL, load_model, resolve
+    from normswap.loading import DEFAULT_MODEL, load_model, resolve
 
     model = load_model(resolve(DEFAULT_MODEL), dtype=dtype)
     report = patch(model, "triton")
@@ -258,7 +258,7 @@ def test_smollm2_triton_passes_verification(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_smollm2_triton_on_cuda(dtype):
     """On a GPU the compiled kernels (not the interpreter) must pass the same per-module proof."""
-    from normswap.io import DEFAULT_MODEL, load_model, resolve
+    from normswap.loading import DEFAULT_MODEL, load_model, resolve
 
     model = load_model(resolve(DEFAULT_MODEL), dtype=dtype, device="cuda")
     report = patch(model, "triton")

@@ -13,7 +13,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from normswap.backends import Backend
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
-from normswap.modules import build_replacement
+from normswap.modules import RmsForm, build_replacement
 from normswap.specs import NormSpec
 from normswap.verify import ProbeConfig, compare_outputs, eps_scale, probe_scales, ulp, verify_module
 
@@ -207,7 +207,7 @@ def test_replacement_that_raises_is_a_failure_not_a_crash():
 
 def test_zero_mean_probes_for_as_rms():
     m = _module(LN, torch.float32)
-    c = verify_module("n", m, build_replacement(m, LN, "reference", as_rms=True), LN, torch.float32, CFG)
+    c = verify_module("n", m, build_replacement(m, LN, "reference", rms_form=RmsForm()), LN, torch.float32, CFG)
     assert c.passed, c.failures
 
 

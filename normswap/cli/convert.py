@@ -65,20 +65,15 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
     same logits; its normswap.json lists the norms that may run as RMSNorm kernels
     (`normswap patch DIR` then runs them as such: weightless where γ was folded)."""
 
-    from normswap import io
+    from normswap import loading
     from normswap.checkpoint import check_out_target, staged_dir
-    from normswap.convert import (
-        build_manifest,
-        check_refusals,
-        convert_directory,
-        plan_conversion,
-        verify_conversion,
-    )
+    from normswap.convert_checkpoint import convert_directory, verify_conversion
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
+    from normswap.plan import build_manifest, check_refusals, plan_conversion
 
-    source = io.resolve(model)
-    config = io.load_config(source)
-    plan = plan_conversion(io.build_meta_model(source, config), config, keep_gain=keep_gain)
+    source = loading.resolve(model)
+    config = loading.load_config(source)
+    plan = plan_conversion(loading.build_meta_model(source, config), config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)
     except NormswapError as e:
@@ -95,7 +90,7 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
     with staged_dir(target_dir, replace=force) as tmp:
         click.echo(f"converting {model} into {target_dir} ...", err=True)
         section = convert_directory(
-            source, tmp, keep_gain=keep_gain, partial=partial, dtype=io.parse_dtype(dtype),
+            source, tmp, keep_gain=keep_gain, partial=partial, dtype=loading.parse_dtype(dtype),
             progress=not as_json,
         )
         click.echo("verifying: stock reload and logits against the original ...", err=True)

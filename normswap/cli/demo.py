@@ -26,7 +26,7 @@ DEMO_TEXT = Path(__file__).resolve().parent.parent / "data" / "genesis-kjv.txt"
 @click.pass_context
 def demo(ctx: click.Context, impl: str, max_tokens: int, as_json: bool) -> None:
     """Scan, patch (--impl triton) and perplexity-diff the embedded SmolLM2-135M."""
-    from normswap.io import DEFAULT_MODEL
+    from normswap.loading import DEFAULT_MODEL
 
     steps = [
         ("scan", dict(model=DEFAULT_MODEL)),

@@ -26,7 +26,7 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
     from normswap.backends import get_backend
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading, diff_models, patched_copy
-    from normswap.io import load_config, load_model, load_tokenizer, parse_dtype, resolve
+    from normswap.loading import load_config, load_model, load_tokenizer, parse_dtype, resolve
 
     if (model_b is None) == (impl is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
@@ -56,7 +56,7 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
 def _check_same_tokenizer(tokenizer_a, source_b) -> None:
     """Both models read A's token ids: B must map them to the same strings, or the numbers compare
     unrelated predictions (same-sized vocabularies would not even fail the logit-width check)."""
-    from normswap.io import load_tokenizer
+    from normswap.loading import load_tokenizer
 
     try:
         tokenizer_b = load_tokenizer(source_b)

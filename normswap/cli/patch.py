@@ -73,8 +73,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     """
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, save_patched
-    from normswap.io import load_config, load_model, parse_device, parse_dtype, resolve
-    from normswap.manifest import zero_mean_layernorms
+    from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
+    from normswap.manifest import rms_forms
     from normswap.swap import VerificationError, patch, regex_filter
 
     if out is not None and in_place:
@@ -112,10 +112,10 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     if n == 0 and filter_fn is not None:
         raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if evaluation else None
-    rms_for = zero_mean_layernorms(source.path) if use_rms and not source.gguf_file else set()
+    forms = rms_forms(source.path) if use_rms and not source.gguf_file else {}
     try:
         with _bar(f"patch+verify ({impl})", n, "module") as bar:
-            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_for=rms_for,
+            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms,
                            progress=lambda _p: bar.update(1))
     except VerificationError as e:
         emit(_payload(e.report, model, None, device=device), as_json, _render)
@@ -160,7 +160,7 @@ def _prepare_eval(path, max_length, max_tokens, source, config):
     from normswap.cli.ppl import window_settings
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
-    from normswap.io import load_tokenizer
+    from normswap.loading import load_tokenizer
 
     settings = window_settings(max_length, None, max_tokens, 1)
     corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
@@ -198,7 +198,7 @@ def _render(data: dict) -> None:
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
         margin = c["worst_margin_ulps"]
-        cls = m["class"] + (f" as {m['runs_as']}" if m["as_rms"] else "")
+        cls = m["class"] + (f" as {m['runs_as']}" if m["rms_form"] else "")
         table.add_row(m["path"], cls, c["impl"], repr(c["eps"]), c["dtype"],
                       _fmt(c["max_err_original"]), _fmt(c["max_err_replacement"]),
                       "-" if margin is None else f"{margin:+.2f}", result)

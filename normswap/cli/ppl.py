@@ -50,7 +50,7 @@ def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading, perplexity
-    from normswap.io import load_config, load_model, load_tokenizer, parse_dtype, resolve
+    from normswap.loading import load_config, load_model, load_tokenizer, parse_dtype, resolve
 
     settings = window_settings(max_length, stride, max_tokens, batch_size)
     corpus = open_corpus(data_path, text_field)

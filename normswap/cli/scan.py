@@ -7,7 +7,7 @@ import sys
 import click
 
 from normswap.cli.main import cli, emit, json_option
-from normswap.io import DEFAULT_MODEL
+from normswap.loading import DEFAULT_MODEL
 
 
 @cli.command()

@@ -1,5 +1,6 @@
 """Loading models: a hub id (from the local cache), a local directory, a .gguf file, or the
-embedded default model. Scans build the model on the meta device from its config alone."""
+embedded default model. Scans build the model on the meta device from its config alone.
+`load(DIR)` loads a checkpoint normswap wrote and re-applies what its normswap.json records."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,3 +269,58 @@ def load_tokenizer(source: ModelSource):
     except Exception as e:
         msg = first_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint normswap wrote: stock load, then what its manifest records
+# ---------------------------------------------------------------------------------------------
+
+
+def _same_family(a, b) -> bool:
+    """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("dtype")
+    db.pop("dtype")
+    return da == db
+
+
+def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, device: str | None = None,
+         verify: bool = False, progress: Callable[[str], None] | None = None):
+    """Load a checkpoint written by `normswap patch --out` or `normswap convert --out` and re-apply
+    what its manifest says: the patch section's modules with its impl (its converted LayerNorms as
+    RMS norms, γ/β skipped where folded); a converted-only checkpoint gets its zero-mean
+    LayerNorms run as RMS norms (impl default "torch").
+
+    impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
+    verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
+    """
+    from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
+    from normswap.modules import RmsForm
+    from normswap.swap import patch
+
+    source = resolve(directory)
+    manifest = read_manifest(source.path)
+    if isinstance(dtype, str):
+        dtype = parse_dtype(dtype)
+    model = load_model(source, dtype=dtype, device=device)
+    section = manifest.get("patch")
+    if section is None:  # converted only: the speedup path without a recorded patch
+        forms = rms_forms(manifest)
+        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
+                       rms_forms=forms, progress=progress)
+        model.normswap_report = report
+        return model
+    wanted = {m["path"]: m for m in section["modules"]}
+    forms = {p: RmsForm.coerce(m["rms_form"]) for p, m in wanted.items() if m.get("rms_form")}
+    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
+                   verify=verify, rms_forms=forms, progress=progress)
+    got = {m.path: m for m in report.patched}
+    for path, m in wanted.items():
+        if path not in got:
+            raise NormswapError(f"{directory}: {path} is in {MANIFEST_NAME} but is not a recognised norm "
+                                "in the loaded model")
+        if not _same_family(got[path].spec, m["spec"]):
+            raise NormswapError(f"{directory}: {path} no longer matches {MANIFEST_NAME} "
+                                f"(now {got[path].spec}, manifest {m['spec']})")
+    model.normswap_report = report
+    return model

