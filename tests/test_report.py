@@ -4,12 +4,12 @@ benchmarks/results/ by default, so the fixture can never turn up there as a resu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "kernels-report-fixture.json"
@@ -17,10 +17,7 @@ FIXTURE = ROOT / "tests" / "data" / "kernels-report-fixture.json"
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("normswap_report", ROOT / "benchmarks" / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("report")
 
 
 def test_fixture_report_and_plot(report, tmp_path):
