@@ -219,15 +219,21 @@ def install(wheels: list[Path], log, home: Path = HOME) -> None:
     """pip install --no-deps into the machine's site folder, each wheel once per machine."""
     site = home / "site"
     todo = [w for w in wheels if not (site / f".installed-{w.name}").exists()]
-    if not todo:
-        return
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, todo)],
-                       capture_output=True, text=True)
-    log(f"pip install {' '.join(w.name for w in todo)}: exit {p.returncode} {p.stderr.strip()[-500:]}")
-    if p.returncode == 0:
-        for w in todo:
-            (site / f".installed-{w.name}").touch()
+    # All at once (one pip start); if that fails, one by one, so a wheel that does not install
+    # there (quack's compiled ones, say) cannot keep the model or liger out.
+    for batch in ([todo] if todo else []) + ([[w] for w in todo] if len(todo) > 1 else []):
+        if all((site / f".installed-{w.name}").exists() for w in batch):
+            continue
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, batch)],
+                           capture_output=True, text=True)
+        err = "\n".join(ln for ln in p.stderr.splitlines() if "Running pip as the 'root' user" not in ln).strip()
+        log(f"pip install {' '.join(w.name for w in batch)}: exit {p.returncode} {err[-500:]}")
+        if p.returncode == 0:
+            for w in batch:
+                (site / f".installed-{w.name}").touch()
+            if batch is todo:
+                break
 
 
 def python_path(home: Path = HOME) -> str:

@@ -68,6 +68,26 @@ def test_stash_parts_reassemble_across_calls(gpu, isolated):
     assert [p.name for p in ready] == ["a.whl", "b.whl"] and "sha256" in missing["c.whl"]
 
 
+def test_install_falls_back_to_one_wheel_at_a_time(gpu, tmp_path):
+    """A wheel that does not install must not keep the others out (pip fails a whole batch)."""
+    import zipfile
+
+    good = tmp_path / "tiny_pkg-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(good, "w") as z:
+        z.writestr("tiny_pkg/__init__.py", "VALUE = 1\n")
+        z.writestr("tiny_pkg-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 0.1\n")
+        z.writestr("tiny_pkg-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tiny_pkg-0.1.dist-info/RECORD", "")
+    bad = tmp_path / "broken_pkg-0.1-py3-none-any.whl"
+    bad.write_bytes(b"not a zip")
+    lines: list[str] = []
+    gpu.install([good, bad], lines.append, tmp_path / "machine")
+    site = tmp_path / "machine" / "site"
+    assert (site / "tiny_pkg" / "__init__.py").is_file() and (site / f".installed-{good.name}").exists()
+    assert not (site / f".installed-{bad.name}").exists()
+    assert len(lines) == 3 and "exit 0" in lines[1] and "exit 0" not in lines[2]
+
+
 def test_pytest_outcome_lines(gpu):
     plain = "tests/test_kernels_gpu.py::test_large_shapes[dtype0-shape1] PASSED    [ 12%]"
     xdist = "[gw3] [ 40%] FAILED tests/test_swap.py::test_smollm2_triton_on_cuda[bf16]"
