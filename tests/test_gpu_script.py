@@ -105,6 +105,23 @@ def test_json_report_found_among_progress_lines(gpu):
     assert gpu._last_json(["normswap: error: bad input\n"]) is None
 
 
+def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
+    run = type("FakeRun", (), {"out": tmp_path, "prefix": "dev-2000-01-01", "bench_model": "cfg/llama-1b",
+                               "log": lambda self, line: logged.append(line)})()
+    logged: list[str] = []
+    ctx = {"backends": {"triton": None, "torch": None, "compile": None, "liger": "no CUDA", "quack": "absent"}}
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "")
+    assert gpu.bench_command(run, ctx) == (None, None) and "does not exist" in logged[0]
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST\n--fuse-residual\n--dtype\n--out FILE")
+    cmd, wrapper = gpu.bench_command(run, ctx)
+    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch,compile", "--json",
+                                       "--fuse-residual", "--dtype", "bf16", "--out",
+                                       str(tmp_path / "dev-2000-01-01-bench-llama-1b.json")]
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST")
+    cmd, wrapper = gpu.bench_command(run, ctx)
+    assert cmd[-1] == "--json" and wrapper == tmp_path / "dev-2000-01-01-bench-llama-1b.json"
+
+
 def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     assert gpu.main(["run", str(tmp_path), "tests", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
