@@ -211,8 +211,8 @@ def test_every_arm_runs_and_reports(every_arm):
     assert rows["original"]["kl_mean"] < 1e-10 and rows["original"]["top1_agreement"] == 1.0
     # Fine-tuning moves the control away from the original.
     assert rows["original+ft"]["kl_mean"] > 1e-6
-    for name in ("approx+ft", "approx-bias+ft", "approx+distill", "exact+ft"):
-        assert rows[name]["recovered"] is not None
+    for name in ("original+ft", "exact+ft", "exact", "approx"):
+        assert rows[name]["recovered"] is None  # only for the trained approximate arms
     summary = (out / "summary.md").read_text()
     assert all(f"| {a} |" in summary for a in ALL_ARMS)
     csv_lines = (out / "results.csv").read_text().splitlines()
@@ -365,9 +365,11 @@ def test_recovered_share_is_against_the_fine_tuned_control():
         return {"steps": steps, "evals": evals}
 
     arms = {"original": arm(2.0, 2.0, 0), "original+ft": arm(2.0, 1.8), "approx": arm(3.0, 3.0, 0),
-            "approx+ft": arm(3.0, 2.4)}
+            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(1.7, 1.75), "exact+ft": arm(2.0, 1.9)}
     rows = {r["arm"]: r for r in summary_rows(arms)}
     assert rows["approx+ft"]["recovered"] == pytest.approx((3.0 - 2.4) / (3.0 - 1.8))
+    assert rows["approx-bias+ft"]["recovered"] is None  # started below the control's end: no gap
+    assert rows["exact+ft"]["recovered"] is None
     assert rows["approx+ft"]["delta_vs_original_ft"] == pytest.approx(math.exp(2.4) - math.exp(1.8))
     assert rows["approx"]["recovered"] is None and rows["original+ft"]["recovered"] is None
 
