@@ -122,6 +122,17 @@ def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     assert cmd[-1] == "--json" and wrapper == tmp_path / "dev-2000-01-01-bench-llama-1b.json"
 
 
+def test_kernel_calls_are_options_kernels_py_takes(gpu):
+    """gpu.py drives benchmarks/kernels.py by its options: a rename there must fail here, on CPU,
+    not on a GPU lease."""
+    kernels = load_script("kernels")
+    calls = [*gpu.grid("rms_norm", "bf16"), *gpu.grid("layer_norm", "fp32"), *gpu.grid("rms_norm,layer_norm", "bf16")]
+    for opts in calls:
+        args = kernels.parse_args([*opts, "--impls", "triton,torch", "--out", "x.json"])
+        assert args.ops in ("rms_norm", "layer_norm", "rms_norm,layer_norm") and args.passes and args.rows
+    assert kernels.parse_args(["--dry-run"]).dry_run
+
+
 def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     assert gpu.main(["run", str(tmp_path), "tests", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
