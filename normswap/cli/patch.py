@@ -38,7 +38,7 @@ def _check_writable(target: Path) -> None:
 @click.argument("model")
 @click.option("--impl", type=click.Choice(IMPLS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out", default=None, metavar="DIR",
               help="Save the patched checkpoint here (refused if it exists, unless --force).")
 @click.option("--in-place", is_flag=True, help="Replace MODEL's own directory (atomically, after the check).")
 @click.option("--only", default=None, metavar="REGEX", help="Patch only norms whose path matches.")
@@ -78,7 +78,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     and the manifest records the pairs so that normswap.load fuses them again.
     """
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched
+    from normswap.checkpoint import check_out_target, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
     from normswap.manifest import rms_forms
     from normswap.swap import VerificationError, patch, regex_filter
@@ -97,6 +97,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
                                 "(use --out DIR)")
         target = source.path
         _refuse_lossy_in_place(source, config, parse_dtype(dtype))
+        # a second --in-place run on this directory is refused before it loads anything
+        click.get_current_context().with_resource(target_lock(target))
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
