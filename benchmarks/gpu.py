@@ -219,15 +219,21 @@ def install(wheels: list[Path], log, home: Path = HOME) -> None:
     """pip install --no-deps into the machine's site folder, each wheel once per machine."""
     site = home / "site"
     todo = [w for w in wheels if not (site / f".installed-{w.name}").exists()]
-    if not todo:
-        return
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, todo)],
-                       capture_output=True, text=True)
-    log(f"pip install {' '.join(w.name for w in todo)}: exit {p.returncode} {p.stderr.strip()[-500:]}")
-    if p.returncode == 0:
-        for w in todo:
-            (site / f".installed-{w.name}").touch()
+    # All at once (one pip start); if that fails, one by one, so a wheel that does not install
+    # there (quack's compiled ones, say) cannot keep the model or liger out.
+    for batch in ([todo] if todo else []) + ([[w] for w in todo] if len(todo) > 1 else []):
+        if all((site / f".installed-{w.name}").exists() for w in batch):
+            continue
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, batch)],
+                           capture_output=True, text=True)
+        err = "\n".join(ln for ln in p.stderr.splitlines() if "Running pip as the 'root' user" not in ln).strip()
+        log(f"pip install {' '.join(w.name for w in batch)}: exit {p.returncode} {err[-500:]}")
+        if p.returncode == 0:
+            for w in batch:
+                (site / f".installed-{w.name}").touch()
+            if batch is todo:
+                break
 
 
 def python_path(home: Path = HOME) -> str:
@@ -267,6 +273,7 @@ class Run:
         self.log_path = out / f"{self.prefix}-log-{label}.txt"
         self.tests_path = out / f"{self.prefix}-tests.txt"
         self.sections: dict[Path, list[str]] = {}
+        self.bench_model = "smollm2-135m"
 
     def log(self, line: str) -> None:
         print(line, flush=True)
@@ -571,16 +578,32 @@ def part_model(run: Run, ctx: dict) -> None:
                    *([] if run.dry_run else ["--device", "cuda"]), *EVAL_ARGS, "--json"]
             dest = run.out / f"{run.prefix}-patch-smollm2-{dtype}.json"
         else:
-            if not _normswap_help(run, "bench"):
-                run.log("model: `normswap bench` does not exist in this tree: not run")
+            cmd, dest = bench_command(run, ctx)
+            if cmd is None:
                 continue
-            impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
-            cmd = ["bench", "smollm2-135m", "--impl", ",".join(impls), "--json"]
-            dest = run.out / f"{run.prefix}-bench-smollm2.json"
         lines: list[str] = []
         rc, secs = run.stream([sys.executable, "-m", "normswap", *cmd], left(), lines.append)
-        dest.write_text(json.dumps({"command": shlex.join(["normswap", *cmd]), "exit": rc, "seconds": round(secs, 1),
-                                    "versions": run.versions, "report": _last_json(lines)}, indent=1) + "\n")
+        if dest is not None:
+            dest.write_text(json.dumps({"command": shlex.join(["normswap", *cmd]), "exit": rc,
+                                        "seconds": round(secs, 1), "versions": run.versions,
+                                        "report": _last_json(lines)}, indent=1) + "\n")
+
+
+def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
+    """`normswap bench` (issue 14) with the options its help offers: every backend here, fused
+    residual, bf16, results straight into OUT. (args, wrapper file or None when --out writes it)."""
+    text = _normswap_help(run, "bench")
+    if not text:
+        run.log("model: `normswap bench` does not exist in this tree: not run")
+        return None, None
+    impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
+    name = f"{run.prefix}-bench-{slug(Path(run.bench_model).name)}.json"
+    cmd = ["bench", run.bench_model, "--impl", ",".join(impls), "--json"]
+    cmd += ["--fuse-residual"] if "--fuse-residual" in text else []
+    cmd += ["--dtype", "bf16"] if "--dtype" in text else []
+    if "--out" in text:
+        return [*cmd, "--out", str(run.out / name)], None
+    return cmd, run.out / name
 
 
 def _normswap_help(run: Run, command: str) -> str:
@@ -640,6 +663,7 @@ def run_main(args) -> int:
     install([*sorted(WHL.glob("*.whl")), *ready], notes.append, HOME)
     run = Run(Path(args.out), args.budget - (time.monotonic() - t0), args.dry_run, args.commit, HOME,
               "-".join(args.parts))
+    run.bench_model = args.bench_model
     for line in notes:
         run.log(line)
     pkgs = run.versions["packages"]
@@ -677,6 +701,8 @@ def main(argv=None) -> int:
     r.add_argument("parts", nargs="+", help=f"{', '.join(PARTS)}; or tests, all")
     r.add_argument("--budget", type=float, default=540.0, help="seconds for the whole command (default 540)")
     r.add_argument("--commit", default=None, help="the commit the tree copy was made from (no .git travels)")
+    r.add_argument("--bench-model", default="smollm2-135m",
+                   help="what `normswap bench` times in the model part (a model, or a directory with a config.json)")
     r.add_argument("--dry-run", action="store_true",
                    help="on CPU through the Triton interpreter, tiny selections: checks the plumbing only")
     try:

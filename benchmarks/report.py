@@ -215,7 +215,7 @@ def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> 
         status = [ln for ln in text.splitlines() if ln.startswith(("## ", "outcomes so far", "pytest: "))]
         lines += [f"- `{path.name}`: " + "; ".join(s.removeprefix("## ") for s in status)]
     for path in sorted(results.rglob("*.json")):
-        if path in kernel_paths or "patch" not in path.name:
+        if path in kernel_paths or not ("patch" in path.name or "bench-" in path.name):
             continue
         try:
             doc = json.loads(path.read_text())

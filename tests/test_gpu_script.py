@@ -68,6 +68,26 @@ def test_stash_parts_reassemble_across_calls(gpu, isolated):
     assert [p.name for p in ready] == ["a.whl", "b.whl"] and "sha256" in missing["c.whl"]
 
 
+def test_install_falls_back_to_one_wheel_at_a_time(gpu, tmp_path):
+    """A wheel that does not install must not keep the others out (pip fails a whole batch)."""
+    import zipfile
+
+    good = tmp_path / "tiny_pkg-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(good, "w") as z:
+        z.writestr("tiny_pkg/__init__.py", "VALUE = 1\n")
+        z.writestr("tiny_pkg-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 0.1\n")
+        z.writestr("tiny_pkg-0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tiny_pkg-0.1.dist-info/RECORD", "")
+    bad = tmp_path / "broken_pkg-0.1-py3-none-any.whl"
+    bad.write_bytes(b"not a zip")
+    lines: list[str] = []
+    gpu.install([good, bad], lines.append, tmp_path / "machine")
+    site = tmp_path / "machine" / "site"
+    assert (site / "tiny_pkg" / "__init__.py").is_file() and (site / f".installed-{good.name}").exists()
+    assert not (site / f".installed-{bad.name}").exists()
+    assert len(lines) == 3 and "exit 0" in lines[1] and "exit 0" not in lines[2]
+
+
 def test_pytest_outcome_lines(gpu):
     plain = "tests/test_kernels_gpu.py::test_large_shapes[dtype0-shape1] PASSED    [ 12%]"
     xdist = "[gw3] [ 40%] FAILED tests/test_swap.py::test_smollm2_triton_on_cuda[bf16]"
@@ -83,6 +103,23 @@ def test_json_report_found_among_progress_lines(gpu):
     lines = ["load smollm2-135m:   0%|          | 0/1\r\n", "{not json\n", '{"ok": true,\n', ' "n": 61}\n', "tail\n"]
     assert gpu._last_json(lines) == {"ok": True, "n": 61}
     assert gpu._last_json(["normswap: error: bad input\n"]) is None
+
+
+def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
+    run = type("FakeRun", (), {"out": tmp_path, "prefix": "dev-2000-01-01", "bench_model": "cfg/llama-1b",
+                               "log": lambda self, line: logged.append(line)})()
+    logged: list[str] = []
+    ctx = {"backends": {"triton": None, "torch": None, "compile": None, "liger": "no CUDA", "quack": "absent"}}
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "")
+    assert gpu.bench_command(run, ctx) == (None, None) and "does not exist" in logged[0]
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST\n--fuse-residual\n--dtype\n--out FILE")
+    cmd, wrapper = gpu.bench_command(run, ctx)
+    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch,compile", "--json",
+                                       "--fuse-residual", "--dtype", "bf16", "--out",
+                                       str(tmp_path / "dev-2000-01-01-bench-llama-1b.json")]
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST")
+    cmd, wrapper = gpu.bench_command(run, ctx)
+    assert cmd[-1] == "--json" and wrapper == tmp_path / "dev-2000-01-01-bench-llama-1b.json"
 
 
 def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
