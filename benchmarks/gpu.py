@@ -449,9 +449,9 @@ def _importable(run: Run, module: str) -> bool:
 
 
 def part_tests_gpu(run: Run, ctx: dict) -> None:
-    args = ["-m", "gpu", "tests", *_pytest_extra(run)]
-    if not ctx["model_ready"]:  # it loads the real model: run in the `model` part once assembled
-        args += ["--deselect", MODEL_TEST]
+    # The real model's test runs in the `model` part, alone: xdist workers would each convert the
+    # GGUF into the same cache folder at once, and its wheel may not be assembled yet.
+    args = ["-m", "gpu", "tests", *_pytest_extra(run), "--deselect", MODEL_TEST]
     if run.dry_run:
         args = ["-m", "not gpu", "tests/test_kernels_rms.py", "-k", "test_empty_batch or test_bad_inputs"]
     run_pytest(run, "tests-gpu", args)
