@@ -133,6 +133,18 @@ def test_kernel_calls_are_options_kernels_py_takes(gpu):
     assert kernels.parse_args(["--dry-run"]).dry_run
 
 
+def test_default_bench_model_is_a_1b_class_llama(gpu):
+    """The config `normswap bench` times on the GPU (issue 14's targets name a 1B-class Llama): it
+    builds (on the meta device, no weights) with ~1.2B parameters and 33 RMSNorms."""
+    from normswap import walk
+    from normswap.loading import build_meta_model, resolve
+
+    model = build_meta_model(resolve(str(gpu.BENCH_MODEL)))
+    params = sum(p.numel() for p in model.parameters())
+    assert 1.2e9 < params < 1.3e9, params
+    assert sum(1 for f in walk.find_norms(model, warn=False) if f.spec is not None) == 2 * 16 + 1
+
+
 def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     assert gpu.main(["run", str(tmp_path), "tests", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
