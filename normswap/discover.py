@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from normswap import fold
+from normswap import fold, registry
 from normswap.consumers import SEQ_LEN, dummy_inputs
 
 # Refusal categories: why a LayerNorm cannot become an RMSNorm exactly.
@@ -265,16 +265,22 @@ class Discovery:
     note: str | None = None  # a trace that failed
 
 
-def _is_layer_norm_class(mod: nn.Module) -> bool:
-    if isinstance(mod, nn.LayerNorm):
-        return True
+def is_layer_norm(mod: nn.Module) -> bool:
+    """A LayerNorm-like module: the registry recognises it as a mean-subtracting norm, or (when
+    it does not recognise it) its class is named like one. RMS norms named *LayerNorm (T5's
+    family) are not."""
+    if next(mod.children(), None) is not None or not registry.is_norm_like(mod):
+        return False
+    spec = registry.recognise(mod).spec
+    if spec is not None:
+        return spec.kind == "layer"
     name = type(mod).__name__.lower()
-    return "layernorm" in name and "rms" not in name and not name.startswith("t5")
+    return isinstance(mod, nn.LayerNorm) or ("layernorm" in name and "rms" not in name)
 
 
 def layer_norm_paths(model: nn.Module) -> list[str]:
-    """LayerNorm-like modules by class (nn.LayerNorm and classes named *LayerNorm*, not RMS)."""
-    return [p for p, m in model.named_modules() if _is_layer_norm_class(m) and next(m.children(), None) is None]
+    """Paths of the LayerNorm-like modules of `model`, in module order."""
+    return [p for p, m in model.named_modules() if is_layer_norm(m)]
 
 
 def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:
@@ -294,9 +300,7 @@ class _Analysis:
         for i, n in enumerate(self.nodes):
             if n.op in _LAYER_NORM_OPS:
                 self.ln_ops.setdefault(n.module, []).append(i)
-        paths = set(layer_norm_paths(model)) | {
-            p for p in self.ln_ops if p in modules and next(modules[p].children(), None) is None
-            and "norm" in type(modules[p]).__name__.lower()}
+        paths = set(layer_norm_paths(model))
         order = {p: i for i, p in enumerate(modules)}
         self.norm_paths = sorted(paths, key=order.get)
         # Output tensor -> module, for the module kinds a term can be.

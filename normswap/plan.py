@@ -117,6 +117,7 @@ class Layout:
     untie: tuple[str, str] | None = None  # (head module, table module)
     eps: dict[str, float | None] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)  # every LayerNorm found, in module order
+    also_untied: dict[str, str] = field(default_factory=dict)  # other tied tensors, saved on their own
 
 
 def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arch_data: bool = True) -> Plan:
@@ -137,7 +138,22 @@ def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arc
         lns = {p: modules[p] for p in layout.norms}
         if not lns:
             _nothing_to_convert(model_type, modules)
+    if layout.untie is not None:
+        layout.also_untied = {t: s for t, s in _tied_pairs(model).items() if t != layout.untie[0]}
     return _build_plan(model_type, layout, modules, lns, keep_gain)
+
+
+def _tied_pairs(model) -> dict[str, str]:
+    """target -> source of the parameters transformers ties in this model (and that are tied now)."""
+    pairs = getattr(model, "all_tied_weights_keys", None) or {}
+    out = {}
+    for target, source in pairs.items():
+        try:
+            if model.get_parameter(target) is model.get_parameter(source):
+                out[target] = source
+        except AttributeError:
+            continue
+    return out
 
 
 def _nothing_to_convert(model_type: str, modules: dict) -> None:
@@ -284,7 +300,7 @@ def _build_plan(model_type: str, layout: Layout, modules: dict, lns: dict, keep_
                 d.category, d.why_not, d.rms = "norm-form", reason, False
             return Plan(model_type, source, list(norms.values()), [], [], [], None, {})
     untie = layout.untie
-    aliases = {untie[0]: untie[1]} if untie else {}
+    aliases = {untie[0]: untie[1], **layout.also_untied} if untie else {}
     tables, writers = list(layout.tables), list(layout.writers)
 
     jobs: list[Job] = []
@@ -343,6 +359,8 @@ def _build_plan(model_type: str, layout: Layout, modules: dict, lns: dict, keep_
         head_w, table_w = untie
         if not any(head_w in j.outputs for j in jobs):
             jobs.append(Job("copy", head_w.rsplit(".", 1)[0], [head_w], [table_w], source=table_w))
+        for target, src in layout.also_untied.items():
+            jobs.append(Job("copy", target.rsplit(".", 1)[0], [target], [src], source=src))
 
     outs_seen: dict[str, str] = {}
     for j in jobs:
