@@ -248,17 +248,55 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     kwargs["dtype"] = dtype if dtype is not None else "auto"
     if device is not None:
         kwargs["device_map"] = device
-    try:
-        model = cls.from_pretrained(source.path, config=config, **kwargs)
-    except NormswapError:
-        raise
-    except Exception as e:
-        msg = first_line(e)
-        raise NormswapError(f"{source.ref}: cannot load the weights: {msg}") from None
+    model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
     return model.eval()
+
+
+def from_pretrained_checked(cls, path, ref: str, **kwargs):
+    """cls.from_pretrained(path, **kwargs), refusing a checkpoint that does not fill the model its
+    config describes. transformers only warns about missing keys (it initialises them randomly)
+    and unexpected ones (it drops them), so a config with one layer too few or too many loads
+    "fine", and a save, a verification or a perplexity built on it is wrong. Every load that
+    feeds one goes through here."""
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    except NormswapError:
+        raise
+    except Exception as e:
+        raise NormswapError(f"{ref}: cannot load the weights: {first_line(e)}") from None
+    check_loading_info(model, info, ref)
+    return model
+
+
+def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
+    """One line naming the first few keys when the checkpoint and the model disagree, except the
+    keys the architecture declares ignorable (transformers already leaves tied ones out)."""
+    def kept(keys, patterns):
+        patterns = [re.compile(p) for p in patterns or ()]
+        return sorted(k for k in keys if not any(p.search(k) for p in patterns))
+
+    def first(keys):
+        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+    problems = []
+    missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
+    unexpected = kept(info.get("unexpected_keys", ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
+            [f"{k} (checkpoint {list(a)}, config {list(b)})" for k, a, b in mismatched]))
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing from the checkpoint: {first(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
+    if info.get("error_msgs"):
+        problems.append(first_line(info["error_msgs"][0]))
+    if problems:
+        raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
+                            "is the config from another model size?")
 
 
 def load_tokenizer(source: ModelSource):
@@ -312,8 +350,11 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
         return model
     wanted = {m["path"]: m for m in section["modules"]}
     forms = {p: RmsForm.coerce(m["rms_form"]) for p, m in wanted.items() if m.get("rms_form")}
+    # A fused checkpoint gets its recorded adds fused again (no search; checked when verify=True).
+    fused = section.get("fuse_residual")
     report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_forms=forms, progress=progress)
+                   verify=verify, rms_forms=forms, progress=progress,
+                   fuse_residual=fused if fused is not None else False)
     got = {m.path: m for m in report.patched}
     for path, m in wanted.items():
         if path not in got:

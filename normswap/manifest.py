@@ -20,7 +20,8 @@ Composition rules (the convert -> patch speedup path):
   section of its input is not carried: the patch was verified against the input's weights, not
   the converted ones (run `normswap patch` on the output). A "convert" section of its input is
   replaced by the new one (converting again folds ones and zeros: a no-op).
-- `normswap.load(DIR)` (normswap.loading) applies the "patch" section (impl, modules, RMS forms); a directory that
+- `normswap.load(DIR)` (normswap.loading) applies the "patch" section (impl, modules, RMS forms, and the
+  residual adds fused into their norms under "fuse_residual", writer -> norm); a directory that
   is only converted gets its zero-mean LayerNorms run as RMS norms.
 """
 
@@ -77,6 +78,9 @@ def patch_section(report, source: str | None = None) -> dict[str, Any]:
         "left_alone": [{"path": m.path, "class": m.module_class, "status": m.status, "reason": m.reason}
                        for m in report.modules if m.status in ("excluded", "unknown")],
         "model_check": report.model_check.to_dict() if report.model_check else None,
+        # writer path -> norm path of each residual add fused into its norm (normswap.fuse);
+        # absent when the patch did not fuse
+        **({"fuse_residual": dict(report.fusion.pairs)} if report.fusion is not None else {}),
     }
 
 
@@ -140,6 +144,9 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
         if "patch" in data:
             p = data["patch"]
             str(p["impl"])
+            fused = p.get("fuse_residual", {})
+            if not isinstance(fused, dict) or not all(isinstance(v, str) for v in fused.values()):
+                raise TypeError("fuse_residual must map writer paths to norm paths")
             for m in p["modules"]:
                 if not isinstance(m["spec"], NormSpec):
                     m["spec"] = NormSpec.from_dict(m["spec"])

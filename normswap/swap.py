@@ -20,6 +20,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
+from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
@@ -71,6 +72,7 @@ class PatchReport:
     modules: list[ModuleEntry] = field(default_factory=list)
     model_check: ModelCheck | None = None
     verified: bool = True
+    fusion: FusionReport | None = None  # patch(fuse_residual=True): the fused residual adds
 
     def by_status(self, status: str) -> list[ModuleEntry]:
         return [m for m in self.modules if m.status == status]
@@ -85,7 +87,8 @@ class PatchReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and (self.model_check is None or self.model_check.passed)
+        return (not self.failed and (self.model_check is None or self.model_check.passed)
+                and (self.fusion is None or self.fusion.ok))
 
     def max_errors(self) -> tuple[float, float]:
         """Largest per-module error vs float64 over the patched modules: (original, replacement)."""
@@ -102,6 +105,7 @@ class PatchReport:
             "max_err_original": e_orig, "max_err_replacement": e_new,
             "modules": [m.to_dict() for m in self.modules],
             "model_check": self.model_check.to_dict() if self.model_check else None,
+            "fuse_residual": self.fusion.to_dict() if self.fusion else None,
         }
 
 
@@ -135,6 +139,7 @@ def patch(
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
     progress: Callable[[str], None] | None = None,
+    fuse_residual: bool | Mapping[str, str] = False,
 ) -> PatchReport:
     """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
 
@@ -146,6 +151,11 @@ def patch(
     bare path applies both). verify=False skips
     the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
     is undone and VerificationError (a NormswapError, carrying the report) is raised.
+
+    fuse_residual=True then fuses each residual add into the patched norm that reads the sum
+    (normswap.fuse: one kernel call computes the add and the norm), found by one forward pass; a
+    mapping writer path -> norm path (a manifest's record) applies those pairs without the search.
+    The fused model's output is checked against the unfused patched model (when check_model).
     """
     from normswap import walk
 
@@ -213,6 +223,8 @@ def patch(
         if before is not None:
             kind, after = model_output(model, batch)
             report.model_check = compare_outputs(kind, dtype, before, after)
+        if fuse_residual is not False and report.ok:
+            report.fusion = _fuse(model, fuse_residual, batch, check_model, dtype)
     except BaseException:
         _undo(model, swapped)
         raise
@@ -220,6 +232,19 @@ def patch(
         _undo(model, swapped)
         raise VerificationError(_failure_message(report), report)
     return report
+
+
+def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
+    from normswap import fuse
+
+    pairs = None if fuse_residual is True else dict(fuse_residual)
+    if batch is None and (check or pairs is None):
+        try:
+            batch = probe_batch(model)
+        except ValueError:
+            raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
+                                "residual adds go") from None
+    return fuse.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
 
 
 def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
@@ -252,13 +277,19 @@ def _failure_message(report: PatchReport) -> str:
         return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
                 f"{first.reason}{more}; nothing was changed (exclude it with --exclude REGEX)")
     mc = report.model_check
+    if report.fusion is not None and not report.fusion.ok:
+        fc = report.fusion.model_check
+        return (f"the fused residual adds change the output beyond the dtype's rounding: max |Δ{fc.kind}| "
+                f"{fc.max_abs_diff:.3g} > {fc.rtol:g} x {fc.max_abs_value:.3g} against the unfused patch; "
+                "nothing was changed")
     return (f"whole-model check failed with impl {report.impl}: max |Δ{mc.kind}| {mc.max_abs_diff:.3g} > "
             f"{mc.rtol:g} x {mc.max_abs_value:.3g}; nothing was changed")
 
 
 def _undo(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
-    from normswap import walk
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     for path, original in reversed(swapped):
         current = walk.get_submodule(model, path)
         if isinstance(current, NormswapNorm):
@@ -272,9 +303,11 @@ def patched_modules(model: nn.Module) -> list[tuple[str, NormswapNorm]]:
 
 
 def revert(model: nn.Module) -> list[str]:
-    """Put every original norm back (holding the current Parameters); return the paths."""
-    from normswap import walk
+    """Put every original norm back (holding the current Parameters) and remove a residual
+    fusion; return the paths."""
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     paths = []
     for path, rep in patched_modules(model):
         original = restore_original(rep)
@@ -288,9 +321,10 @@ def revert(model: nn.Module) -> list[str]:
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import walk
+    from normswap import fuse, walk
 
     reps = patched_modules(model)
+    pairs = fuse.disable(model)
     for path, rep in reps:
         walk.set_submodule(model, path, restore_original(rep))
     try:
@@ -298,6 +332,8 @@ def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for path, rep in reps:
             walk.set_submodule(model, path, rep)
+        if pairs:
+            fuse.enable(model, pairs)
 
 
 def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:

@@ -38,7 +38,7 @@ def _check_writable(target: Path) -> None:
 @click.argument("model")
 @click.option("--impl", type=click.Choice(IMPLS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out", default=None, metavar="DIR",
               help="Save the patched checkpoint here (refused if it exists, unless --force).")
 @click.option("--in-place", is_flag=True, help="Replace MODEL's own directory (atomically, after the check).")
 @click.option("--only", default=None, metavar="REGEX", help="Patch only norms whose path matches.")
@@ -52,13 +52,15 @@ def _check_writable(target: Path) -> None:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
               help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
+@click.option("--fuse-residual", is_flag=True,
+              help="Also fuse each residual add into the norm that reads the sum (one kernel call).")
 @click.option("--eval", "eval_path", default=None, metavar="PATH",
               help="After patching, diff the patched model against the original on this text (see `normswap diff`).")
 @click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context).")
 @click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text.")
 @json_option
 def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, force, max_shard_size, use_rms,
-              eval_path, eval_max_length, eval_max_tokens, as_json):
+              fuse_residual, eval_path, eval_max_length, eval_max_tokens, as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
@@ -70,9 +72,13 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
 
     With --eval PATH the patched model is also scored against an untouched copy of the original
     (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes.
+
+    With --fuse-residual each residual add is computed by the kernel of the norm that reads the
+    sum (within a layer and across layers); the fused output is checked against the unfused patch,
+    and the manifest records the pairs so that normswap.load fuses them again.
     """
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched
+    from normswap.checkpoint import check_out_target, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
     from normswap.manifest import rms_forms
     from normswap.swap import VerificationError, patch, regex_filter
@@ -91,6 +97,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
                                 "(use --out DIR)")
         target = source.path
         _refuse_lossy_in_place(source, config, parse_dtype(dtype))
+        # a second --in-place run on this directory is refused before it loads anything
+        click.get_current_context().with_resource(target_lock(target))
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
@@ -116,7 +124,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     try:
         with _bar(f"patch+verify ({impl})", n, "module") as bar:
             report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms,
-                           progress=lambda _p: bar.update(1))
+                           progress=lambda _p: bar.update(1), fuse_residual=fuse_residual)
     except VerificationError as e:
         emit(_payload(e.report, model, None, device=device), as_json, _render)
         raise
@@ -212,6 +220,14 @@ def _render(data: dict) -> None:
         console.print(f"whole model: max |Δ{mc['kind']}| {_fmt(mc['max_abs_diff'])} "
                       f"(limit {mc['rtol']:g} x {_fmt(mc['max_abs_value'])}){agree}: "
                       f"{'pass' if mc['passed'] else 'FAIL'}")
+    fused = data.get("fuse_residual")
+    if fused:
+        fc = fused["model_check"]
+        check = (f"; fused vs unfused max |Δ{fc['kind']}| {_fmt(fc['max_abs_diff'])}: "
+                 f"{'pass' if fc['passed'] else 'FAIL'}") if fc else ""
+        console.print(f"residual adds fused into their norms: {fused['fused']} writers{check}")
+        for u in fused["unfused"]:
+            console.print(f"  left unfused: {u['writer']}: {u['reason']}")
     if data.get("eval"):
         from normswap.cli.diff import render_diff
 
