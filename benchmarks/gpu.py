@@ -579,6 +579,9 @@ def part_model(run: Run, ctx: dict) -> None:
 
 def part_bench(run: Run, ctx: dict) -> None:
     """`normswap bench` (issue 14), where the tree has it."""
+    if run.dry_run and (ROOT / run.bench_model).resolve() == BENCH_MODEL.resolve():
+        run.log("bench: not run in a dry run (1.2B parameters on a CPU); pass a small --bench-model to check it")
+        return
     cmd, dest = bench_command(run, ctx)
     if cmd is not None:
         normswap_command(run, cmd, min(CAPS["bench"], run.left()), dest)
@@ -602,11 +605,17 @@ def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
         run.log("model: `normswap bench` does not exist in this tree: not run")
         return None, None
     impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
+    if run.dry_run:  # CPU plumbing: no inductor (~30 s a graph), few short calls
+        impls = [b for b in impls if b in ("triton", "torch")]
     name = f"{run.prefix}-bench-{slug(Path(run.bench_model).name)}.json"
     cmd = ["bench", run.bench_model, "--impl", ",".join(impls), "--json"]
     cmd += ["--fuse-residual"] if "--fuse-residual" in text else []
     cmd += ["--dtype", "bf16"] if "--dtype" in text else []
-    cmd += ["--seq", "2048"] if "--seq" in text and not run.dry_run else []  # the issue-14 targets' length
+    if run.dry_run:
+        cmd += [a for opt, val in (("--seq", "16"), ("--warmup", "1"), ("--repeats", "2")) if opt in text
+                for a in (opt, val)]
+    elif "--seq" in text:
+        cmd += ["--seq", "2048"]  # the issue-14 targets' sequence length
     if "--out" in text:
         return [*cmd, "--out", str(run.out / name)], None
     return cmd, run.out / name
