@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normswap import fold, registry
-from normswap.consumers import SEQ_LEN, dummy_inputs
+from normswap.consumers import SEQ_LEN, dummy_inputs, tensors_in
 
 # Refusal categories: why a LayerNorm cannot become an RMSNorm exactly.
 REFUSALS = {
@@ -85,19 +85,6 @@ def _key(t: torch.Tensor):
     return (id(t), t._version)
 
 
-def _tensors(obj) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-    elif hasattr(obj, "to_tuple"):  # transformers ModelOutput
-        yield from _tensors(obj.to_tuple())
-
-
 class _Recorder(TorchDispatchMode):
     """Records every aten operation as a _Node (see the module docstring)."""
 
@@ -124,7 +111,7 @@ class _Recorder(TorchDispatchMode):
         shapes_in = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
         kw = {k: self._keys(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
-        outs = list(_tensors(out))
+        outs = list(tensors_in(out))
         self.keep.append(outs)
         # An in-place op's version bump happens after this mode returns (ADInplaceOrView sits
         # above it), so the value it makes is keyed with the version the caller will see.
@@ -184,14 +171,14 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
     def pre(path):
         def hook(_m, args, kwargs):
             rec.stack.append(path)
-            keys = [_key(t) for t in _tensors(list(args) + list(kwargs.values()))]
+            keys = [_key(t) for t in tensors_in(list(args) + list(kwargs.values()))]
             calls.setdefault(path, []).append(_Call(keys, []))
         return hook
 
     def post(path):
         def hook(_m, _args, output):
             rec.stack.pop()
-            outs = list(_tensors(output))
+            outs = list(tensors_in(output))
             rec.keep.append(outs)
             calls[path][-1].outs = [_key(t) for t in outs]
         return hook
@@ -210,7 +197,7 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
         try:
             with torch.no_grad(), rec:
                 out = model(**(inputs if inputs is not None else dummy_inputs(model)))
-            output_keys = {_key(t) for t in _tensors(out)}
+            output_keys = {_key(t) for t in tensors_in(out)}
         except Exception as e:  # any model code may fail on meta tensors; say so per norm
             first = (str(e).strip().splitlines() or [""])[0][:120]
             error = f"the forward did not run on a dummy input ({e.__class__.__name__}: {first})"
