@@ -115,7 +115,7 @@ def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     offered = "--impl LIST\n--fuse-residual\n--dtype\n--seq N\n--warmup N\n--repeats N\n--out FILE"
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: offered)
     cmd, wrapper = gpu.bench_command(run, ctx)
-    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch,compile", "--json",
+    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch", "--json",
                                        "--fuse-residual", "--dtype", "bf16", "--seq", "2048", "--out",
                                        str(tmp_path / "dev-2000-01-01-bench-llama-1b.json")]
     run.dry_run = True  # CPU plumbing: no inductor, short calls
@@ -155,6 +155,11 @@ def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown part 'nope'" in err[0] and "rms" in err[0]
     assert gpu.main(["run", str(tmp_path)]) == 2  # no part: argparse's usage error, exit 2
+    capsys.readouterr()
+    for bad in ("layer", "layer=x", "nope=10"):
+        assert gpu.main(["run", str(tmp_path), "layer", "--cap", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "want PART=SECONDS" in err[0]
     assert gpu.expand(["tests", "rms", "tests-gpu"]) == ["tests-gpu", "tests-kernels", "rms"]
 
 
