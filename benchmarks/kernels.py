@@ -6,7 +6,7 @@
 
 Measures the device copy bandwidth first (dst.copy_(src), bytes read + written), then forward and
 forward+backward of rms_norm and layer_norm for each backend, bf16 and fp32, rows {4096, 32768} x
-hidden {1024 .. 262144} plus 512 x 4096, each without and with the fused residual add. Times come
+hidden {1024 .. 262144} plus 512 x 4096; with --residual, the fused residual add + norm. Times come
 from CUDA-graph replays (triton's do_bench_cudagraph) by default, `--timing events` for CUDA
 events; a case the chosen method cannot time is an `error` row with the reason, never silently
 timed another way. Inside the timed region the case rotates over several input sets totalling
@@ -70,8 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="comma list of row counts (default 4096,32768)")
     p.add_argument("--hidden", default=None, help="comma list of hidden sizes (default 1024..262144)")
     p.add_argument("--no-small", action="store_true", help="leave out the 512x4096 shape")
-    p.add_argument("--residual", choices=("no", "yes", "both"), default="both",
-                   help="time the plain norm, the fused residual add + norm, or both (default)")
+    p.add_argument("--residual", action="store_true",
+                   help="time the fused residual add + norm, norm(x + residual) and h = x + residual, "
+                        "instead of the plain norm (rows keep both apart: residual true/false)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="CUDA-graph replays (default; host overhead excluded) or CUDA events")
     p.add_argument("--casting", default="gemma",
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
     from normswap.errors import NormswapError
 
     reps = 3 if device == "cpu" else 0
-    residuals = {"no": (False,), "yes": (True,), "both": (False, True)}[args.residual]
+    residuals = (True,) if args.residual else (False,)
     rows: list[dict] = []
     grid = [(op, p, dn, m, n, res) for op in csv(args.ops) for p in csv(args.passes) for dn in dtypes
             for (m, n) in shapes(args) for res in residuals]

@@ -235,7 +235,7 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     assert set(doc) == {"device", "torch", "triton", "commit", "versions", "copy_gbs", "l2_bytes", "rows"}
     assert doc["copy_gbs"] > 0
     assert set(doc["versions"]) == {"reference", "torch"} and doc["versions"]["torch"]
-    assert len(doc["rows"]) == 2 * 2 * 2 * 2 * 2  # ops x passes x dtypes x impls x (plain, residual), one shape
+    assert len(doc["rows"]) == 2 * 2 * 2 * 2  # ops x passes x dtypes x impls, one shape
     for r in doc["rows"]:
         assert set(r) == {"op", "pass", "dtype", "M", "N", "residual", "impl", "casting", "timing", "us", "gbs",
                           "bytes", "sets"}
@@ -253,7 +253,12 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     # A second run of a part merges into the same file instead of dropping the rest.
     assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
-    assert len(json.loads(out.read_text())["rows"]) == 32
+    assert len(json.loads(out.read_text())["rows"]) == 16
+    # The fused residual path is timed apart and kept apart (its own rows, residual true).
+    assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd,fwd+bwd",
+                       "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--residual", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 18 and sum(r["residual"] for r in rows) == 2
     # CUDA-only backends are refused in a dry run whether or not they import (they would crash on CPU tensors).
     for name in ("liger", "quack"):
         assert bench.main(["--dry-run", "--impls", name]) == 2
@@ -286,7 +291,7 @@ def test_benchmark_survives_a_backend_failing_one_shape(tmp_path, capsys, monkey
                         if not (op == "rms_norm" and n == 48)}
     # The failures stay in the JSON, with their reason.
     failed = [r for r in rows if "skip" in r]
-    assert len(failed) == 2 * 2 and all(r["op"] == "rms_norm" and r["N"] == 48 for r in failed)
+    assert len(failed) == 2 and all(r["op"] == "rms_norm" and r["N"] == 48 for r in failed)
     assert all(r["skip"].startswith("error: RuntimeError: Cannot launch") for r in failed)
 
 
