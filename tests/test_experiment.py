@@ -342,6 +342,9 @@ def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretraine
     one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one"), "--set", "finetune.grad_accum=2"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
+    printed = json.loads(one.stdout)  # --json: one document on stdout
+    assert [r["arm"] for r in printed["summary"]] == arms and printed["files"]["results.json"]
+    assert ddp.stdout.count('"summary"') == 1  # only the main process reports
     a = json.loads((tmp_path / "ddp" / "results.json").read_text())
     b = json.loads((tmp_path / "one" / "results.json").read_text())
     assert a["environment"]["num_processes"] == 2 and b["environment"]["num_processes"] == 1
