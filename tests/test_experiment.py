@@ -134,6 +134,13 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert (r.finetune.steps, r.finetune.lr, r.impl, r.arms) == (7, 0.01, "triton", ["exact", "approx+ft"])
     assert r.fingerprint() != load_recipe(path).fingerprint()
     assert load_recipe(path, ["arms=exact"]).fingerprint() == load_recipe(path).fingerprint()
+    # Texts count by content, not by where the checkout lies.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "genesis.txt").write_bytes(GENESIS.read_bytes())
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() == load_recipe(path).fingerprint()
+    (moved / "genesis.txt").write_text("other text\n")
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() != load_recipe(path).fingerprint()
 
 
 def test_not_toml_and_missing_file(tmp_path):
