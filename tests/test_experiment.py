@@ -134,6 +134,13 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert (r.finetune.steps, r.finetune.lr, r.impl, r.arms) == (7, 0.01, "triton", ["exact", "approx+ft"])
     assert r.fingerprint() != load_recipe(path).fingerprint()
     assert load_recipe(path, ["arms=exact"]).fingerprint() == load_recipe(path).fingerprint()
+    # Texts count by content, not by where the checkout lies.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "genesis.txt").write_bytes(GENESIS.read_bytes())
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() == load_recipe(path).fingerprint()
+    (moved / "genesis.txt").write_text("other text\n")
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() != load_recipe(path).fingerprint()
 
 
 def test_not_toml_and_missing_file(tmp_path):
@@ -342,6 +349,9 @@ def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretraine
     one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one"), "--set", "finetune.grad_accum=2"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
+    printed = json.loads(one.stdout)  # --json: one document on stdout
+    assert [r["arm"] for r in printed["summary"]] == arms and printed["files"]["results.json"]
+    assert ddp.stdout.count('"summary"') == 1  # only the main process reports
     a = json.loads((tmp_path / "ddp" / "results.json").read_text())
     b = json.loads((tmp_path / "one" / "results.json").read_text())
     assert a["environment"]["num_processes"] == 2 and b["environment"]["num_processes"] == 1
