@@ -6,7 +6,8 @@ add into the norm in its own model code; here the model's code is left as it is,
 happens by *anticipation* at the add:
 
 1. A forward hook on each writer (the module whose output is added into the stream, named per
-   architecture in residual_writers.toml or the convert data) tags its output as a StreamTensor
+   architecture in residual_writers.toml or the convert data, or found by normswap.discover's
+   traced forward for other LayerNorm models) tags its output as a StreamTensor
    that knows which norm will read the sum ("write" role).
 2. Python's `residual + output` reaches StreamTensor.__torch_function__, which calls that norm's
    fused kernel once: (y, h) = norm(residual + output), h = the sum as stored. It returns h,
@@ -296,16 +297,25 @@ def writer_patterns(model_type: str | None) -> list[str]:
 
 
 def find_writers(model: nn.Module) -> list[str]:
-    """Paths of the modules in `model` that write into its residual stream, in module order. A
-    pattern names the modules of a *ForCausalLM model; a bare base model (no `model.` prefix) is
-    matched without the pattern's first component."""
+    """Paths of the modules in `model` that write into its residual stream, in module order.
+
+    From the data when normswap has it (a pattern names the modules of a *ForCausalLM model; a
+    bare base model is matched without the pattern's first component); otherwise, for LayerNorm
+    models, the writers that stream discovery (normswap.discover, one traced forward) finds."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     regexes = []
     for pattern in writer_patterns(model_type):
         for p in (pattern, pattern.split(".", 1)[-1]):
             parts = [re.escape(s) for s in p.split("{i}")]
             regexes.append(re.compile("^" + r"\d+".join(parts) + "$"))
-    return [path for path, _ in model.named_modules() if path and any(r.match(path) for r in regexes)]
+    if regexes:
+        return [path for path, _ in model.named_modules() if path and any(r.match(path) for r in regexes)]
+    from normswap.discover import discover
+    from normswap.swap import unpatched
+
+    with unpatched(model):  # discovery reads the original LayerNorm modules
+        found = discover(model)
+    return [path for path, _ in found.writers]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +435,8 @@ def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
         writers = find_writers(model)
         if not writers:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
-            raise NormswapError(f"--fuse-residual: normswap does not know the residual writers of model_type "
-                                f"{model_type!r} (normswap/residual_writers.toml)")
+            raise NormswapError(f"--fuse-residual: no residual writers known or discovered for model_type "
+                                f"{model_type!r} (normswap/residual_writers.toml; discovery covers LayerNorm models)")
         pairs, report.unfused = discover(model, batch, writers)
     before = model_output(model, batch)[1] if check else None
     enable(model, pairs)
