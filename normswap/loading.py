@@ -276,6 +276,19 @@ def load_tokenizer(source: ModelSource):
 # ---------------------------------------------------------------------------------------------
 
 
+def _recorded_config(section: dict):
+    """The PatchConfig of a manifest's patch section. One written before the config was recorded
+    whole names no paths: its patched modules (and their RMS forms) are the paths."""
+    from normswap.swap import PatchConfig
+
+    config = PatchConfig.from_dict(section)
+    if "paths" in section:
+        return config
+    modules = section["modules"]
+    return PatchConfig(config.impl, paths=tuple(m["path"] for m in modules),
+                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")})
+
+
 def _same_family(a, b) -> bool:
     """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
     da, db = a.to_dict(), b.to_dict()
@@ -294,9 +307,10 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
     verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
     """
+    import dataclasses
+
     from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
-    from normswap.modules import RmsForm
-    from normswap.swap import patch
+    from normswap.swap import PatchConfig, patch
 
     source = resolve(directory)
     manifest = read_manifest(source.path)
@@ -306,14 +320,14 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch
         forms = rms_forms(manifest)
-        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
-                       rms_forms=forms, progress=progress)
-        model.normswap_report = report
+        config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
+        model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
+    config = _recorded_config(section)
+    if impl is not None:
+        config = dataclasses.replace(config, impl=impl)
+    report = patch(model, config, verify=verify, progress=progress)
     wanted = {m["path"]: m for m in section["modules"]}
-    forms = {p: RmsForm.coerce(m["rms_form"]) for p, m in wanted.items() if m.get("rms_form")}
-    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_forms=forms, progress=progress)
     got = {m.path: m for m in report.patched}
     for path, m in wanted.items():
         if path not in got:
