@@ -102,7 +102,7 @@ def child(src: str, out: str, streaming: bool) -> None:
     """Run in a fresh process: convert and print one JSON line of measurements."""
     import normswap  # noqa: F401  (sets the environment before transformers)
     from normswap import loading
-    from normswap.convert import convert_directory
+    from normswap.convert_dir import convert_directory
 
     source = loading.resolve(src)
     loading.build_meta_model(source)  # warm the import of the model class
@@ -131,9 +131,9 @@ def child(src: str, out: str, streaming: bool) -> None:
 
 def largest_group_bytes(layers: int, hidden: int, vocab: int) -> int:
     """Bytes a streaming job holds at once: its fp32 input (mapped), its fp32 output and one slice
-    of float64 work (normswap.convert.CHUNK_ELEMENTS elements, about three live copies). The
+    of float64 work (normswap.jobs.CHUNK_ELEMENTS elements, about three live copies). The
     biggest job here is centering wte (or copying it into the untied lm_head)."""
-    from normswap.convert import CHUNK_ELEMENTS
+    from normswap.jobs import CHUNK_ELEMENTS
 
     d = hidden
     biggest = max(vocab * d, d * 4 * d + 6 * d)

@@ -272,15 +272,10 @@ def convert_checkpoint(
     publish atomically. A model that cannot be converted (some norm, without partial=True)
     raises ConversionRefused with the per-norm report; nothing is written."""
     from normswap.checkpoint import check_out_target, staged_dir
-    from normswap.convert import (
-        build_manifest,
-        check_refusals,
-        convert_directory,
-        plan_conversion,
-        verify_conversion,
-    )
+    from normswap.convert_dir import convert_directory, verify_conversion
     from normswap.loading import build_meta_model, load_config, resolve
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
+    from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     source = resolve(model)
     config = load_config(source)

@@ -1,7 +1,7 @@
 """Shard-by-shard conversion of a safetensors checkpoint.
 
 Only the tensors of the job being folded are in memory at once: they are read with safetensors'
-lazy `safe_open`, transformed (normswap.convert.run_job), and written straight to their place in
+lazy `safe_open`, transformed (normswap.jobs.run_job), and written straight to their place in
 the output file. The output files' headers are written first (every tensor's dtype and shape is
 known before any data is read), so each tensor lands at its final offset with one seek + write
 and no shard is ever assembled in memory. Peak memory is therefore the largest job (typically the
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from normswap.convert import Plan, run_job
 from normswap.errors import NormswapError, first_line
+from normswap.jobs import keep_dtype, run_job
+from normswap.plan import Plan
 from normswap.progress import ProgressFn
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -191,8 +192,6 @@ def convert_files(
 ) -> dict[str, dict]:
     """Convert the safetensors checkpoint in `src` into `out` (same shard files, same tensor names
     plus an untied head); returns the jobs' infos (e.g. BLOOM's bake scale)."""
-    from normswap.convert import keep_dtype
-
     policy = out_dtype or keep_dtype(None)
     reader = CheckpointReader(Path(src), model_names, prefix, plan.aliases)
     job_outputs = {o for j in plan.jobs for o in j.outputs}

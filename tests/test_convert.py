@@ -10,10 +10,11 @@ import pytest
 import torch
 import transformers
 
-from normswap.convert import build_manifest, convert_model, plan_conversion
+from normswap.convert import convert_model
 from normswap.errors import NormswapError
 from normswap.manifest import rms_forms
 from normswap.modules import RmsForm
+from normswap.plan import build_manifest, plan_conversion
 from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, tiny_model
 
 ARCHS_CONVERTED = ["gpt2", "opt", "gpt_neox", "phi", "falcon", "falcon_new", "bloom"]

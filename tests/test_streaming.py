@@ -10,7 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from normswap import streaming as st
-from normswap.convert import convert_directory, convert_model, verify_conversion
+from normswap.convert import convert_model
+from normswap.convert_dir import convert_directory, verify_conversion
 from normswap.loading import resolve
 from tests.tiny_models import save_tiny, tiny_model
 
@@ -187,10 +188,10 @@ def test_streaming_holds_one_group_at_a_time(tmp_path, monkeypatch, streaming):
 @pytest.mark.parametrize("arch", ["bloom", "phi", "gpt2"])
 def test_sliced_float64_work_is_still_exact(arch, tmp_path, monkeypatch):
     """Big tensors are worked on a slice at a time; force many slices and check the result."""
-    import normswap.convert as cv
+    import normswap.jobs as jobs
     from tests.test_convert import logits, probe, rel_err
 
-    monkeypatch.setattr(cv, "CHUNK_ELEMENTS", 70)  # a couple of rows per slice
+    monkeypatch.setattr(jobs, "CHUNK_ELEMENTS", 70)  # a couple of rows per slice
     model = tiny_model(arch, dtype=torch.float64)
     ids = probe()
     ref = logits(model, ids)

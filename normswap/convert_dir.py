@@ -1,0 +1,167 @@
+"""Converting a checkpoint directory (safetensors shard by shard; anything else in memory),
+and verifying the result: a stock reload whose logits match the original's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from normswap import streaming as st
+from normswap.archs import load_arch
+from normswap.convert import check_zero_mean, convert_model, probe_batch, probe_logits
+from normswap.errors import NormswapError
+from normswap.jobs import keep_dtype, record_infos
+from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
+from normswap.plan import build_manifest, check_refusals, plan_conversion
+from normswap.progress import ProgressFn
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def convert_directory(
+    source,
+    out_dir: str | os.PathLike,
+    keep_gain: bool = False,
+    partial: bool = False,
+    dtype: torch.dtype | None = None,
+    streaming: bool = True,
+    progress: bool | ProgressFn = False,
+    config=None,
+    manifest: bool = True,
+) -> dict:
+    """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
+    directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, and (unless
+    manifest=False: the caller writes it once, verified) the manifest. Returns the convert section.
+    Safetensors checkpoints are converted shard by shard; anything else is loaded whole.
+    config: loading.load_config(source) when the caller already read it."""
+    from normswap import loading
+
+    out = Path(out_dir)
+    config = loading.load_config(source) if config is None else config
+    meta = loading.build_meta_model(source, config)
+    plan = plan_conversion(meta, config, keep_gain=keep_gain)
+    check_refusals(plan, partial)
+    policy = keep_dtype(dtype)
+    has_safetensors = source.gguf_file is None and (
+        (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()
+    )
+    if has_safetensors:
+        names = list(meta.state_dict().keys())
+        arch = load_arch(plan.model_type)
+        infos = st.convert_files(
+            source.path, out, plan, names, prefix=arch.prefix if arch else "",
+            out_dtype=policy, streaming=streaming, progress=progress,
+        )
+        record_infos(plan, infos)
+        cfg = json.loads((source.path / "config.json").read_text())
+        if plan.untie is not None:
+            _untie_config_dict(cfg)
+        if dtype is not None:
+            for key in ("dtype", "torch_dtype"):
+                if key in cfg or key == "dtype":
+                    cfg[key] = str(dtype).replace("torch.", "")
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for f in sorted(source.path.iterdir()):
+            if f.is_file() and f.name not in ("config.json", MANIFEST_NAME, st.INDEX_NAME) and not f.name.endswith(
+                _WEIGHT_FILES
+            ):
+                shutil.copy2(f, out / f.name)
+    else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
+        # With --dtype, load in float64 and cast after the conversion: loading straight into the
+        # target dtype would round the weights once before the float64 arithmetic and once after.
+        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config)
+        plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
+        if dtype is not None:
+            model.to(dtype)
+        model.save_pretrained(out)
+        try:
+            loading.load_tokenizer(source).save_pretrained(out)
+        except NormswapError:
+            pass
+    section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
+    # Only a convert section: a patch section of the source (if any) was verified against the
+    # unconverted weights and is not carried (see normswap.manifest).
+    if manifest:
+        write_manifest(out, new_manifest(convert=section))
+    return section
+
+
+def _untie_config_dict(cfg: dict) -> None:
+    cfg["tie_word_embeddings"] = False
+    for sub in ("text_config",):
+        if isinstance(cfg.get(sub), dict) and "tie_word_embeddings" in cfg[sub]:
+            cfg[sub]["tie_word_embeddings"] = False
+
+
+def _run_as_rms(model, manifest) -> None:
+    """The speedup path on a converted model: every zero-mean LayerNorm as an RMS norm (reference
+    backend: float64 stays float64), every other norm left alone. In place, unverified: the
+    caller compares logits."""
+    from normswap.swap import PatchConfig, patch
+
+    forms = rms_forms(manifest)
+    if forms:
+        patch(model, PatchConfig("reference", paths=tuple(forms), rms_forms=forms), verify=False)
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Max |Δlogit| / max |logit| accepted by verification, per stored dtype: the converted
+    weights are rounded once to it, so the gate scales with its precision."""
+    return {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
+
+
+def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None,
+                      config=None) -> dict:
+    """Reload the converted directory with stock transformers; compare its logits (and those of
+    its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance.
+    config: loading.load_config(source) when the caller already read it."""
+    from normswap import loading
+
+    config = loading.load_config(source) if config is None else config
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    conv_cfg = loading.load_config(loading.resolve(converted_dir))
+    conv_dtype = getattr(conv_cfg, "dtype", None) or stored
+    if isinstance(conv_dtype, str):
+        conv_dtype = getattr(torch, conv_dtype, torch.float32)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, torch.float32)
+    run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
+    ids = probe_batch(config) if batch is None else batch
+    original = loading.load_model(source, dtype=run_dtype, config=config)
+    ref = probe_logits(original, ids)
+    del original
+    converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
+    got = probe_logits(converted, ids)
+    zero_mean = check_zero_mean(converted, manifest, ids, raise_on_failure=False,
+                                stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)
+    _run_as_rms(converted, manifest)
+    got_rms = probe_logits(converted, ids)
+    scale = float(ref.abs().max()) or 1.0
+    err = float((got - ref).abs().max()) / scale
+    err_rms = float((got_rms - ref).abs().max()) / scale
+    tol = tolerance_for(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
+    if run_dtype == torch.float32:
+        tol = max(tol, 1e-4)
+    # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
+    # it is held to the same gate as the stock reload.
+    tol_rms = tol
+    result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+              "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
+              "tolerance_rms": tol_rms, "zero_mean": zero_mean,
+              "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
+    if not zero_mean["passed"]:
+        raise NormswapError(
+            f"verification failed: the input of {zero_mean['where']} is not zero-mean after conversion "
+            f"(|mean|/rms = {zero_mean['max_mean_over_rms']:.3g}, tolerance {zero_mean['tolerance']:g}); "
+            "nothing was written"
+        )
+    if not result["passed"]:
+        raise NormswapError(
+            f"verification failed: converted logits differ by {err:.3g} of the logit scale as LayerNorms "
+            f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
+        )
+    return result
