@@ -18,6 +18,7 @@ the same windows, and the patch is judged against the original's own distance fr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -151,6 +152,7 @@ def patch_checkpoint(
     force: bool = False,
     max_shard_size: str | int = "5GB",
     rms: bool = True,
+    fuse_residual: bool = False,
     evaluation: EvalSettings | None = None,
     noise_floor: bool | None = None,
     progress: ProgressFn | None = None,
@@ -160,13 +162,21 @@ def patch_checkpoint(
     `in_place` over the model's own directory, atomically).
 
     only/exclude: regular expressions on module paths. rms: run the LayerNorms a `normswap
-    convert` manifest marks zero-mean as RMS norms. noise_floor (default: in half precision)
+    convert` manifest marks zero-mean as RMS norms. fuse_residual: also fuse each residual add
+    into the norm that reads the sum (normswap.fuse). noise_floor (default: in half precision)
     adds the original's float32 self to the evaluation. A failed verification raises
     VerificationError; its `.result` is this call's PatchResult (nothing was saved).
     """
+    with contextlib.ExitStack() as held:
+        return _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
+                                 max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress)
+
+
+def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
+                      max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress) -> PatchResult:
     from normswap import walk
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched
+    from normswap.checkpoint import check_out_target, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, resolve
     from normswap.manifest import rms_forms
     from normswap.swap import patch, regex_filter
@@ -186,6 +196,7 @@ def patch_checkpoint(
                                 "(use --out DIR)")
         target = source.path
         _refuse_lossy_in_place(source, config, torch_dtype)
+        held.enter_context(target_lock(target))  # a second --in-place run is refused before it loads anything
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
@@ -205,7 +216,7 @@ def patch_checkpoint(
     done = iter(range(1, n + 1))
     step(progress, "patch", 0, n)
     try:
-        report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms,
+        report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
                        progress=lambda _p: step(progress, "patch", next(done, n), n))
     except VerificationError as e:
         e.result = PatchResult(str(model), device or "cpu", e.report)

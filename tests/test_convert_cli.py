@@ -58,6 +58,7 @@ def test_existing_out_needs_force(gpt2_dir, tmp_path):
     out = tmp_path / "conv"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
+    (out / "model.safetensors").write_bytes(b"an earlier checkpoint")  # --force replaces only those
     r = run(gpt2_dir, "--to", "rms", "--out", out)
     assert r.exit_code == 2 and "--force" in r.stderr
     assert (out / "keep.txt").read_text() == "user data"
@@ -134,6 +135,7 @@ def test_force_replaces_through_the_atomic_exchange(gpt2_dir, tmp_path, monkeypa
     out = tmp_path / "conv"
     out.mkdir()
     (out / "old.txt").write_text("old")
+    (out / "normswap.json").write_text("{}")  # an earlier output: --force may replace it
     calls = []
     real = checkpoint.exchange_dirs
 

@@ -111,7 +111,11 @@ def test_existing_target_refused_then_replaced(tmp_path):
     (out / "keep.txt").write_text("user data")
     with pytest.raises(NormswapError, match="already exists"):
         checkpoint.save_patched(model, report, out)
+    # replace=True (--force) replaces a checkpoint, never an arbitrary directory (test_safety)
+    with pytest.raises(NormswapError, match="not a model checkpoint"):
+        checkpoint.save_patched(model, report, out, replace=True)
     assert (out / "keep.txt").read_text() == "user data"
+    (out / "model.safetensors").write_bytes(b"an earlier checkpoint")
     checkpoint.save_patched(model, report, out, replace=True)
     assert (out / MANIFEST_NAME).is_file() and not (out / "keep.txt").exists()
     assert not _leftovers(tmp_path)
@@ -144,6 +148,7 @@ def test_failed_reload_check_publishes_nothing(tmp_path, monkeypatch):
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("old")
+    (target / "normswap.json").write_text("{}")  # an earlier output: --force may replace it
     with pytest.raises(NormswapError, match="does not reload"):
         checkpoint.save_patched(model, report, target, replace=True)
     assert (target / "old.txt").read_text() == "old" and not _leftovers(tmp_path)
@@ -183,7 +188,8 @@ def test_exchange_and_fallback(tmp_path, monkeypatch):
     new = tmp_path / "new"
     new.mkdir()
     (new / "f").write_text("N")
-    checkpoint.publish_dir(new, b)
+    (b / "normswap.json").write_text("{}")  # an earlier output: replace=True may replace it
+    checkpoint.publish_dir(new, b, replace=True)
     assert (b / "f").read_text() == "N" and not new.exists() and not _leftovers(tmp_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.loading import STORE_DTYPES
 
 
 def _yes(flag: bool) -> str:
@@ -53,7 +54,7 @@ def _render(data: dict) -> None:
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Output directory.")
 @click.option("--keep-gain", is_flag=True, help="Leave γ in the norms (fold β only).")
 @click.option("--partial", is_flag=True, help="Convert what can be converted; report the rest.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "fp64"]), default=None,
+@click.option("--dtype", type=click.Choice(STORE_DTYPES), default=None,
               help="Store the converted weights in this dtype (default: each tensor keeps its own).")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
 @json_option

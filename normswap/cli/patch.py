@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
+from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-
-IMPLS = ("triton", "torch", "compile", "liger", "quack", "reference")
+from normswap.loading import RUN_DTYPES
 
 
 @cli.command("patch")
 @click.argument("model")
-@click.option("--impl", type=click.Choice(IMPLS), default="triton", show_default=True,
+@click.option("--impl", type=click.Choice(BACKENDS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+@click.option("--out", "out", default=None, metavar="DIR",
               help="Save the patched checkpoint here (refused if it exists, unless --force).")
 @click.option("--in-place", is_flag=True, help="Replace MODEL's own directory (atomically, after the check).")
 @click.option("--only", default=None, metavar="REGEX", help="Patch only norms whose path matches.")
 @click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
               help="Load the weights in this dtype (default: the checkpoint's).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
               help="Where the model runs; auto: the CUDA device when there is one.")
@@ -30,13 +29,15 @@ IMPLS = ("triton", "torch", "compile", "liger", "quack", "reference")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
 @click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
               help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
+@click.option("--fuse-residual", is_flag=True,
+              help="Also fuse each residual add into the norm that reads the sum (one kernel call).")
 @click.option("--eval", "eval_path", default=None, metavar="PATH",
               help="After patching, diff the patched model against the original on this text (see `normswap diff`).")
 @click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context).")
 @click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text.")
 @json_option
 def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, force, max_shard_size, use_rms,
-              eval_path, eval_max_length, eval_max_tokens, as_json):
+              fuse_residual, eval_path, eval_max_length, eval_max_tokens, as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
@@ -48,6 +49,10 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
 
     With --eval PATH the patched model is also scored against an untouched copy of the original
     (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes.
+
+    With --fuse-residual each residual add is computed by the kernel of the norm that reads the
+    sum (within a layer and across layers); the fused output is checked against the unfused patch,
+    and the manifest records the pairs so that normswap.load fuses them again.
     """
     from normswap.api import EvalSettings, patch_checkpoint
     from normswap.swap import VerificationError
@@ -60,8 +65,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
         with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
             result = patch_checkpoint(model, impl, out=out, in_place=in_place, only=only, exclude=exclude,
                                       dtype=dtype, device=device, strict=strict, force=force,
-                                      max_shard_size=max_shard_size, rms=use_rms, evaluation=evaluation,
-                                      progress=bars)
+                                      max_shard_size=max_shard_size, rms=use_rms, fuse_residual=fuse_residual,
+                                      evaluation=evaluation, progress=bars)
     except VerificationError as e:
         if e.result is not None:
             emit(e.result.to_dict(), as_json, render)
@@ -113,6 +118,14 @@ def render(data: dict) -> None:
         console.print(f"whole model: max |Δ{mc['kind']}| {_fmt(mc['max_abs_diff'])} "
                       f"(limit {mc['rtol']:g} x {_fmt(mc['max_abs_value'])}){agree}: "
                       f"{'pass' if mc['passed'] else 'FAIL'}")
+    fused = data.get("fuse_residual")
+    if fused:
+        fc = fused["model_check"]
+        check = (f"; fused vs unfused max |Δ{fc['kind']}| {_fmt(fc['max_abs_diff'])}: "
+                 f"{'pass' if fc['passed'] else 'FAIL'}") if fc else ""
+        console.print(f"residual adds fused into their norms: {fused['fused']} writers{check}")
+        for u in fused["unfused"]:
+            console.print(f"  left unfused: {u['writer']}: {u['reason']}")
     if data.get("eval"):
         from normswap.cli.diff import render_diff
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import click
 
 from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.loading import RUN_DTYPES
 
 
 def eval_options(f: Callable) -> Callable:
@@ -21,7 +22,7 @@ def eval_options(f: Callable) -> Callable:
         click.option("--stride", type=int, default=None, help="Tokens between window starts (default: half the window)."),
         click.option("--max-tokens", type=int, default=None, help="Score only the first T tokens of the data."),
         click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass."),
-        click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+        click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
                      help="Load the weights in this dtype (default: the checkpoint's)."),
     ]
     for option in reversed(options):

@@ -1,0 +1,415 @@
+"""Fused residual add + norm inside transformers' own decoder layers (patch(fuse_residual=True)).
+
+A pre-norm block writes `h = residual + sublayer(norm(residual))`, and the next thing that reads h
+is a norm: the block's second norm, the next block's input norm, or the final norm. vLLM fuses that
+add into the norm in its own model code; here the model's code is left as it is, and the fusion
+happens by *anticipation* at the add:
+
+1. A forward hook on each writer (the module whose output is added into the stream, named per
+   architecture in residual_writers.toml or the convert data) tags its output as a StreamTensor
+   that knows which norm will read the sum ("write" role).
+2. Python's `residual + output` reaches StreamTensor.__torch_function__, which calls that norm's
+   fused kernel once: (y, h) = norm(residual + output), h = the sum as stored. It returns h,
+   tagged with y ("sum" role).
+3. The norm's forward (NormswapNorm) receives exactly that h and returns y without computing.
+
+Everything stays value-correct by construction: h is bit for bit the add the model asked for
+(same dtypes and shapes, one rounding of the fp32 sum); y is only used by the norm it was computed
+for and only on the very tensor object it was computed from (an in-place change drops it); any
+other op on a StreamTensor runs unchanged and returns a plain tensor. Where a tag is lost (a
+dropout that is active, an op between the add and the norm) the model simply runs unfused.
+
+Which norm reads each writer's sum is not data: `discover` runs one forward pass with the writers
+tagged for discovery and records, per writer, the norm that receives its sum directly (or the
+first op that consumed the sum instead: the reason it stays unfused). Sums of several writers
+(parallel blocks: GPT-NeoX, Phi, Falcon compute `attn + mlp + residual`) combine before the add
+that meets the stream; reshapes that keep the hidden dimension (OPT flattens the tokens between
+the add and the norm) carry the precomputed y along.
+
+Under torch.compile dynamo traces __torch_function__ like any Python code: the graph holds the
+backend's fused op (normswap::rms_norm_fwd / layer_norm_fwd with a residual for triton) and no
+graph break. No host syncs are added, so CUDA-graph capture of a decode step is unaffected.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from normswap.errors import NormswapError
+
+_ADDS = (torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add)
+_IADDS = (torch.Tensor.__iadd__, torch.Tensor.add_)
+_SHAPE_OPS = (torch.Tensor.view, torch.Tensor.reshape)
+
+# The discovery recorder of the forward pass in progress (None: not discovering).
+_RECORDER: _Recorder | None = None
+
+
+class StreamTensor(torch.Tensor):
+    """A tensor on its way into, or just added to, the residual stream (see the module doc).
+
+    Roles, as attributes (absent = not in that role):
+      _ns_into     write: adding this to another tensor computes _ns_into's norm of the sum
+      _ns_norm     sum: _ns_normed is _ns_norm(self), computed by the add that produced self
+      _ns_normed
+      _ns_writers  discovery: the writer paths this term (or sum) comes from
+      _ns_summed   discovery: True once the writers met the stream
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Everything below sees plain tensors (shape reads, the kernels, the add itself).
+        with torch._C.DisableTorchFunctionSubclass():
+            return _dispatch(func, args, kwargs or {})
+
+
+def _dispatch(func, args, kwargs):
+    if func in _ADDS and len(args) == 2 and not kwargs:
+        out = _add(func, args[0], args[1])
+        if out is not None:
+            return out
+    elif func in _IADDS and len(args) == 2 and not kwargs:
+        return _iadd(func, args[0], args[1])
+    elif func is F.dropout and not (kwargs.get("training", True) and kwargs.get("p", 0.5) > 0):
+        return args[0]  # an identity (eval mode or p = 0): the tag survives it
+    elif func in _SHAPE_OPS and args:
+        return _reshape(func, args, kwargs)
+    if _RECORDER is not None:
+        _RECORDER.consumed_by(func, args)
+    if args and type(args[0]) is StreamTensor and _in_place(func):
+        _forget(args[0])  # its values change: a precomputed norm (or a fusion target) is stale
+    return func(*args, **kwargs)
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+
+
+def _forget(t: StreamTensor, keep_into: bool = False) -> None:
+    for name in ("_ns_norm", "_ns_normed", "_ns_summed", *(() if keep_into else ("_ns_into",))):
+        t.__dict__.pop(name, None)
+
+
+def _tag(t: torch.Tensor, **attrs) -> StreamTensor:
+    out = t.as_subclass(StreamTensor)
+    for k, v in attrs.items():
+        setattr(out, k, v)
+    return out
+
+
+def _role(t, name: str):
+    return getattr(t, name, None) if type(t) is StreamTensor else None
+
+
+def _compatible(a, b) -> bool:
+    """The fused kernel stores h in the stream's dtype: only an add that torch would compute in
+    that dtype, without broadcasting, is the same add."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and a.is_floating_point())
+
+
+def _add(func, a, b):
+    if not _compatible(a, b):
+        return None
+    if _RECORDER is not None:
+        return _RECORDER.add(func, a, b)
+    into_a, into_b = _role(a, "_ns_into"), _role(b, "_ns_into")
+    if into_a is not None and into_b is not None:
+        # Two writers summed before they meet the stream (parallel attention + MLP).
+        return _tag(func(a, b), _ns_into=into_a) if into_a is into_b else None
+    if into_a is None and into_b is None:
+        return None
+    write, stream, norm = (a, b, into_a) if into_a is not None else (b, a, into_b)
+    y, h = norm.fused_add(write, stream)
+    return _tag(h, _ns_norm=norm, _ns_normed=y)
+
+
+def _iadd(func, a, b):
+    """`a += b` (Falcon adds the attention output into the MLP output in place)."""
+    keep = _role(a, "_ns_into") is not None and _role(a, "_ns_into") is _role(b, "_ns_into")
+    writers = _role(a, "_ns_writers"), _role(b, "_ns_writers")
+    out = func(a, b)
+    if type(a) is StreamTensor:
+        # The values changed: a precomputed norm of `a` is stale, and `a` stays a writer only
+        # when both terms are writers feeding the same norm.
+        _forget(a, keep_into=keep)
+        if _RECORDER is not None and writers[0] is not None:
+            a._ns_writers = writers[0] | (writers[1] or frozenset())
+    return out
+
+
+def _reshape(func, args, kwargs):
+    src = args[0]
+    out = func(*args, **kwargs)
+    if not isinstance(out, torch.Tensor) or out.shape[-1:] != src.shape[-1:] or out.dtype != src.dtype:
+        return out
+    normed = _role(src, "_ns_normed")
+    if normed is not None:  # rows regrouped, the hidden dimension kept: the norm commutes with it
+        return _tag(out, _ns_norm=src._ns_norm, _ns_normed=func(normed, *args[1:], **kwargs))
+    into = _role(src, "_ns_into")
+    if into is not None:
+        return _tag(out, _ns_into=into)
+    writers = _role(src, "_ns_writers")
+    if writers is not None:
+        return _tag(out, _ns_writers=writers, _ns_summed=_role(src, "_ns_summed"))
+    return out
+
+
+def precomputed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+    """What `norm` returns for x when the add that produced x already computed it (else None).
+    Called first thing by every NormswapNorm forward."""
+    if _RECORDER is not None:
+        _RECORDER.reached(x, norm)
+        return None
+    if getattr(x, "_ns_norm", None) is norm:
+        return x._ns_normed
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery: which norm reads each writer's sum
+# ---------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self, norm_paths: dict[int, str]):
+        self.norm_paths = norm_paths
+        self.target: dict[str, str] = {}  # writer path -> norm path
+        self.other: dict[str, str] = {}  # writer path -> what consumed its sum instead
+        self.seen: set[str] = set()
+
+    def add(self, func, a, b):
+        wa, wb = _role(a, "_ns_writers"), _role(b, "_ns_writers")
+        out = func(a, b)
+        terms = [w for w, t in ((wa, a), (wb, b)) if w is not None and not _role(t, "_ns_summed")]
+        if len(terms) == 2:  # writer + writer: still one term of the stream
+            return _tag(out, _ns_writers=terms[0] | terms[1])
+        if len(terms) == 1:  # the term meets the stream: this is the add a fusion replaces
+            return _tag(out, _ns_writers=terms[0], _ns_summed=True)
+        self.consumed_by(func, (a, b))
+        return out
+
+    def reached(self, x, norm) -> None:
+        writers = _role(x, "_ns_writers")
+        if writers is None:
+            return
+        if not _role(x, "_ns_summed"):
+            self._other(writers, f"a norm ({self.norm_paths.get(id(norm), type(norm).__name__)}) reads the "
+                                 "sublayer output before it is added")
+            return
+        path = self.norm_paths[id(norm)]
+        for w in writers:
+            if w in self.target:
+                continue  # a second norm reading the same sum (Falcon's ln_attn and ln_mlp)
+            refusal = norm.fusion_refusal(x.dtype)
+            if refusal is not None:
+                self.other[w] = f"its sum is read by {path}: {refusal}"
+            else:
+                # The very tensor reached the norm: ops that only read it on the way do not matter.
+                self.target[w] = path
+                self.other.pop(w, None)
+
+    def consumed_by(self, func, args) -> None:
+        name = getattr(func, "__name__", str(func))
+        for a in args:
+            writers = _role(a, "_ns_writers")
+            if writers is not None:
+                what = "its sum" if _role(a, "_ns_summed") else "its output"
+                self._other(writers, f"{what} is used by `{name}` before any norm reads the sum")
+
+    def _other(self, writers, why: str) -> None:
+        for w in writers:
+            if w not in self.target:
+                self.other.setdefault(w, why)
+
+
+def _tagging_hook(attrs: Callable[[], dict[str, Any]]):
+    def hook(module, args, out):
+        if isinstance(out, torch.Tensor):
+            return _tag(out, **attrs())
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (_tag(out[0], **attrs()), *out[1:])
+        return None
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the writers are (data)
+# ---------------------------------------------------------------------------------------------
+
+
+def _writer_data() -> dict[str, list[str]]:
+    raw = tomllib.loads((resources.files("normswap") / "residual_writers.toml").read_text(encoding="utf-8"))
+    return {k: list(v["writers"]) for k, v in raw.items()}
+
+
+def writer_patterns(model_type: str | None) -> list[str]:
+    """The residual writers of `model_type` ("{i}" = block index): residual_writers.toml, else
+    the `writers` of the architecture's convert data; [] when normswap knows neither."""
+    if not model_type:
+        return []
+    data = _writer_data()
+    if model_type in data:
+        return data[model_type]
+    from normswap.archs import load_arch
+
+    arch = load_arch(model_type)
+    return list(arch.writers) if arch is not None else []
+
+
+def find_writers(model: nn.Module) -> list[str]:
+    """Paths of the modules in `model` that write into its residual stream, in module order. A
+    pattern names the modules of a *ForCausalLM model; a bare base model (no `model.` prefix) is
+    matched without the pattern's first component."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    regexes = []
+    for pattern in writer_patterns(model_type):
+        for p in (pattern, pattern.split(".", 1)[-1]):
+            parts = [re.escape(s) for s in p.split("{i}")]
+            regexes.append(re.compile("^" + r"\d+".join(parts) + "$"))
+    return [path for path, _ in model.named_modules() if path and any(r.match(path) for r in regexes)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying and removing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FusionReport:
+    """Which adds were fused into which norm, and why the others were not."""
+
+    pairs: dict[str, str] = field(default_factory=dict)  # writer path -> norm path
+    unfused: dict[str, str] = field(default_factory=dict)  # writer path -> reason
+    model_check: Any = None  # verify.ModelCheck: fused logits vs the unfused patched model
+
+    @property
+    def ok(self) -> bool:
+        return self.model_check is None or self.model_check.passed
+
+    def to_dict(self) -> dict:
+        return {
+            "fused": len(self.pairs), "unfused_count": len(self.unfused),
+            "pairs": [{"writer": w, "norm": n} for w, n in self.pairs.items()],
+            "unfused": [{"writer": w, "reason": r} for w, r in self.unfused.items()],
+            "model_check": self.model_check.to_dict() if self.model_check is not None else None,
+        }
+
+
+@dataclass
+class _Fusion:
+    """What fuse_residual installed on a model (kept on it as `_normswap_fusion`)."""
+
+    pairs: dict[str, str]
+    handles: list = field(default_factory=list)
+
+
+def _norm_modules(model: nn.Module) -> dict[str, nn.Module]:
+    from normswap.modules import NormswapNorm
+
+    return {p: m for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
+
+
+def discover(model: nn.Module, batch: dict[str, torch.Tensor], writers: list[str]) -> tuple[dict, dict]:
+    """One forward pass (eval mode, no grad) with `writers` tagged: (writer -> norm it feeds,
+    writer -> why not)."""
+    global _RECORDER
+    from normswap.verify import model_output
+
+    norms = _norm_modules(model)
+    recorder = _Recorder({id(m): p for p, m in norms.items()})
+    handles = [model.get_submodule(w).register_forward_hook(
+        _tagging_hook(lambda w=w: {"_ns_writers": frozenset((w,))})) for w in writers]
+    _RECORDER = recorder
+    try:
+        model_output(model, batch)
+    finally:
+        _RECORDER = None
+        for h in handles:
+            h.remove()
+    other = {}
+    for w in writers:
+        if w in recorder.target:
+            continue
+        other[w] = recorder.other.get(w, "its sum reaches no norm directly (or the module did not run)")
+    return dict(recorder.target), other
+
+
+def enable(model: nn.Module, pairs: dict[str, str]) -> None:
+    """Install the writer hooks for `pairs` (writer path -> norm path; both must exist, the norm
+    patched). Replaces a previous fusion of the same model."""
+    disable(model)
+    norms = _norm_modules(model)
+    fusion = _Fusion(dict(pairs))
+    for writer, norm_path in pairs.items():
+        norm = norms.get(norm_path)
+        if norm is None:
+            raise NormswapError(f"cannot fuse {writer} into {norm_path}: not a patched norm of this model")
+        try:
+            module = model.get_submodule(writer)
+        except AttributeError:
+            raise NormswapError(f"cannot fuse {writer}: no such module in this model") from None
+        fusion.handles.append(module.register_forward_hook(_tagging_hook(lambda n=norm: {"_ns_into": n})))
+    model._normswap_fusion = fusion
+
+
+def disable(model: nn.Module) -> dict[str, str]:
+    """Remove the fusion hooks; returns the pairs that were fused ({} when none)."""
+    fusion = vars(model).pop("_normswap_fusion", None)
+    if fusion is None:
+        return {}
+    for h in fusion.handles:
+        h.remove()
+    return fusion.pairs
+
+
+def fused_pairs(model: nn.Module) -> dict[str, str]:
+    fusion = vars(model).get("_normswap_fusion")
+    return dict(fusion.pairs) if fusion is not None else {}
+
+
+def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
+                  batch: dict[str, torch.Tensor] | None = None, check: bool = True,
+                  dtype: torch.dtype | None = None) -> FusionReport:
+    """Fuse every residual add that a patched norm reads directly (the module doc).
+
+    pairs: writer -> norm as recorded in a manifest (skips discovery); otherwise the writers come
+    from the architecture data and one forward pass on `batch` (default: verify's probe batch)
+    finds their norms. check=True compares the fused model's output with the unfused one (the
+    dtype's whole-model tolerance) and removes the fusion again if it fails (report.ok False).
+    """
+    from normswap.verify import compare_outputs, model_dtype, model_output, probe_batch
+
+    report = FusionReport()
+    if pairs is None or check:
+        batch = batch if batch is not None else probe_batch(model)
+    if pairs is None:
+        writers = find_writers(model)
+        if not writers:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise NormswapError(f"--fuse-residual: normswap does not know the residual writers of model_type "
+                                f"{model_type!r} (normswap/residual_writers.toml)")
+        pairs, report.unfused = discover(model, batch, writers)
+    before = model_output(model, batch)[1] if check else None
+    enable(model, pairs)
+    report.pairs = dict(pairs)
+    if check:
+        kind, after = model_output(model, batch)
+        report.model_check = compare_outputs(kind, dtype or model_dtype(model), before, after)
+        if not report.model_check.passed:
+            disable(model)
+    return report

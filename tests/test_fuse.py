@@ -1,0 +1,182 @@
+"""Fused residual add + norm (normswap.fuse, patch(fuse_residual=True)): the fused model computes
+what the unfused patched model computes, gradients included, with every add really fused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny, tiny_model
+
+import normswap
+from normswap import fuse
+from normswap.errors import NormswapError
+from normswap.modules import NormswapNorm
+
+# arch -> fused adds per forward (2 layers): sequential blocks fuse two adds per layer, parallel
+# blocks (attn + mlp + residual) one.
+EXPECTED = {
+    "llama": 4, "mistral": 4, "qwen2": 4, "qwen3": 4, "gemma": 4, "gemma2": 4, "gemma3_text": 4, "phi3": 4,
+    "gpt2": 4, "opt": 4, "gpt_neox": 2, "phi": 2, "falcon": 2, "falcon_new": 2,
+}
+IDS = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+class Counter:
+    """Counts fused kernel calls and norms that returned the precomputed value."""
+
+    def __init__(self, monkeypatch):
+        self.fused = self.hits = 0
+        fused_add, precomputed = NormswapNorm.fused_add, fuse.precomputed
+
+        def counting_fused_add(norm, x, residual):
+            self.fused += 1
+            return fused_add(norm, x, residual)
+
+        def counting_precomputed(x, norm):
+            y = precomputed(x, norm)
+            self.hits += y is not None
+            return y
+
+        monkeypatch.setattr(NormswapNorm, "fused_add", counting_fused_add)
+        monkeypatch.setattr(fuse, "precomputed", counting_precomputed)
+
+
+def _logits_and_grads(model):
+    model.zero_grad(set_to_none=True)
+    out = model(IDS, labels=IDS)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_fused_equals_unfused(arch, impl, dtype, monkeypatch, rtol, atol):
+    model = tiny_model(arch, dtype)  # eval mode: dropout off, so runs are comparable
+    normswap.patch(model, impl, verify=False)
+    logits, grads = _logits_and_grads(model)
+    report = normswap.patch(model, impl, fuse_residual=True)
+    assert report.fusion.ok and report.fusion.model_check is not None
+    assert not report.fusion.unfused, report.fusion.unfused
+    counter = Counter(monkeypatch)
+    fused_logits, fused_grads = _logits_and_grads(model)
+    assert counter.fused == counter.hits == EXPECTED[arch]
+    torch.testing.assert_close(fused_logits, logits, rtol=rtol, atol=atol)
+    params = dict(model.named_parameters())
+    assert set(fused_grads) == set(params), f"no gradient: {sorted(set(params) - set(fused_grads))}"
+    assert set(grads) == set(params)
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, rtol=rtol, atol=atol, msg=name)
+    return model, report
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_fused_matches_unfused_torch_backend(arch, monkeypatch):
+    model, report = _check_fused_equals_unfused(arch, "torch", torch.float32, monkeypatch, 1e-6, 1e-6)
+    # Across layers: the last layer's sum feeds the final norm, every earlier one the next layer.
+    targets = set(report.fusion.pairs.values())
+    final = [p for p, m in model.named_modules() if isinstance(m, NormswapNorm) and ".0." not in p
+             and ".1." not in p]
+    assert final and set(final) <= targets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("gemma2", torch.bfloat16),
+                                        ("gpt2", torch.float32), ("gpt_neox", torch.bfloat16)])
+def test_fused_matches_unfused_triton(arch, dtype, monkeypatch):
+    # bf16: gradients summed over different paths may differ by the dtype's rounding.
+    tol = (1e-6, 1e-6) if dtype == torch.float32 else (1.6e-2, 1e-2)
+    _check_fused_equals_unfused(arch, "triton", dtype, monkeypatch, *tol)
+
+
+def test_pairs_within_and_across_layers():
+    model = tiny_model("llama")
+    report = normswap.patch(model, "torch", fuse_residual=True)
+    assert report.fusion.pairs == {
+        "model.layers.0.self_attn.o_proj": "model.layers.0.post_attention_layernorm",
+        "model.layers.0.mlp.down_proj": "model.layers.1.input_layernorm",
+        "model.layers.1.self_attn.o_proj": "model.layers.1.post_attention_layernorm",
+        "model.layers.1.mlp.down_proj": "model.norm",
+    }
+    # Gemma 2: the post-norms write, the pre-norms read.
+    report = normswap.patch(tiny_model("gemma2"), "torch", fuse_residual=True)
+    assert report.fusion.pairs["model.layers.0.post_attention_layernorm"] == "model.layers.0.pre_feedforward_layernorm"
+    assert report.fusion.pairs["model.layers.0.post_feedforward_layernorm"] == "model.layers.1.input_layernorm"
+
+
+def test_unpatched_reader_is_left_unfused_with_reason():
+    model = tiny_model("llama")
+    report = normswap.patch(model, "torch", fuse_residual=True,
+                            filter_fn=lambda _m, path: "post_attention_layernorm" not in path)
+    assert "model.layers.0.self_attn.o_proj" in report.fusion.unfused
+    assert "model.layers.0.mlp.down_proj" in report.fusion.pairs
+    assert report.to_dict()["fuse_residual"]["unfused_count"] == 2
+
+
+def test_unknown_architecture_is_a_clear_error():
+    with pytest.raises(NormswapError, match="residual writers"):
+        normswap.patch(tiny_model("bert"), "torch", fuse_residual=True)
+
+
+def test_in_place_change_drops_the_precomputed_norm():
+    model = tiny_model("llama")
+    normswap.patch(model, "torch")
+    norm = model.model.norm
+    stream = torch.randn(2, 3, 32)
+    write = fuse._tag(torch.randn(2, 3, 32), _ns_into=norm)
+    h = stream + write
+    assert type(h) is fuse.StreamTensor and fuse.precomputed(h, norm) is not None
+    assert torch.equal(fuse.precomputed(h, norm), norm._norm(h.as_subclass(torch.Tensor)))
+    assert fuse.precomputed(h, model.model.layers[0].input_layernorm) is None  # only its own norm
+    h.mul_(2.0)
+    assert fuse.precomputed(h, norm) is None
+    torch.testing.assert_close(norm(h), norm._norm(h.as_subclass(torch.Tensor)))
+    # Broadcasting or mixed dtypes: not the add the kernel computes, so a plain add.
+    assert type(torch.randn(32) + write) is torch.Tensor
+    assert type(stream.double() + write) is torch.Tensor
+
+
+def test_compile_fullgraph_has_fused_ops():
+    """torch.compile sees one graph, and in it every fused add is one normswap op with a residual."""
+    model = tiny_model("llama")
+    normswap.patch(model, "triton", verify=False, fuse_residual=True)
+    expected = model(IDS).logits
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _i: make_boxed_func(g.forward))(gm, example_inputs)
+
+    torch._dynamo.reset()
+    got = torch.compile(model, backend=backend, fullgraph=True)(IDS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert len(graphs) == 1
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "normswap.rms_norm_fwd" in str(n.target)]
+    with_residual = [n for n in ops if n.args[2] is not None]
+    assert len(ops) == 5 and len(with_residual) == 4
+
+
+def test_cli_save_load_revert(tmp_path):
+    from normswap.cli import cli
+
+    save_tiny("qwen2", tmp_path / "src")
+    out = tmp_path / "fused"
+    res = CliRunner().invoke(cli, ["patch", str(tmp_path / "src"), "--impl", "torch", "--fuse-residual",
+                                   "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["fuse_residual"]["fused"] == 4 and data["fuse_residual"]["model_check"]["passed"]
+    manifest = json.loads((out / "normswap.json").read_text())
+    pairs = manifest["patch"]["fuse_residual"]
+    assert pairs["model.layers.1.mlp.down_proj"] == "model.norm"
+
+    model = normswap.load(out)
+    assert fuse.fused_pairs(model) == pairs
+    fused = model(IDS).logits
+    normswap.revert(model)
+    assert fuse.fused_pairs(model) == {}
+    assert not any(m._forward_hooks for m in model.modules())
+    torch.testing.assert_close(model(IDS).logits, fused, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,245 @@
+"""Issue 9: never lose a user's data, never accept a broken model, say exactly what is wrong.
+
+Each test names the case it covers; each fails without its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny, tiny_model
+
+from normswap import checkpoint
+from normswap.cli import cli
+from normswap.errors import NormswapError
+from normswap.swap import patch
+from normswap.verify import ProbeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ProbeConfig(elements=4096)
+
+
+@pytest.fixture(autouse=True)
+def small_probes(monkeypatch):
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", SMALL)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = tmp_path_factory.mktemp("safety") / "llama"
+    save_tiny("llama", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("safety") / "gpt2"
+    save_tiny("gpt2", d)
+    return d
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [*map(str, args)])
+
+
+def assert_one_line_error(result, pattern):
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("normswap:")]
+    assert len(lines) == 1 and pattern in lines[0], (lines, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+
+
+def _tree(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ---- case 1: an empty --out, and what --force may replace -------------------------------------
+
+
+@pytest.mark.parametrize("out", ["", "   "])
+@pytest.mark.parametrize("cmd", ["patch", "convert"])
+def test_case1_empty_out_is_bad_input_and_the_cwd_survives(src, gpt2, tmp_path, monkeypatch, out, cmd):
+    work = tmp_path / "thesis"
+    work.mkdir()
+    (work / "chapter1.tex").write_text("years of work")
+    monkeypatch.chdir(work)
+    before = _tree(work)
+    model, extra = (src, ["--impl", "torch"]) if cmd == "patch" else (gpt2, ["--to", "rms"])
+    for force in ([], ["--force"]):
+        r = run(cmd, model, *extra, "--out", out, *force)
+        assert_one_line_error(r, "the output directory is empty")
+        assert "--force" not in r.stderr  # never point the user at the flag that would destroy it
+    assert _tree(work) == before
+
+
+def test_case1_force_refuses_what_is_not_a_checkpoint(src, tmp_path, monkeypatch):
+    """--force replaces only an empty dir, a checkpoint or a normswap output; never the current
+    directory (or one holding it), a home directory, a root, or an arbitrary directory."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    (notes / "config.json").write_text('{"editor": "vim"}')  # a project's config, not a model's
+    r = run("patch", src, "--impl", "torch", "--out", notes)
+    assert_one_line_error(r, "not a model checkpoint")
+    assert "pass --force" not in r.stderr
+    assert_one_line_error(run("patch", src, "--impl", "torch", "--out", notes, "--force"), "not a model checkpoint")
+    assert (notes / "todo.txt").read_text() == "mine"
+
+    # the current directory, even when it is a checkpoint, and a directory holding it
+    ckpt = tmp_path / "other-ckpt"
+    save_tiny("gpt2", ckpt)
+    (ckpt / "sub").mkdir()
+    monkeypatch.chdir(ckpt)
+    assert_one_line_error(run("patch", src, "--impl", "torch", "--out", ".", "--force"), "current directory")
+    monkeypatch.chdir(ckpt / "sub")
+    assert_one_line_error(run("patch", src, "--impl", "torch", "--out", "..", "--force"),
+                          "holds the current directory")
+    monkeypatch.chdir(tmp_path)
+    # a home directory (whatever it holds) and a filesystem root
+    home = tmp_path / "home"
+    save_tiny("gpt2", home)
+    monkeypatch.setenv("HOME", str(home))
+    assert_one_line_error(run("patch", src, "--impl", "torch", "--out", home, "--force"), "home directory")
+    with pytest.raises(NormswapError, match="filesystem root"):
+        checkpoint.check_replaceable(Path("/"))
+    # the library enforces the same rule, whatever the CLI checked
+    model = tiny_model("llama")
+    with pytest.raises(NormswapError, match="not a model checkpoint"):
+        checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), notes, replace=True)
+    assert (notes / "todo.txt").read_text() == "mine"
+    # what --force is for still works: an earlier output, and an empty directory
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (ckpt, empty):
+        r = run("patch", src, "--impl", "torch", "--out", target, "--force", "--json")
+        assert r.exit_code == 0, r.stderr
+        assert (target / "normswap.json").is_file()
+
+
+# ---- case 3: racing runs, and the in-place lock ------------------------------------------------
+
+
+def test_case3_publish_without_force_never_replaces_a_target_that_appeared(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(NormswapError, match="already exists"):
+        with checkpoint.staged_dir(target) as tmp:
+            (tmp / "f").write_text("mine")
+            target.mkdir()  # another run published while this one worked
+            (target / "f").write_text("theirs")
+    assert (target / "f").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_case3_rename_noreplace_refuses_an_existing_directory(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (b / "f").write_text("B")
+    with pytest.raises(FileExistsError):
+        checkpoint.rename_noreplace(a, b)
+    # the portable fallback (plain rename(2)) cannot replace a non-empty directory either
+    monkeypatch.setattr(checkpoint, "_rename_with_flags", lambda *a: False)
+    with pytest.raises(FileExistsError):
+        checkpoint.rename_noreplace(a, b)
+    assert (b / "f").read_text() == "B" and a.is_dir()
+
+
+_HOLD = """
+import sys
+from normswap.checkpoint import target_lock
+with target_lock(sys.argv[1]):
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_case3_second_in_place_run_is_refused_while_one_holds_the_lock(gpt2, tmp_path):
+    d = tmp_path / "model"
+    save_tiny("llama", d)
+    before = _tree(d)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(d)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = run("patch", d, "--impl", "torch", "--in-place")
+        assert_one_line_error(r, f"another normswap run (pid {holder.pid}) is writing")
+        assert _tree(d) == before
+        # --out to the same place is serialised the same way
+        r = run("convert", gpt2, "--to", "rms", "--out", d, "--force")
+        assert_one_line_error(r, "another normswap run")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert _tree(d) == before
+    r = run("patch", d, "--impl", "torch", "--in-place")  # released: the next run goes ahead
+    assert r.exit_code == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_case3_lock_is_reentrant_and_removed(tmp_path):
+    t = tmp_path / "t"
+    with checkpoint.target_lock(t):
+        with checkpoint.target_lock(t):
+            assert (tmp_path / ".t.normswap.lock").read_text() == str(os.getpid())
+    assert not (tmp_path / ".t.normswap.lock").exists()
+
+
+# ---- case 2 (and 7: a size mismatch names the tensor and both shapes) --------------------------
+
+
+def _edited_copy(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path):
+    fewer = _edited_copy(src, tmp_path / "fewer", num_hidden_layers=1)
+    before = _tree(fewer)
+    r = run("patch", fewer, "--impl", "torch", "--in-place")
+    assert_one_line_error(r, "tensor(s) the config has no place for: model.layers.1.")
+    assert _tree(fewer) == before  # the only copy keeps every layer
+
+    more = _edited_copy(src, tmp_path / "more", num_hidden_layers=3)
+    r = run("patch", more, "--impl", "torch", "--out", tmp_path / "out")
+    assert_one_line_error(r, "tensor(s) missing from the checkpoint: model.layers.2.")
+    assert not (tmp_path / "out").exists()
+    # evaluation and the library loader follow the same rule
+    (tmp_path / "t.txt").write_text("some text to score " * 20)
+    assert_one_line_error(run("ppl", more, "--data", tmp_path / "t.txt", "--max-length", "16"),
+                          "missing from the checkpoint")
+    from normswap.loading import load_model, resolve
+
+    with pytest.raises(NormswapError, match="missing from the checkpoint"):
+        load_model(resolve(more))
+
+    wide = _edited_copy(src, tmp_path / "wide", intermediate_size=64)
+    r = run("patch", wide, "--impl", "torch")
+    assert_one_line_error(r, "model.layers.0.mlp.down_proj.weight (checkpoint [32, 48], config [32, 64])")
+    assert "above report" not in r.stderr
+
+
+def test_case2_tied_and_ignorable_keys_still_load(tmp_path):
+    from normswap.loading import load_model, resolve
+
+    save_tiny("gpt2", tmp_path / "g")  # lm_head tied to wte: not in the file, not "missing"
+    from safetensors.torch import load_file, save_file
+
+    f = tmp_path / "g" / "model.safetensors"
+    tensors = load_file(f)
+    tensors["transformer.h.0.attn.bias"] = torch.ones(1)  # what old GPT-2 files carry (ignorable)
+    save_file(tensors, f, metadata={"format": "pt"})
+    load_model(resolve(tmp_path / "g"))
