@@ -316,7 +316,7 @@ def patch(
 
 
 def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
-    from normswap import fuse
+    from normswap import fusion
 
     pairs = None if fuse_residual is True else dict(fuse_residual)
     if batch is None and (check or pairs is None):
@@ -325,7 +325,7 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
         except ValueError:
             raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
                                 "residual adds go") from None
-    return fuse.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
+    return fusion.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
 
 
 def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
@@ -402,7 +402,7 @@ def revert(model: nn.Module) -> list[str]:
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
     """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import fuse, walk
+    from normswap import fuse, fusion, walk
 
     reps = patched_modules(model)
     pairs = fuse.disable(model)
@@ -414,7 +414,7 @@ def unpatched(model: nn.Module) -> Iterator[nn.Module]:
         for path, rep in reps:
             walk.set_submodule(model, path, rep)
         if pairs:
-            fuse.enable(model, pairs)
+            fusion.enable(model, pairs)
 
 
 def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:
