@@ -9,12 +9,14 @@ never import the verification that imports them.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from normswap import fuse
 from normswap.errors import NormswapError
-from normswap.modules import NormswapNorm
+from normswap.modules import NormswapNorm, originals_in_place
 from normswap.verify import compare_outputs, model_dtype, model_output, probe_batch
 
 
@@ -61,6 +63,29 @@ def enable(model: nn.Module, pairs: dict[str, str]) -> None:
     model._normswap_fusion = fusion
 
 
+def find_writers(model: nn.Module) -> list[str]:
+    """Paths of the modules in `model` that write into its residual stream, in module order.
+
+    From the data when normswap has it (a pattern names the modules of a *ForCausalLM model; a
+    bare base model is matched without the pattern's first component); otherwise, for LayerNorm
+    models, the writers that stream discovery (normswap.discover, one traced forward) finds."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    regexes = []
+    for pattern in fuse.writer_patterns(model_type):
+        for p in (pattern, pattern.split(".", 1)[-1]):
+            parts = [re.escape(s) for s in p.split("{i}")]
+            regexes.append(re.compile("^" + r"\d+".join(parts) + "$"))
+    if regexes:
+        return [path for path, _ in model.named_modules() if path and any(r.match(path) for r in regexes)]
+    from normswap.discover import discover
+
+    # Discovery reads the original LayerNorm modules, without a fusion's tagged sums.
+    fuse.disable(model)
+    with originals_in_place(model):
+        found = discover(model)
+    return [path for path, _ in found.writers]
+
+
 def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
                   batch: dict[str, torch.Tensor] | None = None, check: bool = True,
                   dtype: torch.dtype | None = None) -> fuse.FusionReport:
@@ -75,11 +100,11 @@ def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
     if pairs is None or check:
         batch = batch if batch is not None else probe_batch(model)
     if pairs is None:
-        writers = fuse.find_writers(model)
+        writers = find_writers(model)
         if not writers:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
-            raise NormswapError(f"--fuse-residual: normswap does not know the residual writers of model_type "
-                                f"{model_type!r} (normswap/residual_writers.toml)")
+            raise NormswapError(f"--fuse-residual: no residual writers known or discovered for model_type "
+                                f"{model_type!r} (normswap/residual_writers.toml; discovery covers LayerNorm models)")
         pairs, report.unfused = discover(model, batch, writers)
     before = model_output(model, batch)[1] if check else None
     enable(model, pairs)

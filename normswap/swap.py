@@ -24,7 +24,7 @@ from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
-from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
+from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
     ModelCheck,
@@ -401,18 +401,15 @@ def revert(model: nn.Module) -> list[str]:
 
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
-    """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import fuse, fusion, walk
+    """Temporarily the original architecture (for saving exactly what stock transformers would):
+    the original modules back, and no residual fusion."""
+    from normswap import fuse, fusion
 
-    reps = patched_modules(model)
     pairs = fuse.disable(model)
-    for path, rep in reps:
-        walk.set_submodule(model, path, restore_original(rep))
     try:
-        yield model
+        with originals_in_place(model):
+            yield model
     finally:
-        for path, rep in reps:
-            walk.set_submodule(model, path, rep)
         if pairs:
             fusion.enable(model, pairs)
 

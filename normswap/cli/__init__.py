@@ -6,4 +6,4 @@ from normswap.cli.main import cli, main  # noqa: F401
 
 # Each import registers its command on the group.
 from normswap.cli import demo  # noqa: F401,E402  isort: skip
-from normswap.cli import convert, diff, patch, ppl, scan  # noqa: F401,E402  isort: skip
+from normswap.cli import bench, convert, diff, experiment, patch, ppl, scan  # noqa: F401,E402  isort: skip
