@@ -11,7 +11,8 @@ copied too, and the original module is kept (unregistered, so it is invisible to
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -246,3 +247,20 @@ def restore_original(replacement: NormswapNorm) -> nn.Module:
         setattr(original, replacement.spec.eps_attr, getattr(replacement, replacement.spec.eps_attr))
     original.train(replacement.training)
     return original
+
+
+@contextmanager
+def originals_in_place(model: nn.Module) -> Iterator[nn.Module]:
+    """Every replacement in `model` swapped back for its original module (holding the current
+    tensors) for the block, then put back. The caller takes care of a residual fusion (its hooks
+    would hand the originals tagged sums): swap.unpatched does both."""
+    from normswap import walk
+
+    reps = [(p, m) for p, m in model.named_modules() if isinstance(m, NormswapNorm)]
+    for path, rep in reps:
+        walk.set_submodule(model, path, restore_original(rep))
+    try:
+        yield model
+    finally:
+        for path, rep in reps:
+            walk.set_submodule(model, path, rep)

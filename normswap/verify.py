@@ -38,7 +38,6 @@ probe batch, within a dtype-dependent fraction of the logits' magnitude.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -426,5 +425,3 @@ def model_dtype(model: nn.Module) -> torch.dtype:
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.get) if counts else torch.float32
 
-
-ProgressFn = Callable[[str], None]

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from normswap.kernels.reference import CASTING_MODES, HALF, norm_result, rms_out_dtype, split_residual
+from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_residual
+from normswap.specs import CASTINGS
 
 
 def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None, residual_in_fp32=False):
-    if casting not in CASTING_MODES:
+    if casting not in CASTINGS:
         raise ValueError(f"unknown casting mode {casting!r}")
     in_dtype = x.dtype
     z, h = split_residual(x, residual, residual_in_fp32)

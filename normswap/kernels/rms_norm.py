@@ -40,7 +40,8 @@ from normswap.kernels._common import (
     split_rows,
     store_input_grads,
 )
-from normswap.kernels.reference import CASTING_MODES, HALF, rms_out_dtype
+from normswap.kernels.reference import HALF, rms_out_dtype
+from normswap.specs import CASTINGS
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels. Row indices are int64 before they multiply a stride (tensors past 2^31
@@ -311,8 +312,8 @@ def rms_norm(
     residual_in_fp32: bool = False,
 ):
     """Triton RMSNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
-    if casting not in CASTING_MODES:
-        raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTING_MODES)}")
+    if casting not in CASTINGS:
+        raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTINGS)}")
     C.check_norm_inputs("rms_norm", _rms_fwd_kernel, x, residual, out_dtype, {"weight": weight})
     y, h, _ = rms_norm_fwd(x, weight, residual, float(eps), float(offset), casting, out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y
