@@ -243,3 +243,119 @@ def test_case2_tied_and_ignorable_keys_still_load(tmp_path):
     tensors["transformer.h.0.attn.bias"] = torch.ones(1)  # what old GPT-2 files carry (ignorable)
     save_file(tensors, f, metadata={"format": "pt"})
     load_model(resolve(tmp_path / "g"))
+
+
+# ---- case 9: Ctrl-C at any moment: one line, exit 130 ------------------------------------------
+
+# The console script runs `from normswap.cli import main; main()`. These drivers deliver a real
+# SIGINT at a chosen instant: while torch is being imported (start-up), and from an atexit
+# handler (the interpreter's shutdown after a successful run).
+_SIGINT_ON_TORCH_IMPORT = """
+import os, signal, sys, importlib.abc
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+assert "torch" not in sys.modules  # the entry point itself is light: nothing heavy before main()
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+_SIGINT_AT_EXIT = """
+import atexit, os, signal, sys
+from normswap.cli import main
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("driver", [_SIGINT_ON_TORCH_IMPORT, _SIGINT_AT_EXIT], ids=["start-up", "after-success"])
+def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", driver, "scan", str(src), "--json", "--no-consumers"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted", p.stderr[-3000:]
+    if driver is _SIGINT_AT_EXIT:
+        assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
+
+
+# ---- cases 5, 7 (the whole reason) and 8: nonsense configs and unreadable files -----------------
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_hidden_layers=-1), "num_hidden_layers is -1; it must be at least 1"),
+    (dict(hidden_size=0), "hidden_size is 0"),
+    (dict(vocab_size=0), "vocab_size is 0"),
+    (dict(num_key_value_heads=-2), "num_key_value_heads is -2; a size or count cannot be negative"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps is nan; an eps must be finite"),
+    (dict(hidden_size="big"), "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' "
+                              "expected int, got str"),
+])
+@pytest.mark.parametrize("cmd", ["scan", "patch"])
+def test_case5_8_nonsense_config_is_bad_input(src, tmp_path, change, says, cmd):
+    d = _edited_copy(src, tmp_path / "m", **change)
+    r = run(cmd, d, *(["--impl", "torch"] if cmd == "patch" else []))
+    assert_one_line_error(r, says)
+    assert f"{d / 'config.json'}" in r.stderr
+    assert "Warning" not in r.stderr and "warn" not in r.stderr.lower()
+
+
+def _deny(monkeypatch, path: Path):
+    """Make `path` unreadable. Tests may run as root, which ignores permission bits: then the
+    calls normswap makes are made to fail the way they fail for a user without permission."""
+    import errno
+    import pathlib
+
+    if os.geteuid() != 0:
+        path.chmod(0)
+        return
+    denied = str(path)
+
+    def guard(real):
+        def wrapper(p, *a, **k):
+            if str(os.fspath(p)).startswith(denied):
+                raise PermissionError(errno.EACCES, "Permission denied", str(p))
+            return real(p, *a, **k)
+        return wrapper
+
+    monkeypatch.setattr(os, "listdir", guard(os.listdir))
+    monkeypatch.setattr(pathlib.Path, "read_text", guard(pathlib.Path.read_text))
+    import builtins
+
+    monkeypatch.setattr(builtins, "open", guard(builtins.open))
+
+
+def test_case5_unreadable_model_directory_is_bad_input_naming_the_os_reason(src, tmp_path, monkeypatch):
+    import shutil
+
+    d = tmp_path / "locked"
+    shutil.copytree(src, d)
+    _deny(monkeypatch, d)
+    for cmd in (["scan", d], ["patch", d, "--impl", "torch"]):
+        r = run(*cmd)
+        assert_one_line_error(r, "Permission denied")
+        assert str(d) in r.stderr and "no such" not in r.stderr.lower() and "malformed" not in r.stderr
+
+
+def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path, monkeypatch):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    text = tmp_path / "t.txt"
+    text.write_text("hello there " * 50)
+    _deny(monkeypatch, d / "config.json")
+    r = run("scan", d)
+    assert_one_line_error(r, f"{d / 'config.json'}: Permission denied")
+    assert "malformed" not in r.stderr
+    monkeypatch.undo()
+    _deny(monkeypatch, text)
+    r = run("ppl", src, "--data", text)
+    assert_one_line_error(r, "Permission denied")
+    assert str(text) in r.stderr
