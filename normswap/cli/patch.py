@@ -78,7 +78,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     and the manifest records the pairs so that normswap.load fuses them again.
     """
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched, target_lock
+    from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
     from normswap.manifest import rms_forms
     from normswap.swap import VerificationError, patch, regex_filter
@@ -86,6 +86,7 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
+    parse_shard_size(max_shard_size)  # every option is checked before the (long) load
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     source = resolve(model)
@@ -170,7 +171,8 @@ def _prepare_eval(path, max_length, max_tokens, source, config):
     from normswap.evaluate import check_before_loading
     from normswap.loading import load_tokenizer
 
-    settings = window_settings(max_length, None, max_tokens, 1)
+    settings = window_settings(max_length, None, max_tokens, 1,
+                               names={"max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"})
     corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
     check_before_loading([config], tokenizer, corpus, **settings)
     return corpus, tokenizer, settings

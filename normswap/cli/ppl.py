@@ -29,12 +29,15 @@ def eval_options(f: Callable) -> Callable:
     return f
 
 
-def window_settings(max_length, stride, max_tokens, batch_size) -> dict:
-    """Check the window options before any model is loaded; return them as perplexity() kwargs."""
-    from normswap.evaluate import check_window_options
+def window_settings(max_length, stride, max_tokens, batch_size, names: dict | None = None) -> dict:
+    """Check the window options before any model is loaded; return them as perplexity() kwargs.
+    names: the flags they came from, when not ppl/diff's own (--max-length, ...)."""
+    from normswap.evaluate import CLI_NAMES, check_window_options
 
-    check_window_options(max_length, stride, max_tokens, batch_size)
-    return dict(max_length=max_length, stride=stride, max_tokens=max_tokens, batch_size=batch_size)
+    names = CLI_NAMES | (names or {})
+    check_window_options(max_length, stride, max_tokens, batch_size, names)
+    return dict(max_length=max_length, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
+                option_names=names)
 
 
 def describe_windows(d: dict) -> str:
