@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from normswap.data import Corpus, open_corpus
+from normswap import data as text_data
+from normswap.data import Corpus, cut_pieces, open_corpus
 from normswap.errors import BadInputError, NormswapError
 
 # Config attributes that hold a model's context length, by the names the families use.
@@ -271,7 +272,9 @@ def document_tokens(tokenizer, documents: Iterable[Iterable[str]]) -> Iterator[l
     exact_cuts = _cuts_are_exact(tokenizer)
     first_document = True
     for doc in documents:
-        pieces = doc if exact_cuts else iter(["".join(doc)])
+        # bounded pieces whatever the source (a str, a jsonl row, a dataset row may be one huge
+        # line); a tokenizer whose encoding changes at a cut gets them joined up to the cap
+        pieces = cut_pieces(doc) if exact_cuts else cut_pieces(doc, first=text_data.MAX_PIECE_CHARS)
         started = False
         for piece in pieces:
             if not started:

@@ -188,7 +188,7 @@ def load_config(source: ModelSource):
     except OSError as e:
         raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
-        raise NormswapError(f"{cfg_path}: invalid config: {one_line(e)}") from None
+        raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
     return config
 

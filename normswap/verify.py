@@ -365,11 +365,17 @@ def check_weights(model: nn.Module, what: str = "the model") -> None:
     """Refuse weights that no numeric proof can be built on, naming the tensor: a NaN or an Inf
     in the input would make both the original and the replacement produce NaN, and the check
     would blame the replacement. Meta tensors (no values at all) are refused the same way."""
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    meta, real = [], []
+    for path, module in model.named_modules():
+        hook = vars(module).get("_hf_hook")
+        offloaded = hook is not None and getattr(hook, "offload", False)  # values live in the hook
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            (real if not p.is_meta else meta if not offloaded else []).append((full, p))
     if meta:
-        raise BadInputError(f"{what} has no weights to verify with: {meta[0]} (and {len(meta) - 1} more) is on the "
-                            "meta device; load the weights first, or pass verify=False")
-    for name, p in model.named_parameters():
+        raise BadInputError(f"{what} has no weights to verify with: {meta[0][0]} (and {len(meta) - 1} more) is on "
+                            "the meta device; load the weights first, or pass verify=False")
+    for name, p in real:
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):
             nan, inf = int(torch.isnan(p).sum()), int(torch.isinf(p).sum())
             raise BadInputError(f"{what} is corrupt: {name} holds {nan} NaN and {inf} infinite value(s) "

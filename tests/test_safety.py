@@ -451,3 +451,79 @@ def test_case10_api_errors_are_normswap_errors(tmp_path):
     with pytest.raises(BadInputError, match="max_length must be a whole number of tokens, got 2.5"):
         normswap.perplexity(model, tok, "some text here", max_length=2.5, progress=False)
     assert issubclass(BadInputError, ValueError) and issubclass(BadInputError, normswap.NormswapError)
+
+
+# ---- case 4: tokenisation streams, whatever the file's shape -----------------------------------
+
+
+class _SpyTokenizer:
+    """Wraps a tokenizer and records the length of every text it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.seen = tok, []
+
+    def __call__(self, text, **kw):
+        self.seen.append(len(text))
+        return self.tok(text, **kw)
+
+
+def _one_line_file(path: Path, chars: int) -> str:
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "anarchism", "originated"]
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(words)
+        out.append(w)
+        n += len(w) + 1
+    text = " ".join(out)  # text8's shape: one line, no newline at all
+    path.write_text(text)
+    return text
+
+
+def test_case4_one_line_file_with_max_tokens_tokenises_a_bounded_prefix(tmp_path):
+    import normswap
+    from normswap import data as nsdata
+    from normswap.data import open_corpus
+    from tiny_models import tiny_tokenizer
+
+    p = tmp_path / "text8.txt"
+    _one_line_file(p, 4_000_000)
+    spy = _SpyTokenizer(tiny_tokenizer())
+    model = tiny_model("llama")
+    r = normswap.perplexity(model, spy, open_corpus(p), max_length=32, max_tokens=256, progress=False)
+    assert r.tokens == 255
+    assert max(spy.seen) <= nsdata.FIRST_PIECE_CHARS  # never the 4 MB line
+    assert sum(spy.seen) <= 2 * nsdata.FIRST_PIECE_CHARS  # it stopped once 256 tokens were there
+
+
+def test_case4_long_lines_and_strings_are_cut_into_bounded_exact_pieces(tmp_path, monkeypatch):
+    import tracemalloc
+
+    from normswap import data as nsdata
+    from normswap.data import open_corpus
+    from normswap.evaluate import document_tokens
+    from tiny_models import tiny_tokenizer
+
+    p = tmp_path / "line.txt"
+    text = _one_line_file(p, 3_000_000)
+    # reading a 3 MB one-line file piece by piece holds a bounded amount of it
+    tracemalloc.start()
+    try:
+        (doc,) = list(open_corpus(p).documents())
+        sizes = [len(piece) for piece in doc]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert max(sizes) <= nsdata.MAX_PIECE_CHARS and sum(sizes) == len(text)
+    assert peak < 8 * nsdata.MAX_PIECE_CHARS < len(text) * 4  # not the whole line (str of 3M chars)
+    # a str, a jsonl row or a dataset row arrives whole: the tokenizer still sees bounded pieces,
+    # and the cuts (before a space) give exactly the tokens of the whole text
+    monkeypatch.setattr(nsdata, "FIRST_PIECE_CHARS", 1000)
+    monkeypatch.setattr(nsdata, "MAX_PIECE_CHARS", 4000)
+    sample = text[:200_000]
+    spy = _SpyTokenizer(tiny_tokenizer())
+    streamed = [t for chunk in document_tokens(spy, [iter([sample])]) for t in chunk]
+    assert max(spy.seen) <= 4000
+    assert streamed == tiny_tokenizer()(sample, add_special_tokens=False)["input_ids"]
