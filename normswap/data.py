@@ -1,4 +1,4 @@
-"""Reading evaluation text from PATH: a plain text file, a .jsonl file with a text field, a directory
+"""Reading evaluation text from PATH: a plain text file (or a gzip-compressed `.gz` one), a .jsonl file with a text field, a directory
 of .txt files, or a `datasets` dataset saved to disk (`save_to_disk`).
 
 `open_corpus` checks what it can up front (the path exists, is not empty, is not binary, the
@@ -20,6 +20,7 @@ characters (one token in ~250k may differ from encoding the whole text) and memo
 from __future__ import annotations
 
 import codecs
+import gzip
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -100,14 +101,16 @@ def _txt_files(directory: Path) -> list[Path]:
 def _sniff_text(path: Path, allow_empty: bool) -> None:
     """Refuse empty files and files that are not UTF-8 text, from their first few KB."""
     try:
-        with open(path, "rb") as fh:
+        with _open_bytes(path) as fh:
             head = fh.read(_SNIFF_BYTES)
-    except OSError as e:
+    except (OSError, EOFError) as e:  # gzip raises BadGzipFile (an OSError) or EOFError
+        if isinstance(e, (gzip.BadGzipFile, EOFError)):
+            raise NormswapError(f"{path}: not a valid gzip file ({e})") from None
         raise NormswapError(f"{path}: cannot read ({e.strerror or e})") from None
     if not head.strip():
         if allow_empty:
             return
-        if not head or path.stat().st_size <= _SNIFF_BYTES:
+        if len(head) < _SNIFF_BYTES:  # the whole (decompressed) file was read: all blank
             raise NormswapError(f"{path}: empty file (no text to score)")
     if b"\x00" in head:
         raise NormswapError(f"{path}: a binary file, not text (NUL bytes in its first {len(head)} bytes)")
@@ -118,7 +121,18 @@ def _sniff_text(path: Path, allow_empty: bool) -> None:
         raise NormswapError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
+def _is_gzip(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"
+
+
+def _open_bytes(path: Path):
+    return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
+
+
 def _open_text(path: Path):
+    # Compressed text (e.g. the King James books the recipes ship) is read through gzip, lazily.
+    if _is_gzip(path):
+        return gzip.open(path, "rt", encoding="utf-8", errors="strict", newline="")
     return open(path, encoding="utf-8", errors="strict", newline="")
 
 

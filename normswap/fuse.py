@@ -83,8 +83,8 @@ def _dispatch(func, args, kwargs):
             return out
     elif func in _IADDS and len(args) == 2 and not kwargs:
         return _iadd(func, args[0], args[1])
-    elif func is F.dropout and not (kwargs.get("training", True) and kwargs.get("p", 0.5) > 0):
-        return args[0]  # an identity (eval mode or p = 0): the tag survives it
+    elif func is F.dropout and _dropout_is_identity(args, kwargs):
+        return args[0]  # eval mode or p = 0: the tag survives it
     elif func in _SHAPE_OPS and args:
         return _reshape(func, args, kwargs)
     if _RECORDER is not None:
@@ -94,14 +94,32 @@ def _dispatch(func, args, kwargs):
     return func(*args, **kwargs)
 
 
+def _dropout_is_identity(args, kwargs) -> bool:
+    # F.dropout(input, p=0.5, training=True, inplace=False), its arguments positional or not
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    return not training or p == 0
+
+
+# In-place ops that a model may apply to a stream value; under torch.compile (which cannot trace
+# the name test below) only these are recognised.
+_KNOWN_IN_PLACE = (torch.Tensor.__setitem__, torch.Tensor.mul_, torch.Tensor.div_, torch.Tensor.sub_,
+                   torch.Tensor.copy_, torch.Tensor.zero_, torch.Tensor.fill_, torch.Tensor.clamp_,
+                   torch.Tensor.masked_fill_, torch.Tensor.__imul__, torch.Tensor.__isub__,
+                   torch.Tensor.__itruediv__)
+
+
 def _in_place(func) -> bool:
+    if torch.compiler.is_compiling():
+        return func in _KNOWN_IN_PLACE
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
 
 
 def _forget(t: StreamTensor, keep_into: bool = False) -> None:
     for name in ("_ns_norm", "_ns_normed", "_ns_summed", *(() if keep_into else ("_ns_into",))):
-        t.__dict__.pop(name, None)
+        if getattr(t, name, None) is not None:
+            setattr(t, name, None)  # (not __dict__.pop: dynamo loses the other tags then)
 
 
 def _tag(t: torch.Tensor, **attrs) -> StreamTensor:
@@ -142,6 +160,11 @@ def _iadd(func, a, b):
     """`a += b` (Falcon adds the attention output into the MLP output in place)."""
     keep = _role(a, "_ns_into") is not None and _role(a, "_ns_into") is _role(b, "_ns_into")
     writers = _role(a, "_ns_writers"), _role(b, "_ns_writers")
+    if keep and torch.compiler.is_compiling():
+        # Dynamo rebinds the target of an in-place op to a plain tensor, dropping the tag; out
+        # of place, the result keeps it. Only the two writers' own sum is affected (a local of
+        # the block's forward), and a compiled graph is functional anyway.
+        return _tag(torch.add(a, b), _ns_into=a._ns_into)
     out = func(a, b)
     if type(a) is StreamTensor:
         # The values changed: a precomputed norm of `a` is stale, and `a` stays a writer only
@@ -149,6 +172,7 @@ def _iadd(func, a, b):
         _forget(a, keep_into=keep)
         if _RECORDER is not None and writers[0] is not None:
             a._ns_writers = writers[0] | (writers[1] or frozenset())
+        return a  # in-place: `a` itself, with its tags (dynamo's traced result would drop them)
     return out
 
 

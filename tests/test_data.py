@@ -171,3 +171,21 @@ def test_pieces_tokenise_exactly_like_the_whole_text_for_smollm2(tmp_path, monke
     assert len(list(doc)) > 3
     streamed = [t for chunk in document_tokens(tok, open_corpus(p).documents()) for t in chunk]
     assert streamed == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_gzip_text_reads_like_the_plain_file(tmp_path):
+    import gzip
+
+    text = "In the beginning God created the heaven and the earth.\n" * 2000
+    plain, packed = tmp_path / "a.txt", tmp_path / "a.txt.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    read = ["".join(doc) for doc in open_corpus(packed).documents()]
+    assert read == ["".join(doc) for doc in open_corpus(plain).documents()] == [text]
+
+
+def test_gzip_that_is_not_gzip_is_one_clear_error(tmp_path):
+    bad = tmp_path / "b.txt.gz"
+    bad.write_text("plain text with a .gz name\n")
+    with pytest.raises(NormswapError, match="not a valid gzip file"):
+        open_corpus(bad)

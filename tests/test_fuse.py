@@ -136,9 +136,11 @@ def test_in_place_change_drops_the_precomputed_norm():
     assert type(stream.double() + write) is torch.Tensor
 
 
-def test_compile_fullgraph_has_fused_ops():
-    """torch.compile sees one graph, and in it every fused add is one normswap op with a residual."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch,norms,fused", [("llama", 5, 4), ("gpt2", 5, 4), ("opt", 5, 4), ("falcon", 3, 2)])
+def test_compile_fullgraph_has_fused_ops(arch, norms, fused):
+    """torch.compile sees one graph, and in it every fused add is one normswap op with a residual
+    (through GPT-2's dropout modules, OPT's reshapes and Falcon's in-place parallel sum)."""
+    model = tiny_model(arch)
     normswap.patch(model, "triton", verify=False, fuse_residual=True)
     expected = model(IDS).logits
     graphs = []
@@ -154,9 +156,11 @@ def test_compile_fullgraph_has_fused_ops():
     got = torch.compile(model, backend=backend, fullgraph=True)(IDS).logits
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert len(graphs) == 1
-    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "normswap.rms_norm_fwd" in str(n.target)]
-    with_residual = [n for n in ops if n.args[2] is not None]
-    assert len(ops) == 5 and len(with_residual) == 4
+    ops = [n for n in graphs[0].graph.nodes if n.op == "call_function"
+           and str(n.target).startswith("normswap.") and "_fwd" in str(n.target)]
+    residual = 2 if "rms_norm" in str(ops[0].target) else 3  # (x, weight, residual) / (x, weight, bias, residual)
+    with_residual = [n for n in ops if n.args[residual] is not None]
+    assert len(ops) == norms and len(with_residual) == fused
 
 
 def test_cli_save_load_revert(tmp_path):

@@ -430,9 +430,10 @@ def test_case7_options_are_named_as_typed_and_checked_before_loading(src, tmp_pa
 
 
 def test_case10_api_errors_are_normswap_errors(tmp_path):
+    from tiny_models import tiny_tokenizer
+
     import normswap
     from normswap.errors import BadInputError
-    from tiny_models import tiny_tokenizer
 
     model = tiny_model("llama")
     report = normswap.patch(model, "torch", dtype="fp32", probe=SMALL)  # what load accepts, patch accepts
@@ -483,10 +484,11 @@ def _one_line_file(path: Path, chars: int) -> str:
 
 
 def test_case4_one_line_file_with_max_tokens_tokenises_a_bounded_prefix(tmp_path):
+    from tiny_models import tiny_tokenizer
+
     import normswap
     from normswap import data as nsdata
     from normswap.data import open_corpus
-    from tiny_models import tiny_tokenizer
 
     p = tmp_path / "text8.txt"
     _one_line_file(p, 4_000_000)
@@ -501,10 +503,11 @@ def test_case4_one_line_file_with_max_tokens_tokenises_a_bounded_prefix(tmp_path
 def test_case4_long_lines_and_strings_are_cut_into_bounded_exact_pieces(tmp_path, monkeypatch):
     import tracemalloc
 
+    from tiny_models import tiny_tokenizer
+
     from normswap import data as nsdata
     from normswap.data import open_corpus
     from normswap.evaluate import document_tokens
-    from tiny_models import tiny_tokenizer
 
     p = tmp_path / "line.txt"
     text = _one_line_file(p, 3_000_000)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap.errors import NormswapError
+from normswap.jsonsafe import finite_or_null
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
@@ -94,18 +94,6 @@ def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
         sys.stdout.write(json.dumps(finite_or_null(data), indent=2, default=str, allow_nan=False) + "\n")
     else:
         render(data)
-
-
-def finite_or_null(value: Any) -> Any:
-    """NaN and ±inf as null: Python's json writes them as bare NaN/Infinity, which strict JSON
-    parsers reject (e.g. a perplexity that overflowed)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(v) for v in value]
-    return value
 
 
 def run() -> None:

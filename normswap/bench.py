@@ -1,0 +1,376 @@
+"""Model-level speed: the unpatched model against each impl, with and without fused residual adds.
+
+One process, one model (built from its config with random weights unless weights are asked for),
+patched and reverted in place between variants so every variant runs the same weights on the same
+inputs. Per variant and mode:
+
+- train    one training step: forward with labels + backward (no optimizer step); tokens/s and
+           peak memory (CUDA only)
+- prefill  a no-grad forward over the prompt that fills a KV cache; tokens/s
+- decode   one next-token step against a static KV cache holding the prompt (the cache position is
+           reset before each step, so every repeat does the same work); latency. On CUDA the step
+           is captured in a CUDA graph and replayed where the model allows it (the row says which
+           method timed it); elsewhere it runs eagerly.
+
+Timing: warm-up calls, then `repeats` timed calls; the median is reported. CUDA is timed with
+events around each call (or graph replay); CPU with perf_counter. CPU numbers say nothing about
+GPU speed: the result records the device, and the CLI labels CPU runs as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+
+MODES = ("train", "prefill", "decode")
+FORMAT = "normswap-bench/1"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    impls: tuple[str, ...] = ("torch", "triton")
+    fuse_residual: bool = False  # also measure each impl with its residual adds fused
+    modes: tuple[str, ...] = MODES
+    batch: int = 1
+    seq: int = 512
+    dtype: str = "bf16"
+    device: str | None = None  # None: CUDA when there is one
+    compile: bool = False
+    compile_backend: str = "inductor"
+    warmup: int = 3
+    repeats: int = 10
+    load_weights: bool = False  # False: random weights from the config (any size, no download)
+    seed: int = 0
+
+
+@dataclass
+class BenchRow:
+    variant: str  # "eager" (unpatched) or IMPL[+fused]
+    impl: str | None
+    fused: bool
+    mode: str
+    median_ms: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory_bytes: int | None = None
+    speedup: float | None = None  # the unpatched model's median / this one (same mode)
+    method: str | None = None  # cuda-graph | cuda-events | perf_counter
+    fused_writers: int | None = None  # writers whose add runs inside a norm kernel (+fused variants)
+    error: str | None = None  # why this row has no numbers
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    device: dict[str, Any]
+    versions: dict[str, Any]
+    model_info: dict[str, Any]
+    rows: list[BenchRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "config": asdict(self.config), "device": self.device, "versions": self.versions,
+                "model": self.model_info, "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> tuple[float, str]:
+    """Median seconds of one fn() call, and the method that timed it."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    if device.type == "cuda":
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times), "cuda-events"
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), "perf_counter"
+
+
+def _cuda_graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any] | None:
+    """fn captured in a CUDA graph (a replay function), or None where the model does not allow it
+    (host syncs, data-dependent allocation): the caller then times fn eagerly."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception:  # noqa: BLE001 - any capture failure means: not capturable, time eagerly
+        torch.cuda.synchronize(device)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The three workloads
+# ---------------------------------------------------------------------------------------------
+
+
+def _train_step(model, ids):
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    return step
+
+
+def _prefill(model, ids):
+    def step():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True)
+    return step
+
+
+def _decode(model, ids):
+    """One next-token step after the prompt `ids`. A StaticCache keeps every step's work and
+    addresses the same (graph-capturable); its position is reset in place before each step.
+    Models whose layers do not take a StaticCache use a DynamicCache cropped back to the prompt."""
+    from transformers import DynamicCache, StaticCache
+
+    prompt = ids.shape[1]
+    nxt = ids[:, -1:].contiguous()
+    with torch.no_grad():
+        try:
+            cache = StaticCache(config=model.config, max_cache_len=prompt + 1)
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
+                        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+            if not counters:
+                raise TypeError("no cache position to reset")
+        except Exception:  # noqa: BLE001 - the model's attention layers refuse a static cache
+            cache, counters = DynamicCache(config=model.config), None
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    def step():
+        with torch.no_grad():
+            if counters is None:
+                cache.crop(prompt)
+            else:
+                for c in counters:
+                    c.fill_(prompt)
+            return model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    return step, counters is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise NormswapError(f"bad device {name!r}: {e}") from None
+
+
+def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
+    """The model of cfg.model: its config with random weights (seeded), or its weights."""
+    from normswap.loading import load_config, load_model, model_class, resolve
+
+    source = resolve(cfg.model)
+    config = load_config(source)
+    if cfg.load_weights:
+        return load_model(source, dtype=dtype, device=str(device), config=config)
+    cls = model_class(config)
+    torch.manual_seed(cfg.seed)
+    try:
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+        raise NormswapError(f"{cfg.model}: cannot build {cls.__name__} from its config: {e}") from None
+    return model.eval()
+
+
+def _versions() -> dict[str, Any]:
+    import transformers
+
+    import normswap
+
+    out: dict[str, Any] = {"normswap": normswap.__version__, "torch": torch.__version__,
+                           "transformers": transformers.__version__, "python": platform.python_version()}
+    with contextlib.suppress(Exception):
+        import triton
+
+        out["triton"] = triton.__version__
+    for pkg in ("liger_kernel", "quack"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            out[pkg] = version(pkg.replace("_", "-") if pkg == "liger_kernel" else "quack-kernels")
+    with contextlib.suppress(Exception):
+        out["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+            timeout=5, check=True).stdout.strip()
+    return out
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "cpu_numbers": False}
+    return {"type": device.type, "name": platform.processor() or platform.machine(), "cpu_numbers": True,
+            "threads": torch.get_num_threads(),
+            "triton": "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "native"}
+
+
+def _measure(cfg, model, ids, mode, device) -> tuple[float, str, int | None]:
+    run = model
+    if cfg.compile:
+        torch._dynamo.reset()  # the patched modules are new code: no graph of another variant applies
+        run = torch.compile(model, backend=cfg.compile_backend)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if mode == "train":
+        model.train()
+        try:
+            seconds, method = time_calls(_train_step(run, ids), device, cfg.warmup, cfg.repeats)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.eval()
+    elif mode == "prefill":
+        seconds, method = time_calls(_prefill(run, ids), device, cfg.warmup, cfg.repeats)
+    else:
+        step, static = _decode(run, ids)
+        fn = _cuda_graph(step, device) if device.type == "cuda" and static else None
+        seconds, method = time_calls(fn or step, device, cfg.warmup, cfg.repeats)
+        method = "cuda-graph" if fn is not None else method
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return seconds, method, peak
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
+    patched (an impl unavailable here, a failed verification) gets rows with its error."""
+    from normswap.backends import get_backend
+    from normswap.loading import parse_dtype
+    from normswap.swap import patch, revert
+
+    bad = [m for m in cfg.modes if m not in MODES]
+    if bad:
+        raise NormswapError(f"unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
+    if cfg.batch < 1 or cfg.seq < 2 or cfg.repeats < 1 or cfg.warmup < 0:
+        raise NormswapError("--batch must be >= 1, --seq >= 2, --repeats >= 1 and --warmup >= 0")
+    for impl in cfg.impls:
+        get_backend(impl)  # an impl that cannot run here fails before the model is built
+    dtype = parse_dtype(cfg.dtype)
+    device = _device(cfg.device)
+    model = build_model(cfg, dtype, device)
+    config = model.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 4:
+        raise NormswapError(f"{cfg.model}: bench needs a token model (config.vocab_size)")
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
+    result = BenchResult(cfg, _device_info(device), _versions(), {
+        "model_type": getattr(config, "model_type", None), "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights": "loaded" if cfg.load_weights else "random (from the config)",
+    })
+    if device.type != "cuda":
+        result.notes.append("CPU numbers: they say nothing about GPU speed"
+                            + (" (Triton runs through its interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else ""))
+
+    variants: list[tuple[str | None, bool]] = [(None, False)]
+    for impl in cfg.impls:
+        variants.append((impl, False))
+        if cfg.fuse_residual:
+            variants.append((impl, True))
+    baseline: dict[str, float] = {}
+    for impl, fused in variants:
+        name = "eager" if impl is None else impl + ("+fused" if fused else "")
+        rows = [BenchRow(name, impl, fused, mode) for mode in cfg.modes]
+        fused_writers = None
+        try:
+            if impl is not None:
+                report = patch(model, impl, fuse_residual=fused)
+                fused_writers = len(report.fusion.pairs) if report.fusion is not None else None
+            for row in rows:
+                if progress:
+                    progress(f"{name} {row.mode}")
+                seconds, row.method, row.peak_memory_bytes = _measure(cfg, model, ids, row.mode, device)
+                row.median_ms = seconds * 1e3
+                tokens = cfg.batch * (1 if row.mode == "decode" else cfg.seq)
+                row.tokens_per_s = tokens / seconds
+                row.fused_writers = fused_writers
+                if impl is None:
+                    baseline[row.mode] = seconds
+                elif row.mode in baseline:
+                    row.speedup = baseline[row.mode] / seconds
+        except Exception as e:  # noqa: BLE001 - one variant failing (compile, capture) is a row, not the end
+            from normswap.errors import first_line
+
+            why = str(e) if isinstance(e, NormswapError) else f"{e.__class__.__name__}: {first_line(e)}"
+            for row in rows:
+                if row.median_ms is None:
+                    row.error = why
+        finally:
+            revert(model)
+        result.rows.extend(rows)
+    return result
+
+
+def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/results") -> Path:
+    """benchmarks/results/bench-<model>-<device>-<date>.json"""
+    def slug(s: str) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "x"
+
+    model = slug(Path(result.config.model).name)
+    device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
+    return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
+
+
+def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
+    """Write the result as strict JSON, atomically (a temporary file renamed into place)."""
+    from normswap.jsonsafe import finite_or_null
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(finite_or_null(result.to_dict()), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def parse_list(value: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v.strip())

@@ -1,0 +1,94 @@
+"""`normswap bench`: model-level speed of the unpatched model against each impl (normswap.bench)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from normswap.cli.main import cli, emit, json_option
+
+
+@cli.command("bench")
+@click.argument("model")
+@click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
+              help="Comma-separated impls to compare with the unpatched model (triton, torch, compile, liger, quack).")
+@click.option("--fuse-residual", is_flag=True, help="Also measure each impl with its residual adds fused into the norms.")
+@click.option("--mode", "modes", default="train,prefill,decode", show_default=True, metavar="LIST",
+              help="Comma-separated workloads: train (fwd+bwd step), prefill, decode (one step with a KV cache).")
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="bf16", show_default=True)
+@click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help="Default: the CUDA device when there is one.")
+@click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
+@click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--repeats", type=int, default=10, show_default=True, help="Timed calls; the median is reported.")
+@click.option("--load-weights", is_flag=True, help="Load MODEL's weights (default: random weights from its config).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json).")
+@json_option
+def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use_compile, compile_backend, warmup,
+              repeats, load_weights, out, as_json):
+    """Time MODEL unpatched and patched with each --impl (and fused with --fuse-residual): a training
+    step, a prefill and one decode step, side by side in one process; print a table and write JSON.
+
+    MODEL is anything `patch` takes, or a directory holding only a config.json: by default the
+    weights are random (seeded) from the config, so any size can be timed without its weights.
+    On a CPU the numbers are CPU numbers and say nothing about GPU speed.
+    """
+    from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+
+    cfg = BenchConfig(model=model, impls=parse_list(impls), fuse_residual=fuse_residual, modes=parse_list(modes),
+                      batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,
+                      compile_backend=compile_backend, warmup=warmup, repeats=repeats, load_weights=load_weights)
+    from tqdm.auto import tqdm
+
+    bars = []  # opened at the first measurement: bad input fails before, with one clean line
+
+    def progress(what: str) -> None:
+        if not bars:
+            total = (1 + len(cfg.impls) * (2 if fuse_residual else 1)) * len(cfg.modes)
+            bars.append(tqdm(total=total, desc="bench", unit="run", file=sys.stderr, leave=False))
+        bars[0].set_postfix_str(what)
+        bars[0].update(1)
+
+    try:
+        result = run_bench(cfg, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    path = write_result(result, out or default_output(result))
+    data = result.to_dict()
+    data["saved_to"] = str(path)
+    emit(data, as_json, _render)
+
+
+def _render(data: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    dev = data["device"]
+    where = f"{dev['name']} (CPU numbers: they say nothing about GPU speed)" if dev["cpu_numbers"] else dev["name"]
+    c = data["config"]
+    table = Table(title=f"normswap bench {c['model']}: batch {c['batch']} x seq {c['seq']}, {c['dtype']}"
+                        f"{', compiled' if c['compile'] else ''}, on {where}")
+    for col in ("variant", "mode", "median ms", "tokens/s", "vs eager", "peak mem", "timed by", "fused writers"):
+        table.add_column(col, justify="left" if col in ("variant", "mode", "timed by") else "right")
+    for r in data["rows"]:
+        if r["error"]:
+            table.add_row(r["variant"], r["mode"], "-", "-", "-", "-", "-", "-")
+            continue
+        mem = f"{r['peak_memory_bytes'] / 2**30:.2f} GiB" if r["peak_memory_bytes"] is not None else "-"
+        table.add_row(r["variant"], r["mode"], f"{r['median_ms']:.3f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.3f}x" if r["speedup"] else "-", mem, r["method"],
+                      str(r["fused_writers"]) if r["fused_writers"] is not None else "-")
+    console.print(table)
+    for r in data["rows"]:
+        if r["error"] and r["mode"] == c["modes"][0]:
+            console.print(f"{r['variant']}: not measured: {r['error']}")
+    for note in data["notes"]:
+        console.print(f"note: {note}")
+    console.print(f"results written to {data['saved_to']}")

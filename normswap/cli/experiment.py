@@ -1,0 +1,59 @@
+"""`normswap experiment RECIPE`: run a LayerNorm -> RMSNorm comparison (see normswap.experiment)."""
+
+from __future__ import annotations
+
+import click
+
+from normswap.cli.main import cli, emit, json_option
+
+
+@cli.command()
+@click.argument("recipe", metavar="RECIPE")
+@click.option("--out", default=None, metavar="DIR",
+              help="Where results and resumable state go (default: runs/<recipe name>).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe value (dotted key, TOML value), e.g. --set finetune.steps=50. Repeatable.")
+@click.option("--arms", default=None, metavar="A,B",
+              help="Run only these arms (comma-separated), e.g. original,approx+ft.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@json_option
+def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
+    """Run every arm of RECIPE (original, exact, approx, ... each alone and fine-tuned), evaluate them
+    on held-out text from step 0, and write results.json, results.csv, summary.md and curves.png.
+
+    Rerunning the same command resumes where it stopped (Ctrl-C checkpoints first). Under
+    `accelerate launch -m normswap experiment ...` the fine-tuning runs on several processes (DDP).
+    """
+    from pathlib import Path
+
+    from normswap.experiment import Interrupted, StopFlag, load_recipe, parse_arm, run_experiment
+
+    loaded = load_recipe(recipe, overrides)
+    chosen = None
+    if arms is not None:
+        chosen = [a.strip() for a in arms.split(",") if a.strip()]
+        if not chosen:
+            raise click.BadParameter("no arm named", param_hint="--arms")
+        for a in chosen:
+            parse_arm(a)
+    out_dir = Path(out) if out else Path("runs") / loaded.name
+    stop = StopFlag()
+    try:
+        with stop.on_sigint():
+            result = run_experiment(loaded, out_dir, chosen, progress=not no_progress, stop=stop)
+    except Interrupted as e:
+        click.echo(f"normswap: {e}", err=True)
+        raise SystemExit(130) from None
+    if not result.data:  # not the main process of an `accelerate launch`: it reports nothing
+        return
+    data = result.to_dict()
+
+    def render(d: dict) -> None:
+        from normswap.experiment.report import summary_markdown
+
+        click.echo(summary_markdown(d), nl=False)
+        click.echo("")
+        for name, path in d["files"].items():
+            click.echo(f"{name}: {path if path else 'not written (pip install matplotlib)'}")
+
+    emit(data, as_json, render)

@@ -1,0 +1,13 @@
+"""LayerNorm -> RMSNorm comparison experiments: a recipe (TOML) in, a table and a plot out.
+
+    from normswap.experiment import load_recipe, run_experiment
+    result = run_experiment(load_recipe("recipes/ln2rms-kjv-gpt2.toml"), "runs/kjv")
+    result.summary        # one row per arm; result.files: results.json/.csv, summary.md, curves.png
+"""
+
+from normswap.experiment.recipe import Recipe, RecipeError, load_recipe, parse_arm
+from normswap.experiment.runner import ExperimentResult, run_experiment
+from normswap.experiment.trainer import Interrupted, StopFlag
+
+__all__ = ["ExperimentResult", "Interrupted", "Recipe", "RecipeError", "StopFlag", "load_recipe", "parse_arm",
+           "run_experiment"]

@@ -1,0 +1,159 @@
+"""The `[pretrain]` stage: a small GPT-2-architecture model trained from scratch on a text.
+
+No LayerNorm model's weights can be downloaded where normswap is developed, so a recipe can make
+its own: a byte-level BPE tokenizer trained on the text (the `tokenizers` library), a GPT2LMHeadModel
+of the recipe's shape (dropout off: the runs are deterministic and a few epochs at most), trained
+with the same loop as every arm. The result is a stock transformers checkpoint (config, safetensors,
+tokenizer) cached under ~/.cache/normswap/pretrain/<name>-<key>/, where the key hashes the
+[pretrain] section, the seed and the text; an interrupted pretraining resumes from
+<that dir>.partial/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from normswap.experiment.recipe import PretrainSection
+from normswap.experiment.trainer import RandomWindows, StopFlag, train
+
+EOS = "<|endoftext|>"
+INFO_FILE = "normswap-pretrain.json"
+
+
+def read_text(path: str | Path) -> str:
+    """The whole text of a data PATH (anything normswap.data.open_corpus takes), documents joined
+    by a blank line."""
+    from normswap.data import open_corpus
+
+    return "\n\n".join("".join(doc) for doc in open_corpus(path).documents())
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(section: PretrainSection, seed: int) -> str:
+    d = dataclasses.asdict(section)
+    d["text"] = _file_digest(Path(section.text))
+    d["seed"] = seed
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def pretrain_dir(section: PretrainSection, seed: int, name: str) -> Path:
+    from normswap.loading import cache_dir
+
+    return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed)}"
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2's scheme) trained on `text`, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS,
+                                   model_max_length=1 << 30)
+
+
+def build_model(section: PretrainSection, vocab_size: int, eos_id: int, seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size, n_positions=section.context, n_embd=section.n_embd, n_layer=section.n_layer,
+        n_head=section.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        initializer_range=section.init_std, bos_token_id=eos_id, eos_token_id=eos_id,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_size: int) -> float:
+    """Perplexity of the held-out tokens under the training text's token frequencies (add-one
+    smoothed): the bar a model that ignores context reaches."""
+    counts = Counter(train_ids.tolist())
+    total = train_ids.numel() + vocab_size
+    nll = -sum(math.log((counts.get(t, 0) + 1) / total) for t in eval_ids.tolist()) / eval_ids.numel()
+    return math.exp(nll)
+
+
+def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str | Path,
+                      *, stop: StopFlag | None = None, progress: bool = True) -> tuple[Path, dict]:
+    """The cached checkpoint directory for this [pretrain] section (training it first when absent)
+    and its info (steps, time, held-out perplexity, unigram baseline)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from normswap.checkpoint import staged_dir
+
+    final = pretrain_dir(section, seed, name)
+    if (final / INFO_FILE).is_file():
+        return final, json.loads((final / INFO_FILE).read_text())
+    partial = final.with_name(final.name + ".partial")
+    tok_dir = partial / "tokenizer"
+    text = read_text(section.text)
+    if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        tmp = partial / "tokenizer.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        train_tokenizer(text, section.vocab_size).save_pretrained(tmp)
+        shutil.rmtree(tok_dir)
+        tmp.rename(tok_dir)
+    accelerator.wait_for_everyone()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    ids = encode(tokenizer, text)
+    eval_ids = encode(tokenizer, read_text(eval_text))
+    model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[section.dtype])
+    batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
+    history = train(accelerator, model, section, batches, partial / "state", stop=stop, progress=progress,
+                    desc="pretrain", log_prefix="pretrain/")
+    info = {}
+    if accelerator.is_main_process:
+        from normswap.evaluate import perplexity
+
+        ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context, progress=False,
+                         batch_size=8)
+        info = {
+            "steps": history.step, "train_seconds": round(history.train_seconds, 1),
+            "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
+            * section.grad_accum * accelerator.num_processes,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "final_train_loss": history.losses[-1] if history.losses else None,
+            "heldout_tokens": eval_ids.numel(), "heldout_ppl": ppl.ppl,
+            "unigram_ppl": unigram_perplexity(ids, eval_ids, len(tokenizer)),
+            "section": dataclasses.asdict(section), "seed": seed,
+        }
+        if not ppl.ppl < info["unigram_ppl"]:
+            # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
+            warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
+                          f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
+        with staged_dir(final, replace=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        info = json.loads((final / INFO_FILE).read_text())
+    return final, info

@@ -1,0 +1,255 @@
+"""Experiment recipes: a TOML file, validated against the dataclasses below.
+
+Every key a recipe may hold is a field of one of these dataclasses; anything else, a value of the
+wrong type or out of range, is a one-line `RecipeError` that names the key. `--set key=value`
+overrides (dotted keys, TOML values) are applied to the raw table before validation, so they are
+checked the same way. Paths in a recipe are relative to the recipe file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from normswap.errors import NormswapError
+
+TRANSFORMS = ("original", "exact", "approx", "approx-bias")
+TRAININGS = ("ft", "distill")
+SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
+DTYPES = ("fp32", "bf16", "fp16")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+TRACKERS = ("auto", "none", "tensorboard")
+
+
+class RecipeError(NormswapError):
+    """A recipe that cannot run: unknown key, bad value, missing file."""
+
+
+def _spec(default=dataclasses.MISSING, *, choices=None, minimum=None, maximum=None, path=False, doc=""):
+    meta = {"choices": choices, "minimum": minimum, "maximum": maximum, "path": path, "doc": doc}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How a model is trained: shared by [finetune] and [pretrain]."""
+
+    steps: int = _spec(200, minimum=0, doc="optimizer steps")
+    lr: float = _spec(3e-4, minimum=0.0, doc="peak learning rate")
+    schedule: str = _spec("cosine", choices=SCHEDULES, doc="decay after the warm-up")
+    warmup_steps: int = _spec(20, minimum=0)
+    batch_size: int = _spec(8, minimum=1, doc="sequences per micro-batch, per process")
+    seq_len: int = _spec(128, minimum=2, doc="tokens per training sequence")
+    grad_accum: int = _spec(1, minimum=1, doc="micro-batches per optimizer step, per process")
+    optimizer: str = _spec("adamw", choices=OPTIMIZERS)
+    weight_decay: float = _spec(0.0, minimum=0.0)
+    max_grad_norm: float = _spec(1.0, minimum=0.0, doc="0 turns clipping off")
+    dtype: str = _spec("fp32", choices=DTYPES, doc="dtype of the weights being trained")
+    mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, else no")
+    checkpoint_every: int = _spec(50, minimum=1, doc="steps between resumable checkpoints")
+
+
+@dataclass(frozen=True)
+class FinetuneSection(TrainSettings):
+    eval_every: int = _spec(50, minimum=1, doc="steps between evaluations (step 0 is always evaluated)")
+
+
+@dataclass(frozen=True)
+class PretrainSection(TrainSettings):
+    """A small GPT-2-architecture model trained from scratch on `text` (cached under ~/.cache/normswap/)."""
+
+    text: str = _spec("", path=True, doc="training text (.txt, .txt.gz, directory, ...)")
+    vocab_size: int = _spec(4096, minimum=258, doc="byte-level BPE tokenizer trained on the text")
+    n_layer: int = _spec(6, minimum=1)
+    n_embd: int = _spec(256, minimum=8)
+    n_head: int = _spec(4, minimum=1)
+    context: int = _spec(128, minimum=8, doc="n_positions of the model")
+    init_std: float = _spec(0.02, minimum=0.0)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = _spec("", doc="a model directory (or anything `normswap ppl` takes); or use [pretrain]")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    train: str = _spec("", path=True, doc="fine-tuning text")
+    eval: str = _spec("", path=True, doc="held-out evaluation text")
+    eval_max_tokens: int = _spec(8192, minimum=2)
+    eval_max_length: int = _spec(128, minimum=2, doc="evaluation window")
+    eval_stride: int = _spec(0, minimum=0, doc="0: half the window")
+    eval_batch_size: int = _spec(8, minimum=1)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = _spec("experiment")
+    description: str = _spec("")
+    seed: int = _spec(0, minimum=0)
+    impl: str = _spec("torch", doc="normswap backend the norms of every arm run on (triton, torch, ...)")
+    arms: list = _spec(["original", "original+ft", "exact", "exact+ft", "approx", "approx+ft",
+                        "approx-bias", "approx-bias+ft", "approx+distill"])
+    tracker: str = _spec("auto", choices=TRACKERS, doc="accelerate tracker: auto = tensorboard when installed")
+    model: ModelSection | None = None
+    pretrain: PretrainSection | None = None
+    data: DataSection = field(default_factory=DataSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    source: str = ""  # the recipe file (set by load_recipe; paths were resolved against its folder)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def fingerprint(self) -> str:
+        """What decides the numbers of a run (everything but the arm selection and the description)."""
+        d = self.to_dict()
+        for k in ("arms", "description", "tracker"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTIONS = {"model": ModelSection, "pretrain": PretrainSection, "data": DataSection, "finetune": FinetuneSection}
+
+
+def parse_arm(name: str) -> tuple[str, str | None]:
+    """'approx+ft' -> ('approx', 'ft'); 'exact' -> ('exact', None). RecipeError when unknown."""
+    transform, _, training = name.partition("+")
+    if transform not in TRANSFORMS or (training and training not in TRAININGS):
+        known = ", ".join(f"{t}[+{'|+'.join(TRAININGS)}]" for t in TRANSFORMS)
+        raise RecipeError(f"unknown arm {name!r} (arms: {known})")
+    return transform, training or None
+
+
+def _type_name(t) -> str:
+    return {"int": "an integer", "float": "a number", "str": "a string", "list": "a list of strings"}.get(t, t)
+
+
+def _check_value(where: str, f: dataclasses.Field, value: Any, base: Path):
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    meta = f.metadata
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+        value = float(value)
+    if kind == "str" and not isinstance(value, str):
+        raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+    if kind == "list" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+        raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise RecipeError(f"{where}: {value!r} is not one of {', '.join(meta['choices'])}")
+    if meta.get("minimum") is not None and value < meta["minimum"]:
+        raise RecipeError(f"{where}: {value!r} is below the minimum {meta['minimum']}")
+    if meta.get("path") and value:
+        value = str((base / Path(value).expanduser()).resolve())
+    return value
+
+
+def _build(cls, table: Any, where: str, base: Path):
+    if not isinstance(table, dict):
+        raise RecipeError(f"{where}: expected a table, got {table!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    values = {}
+    for key, value in table.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise RecipeError(f"unknown key {name!r} (known{' in [' + where + ']' if where else ''}: "
+                              f"{', '.join(fields)})")
+        if key in _SECTIONS:
+            values[key] = _build(_SECTIONS[key], value, key, base)
+        else:
+            values[key] = _check_value(name, fields[key], value, base)
+    return cls(**values)
+
+
+def _apply_override(table: dict, assignment: str) -> None:
+    key, eq, raw = assignment.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise RecipeError(f"--set {assignment!r}: expected key=value (e.g. finetune.steps=10)")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word: a string (e.g. impl=triton)
+    *parents, leaf = key.split(".")
+    node = table
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {key}: {p} is not a table")
+    if parents and parents[0] not in _SECTIONS:
+        raise RecipeError(f"--set {key}: unknown section {parents[0]!r} (sections: {', '.join(_SECTIONS)})")
+    if key == "arms" and isinstance(value, str):
+        value = [a.strip() for a in value.split(",") if a.strip()]
+    node[leaf] = value
+
+
+def validate(table: dict, base: Path, source: str = "") -> Recipe:
+    """A Recipe from a raw table (paths resolved against `base`); RecipeError on anything wrong."""
+    recipe = _build(Recipe, table, "", base)
+    recipe = dataclasses.replace(recipe, source=source)
+    for arm in recipe.arms:
+        parse_arm(arm)
+    if not recipe.arms:
+        raise RecipeError("arms: the list is empty")
+    if len(set(recipe.arms)) != len(recipe.arms):
+        raise RecipeError("arms: an arm is listed twice")
+    if (recipe.model is None) == (recipe.pretrain is None):
+        raise RecipeError("a recipe needs exactly one of [model] (path = a model directory) and [pretrain]")
+    if recipe.model is not None and not recipe.model.path:
+        raise RecipeError("model.path: missing")
+    if recipe.pretrain is not None:
+        p = recipe.pretrain
+        if not p.text:
+            raise RecipeError("pretrain.text: missing")
+        if p.n_embd % p.n_head:
+            raise RecipeError(f"pretrain.n_embd: {p.n_embd} is not a multiple of pretrain.n_head ({p.n_head})")
+        if p.seq_len > p.context:
+            raise RecipeError(f"pretrain.seq_len: {p.seq_len} exceeds pretrain.context ({p.context})")
+    for key in ("train", "eval"):
+        value = getattr(recipe.data, key)
+        if not value:
+            raise RecipeError(f"data.{key}: missing")
+        if not Path(value).exists():
+            raise RecipeError(f"data.{key}: {value}: no such file or directory")
+    if recipe.pretrain is not None and not Path(recipe.pretrain.text).exists():
+        raise RecipeError(f"pretrain.text: {recipe.pretrain.text}: no such file or directory")
+    if recipe.data.eval_stride > recipe.data.eval_max_length:
+        raise RecipeError("data.eval_stride: larger than data.eval_max_length")
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, override (`key=value`, dotted) and validate a TOML recipe."""
+    p = Path(path).expanduser()
+    try:
+        table = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except IsADirectoryError:
+        raise RecipeError(f"{path}: a directory, not a recipe file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot read ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    for assignment in overrides:
+        _apply_override(table, assignment)
+    try:
+        return validate(table, p.resolve().parent, source=str(p.resolve()))
+    except RecipeError as e:
+        raise RecipeError(f"{path}: {e}") from None

@@ -1,0 +1,193 @@
+"""run_experiment: a recipe, every arm, evaluated from step 0, reported.
+
+Layout of OUT:
+  recipe.json              the validated recipe (a rerun with a different one is refused)
+  arms/<arm>/state/        the arm's resumable checkpoint while it trains
+  arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it)
+  logs/                    accelerate trackers (TensorBoard event files when installed)
+  results.json results.csv summary.md curves.png
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.experiment import report
+from normswap.experiment.arms import DTYPES, build_arm
+from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
+from normswap.experiment.recipe import Recipe, RecipeError, parse_arm
+from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.jsonsafe import finite_or_null
+
+RESULT_FILE = "result.json"
+
+
+@dataclass
+class ExperimentResult:
+    out: Path
+    data: dict  # what results.json holds
+    files: dict[str, str]
+
+    @property
+    def summary(self) -> list[dict]:
+        return report.summary_rows(self.data["arms"])
+
+    def to_dict(self) -> dict:
+        return {"out": str(self.out), "files": self.files, "summary": self.summary, **self.data}
+
+
+def make_accelerator(recipe: Recipe, out: Path):
+    """One Accelerator per process (accelerate's state is process-wide), with the recipe's mixed
+    precision and tracker."""
+    from accelerate import Accelerator
+
+    mp = recipe.finetune.mixed_precision
+    if mp == "auto":
+        mp = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if torch.cuda.is_available() else "no"
+    tracker = recipe.tracker
+    if tracker == "auto":
+        tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
+    if tracker == "tensorboard" and not importlib.util.find_spec("tensorboard"):
+        raise RecipeError("tracker: tensorboard is not installed (pip install tensorboard)")
+    kwargs = {"mixed_precision": mp}
+    if tracker != "none":
+        kwargs.update(log_with=tracker, project_dir=str(out / "logs"))
+    return Accelerator(**kwargs)
+
+
+def _check_out(out: Path, recipe: Recipe) -> None:
+    stamp = out / "recipe.json"
+    if stamp.is_file():
+        try:
+            previous = json.loads(stamp.read_text())
+        except ValueError:
+            previous = {}
+        if previous.get("fingerprint") != recipe.fingerprint():
+            raise NormswapError(f"{out} holds a run of a different recipe (or other --set values); remove it "
+                                "or choose another --out")
+
+
+def _load_model(path: str):
+    from normswap.loading import load_model, load_tokenizer, resolve
+
+    source = resolve(path)
+    return load_model(source, dtype=torch.float32), load_tokenizer(source)
+
+
+def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = None, *, progress: bool = True,
+                   stop: StopFlag | None = None, accelerator=None, plot: bool = True,
+                   on_step: Callable[[str, int, float], None] | None = None) -> ExperimentResult:
+    """Run (or resume) every arm of `recipe` (or the `arms` subset), write the reports into `out`.
+
+    stop: a StopFlag; once set (Ctrl-C, or a caller) the running arm checkpoints and Interrupted is
+    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
+    from accelerate.utils import set_seed
+
+    from normswap.evaluate import diff_models
+
+    arms = list(arms or recipe.arms)
+    for a in arms:
+        parse_arm(a)
+    out = Path(out).expanduser().resolve()
+    _check_out(out, recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator = accelerator or make_accelerator(recipe, out)
+    if accelerator.is_main_process:
+        (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint(), "source": recipe.source,
+                                                     "recipe": recipe.to_dict()}, indent=1))
+    accelerator.wait_for_everyone()
+    if accelerator.trackers == [] and accelerator.log_with:
+        accelerator.init_trackers(recipe.name)
+    stop = stop or StopFlag()
+    started = time.perf_counter()
+    pretrain_info = None
+    if recipe.pretrain is not None:
+        set_seed(recipe.seed)
+        model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
+                                                     recipe.data.eval, stop=stop, progress=progress)
+        model_path = str(model_dir)
+    else:
+        model_path = recipe.model.path
+    original, tokenizer = _load_model(model_path)
+    original.to(accelerator.device)
+    ft = recipe.finetune
+    d = recipe.data
+    eval_ids = encode(tokenizer, read_text(d.eval))
+    train_ids = None
+
+    def evaluate(model, step: int) -> dict:
+        r = diff_models(original, model, tokenizer, eval_ids, max_length=d.eval_max_length,
+                        stride=d.eval_stride or None, max_tokens=d.eval_max_tokens,
+                        batch_size=d.eval_batch_size, progress=False)
+        evaluate.window = {"tokens": r.tokens, "max_length": r.max_length, "stride": r.stride}
+        return {"ppl": r.ppl_b, "nll": r.nll_b, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
+                "top1_agreement": r.top1_agreement}
+
+    evaluate.window = None
+    results: dict[str, dict] = {}
+    for i, arm in enumerate(arms):
+        arm_dir = out / "arms" / arm
+        done = arm_dir / RESULT_FILE
+        if done.is_file():
+            results[arm] = json.loads(done.read_text())
+            continue
+        transform, training = parse_arm(arm)
+        set_seed(recipe.seed)
+        model = build_arm(original, arm, recipe.impl, ft.dtype)
+        arm_started = time.perf_counter()
+        desc = f"[{i + 1}/{len(arms)}] {arm}"
+        if training is None:
+            evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
+            history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
+        else:
+            if train_ids is None:
+                train_ids = encode(tokenizer, read_text(d.train))
+            batches = RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed)
+            teacher = original if training == "distill" else None
+            h = train(accelerator, model, ft, batches, arm_dir / "state",
+                      loss="distill" if training == "distill" else "lm", teacher=teacher, evaluate=evaluate,
+                      eval_every=ft.eval_every, stop=stop, progress=progress, desc=desc, log_prefix=f"{arm}/",
+                      on_step=(lambda s, loss, arm=arm: on_step(arm, s, loss)) if on_step else None)
+            history = {"steps": h.step, "losses": h.losses, "evals": h.evals, "train_seconds": h.train_seconds}
+        if accelerator.is_main_process:
+            result = {"transform": transform, "training": training, **history,
+                      "wall_seconds": time.perf_counter() - arm_started}
+            if evaluate.window:
+                result["eval_window"] = evaluate.window
+            tmp = arm_dir / (RESULT_FILE + ".tmp")
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(finite_or_null(result)))
+            tmp.replace(done)
+            shutil.rmtree(arm_dir / "state", ignore_errors=True)
+            results[arm] = result
+        accelerator.wait_for_everyone()
+        del model
+    data, files = {}, {}
+    if accelerator.is_main_process:
+        window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
+        data = {
+            "recipe": recipe.to_dict(),
+            "fingerprint": recipe.fingerprint(),
+            "model": model_path,
+            "pretrain": pretrain_info,
+            "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
+            "arms": results,
+            "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                            "device": str(accelerator.device), "num_processes": accelerator.num_processes,
+                            "mixed_precision": accelerator.mixed_precision,
+                            "dtype": str(DTYPES[ft.dtype]).removeprefix("torch.")},
+            "seconds_this_invocation": round(time.perf_counter() - started, 1),
+        }
+        files = report.write_reports(data, out, plot=plot)
+    accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
+    return ExperimentResult(out=out, data=data, files=files)

@@ -1,0 +1,282 @@
+"""The training loop every arm (and the pretraining) runs: accelerate, checkpoints, resume.
+
+Reproducibility and the DDP equivalence both come from how batches are drawn: the sequences of
+optimizer step s are a pure function of (seed, s): `grad_accum * num_processes` micro-batches of
+random windows of the token stream, and process r takes micro-batches [r*grad_accum, (r+1)*grad_accum).
+So two processes with accumulation A see, per step, exactly the sequences one process with
+accumulation 2A sees, and DDP's gradient average equals that process's mean; a resumed run draws
+the batches the uninterrupted run would have drawn. The learning rate is a pure function of the
+step too, so a checkpoint needs only the model, the optimizer (accelerate's save_state, which
+also keeps the RNG states that dropout uses) and the history.
+
+Checkpoints: <state_dir>/step-NNNNNN/ (accelerate's save_state plus trainer.json), then LATEST is
+replaced atomically to point at it, then older ones are removed; a kill at any moment leaves the
+previous LATEST intact. Ctrl-C (SIGINT) sets a flag the loop checks after each step: it saves a
+checkpoint and raises Interrupted; a second Ctrl-C interrupts at once (the last checkpoint stays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.experiment.recipe import TrainSettings
+
+LATEST = "LATEST"
+TRAINER_STATE = "trainer.json"
+
+
+class Interrupted(NormswapError):
+    """Training stopped on request (Ctrl-C) after saving a checkpoint: rerun to resume."""
+
+
+class StopFlag:
+    """Set by SIGINT (or by a caller, e.g. a test simulating Ctrl-C); checked after every step."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    @contextlib.contextmanager
+    def on_sigint(self):
+        """First Ctrl-C: finish the step, checkpoint, stop. Second: KeyboardInterrupt now."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if self.is_set():
+                signal.signal(signal.SIGINT, previous)
+                raise KeyboardInterrupt
+            print("\nnormswap: stopping after this step (checkpointing; Ctrl-C again to stop now)",
+                  file=sys.stderr)
+            self.set()
+
+        signal.signal(signal.SIGINT, handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def lr_at(s: TrainSettings, step: int) -> float:
+    """Linear warm-up to s.lr, then constant / linear / cosine decay to 0 at s.steps."""
+    if s.warmup_steps and step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    if s.schedule == "constant":
+        return s.lr
+    span = max(1, s.steps - s.warmup_steps)
+    progress = min(1.0, (step - s.warmup_steps) / span)
+    if s.schedule == "linear":
+        return s.lr * (1.0 - progress)
+    return s.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class RandomWindows:
+    """Training batches: random windows of seq_len tokens from one token stream (see the module doc)."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        if ids.numel() <= seq_len:
+            raise NormswapError(f"the training text has {ids.numel()} tokens, fewer than one sequence "
+                                f"of {seq_len + 1}")
+        self.ids, self.seq_len, self.batch_size, self.seed = ids, seq_len, batch_size, seed
+
+    def micro_batches(self, step: int, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        n = grad_accum * world * self.batch_size
+        starts = torch.randint(0, self.ids.numel() - self.seq_len, (n,), generator=g)
+        rows = torch.stack([self.ids[s: s + self.seq_len] for s in starts.tolist()])
+        mine = rows.view(grad_accum * world, self.batch_size, self.seq_len)[rank * grad_accum:(rank + 1) * grad_accum]
+        return list(mine)
+
+
+def build_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
+    # Weight decay on matrices only (not on norm gains, biases or 1-D tensors), the usual GPT recipe.
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    if s.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=s.lr, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95))
+
+
+def lm_loss(model, ids: torch.Tensor, teacher=None) -> torch.Tensor:
+    """Next-token cross-entropy (mean over the predicted tokens)."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def distill_loss(model, ids: torch.Tensor, teacher) -> torch.Tensor:
+    """Mean over positions of KL(teacher ‖ model) of the next-token distributions."""
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
+    logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+    v = logp.shape[-1]
+    return torch.nn.functional.kl_div(logp.reshape(-1, v), target.reshape(-1, v), log_target=True,
+                                      reduction="batchmean")
+
+
+LOSSES = {"lm": lm_loss, "distill": distill_loss}
+
+
+@dataclass
+class History:
+    """What a run has produced so far; saved with every checkpoint."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)  # per optimizer step (mean over the global batch)
+    evals: list[dict] = field(default_factory=list)  # {"step": s, ...metrics}
+    train_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "losses": self.losses, "evals": self.evals, "train_seconds": self.train_seconds}
+
+
+def latest_checkpoint(state_dir: Path) -> Path | None:
+    pointer = state_dir / LATEST
+    if not pointer.is_file():
+        return None
+    target = state_dir / pointer.read_text().strip()
+    return target if (target / TRAINER_STATE).is_file() else None
+
+
+def _save(accelerator, state_dir: Path, history: History) -> None:
+    name = f"step-{history.step:06d}"
+    target = state_dir / name
+    if accelerator.is_main_process and target.exists():
+        shutil.rmtree(target)
+    accelerator.wait_for_everyone()
+    # torch files, not safetensors: GPT-2's tied lm_head/wte round-trip without a warning
+    accelerator.save_state(str(target), safe_serialization=False)
+    if accelerator.is_main_process:
+        (target / TRAINER_STATE).write_text(json.dumps(history.to_dict()))
+        tmp = state_dir / f".{LATEST}.tmp"
+        tmp.write_text(name)
+        os.replace(tmp, state_dir / LATEST)  # the commit point: a kill before it keeps the old one
+        for old in state_dir.glob("step-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def train(
+    accelerator,
+    model: torch.nn.Module,
+    settings: TrainSettings,
+    batches: RandomWindows,
+    state_dir: Path,
+    *,
+    loss: str = "lm",
+    teacher: torch.nn.Module | None = None,
+    evaluate: Callable[[torch.nn.Module, int], dict] | None = None,
+    eval_every: int | None = None,
+    stop: StopFlag | None = None,
+    progress: bool = True,
+    desc: str = "train",
+    log_prefix: str = "",
+    on_step: Callable[[int, float], None] | None = None,
+) -> History:
+    """Train `model` for settings.steps optimizer steps, resuming from state_dir when it holds a
+    checkpoint. `evaluate(model, step)` (main process) runs at step 0 and every eval_every steps
+    and at the end; its dict lands in history.evals. on_step(step, loss) runs after every
+    optimizer step (before the checkpoint decision: it may set `stop`). Returns the history (complete on every
+    process for losses; evals on the main process)."""
+    from tqdm.auto import tqdm
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    loss_fn = LOSSES[loss]
+    optimizer = build_optimizer(model, settings)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if teacher is not None:
+        teacher = teacher.to(accelerator.device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    history = History()
+    found = latest_checkpoint(state_dir)
+    if found is not None:
+        accelerator.load_state(str(found))
+        history = History(**json.loads((found / TRAINER_STATE).read_text()))
+    rank, world = accelerator.process_index, accelerator.num_processes
+    ga = settings.grad_accum
+    stop = stop or StopFlag()
+
+    def run_eval(step: int) -> None:
+        if evaluate is None:
+            return
+        if accelerator.is_main_process:
+            metrics = evaluate(accelerator.unwrap_model(model), step)
+            history.evals.append({"step": step, **metrics})
+            accelerator.log({f"{log_prefix}eval/{k}": v for k, v in metrics.items()
+                             if isinstance(v, int | float)}, step=step)
+        accelerator.wait_for_everyone()
+
+    if history.step == 0 and not history.evals:
+        run_eval(0)
+    bar = tqdm(total=settings.steps, initial=history.step, desc=desc, unit="step", file=sys.stderr,
+               disable=not (progress and accelerator.is_main_process), dynamic_ncols=True, leave=False)
+    started = time.perf_counter()
+    base_seconds = history.train_seconds
+    with bar:
+        while history.step < settings.steps:
+            step = history.step
+            lr = lr_at(settings, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            model.train()
+            total = torch.zeros((), device=accelerator.device)
+            for k, ids in enumerate(batches.micro_batches(step, rank, world, ga)):
+                ids = ids.to(accelerator.device)
+                # Gradients are all-reduced only on the last micro-batch of the step.
+                sync = contextlib.nullcontext() if k == ga - 1 else accelerator.no_sync(model)
+                with sync, accelerator.autocast():
+                    value = loss_fn(model, ids, teacher)
+                    accelerator.backward(value / ga)
+                total += value.detach().float()
+            if settings.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = accelerator.reduce(total / ga, reduction="mean").item()
+            if not math.isfinite(step_loss):
+                raise NormswapError(f"{desc}: the training loss is {step_loss} at step {step + 1} "
+                                    "(lower the learning rate?)")
+            history.losses.append(step_loss)
+            history.step = step + 1
+            history.train_seconds = base_seconds + time.perf_counter() - started
+            accelerator.log({f"{log_prefix}train/loss": step_loss, f"{log_prefix}train/lr": lr}, step=history.step)
+            bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+            bar.update(1)
+            if on_step is not None:
+                on_step(history.step, step_loss)
+            if eval_every and (history.step % eval_every == 0 or history.step == settings.steps):
+                run_eval(history.step)
+            if history.step % settings.checkpoint_every == 0 or history.step == settings.steps:
+                _save(accelerator, state_dir, history)
+            elif stop.is_set():
+                _save(accelerator, state_dir, history)
+            if stop.is_set() and history.step < settings.steps:
+                raise Interrupted(f"{desc}: stopped at step {history.step} of {settings.steps}; "
+                                  "run the same command again to resume")
+    if not eval_every and evaluate is not None and (not history.evals or history.evals[-1]["step"] != history.step):
+        run_eval(history.step)
+    accelerator.free_memory()  # drop accelerate's references, so the next arm's save_state holds only its model
+    return history

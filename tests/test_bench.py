@@ -1,0 +1,84 @@
+"""`normswap bench` end to end on tiny configs (CPU numbers: only the plumbing is checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import tiny_config, tiny_model
+
+from normswap import bench
+from normswap.cli import cli
+
+
+def _config_only(arch, directory):
+    """A directory holding nothing but config.json: bench builds random weights from it."""
+    cfg = tiny_config(arch)
+    cfg.architectures = [type(tiny_model(arch)).__name__]
+    cfg.save_pretrained(directory)
+    return directory
+
+
+def test_bench_cli_end_to_end(tmp_path):
+    model = _config_only("llama", tmp_path / "cfg")
+    out = tmp_path / "results" / "r.json"
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--fuse-residual", "--seq", "8",
+                                 "--dtype", "fp32", "--warmup", "1", "--repeats", "2", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    saved = json.loads(out.read_text())
+    assert data["saved_to"] == str(out) and saved["rows"] == data["rows"]
+    assert saved["format"] == "normswap-bench/1"
+    assert saved["device"]["type"] == "cpu" and saved["device"]["cpu_numbers"] is True
+    assert any("CPU numbers" in n for n in saved["notes"])
+    assert {"torch", "transformers", "normswap"} <= set(saved["versions"])
+    assert saved["model"]["weights"].startswith("random")
+    rows = {(row["variant"], row["mode"]): row for row in saved["rows"]}
+    assert set(rows) == {(v, m) for v in ("eager", "torch", "torch+fused") for m in ("train", "prefill", "decode")}
+    for (variant, mode), row in rows.items():
+        assert row["error"] is None
+        assert row["median_ms"] > 0 and row["method"] == "perf_counter" and row["peak_memory_bytes"] is None
+        tokens = 1 if mode == "decode" else 8
+        assert row["tokens_per_s"] == pytest.approx(tokens / (row["median_ms"] / 1e3))
+        assert (row["speedup"] is None) == (variant == "eager")
+        assert row["fused_writers"] == (4 if variant == "torch+fused" else None)
+
+    # The human table says where the numbers come from.
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                 "--warmup", "0", "--repeats", "1", "--out", str(tmp_path / "r2.json")])
+    assert r.exit_code == 0, r.output
+    assert "CPU numbers" in r.stdout and "torch" in r.stdout
+
+
+def test_bench_compiled_variant(tmp_path):
+    model = _config_only("gpt2", tmp_path / "cfg")
+    cfg = bench.BenchConfig(str(model), impls=("torch",), fuse_residual=True, modes=("prefill",), seq=4,
+                            dtype="fp32", compile=True, compile_backend="aot_eager", warmup=1, repeats=1)
+    result = bench.run_bench(cfg)
+    assert [r.variant for r in result.rows] == ["eager", "torch", "torch+fused"]
+    assert all(r.error is None and r.median_ms > 0 for r in result.rows)
+    assert result.to_dict()["config"]["compile"] is True
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decode_step_is_the_next_token_of_the_prompt(arch):
+    """The timed decode step (static cache reset to the prompt before every call) computes the
+    logits a full forward gives at the next position, every time it is called."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
+    step, static = bench._decode(model, ids)
+    with torch.no_grad():
+        full = model(torch.cat([ids, ids[:, -1:]], dim=1)).logits[:, -1]
+    for _ in range(2):
+        torch.testing.assert_close(step()[:, -1], full, rtol=1e-5, atol=1e-5)
+    assert static
+
+
+def test_bad_input_is_one_line(tmp_path):
+    model = _config_only("llama", tmp_path / "cfg")
+    r = CliRunner().invoke(cli, ["bench", str(model), "--mode", "sprint"])
+    assert r.exit_code == 2 and "unknown mode 'sprint'" in r.stderr and "Traceback" not in r.output
+    r = CliRunner().invoke(cli, ["bench", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1

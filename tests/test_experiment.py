@@ -1,0 +1,384 @@
+"""normswap experiment: recipe validation, every arm on a tiny pretrained model, resume, DDP."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from normswap.cli import cli
+from normswap.experiment import Interrupted, RecipeError, StopFlag, load_recipe, run_experiment
+from normswap.experiment.recipe import parse_arm
+from normswap.experiment.report import summary_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+GENESIS = ROOT / "normswap" / "data" / "genesis-kjv.txt"
+JOSHUA = ROOT / "recipes" / "data" / "kjv-joshua.txt.gz"
+ALL_ARMS = ["original", "original+ft", "exact", "exact+ft", "approx", "approx+ft", "approx-bias",
+            "approx-bias+ft", "approx+distill"]
+
+# A model small enough for CI that still learns something from Genesis 1-3 in a few seconds.
+PRETRAIN = f"""
+[pretrain]
+text = "{GENESIS}"
+vocab_size = 300
+n_layer = 2
+n_embd = 32
+n_head = 2
+context = 64
+steps = 80
+batch_size = 8
+seq_len = 32
+lr = 3e-3
+warmup_steps = 4
+"""
+
+REST = f"""
+[data]
+train = "{GENESIS}"
+eval = "{JOSHUA}"
+eval_max_tokens = 256
+eval_max_length = 64
+eval_batch_size = 4
+
+[finetune]
+steps = 4
+eval_every = 2
+checkpoint_every = 2
+batch_size = 2
+seq_len = 32
+lr = 1e-3
+warmup_steps = 1
+"""
+
+
+def write_recipe(path: Path, body: str, arms=ALL_ARMS, head: str = "") -> Path:
+    path.write_text(f'name = "tiny"\nimpl = "torch"\narms = {json.dumps(arms)}\n{head}\n{body}{REST}')
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One NORMSWAP_CACHE for the module: the tiny pretraining runs once."""
+    d = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("NORMSWAP_CACHE")
+    os.environ["NORMSWAP_CACHE"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("NORMSWAP_CACHE")
+    else:
+        os.environ["NORMSWAP_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def every_arm(cache, tmp_path_factory):
+    """The tiny pretraining plus every arm, a few steps each."""
+    d = tmp_path_factory.mktemp("every-arm")
+    recipe = load_recipe(write_recipe(d / "tiny.toml", PRETRAIN))
+    return run_experiment(recipe, d / "out", progress=False)
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(every_arm) -> Path:
+    return Path(every_arm.data["model"])
+
+
+def model_recipe(tmp_path: Path, model_dir: Path, arms, head: str = "") -> Path:
+    return write_recipe(tmp_path / "model.toml", f'[model]\npath = "{model_dir}"\n', arms, head)
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+def test_the_shipped_recipe_validates():
+    r = load_recipe(ROOT / "recipes" / "ln2rms-kjv-gpt2.toml")
+    assert r.arms == ALL_ARMS
+    assert r.pretrain is not None and Path(r.pretrain.text).is_file() and Path(r.data.eval).is_file()
+    assert r.pretrain.n_layer == 6 and r.pretrain.n_embd == 256
+
+
+@pytest.mark.parametrize("override, message", [
+    ("finetune.stepz=3", "unknown key 'finetune.stepz'"),
+    ("colour=3", "unknown key 'colour'"),
+    ("finetune.steps=-1", "finetune.steps: -1 is below the minimum 0"),
+    ("finetune.steps=1.5", "finetune.steps: expected an integer"),
+    ("finetune.steps=true", "finetune.steps: expected an integer"),
+    ("finetune.schedule=sawtooth", "finetune.schedule: 'sawtooth' is not one of constant, linear, cosine"),
+    ("finetune.optimizer=lion", "finetune.optimizer: 'lion' is not one of"),
+    ("arms=original,approx+magic", r"unknown arm 'approx\+magic'"),
+    ("arms=original,original", "listed twice"),
+    ("data.eval=nowhere.txt", "data.eval: .*nowhere.txt: no such file"),
+    ("pretrain.n_head=3", "pretrain.n_embd: 32 is not a multiple of pretrain.n_head"),
+    ("model.path=x", "exactly one of \\[model\\]"),
+    ("nosection.key=1", "unknown section 'nosection'"),
+    ("finetune", "expected key=value"),
+])
+def test_bad_recipes_are_one_line_errors(tmp_path, override, message):
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    with pytest.raises(RecipeError, match=message) as e:
+        load_recipe(path, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    r = load_recipe(path, ["finetune.steps=7", "finetune.lr=0.01", "impl=triton", "arms=exact,approx+ft"])
+    assert (r.finetune.steps, r.finetune.lr, r.impl, r.arms) == (7, 0.01, "triton", ["exact", "approx+ft"])
+    assert r.fingerprint() != load_recipe(path).fingerprint()
+    assert load_recipe(path, ["arms=exact"]).fingerprint() == load_recipe(path).fingerprint()
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml\n")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe(tmp_path / "absent.toml")
+
+
+def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    for args in (["--set", "finetune.stepz=1"], ["--arms", "original,nonsense"], ["--set", "seed=x y"]):
+        res = CliRunner().invoke(cli, ["experiment", str(path), *args])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.count("\n") == 1 and res.stderr.startswith("normswap: error:")
+
+
+def test_arm_names():
+    assert parse_arm("approx-bias+ft") == ("approx-bias", "ft")
+    assert parse_arm("approx+distill") == ("approx", "distill")
+    assert parse_arm("exact") == ("exact", None)
+    with pytest.raises(RecipeError):
+        parse_arm("exact+ft+ft")
+
+
+# --------------------------------------------------------------------------- pretraining
+
+
+def test_pretraining_gives_a_stock_checkpoint_that_beats_unigram(every_arm, pretrained_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
+
+    info = every_arm.data["pretrain"]
+    assert info["steps"] == 80 and info["heldout_ppl"] < info["unigram_ppl"]
+    assert str(pretrained_dir).startswith(os.environ["NORMSWAP_CACHE"])
+    model = AutoModelForCausalLM.from_pretrained(pretrained_dir)
+    assert isinstance(model, GPT2LMHeadModel) and model.config.n_layer == 2
+    ids = AutoTokenizer.from_pretrained(pretrained_dir)("In the beginning God")["input_ids"]
+    assert max(ids) < model.config.vocab_size
+    # The norms trained away from their init: the approx arms are meaningful on this model.
+    assert not torch.allclose(model.transformer.h[0].ln_1.bias, torch.zeros(32))
+
+
+def test_pretraining_is_cached(every_arm, cache, pretrained_dir):
+    from accelerate import Accelerator
+
+    from normswap.experiment.pretrain import ensure_pretrained
+
+    recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
+    stamp = (pretrained_dir / "model.safetensors").stat().st_mtime_ns
+    again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name, recipe.data.eval)
+    assert again == pretrained_dir and info == every_arm.data["pretrain"]
+    assert (pretrained_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not trained again
+    assert [p.name for p in (cache / "pretrain").iterdir()] == [pretrained_dir.name]  # no .partial left
+
+
+# --------------------------------------------------------------------------- every arm
+
+
+def test_every_arm_runs_and_reports(every_arm):
+    out = every_arm.out
+    for name in ("results.json", "results.csv", "summary.md", "curves.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    data = json.loads((out / "results.json").read_text())
+    assert list(data["arms"]) == ALL_ARMS
+    for name, arm in data["arms"].items():
+        steps = [e["step"] for e in arm["evals"]]
+        trained = "+" in name
+        assert steps == ([0, 2, 4] if trained else [0])
+        assert len(arm["losses"]) == (4 if trained else 0)
+        for e in arm["evals"]:
+            assert math.isfinite(e["ppl"]) and e["ppl"] > 1 and 0 <= e["top1_agreement"] <= 1 and e["kl_mean"] >= 0
+    rows = {r["arm"]: r for r in every_arm.summary}
+    assert rows["original"]["kl_mean"] < 1e-10 and rows["original"]["top1_agreement"] == 1.0
+    # Fine-tuning moves the control away from the original.
+    assert rows["original+ft"]["kl_mean"] > 1e-6
+    for name in ("approx+ft", "approx-bias+ft", "approx+distill", "exact+ft"):
+        assert rows[name]["recovered"] is not None
+    summary = (out / "summary.md").read_text()
+    assert all(f"| {a} |" in summary for a in ALL_ARMS)
+    csv_lines = (out / "results.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("arm,step,ppl") and len(csv_lines) == 1 + 4 * 1 + 5 * 3
+    if importlib.util.find_spec("tensorboard"):  # accelerate's tracker, when installed
+        assert any((out / "logs").rglob("events.out.tfevents*"))
+    # The arms' resumable state is gone once they are done; their results stay.
+    assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
+
+
+def test_exact_starts_at_the_original_and_approx_does_not(every_arm):
+    arms = every_arm.data["arms"]
+    original = arms["original"]["evals"][0]["ppl"]
+    for name in ("exact", "exact+ft"):
+        assert abs(arms[name]["evals"][0]["ppl"] - original) / original < 1e-6
+    assert arms["exact"]["evals"][0]["kl_mean"] < 1e-9
+    for name in ("approx", "approx+ft", "approx+distill"):
+        assert abs(arms[name]["evals"][0]["ppl"] - original) / original > 1e-3
+        assert arms[name]["evals"][0]["kl_mean"] > 1e-5
+    # approx drops β: a different model from approx-bias, which keeps it.
+    assert arms["approx"]["evals"][0]["ppl"] != arms["approx-bias"]["evals"][0]["ppl"]
+
+
+def test_rerun_skips_finished_arms(every_arm):
+    before = json.loads((every_arm.out / "results.json").read_text())["arms"]
+    recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
+    again = run_experiment(recipe, every_arm.out, ["original", "approx+ft"], progress=False)
+    assert again.data["arms"]["approx+ft"] == before["approx+ft"]
+
+
+def test_another_recipe_in_the_same_out_is_refused(every_arm):
+    from normswap.errors import NormswapError
+
+    recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]),
+                         ["finetune.lr=0.5"])
+    with pytest.raises(NormswapError, match="a run of a different recipe"):
+        run_experiment(recipe, every_arm.out, progress=False)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_dir):
+    path = model_recipe(tmp_path, pretrained_dir, ["approx+ft"])
+    full = run_experiment(load_recipe(path, ["finetune.steps=6"]), tmp_path / "full", progress=False)
+
+    stop = StopFlag()
+    seen = []
+
+    def hook(arm, step, loss):
+        seen.append(step)
+        if step == 3:
+            stop.set()  # what Ctrl-C does
+
+    recipe = load_recipe(path, ["finetune.steps=6"])
+    with pytest.raises(Interrupted, match="stopped at step 3 of 6"):
+        run_experiment(recipe, tmp_path / "cut", progress=False, stop=stop, on_step=hook)
+    state = tmp_path / "cut" / "arms" / "approx+ft" / "state"
+    assert (state / "LATEST").read_text() == "step-000003"
+    seen.clear()
+    resumed = run_experiment(recipe, tmp_path / "cut", progress=False, on_step=lambda a, s, loss: seen.append(s))
+    assert seen == [4, 5, 6]  # continued, not restarted
+    a, b = full.data["arms"]["approx+ft"], resumed.data["arms"]["approx+ft"]
+    assert a["losses"] == b["losses"]
+    assert [e["ppl"] for e in a["evals"]] == [e["ppl"] for e in b["evals"]]
+    assert [e["step"] for e in b["evals"]] == [0, 2, 4, 6]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.slow
+def test_triton_fine_tuning_matches_torch(tmp_path, pretrained_dir):
+    """--impl triton: the arms train through normswap's Triton kernels (forward and backward)."""
+    arms = ["approx-bias+ft", "exact+ft"]
+    path = model_recipe(tmp_path, pretrained_dir, arms)
+    sets = ["finetune.steps=2", "finetune.eval_every=2", "data.eval_max_tokens=64"]
+    ref = run_experiment(load_recipe(path, sets), tmp_path / "torch", progress=False)
+    tri = run_experiment(load_recipe(path, [*sets, "impl=triton"]), tmp_path / "triton", progress=False)
+    for arm in arms:
+        a, b = ref.data["arms"][arm], tri.data["arms"][arm]
+        for x, y in zip(a["losses"], b["losses"], strict=True):
+            assert abs(x - y) / x < 1e-5
+        assert abs(a["evals"][-1]["ppl"] - b["evals"][-1]["ppl"]) / a["evals"][-1]["ppl"] < 1e-5
+
+
+def test_triton_arm_is_built_on_normswap_modules(pretrained_dir):
+    from transformers import AutoModelForCausalLM
+
+    from normswap.experiment.arms import build_arm
+    from normswap.modules import NormswapNorm
+
+    original = AutoModelForCausalLM.from_pretrained(pretrained_dir)
+    model = build_arm(original, "approx+ft", "triton")
+    norms = [m for m in model.modules() if isinstance(m, NormswapNorm)]
+    assert len(norms) == 5 and all(m.impl == "triton" and m.rms_form is not None for m in norms)
+    ids = torch.randint(0, 300, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in norms)
+    assert all(m.bias.grad is None and not m.bias.requires_grad for m in norms)  # approx has no β
+    exact = build_arm(original, "exact", "torch")
+    frozen = [n for n, p in exact.named_parameters() if not p.requires_grad]
+    assert frozen and all(".ln_" in n for n in frozen)  # the folded γ/β (ones/zeros) only
+    assert not any(isinstance(m, NormswapNorm) for m in original.modules())
+
+
+# --------------------------------------------------------------------------- DDP
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretrained_dir):
+    """`accelerate launch` on 2 CPU processes (DDP over gloo), grad_accum 1, against one process with
+    grad_accum 2: the same sequences per step, so the same losses up to float32 reduction order
+    (tolerance: 1e-5 relative; measured ~1e-7)."""
+    arms = ["original+ft", "approx+ft"]  # approx+ft: its dropped β must not stall DDP
+    path = model_recipe(tmp_path, pretrained_dir, arms)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    common = ["-m", "normswap", "experiment", str(path), "--no-progress", "--json",
+              "--set", "finetune.steps=3", "--set", "finetune.eval_every=3"]
+    # accelerate 1.x's `--cpu --num_processes 2` runs ONE process (its simple launcher); `--multi_gpu`
+    # with ACCELERATE_USE_CPU=1 is what starts torchrun with 2 CPU ranks.
+    ddp = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                          *common, "--out", str(tmp_path / "ddp"), "--set", "finetune.grad_accum=1"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one"), "--set", "finetune.grad_accum=2"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    a = json.loads((tmp_path / "ddp" / "results.json").read_text())
+    b = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert a["environment"]["num_processes"] == 2 and b["environment"]["num_processes"] == 1
+    for arm in arms:
+        la, lb = a["arms"][arm]["losses"], b["arms"][arm]["losses"]
+        assert len(la) == len(lb) == 3
+        for x, y in zip(la, lb, strict=True):
+            assert abs(x - y) / abs(y) < 1e-5
+        pa, pb = a["arms"][arm]["evals"][-1]["ppl"], b["arms"][arm]["evals"][-1]["ppl"]
+        assert abs(pa - pb) / pb < 1e-5
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_recovered_share_is_against_the_fine_tuned_control():
+    def arm(nll0, nll1, steps=10):
+        evals = [{"step": 0, "ppl": math.exp(nll0), "nll": nll0, "kl_mean": 0.0, "top1_agreement": 1.0}]
+        if steps:
+            evals.append({"step": steps, "ppl": math.exp(nll1), "nll": nll1, "kl_mean": 0.1, "top1_agreement": 0.9})
+        return {"steps": steps, "evals": evals}
+
+    arms = {"original": arm(2.0, 2.0, 0), "original+ft": arm(2.0, 1.8), "approx": arm(3.0, 3.0, 0),
+            "approx+ft": arm(3.0, 2.4)}
+    rows = {r["arm"]: r for r in summary_rows(arms)}
+    assert rows["approx+ft"]["recovered"] == pytest.approx((3.0 - 2.4) / (3.0 - 1.8))
+    assert rows["approx+ft"]["delta_vs_original_ft"] == pytest.approx(math.exp(2.4) - math.exp(1.8))
+    assert rows["approx"]["recovered"] is None and rows["original+ft"]["recovered"] is None
+
+
+def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
+    import signal
+
+    stop = StopFlag()
+    with stop.on_sigint():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.is_set()  # the step finishes and checkpoints; no KeyboardInterrupt yet
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
