@@ -81,7 +81,16 @@ class NormswapGroup(click.Group):
 @click.group(cls=NormswapGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(normswap.__version__, prog_name="normswap")
 def cli() -> None:
-    """Find, swap, fold and measure the normalization layers of Hugging Face models."""
+    """Find, swap, fold and measure the normalization layers of Hugging Face models.
+
+    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted.
+    With --json stdout holds one JSON document or nothing (see README: the error contract).
+
+    Writes are staged in a hidden .DIR.normswap-PID-* directory beside the target and renamed into
+    place after verification. A run killed with kill -9 leaves that directory (up to the model's
+    size) until the next run on the same target removes it; delete it by hand to reclaim the space
+    sooner.
+    """
 
 
 def json_option(f: Callable) -> Callable:
