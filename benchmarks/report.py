@@ -14,7 +14,8 @@ Per (op, pass, dtype[, casting, residual]) and shape, REPORT.md gives each backe
 GB/s, % of the file's copy bandwidth, and its speedup over every other backend of the same file
 (their time / its time: > 1 means it is faster). A headline table up front gives, per run, triton's
 worst shape as a fraction of copy bandwidth and its worst and geometric-mean speedup over each
-other backend. Other evidence files (native test outcomes, real-model patch reports) are indexed.
+other backend. `normswap bench` files get a table per file; other evidence files (native test
+outcomes, real-model patch reports) are indexed.
 Files from `kernels.py --dry-run` (device cpu-dry-run) are not measurements and are left out;
 a file marked "fixture" is labelled as one in every heading.
 """
@@ -205,6 +206,43 @@ def run_section(run: dict) -> list[str]:
     return lines
 
 
+def bench_sections(results: Path, notes: list[str]) -> list[str]:
+    """`normswap bench` files (format normswap-bench/1): per file, per mode, every variant's median
+    time, tokens/s, peak memory and speedup over the unpatched model of the same file."""
+    lines = []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if not (isinstance(doc, dict) and str(doc.get("format", "")).startswith("normswap-bench/")):
+            continue
+        dev = doc.get("device") or {}
+        if dev.get("cpu_numbers") or dev.get("type") == "cpu":
+            notes.append(f"`{path.name}`: `normswap bench` on a CPU, not a GPU result")
+            continue
+        cfg = doc.get("config") or {}
+        lines += [f"### {dev.get('name', 'unknown device')}: `{cfg.get('model', '?')}` (`{path.name}`)", "",
+                  ", ".join(f"{k} {cfg[k]}" for k in ("batch", "seq", "dtype", "compile") if k in cfg)
+                  + (f"; {'; '.join(map(str, doc['notes']))}" if doc.get("notes") else ""), ""]
+        head = ["mode", "variant", "median ms", "tokens/s", "peak MiB", "vs eager", "timing"]
+        rows = []
+        for r in sorted(doc.get("rows", []), key=lambda r: (str(r.get("mode")), str(r.get("variant")))):
+            if r.get("error"):
+                rows.append([str(r.get("mode")), str(r.get("variant")), f"error: {r['error']}", "—", "—", "—", "—"])
+                continue
+            mem = r.get("peak_memory_bytes")
+            rows.append([str(r.get("mode")), str(r.get("variant")), _num(r.get("median_ms"), ".3f"),
+                         _num(r.get("tokens_per_s"), ".0f"), _num(mem / 2**20 if mem else None, ".0f"),
+                         _num(r.get("speedup"), ".3f", "×"), str(r.get("method") or "—")])
+        lines += [*_md_table(head, rows), ""]
+    return lines
+
+
+def _num(x, fmt: str, unit: str = "") -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x:{fmt}}{unit}"
+
+
 def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> list[str]:
     lines = []
     for path in sorted(results.rglob("*-tests*.txt")):
@@ -215,7 +253,7 @@ def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> 
         status = [ln for ln in text.splitlines() if ln.startswith(("## ", "outcomes so far", "pytest: "))]
         lines += [f"- `{path.name}`: " + "; ".join(s.removeprefix("## ") for s in status)]
     for path in sorted(results.rglob("*.json")):
-        if path in kernel_paths or not ("patch" in path.name or "bench-" in path.name):
+        if path in kernel_paths or "patch" not in path.name:
             continue
         try:
             doc = json.loads(path.read_text())
@@ -316,6 +354,9 @@ def build(results: Path, out: Path) -> tuple[Path, Path | None]:
         lines += ["## Runs", ""]
         for run in runs:
             lines += run_section(run)
+    bench = bench_sections(results, notes)
+    if bench:
+        lines += ["## Model level (`normswap bench`)", "", *bench]
     evidence = other_evidence(results, {r["path"] for r in runs}, notes)
     if evidence:
         lines += ["## Other evidence", "", *evidence, ""]

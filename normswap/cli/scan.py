@@ -18,15 +18,20 @@ from normswap.loading import DEFAULT_MODEL
 @json_option
 def scan(model: str, strict: bool, no_consumers: bool, as_json: bool) -> None:
     """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, weight,
-    bias and consumers. MODEL is a local directory, a .gguf file, a cached hub id (org/name), or
+    bias, consumers, and for each LayerNorm whether `normswap convert` makes it an RMSNorm (and why
+    not). MODEL is a local directory, a .gguf file, a cached hub id (org/name), or
     the built-in default (smollm2-135m). Built on the meta device: no weights are read."""
     from normswap.scan import scan as run_scan
 
     doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False)
+    warn_unknown(doc)
+    emit(doc, as_json, render)
+
+
+def warn_unknown(doc: dict) -> None:
     for u in doc["unknown"]:
         click.echo(f"normswap: warning: {u['path']} ({u['class']}) looks like a norm but is not "
                    f"recognised and will be left alone: {u['reason']}", err=True)
-    emit(doc, as_json, _render)
 
 
 def _short(consumer: str, norm_path: str) -> str:
@@ -38,7 +43,7 @@ def _short(consumer: str, norm_path: str) -> str:
     return consumer
 
 
-def _render(doc: dict) -> None:
+def render(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -46,7 +51,7 @@ def _render(doc: dict) -> None:
     title = f"{doc['model']}: {doc['model_class']} ({doc['model_type']})"
     table = Table(title=title, title_justify="left", show_lines=False)
     for col in ("path", "class", "kind", "eps", "offset", "casting", "dtype", "shape", "weight", "bias",
-                "consumers"):
+                "consumers", "to rms"):
         table.add_column(col, overflow="fold")
     for n in doc["norms"]:
         consumers = "?" if n["consumers"] is None else (
@@ -54,17 +59,35 @@ def _render(doc: dict) -> None:
         table.add_row(
             n["path"], n["class"], n["kind"], f"{n['eps']:.3g}", f"{n['offset']:g}", n["casting"],
             n["dtype"] or "-", "×".join(map(str, n["shape"])) or "-", _yes(n["weight"]), _yes(n["bias"]),
-            consumers,
+            consumers, _to_rms(n.get("to_rms")),
         )
     for u in doc["unknown"]:
-        table.add_row(u["path"], u["class"], "[red]unknown[/red]", "", "", "", "", "", "", "", u["reason"])
+        table.add_row(u["path"], u["class"], "[red]unknown[/red]", "", "", "", "", "", "", "", u["reason"], "")
     console.print(table)
     s = doc["summary"]
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(s["by_kind"].items())) or "none"
     classes = ", ".join(f"{v} {k}" for k, v in sorted(s["by_class"].items()))
     console.print(f"{s['norms']} norms ({kinds}; {classes}); {s['unknown']} unknown norm-like modules")
+    reasons = {}
+    for n in doc["norms"]:
+        t = n.get("to_rms")
+        if t and not t["converts"]:
+            reasons.setdefault((t["category"], t["why_not"]), []).append(n["path"])
+    conv = s.get("to_rms", {})
+    if conv.get("converts") or conv.get("refused"):
+        console.print(f"normswap convert --to rms: {conv['converts']} LayerNorms convert, "
+                      f"{sum(conv['refused'].values())} refused")
+    for (cat, why), paths in reasons.items():
+        more = f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+        console.print(f"  {cat}: {paths[0]}{more}: {why}")
     if doc.get("consumers_note"):
         console.print(f"note: {doc['consumers_note']}")
+
+
+def _to_rms(t: dict | None) -> str:
+    if t is None:
+        return "-"
+    return "yes" if t["converts"] else f"no ({t['category']})"
 
 
 def _yes(flag: bool) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.experiment.recipe import PretrainSection
+from normswap.experiment.recipe import PretrainSection, file_digest
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 
 EOS = "<|endoftext|>"
@@ -37,17 +37,9 @@ def read_text(path: str | Path) -> str:
     return "\n\n".join("".join(doc) for doc in open_corpus(path).documents())
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def cache_key(section: PretrainSection, seed: int) -> str:
     d = dataclasses.asdict(section)
-    d["text"] = _file_digest(Path(section.text))
+    d["text"] = file_digest(section.text)
     d["seed"] = seed
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 

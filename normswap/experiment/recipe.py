@@ -115,11 +115,26 @@ class Recipe:
         return d
 
     def fingerprint(self) -> str:
-        """What decides the numbers of a run (everything but the arm selection and the description)."""
+        """What decides the numbers of a run: everything but the arm selection, the description and
+        the tracker, with each text file by its content (a moved checkout is the same recipe)."""
         d = self.to_dict()
         for k in ("arms", "description", "tracker"):
             d.pop(k)
+        for section in ("pretrain", "data"):
+            for key, f in {f.name: f for f in dataclasses.fields(_SECTIONS[section])}.items():
+                if d[section] is not None and f.metadata.get("path") and d[section][key]:
+                    d[section][key] = file_digest(d[section][key])
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file, or of a directory's files in sorted order."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 _SECTIONS = {"model": ModelSection, "pretrain": PretrainSection, "data": DataSection, "finetune": FinetuneSection}

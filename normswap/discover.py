@@ -1,0 +1,743 @@
+"""Where each LayerNorm's input comes from and where its output goes, found by running the model.
+
+One forward on a tiny input (the meta device is enough: shapes only, no weights read) is traced
+at the level of aten operations. Every tensor an operation makes is remembered with the operation
+that made it and the module whose own code ran it (the module on top of a stack kept by forward
+hooks), so the trace is a dataflow graph. From it, for every LayerNorm-like module:
+
+- its input is taken apart, back through adds, views, casts and scalings, into the *terms* it is
+  a sum of: embedding lookups, the outputs of Linear / Conv1D writers, other norms' outputs, and
+  anything else (a gated product, positions computed on the fly, a constant);
+- its output is followed forward, through views and casts, to every operation that reads it: a
+  Linear / Conv1D can absorb γ and β, anything else cannot.
+
+The conversion centers every term (an embedding table's rows, a writer's output rows and bias) and
+folds γ/β into the readers, so it is exact only where every term can be centered, every reader
+is linear, and nothing reads the stream without a mean-subtracting norm in front of it. Each norm
+that fails one of these gets a refusal with a category (REFUSALS) and a reason naming the module
+or operation responsible. Nothing here knows any architecture: normswap.plan turns the result
+into jobs, and normswap/archs/*.toml can override it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from normswap import fold, registry
+from normswap.consumers import SEQ_LEN, dummy_inputs, tensors_in
+
+# Refusal categories: why a LayerNorm cannot become an RMSNorm exactly.
+REFUSALS = {
+    "post-ln": "the norm's output is the residual stream itself, or its input holds another norm's output",
+    "not-stream": "the norm reads a sublayer's value (q/k norms, a norm inside an MLP or head), not a sum of "
+                  "writers that can be centered",
+    "uncenterable-term": "a term of the norm's input is not an embedding lookup or a Linear output (a gated or "
+                         "multiplicative term, positions computed on the fly, a constant)",
+    "nonlinear-reader": "something other than a Linear/Conv1D reads the norm's output, so γ and β cannot be folded",
+    "stray-reader": "the residual stream is read somewhere without a mean-subtracting norm in front of it, so "
+                    "centering its writers would change that reader",
+    "norm-form": "the module does not compute F.layer_norm over the last dimension with its own weight and bias "
+                 "(1 + w gains, hand-written formulas), so the fold's algebra differs",
+    "shared-weights": "a writer, reader or table is shared with another module, or a module runs more than once",
+    "untraced": "the model's forward could not be traced on the meta device, or the norm never ran",
+    "arch-data": "normswap/archs/<model_type>.toml refuses it, or does not describe this model",
+}
+
+OUTPUT = "<output>"  # a norm whose output leaves the model as is: γ and β stay in the norm
+STREAM = "<residual stream>"  # a baked embedding norm's "reader"
+
+# Operations that pass a value on unchanged (up to dtype or layout). Whether the hidden (last)
+# dimension survives is checked per call (_keeps_rows).
+_PASS = {"clone", "alias", "detach", "_to_copy", "lift_fresh", "contiguous", "dropout", "native_dropout",
+         "_unsafe_view", "view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
+         "transpose", "permute", "index", "to", "type_as", "copy"}
+_ADD = {"add", "sub", "add_", "sub_"}
+_SCALE = {"mul", "div", "mul_", "div_"}
+# Operations that look at a tensor's shape, dtype or device only, never its values.
+_SHAPE_ONLY = {"empty_like", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros", "new_ones",
+               "new_full", "sym_size", "sym_numel", "sym_stride", "size", "stride", "is_same_size"}
+_LAYER_NORM_OPS = {"native_layer_norm", "layer_norm"}
+
+
+@dataclass
+class _Node:
+    op: str
+    module: str
+    ins: list  # per positional argument: a tensor key, a list of keys, or the plain value
+    kw: dict
+    outs: list  # tensor keys of the outputs, in order
+    shapes_in: list
+    shapes_out: list
+
+
+@dataclass
+class _Call:
+    ins: list  # keys of the tensor positional arguments
+    outs: list  # keys of the output tensors
+
+
+def _key(t: torch.Tensor):
+    return (id(t), t._version)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten operation as a _Node (see the module docstring)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as in consumers._Tracer: nothing is compiled during a trace
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = [""]
+        self.nodes: list[_Node] = []
+        self.producer: dict = {}
+        self.users: dict = {}
+        self.keep: list = []  # references that keep ids from being reused during the trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args and args[0].is_meta:
+            t = args[0]  # value questions a forward asks of meta tensors (see consumers._Tracer)
+            if t.dtype == torch.bool:
+                return True
+            return 1.0 if t.dtype.is_floating_point else SEQ_LEN
+        ins = [self._keys(a) for a in args]
+        shapes_in = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args]
+        kw = {k: self._keys(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        outs = list(tensors_in(out))
+        self.keep.append(outs)
+        # An in-place op's version bump happens after this mode returns (ADInplaceOrView sits
+        # above it), so the value it makes is keyed with the version the caller will see.
+        written = {id(a) for a, s in zip(args, func._schema.arguments, strict=False)
+                   if isinstance(a, torch.Tensor) and s.alias_info is not None and s.alias_info.is_write}
+        out_keys = [(id(t), t._version + 1) if id(t) in written else _key(t) for t in outs]
+        node = _Node(func.overloadpacket.__name__, self.stack[-1], ins, kw, out_keys,
+                     shapes_in, [tuple(t.shape) for t in outs])
+        i = len(self.nodes)
+        self.nodes.append(node)
+        for k in node.outs:
+            self.producer[k] = i
+        for k in _flat_keys(ins) + _flat_keys(list(kw.values())):
+            self.users.setdefault(k, []).append(i)
+        return out
+
+    def _keys(self, a):
+        if isinstance(a, torch.Tensor):
+            self.keep.append(a)
+            return _key(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+            return [self._keys(x) for x in a]
+        return a
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], int)
+
+
+def _flat_keys(items) -> list:
+    out = []
+    for x in items:
+        if _is_key(x):
+            out.append(x)
+        elif isinstance(x, list):
+            out += [k for k in x if _is_key(k)]
+    return out
+
+
+@dataclass
+class Trace:
+    nodes: list[_Node]
+    producer: dict
+    users: dict
+    calls: dict[str, list[_Call]]
+    params: dict  # key -> parameter names (several when tied)
+    output_keys: set
+    error: str | None = None
+
+
+def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
+    """Run `model` once (meta device or real) and record its dataflow."""
+    rec = _Recorder()
+    calls: dict[str, list[_Call]] = {}
+    handles = []
+
+    def pre(path):
+        def hook(_m, args, kwargs):
+            rec.stack.append(path)
+            keys = [_key(t) for t in tensors_in(list(args) + list(kwargs.values()))]
+            calls.setdefault(path, []).append(_Call(keys, []))
+        return hook
+
+    def post(path):
+        def hook(_m, _args, output):
+            rec.stack.pop()
+            outs = list(tensors_in(output))
+            rec.keep.append(outs)
+            calls[path][-1].outs = [_key(t) for t in outs]
+        return hook
+
+    params: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(_key(p), []).append(name)
+    was_training = model.training
+    model.eval()  # dropout in training mode would add a random mask op to every writer
+    error = None
+    output_keys: set = set()
+    try:
+        for path, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
+            handles.append(module.register_forward_hook(post(path)))
+        try:
+            with torch.no_grad(), rec:
+                out = model(**(inputs if inputs is not None else dummy_inputs(model)))
+            output_keys = {_key(t) for t in tensors_in(out)}
+        except Exception as e:  # any model code may fail on meta tensors; say so per norm
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            error = f"the forward did not run on a dummy input ({e.__class__.__name__}: {first})"
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return Trace(rec.nodes, rec.producer, rec.users, calls, params, output_keys, error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Term:
+    """One summand of a norm's input."""
+
+    kind: str  # "writer" | "embedding" | "param" | "norm" | "other"
+    ref: str  # module path (writer, norm, embedding module) or a description (other)
+    key: tuple | None = None  # the term's tensor in the trace
+    orientation: str | None = None  # writers
+
+
+@dataclass
+class NormFinding:
+    """What discovery found for one LayerNorm-like module."""
+
+    path: str
+    eps: float | None = None
+    hidden: int | None = None
+    terms: list[Term] = field(default_factory=list)
+    earlier: list[str] = field(default_factory=list)  # norms whose input is a partial sum of this one's
+    readers: list[tuple[str, str | None]] = field(default_factory=list)  # (module | OUTPUT, orientation)
+    baked_table: str | None = None  # an embedding norm whose output is the stream, baked into this table
+    category: str | None = None
+    reason: str | None = None
+
+    def refuse(self, category: str, reason: str) -> None:
+        assert category in REFUSALS, category
+        if self.category is None:  # the first reason found is the one reported
+            self.category, self.reason = category, reason
+
+
+@dataclass
+class Discovery:
+    norms: dict[str, NormFinding]
+    tables: list[str]  # embedding modules whose rows are centered
+    writers: list[tuple[str, str]]  # (module, orientation) whose output rows and bias are centered
+    untie: tuple[str, str] | None  # (head module, table module) tied and to be untied
+    note: str | None = None  # a trace that failed
+    params: list[str] = field(default_factory=list)  # parameters added into the stream as is
+
+
+def is_layer_norm(mod: nn.Module) -> bool:
+    """A LayerNorm-like module: the registry recognises it as a mean-subtracting norm, or (when
+    it does not recognise it) its class is named like one. RMS norms named *LayerNorm (T5's
+    family) are not."""
+    if next(mod.children(), None) is not None or not registry.is_norm_like(mod):
+        return False
+    spec = registry.recognise(mod).spec
+    if spec is not None:
+        return spec.kind == "layer"
+    name = type(mod).__name__.lower()
+    return isinstance(mod, nn.LayerNorm) or ("layernorm" in name and "rms" not in name)
+
+
+def layer_norm_paths(model: nn.Module) -> list[str]:
+    """Paths of the LayerNorm-like modules of `model`, in module order."""
+    return [p for p, m in model.named_modules() if is_layer_norm(m)]
+
+
+def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:
+    """Trace `model` (any device; meta is the usual one) and decide, per LayerNorm, whether it can
+    become an RMSNorm exactly and what must be centered and folded for it."""
+    modules = dict(model.named_modules())
+    tr = tr if tr is not None else trace(model, inputs)
+    return _Analysis(model, modules, tr).run()
+
+
+class _Analysis:
+    def __init__(self, model, modules, tr: Trace):
+        self.model, self.modules, self.tr = model, modules, tr
+        self.nodes = tr.nodes
+        # Modules whose own code ran a layer-norm operation: norms by behaviour, not by name.
+        self.ln_ops: dict[str, list[int]] = {}
+        for i, n in enumerate(self.nodes):
+            if n.op in _LAYER_NORM_OPS:
+                self.ln_ops.setdefault(n.module, []).append(i)
+        paths = set(layer_norm_paths(model))
+        order = {p: i for i, p in enumerate(modules)}
+        self.norm_paths = sorted(paths, key=order.get)
+        # Output tensor -> module, for the module kinds a term can be.
+        self.out_of: dict = {}
+        for path, calls in tr.calls.items():
+            mod = modules.get(path)
+            if mod is None or not calls:
+                continue
+            if fold_orientation(mod) is not None or path in paths or isinstance(mod, nn.Embedding):
+                for c in calls:
+                    for k in c.outs[:1]:
+                        self.out_of.setdefault(k, path)
+        self.memo: dict = {}
+
+    # -- shapes and simple predicates ---------------------------------------------------------
+
+    def shape(self, key):
+        i = self.tr.producer.get(key)
+        if i is None:
+            return None
+        n = self.nodes[i]
+        return n.shapes_out[n.outs.index(key)]
+
+    def _keeps_rows(self, n: _Node) -> bool:
+        """A pass-through call that keeps the hidden dimension whole and last."""
+        src = n.shapes_in[0] if n.shapes_in else None
+        if src is None or not n.shapes_out:
+            return False
+        out = n.shapes_out[0]
+        if not src or not out or src[-1] != out[-1]:
+            return False
+        nd = len(src)
+        if n.op == "transpose":
+            dims = [d % nd for d in n.ins[1:3] if isinstance(d, int)]
+            return (nd - 1) not in dims
+        if n.op == "t":
+            return nd < 2
+        if n.op == "permute":
+            perm = n.ins[1] if len(n.ins) > 1 else None
+            return isinstance(perm, (list, tuple)) and perm and perm[-1] % nd == nd - 1
+        if n.op == "index":
+            idx = n.ins[1] if len(n.ins) > 1 else []
+            return isinstance(idx, list) and len(idx) < nd
+        if n.op in ("slice", "select", "squeeze", "unsqueeze"):
+            return True  # same last size: the hidden dimension was not cut
+        return True
+
+    def pass_input(self, n: _Node):
+        """The tensor a pass-through node passes on (None when it is not one)."""
+        if n.op in _PASS and n.ins and _is_key(n.ins[0]) and self._keeps_rows(n):
+            return n.ins[0]
+        if n.op == "copy" and len(n.ins) > 1 and _is_key(n.ins[1]):  # copy_(dst, src): src's value
+            return n.ins[1]
+        return None
+
+    @staticmethod
+    def _per_row(shape, hidden) -> bool:
+        """A multiplier constant across the hidden dimension (a scalar, or size 1 there)."""
+        return shape is None or len(shape) == 0 or shape[-1] == 1
+
+    # -- backward: the terms of a value ---------------------------------------------------------
+
+    def terms(self, key, hidden: int, visited: set, adds: list) -> list[Term]:
+        """The summands of the value `key` (hidden = the size of the normalised dimension)."""
+        if key in self.out_of:
+            path = self.out_of[key]
+            mod = self.modules[path]
+            if path in self.norm_set or "norm" in type(mod).__name__.lower():
+                return [Term("norm", path, key)]
+            o = fold_orientation(mod)
+            if o is not None:
+                return [Term("writer", path, key, o)]
+        if key in self.tr.params:
+            names = self.tr.params[key]
+            shape = self._param_shape(key)
+            if len(names) == 1 and shape and shape[-1] == hidden:  # a bias vector added as is: centered
+                return [Term("param", names[0], key)]
+            return [Term("other", f"the parameter {names[0]} added as is", key)]
+        i = self.tr.producer.get(key)
+        if i is None:
+            return [Term("other", "a tensor made outside the traced forward", key)]
+        n = self.nodes[i]
+        visited.add(key)
+        src = self.pass_input(n)
+        if src is not None:
+            return self.terms(src, hidden, visited, adds)
+        if n.op in _ADD:
+            args = [a for a in n.ins[:2]]
+            keys = [a for a in args if _is_key(a)]
+            if len(keys) < 2:
+                return [Term("other", f"a constant added ({n.op} in {n.module or '<model>'})", key)]
+            out: list[Term] = []
+            adds.append(key)
+            for a in keys:
+                s = self.shape(a) or self._param_shape(a)
+                if s is not None and (len(s) == 0 or s[-1] != hidden):
+                    out.append(Term("other", f"a value constant across the hidden dimension added "
+                                             f"({n.op} in {n.module or '<model>'})", a))
+                else:
+                    out += self.terms(a, hidden, visited, adds)
+            return out
+        if n.op in _SCALE and len(n.ins) >= 2:
+            a, b = n.ins[0], n.ins[1]
+            sa = self.shape(a) if _is_key(a) else None
+            sb = self.shape(b) if _is_key(b) else None
+            if _is_key(b) and sb is None:
+                sb = self._param_shape(b)
+            if _is_key(a) and sa is None:
+                sa = self._param_shape(a)
+            if _is_key(a) and (not _is_key(b) or self._per_row(sb, hidden)) and (sa is None or sa[-1] == hidden):
+                return self.terms(a, hidden, visited, adds)
+            if n.op.startswith("mul") and _is_key(b) and self._per_row(sa, hidden) and sb is not None \
+                    and sb[-1] == hidden:
+                return self.terms(b, hidden, visited, adds)
+            return [Term("other", f"a multiplicative term ({n.op} of two hidden-size values in "
+                                  f"{n.module or '<model>'})", key)]
+        if n.op == "embedding" and n.ins and n.ins[0] in self.tr.params:
+            table = self.tr.params[n.ins[0]][0]
+            mod = table.rsplit(".", 1)[0]
+            if isinstance(self.modules.get(mod), nn.Embedding) and table.endswith(".weight"):
+                return [Term("embedding", mod, key)]
+        return [Term("other", f"{n.op} in {n.module or '<model>'}", key)]
+
+    def _param_shape(self, key):
+        names = self.tr.params.get(key)
+        if not names:
+            return None
+        return tuple(self.model.get_parameter(names[0]).shape)
+
+    # -- forward: who reads a value -------------------------------------------------------------
+
+    def closure(self, keys: Iterable, through_adds: bool = True) -> tuple[set, list[tuple[int, tuple]]]:
+        """Follow values forward through pass-throughs (and adds and per-row scalings); return
+        (every value reached, the other uses as (node index, the key used))."""
+        seen: set = set()
+        todo = list(keys)
+        uses: list[tuple[int, tuple]] = []
+        while todo:
+            k = todo.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            for i in self.tr.users.get(k, ()):
+                n = self.nodes[i]
+                if n.op in _SHAPE_ONLY:
+                    continue
+                if self.pass_input(n) == k or through_adds and (n.op in _ADD and k in n.ins[:2]) or through_adds and (
+                        n.op in _SCALE and n.ins and n.ins[0] == k
+                        and (not _is_key(n.ins[1]) or self._per_row(self.shape(n.ins[1]) or
+                                                                      self._param_shape(n.ins[1]), None))):
+                    todo += n.outs[:1]
+                else:
+                    uses.append((i, k))
+        return seen, uses
+
+    def _layer_norm_input(self, i: int, k) -> bool:
+        """Node i is a layer norm over the last dimension reading k: blind to a per-row shift."""
+        n = self.nodes[i]
+        shape = n.ins[1] if len(n.ins) > 1 else None
+        return n.op in _LAYER_NORM_OPS and n.ins[0] == k and isinstance(shape, (list, tuple)) and len(shape) == 1
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> Discovery:
+        tr = self.tr
+        self.norm_set = set(self.norm_paths)
+        found = {p: NormFinding(p) for p in self.norm_paths}
+        if tr.error is not None:
+            for f in found.values():
+                f.refuse("untraced", tr.error)
+            return Discovery(found, [], [], None, tr.error)
+
+        # 1. Each norm's own form, input and output.
+        x_of, y_of = {}, {}
+        for p, f in found.items():
+            calls = tr.calls.get(p, [])
+            if not calls:
+                f.refuse("untraced", "it never ran in the traced forward")
+                continue
+            if len(calls) > 1:
+                f.refuse("shared-weights", f"it runs {len(calls)} times in one forward")
+                continue
+            c = calls[0]
+            if not c.ins or not c.outs:
+                f.refuse("untraced", "its input or output is not a tensor the trace saw")
+                continue
+            x_of[p], y_of[p] = c.ins[0], c.outs[0]
+            self._check_form(p, f, c)
+
+        # 2. Backward: the terms of each norm's input.
+        visited_of: dict[str, set] = {}
+        add_of: dict[str, list] = {}
+        for p, f in found.items():
+            if p not in x_of or f.hidden is None:
+                continue
+            visited: set = set()
+            adds: list = []
+            f.terms = self.terms(x_of[p], f.hidden, visited, adds)
+            visited_of[p], add_of[p] = visited, adds
+        for p, f in found.items():
+            if p in visited_of:
+                f.earlier = [q for q in self.norm_paths if q != p and x_of.get(q) in visited_of[p]]
+                if not add_of[p] and all(t.kind == "other" for t in f.terms):
+                    f.refuse("not-stream", f"its input is {f.terms[0].ref}, not a sum of residual-stream writers")
+
+        # 3. Forward: the readers of each norm's output.
+        for p, f in found.items():
+            if p in y_of:
+                self._readers(p, f, y_of[p])
+
+        # 4. Embedding norms whose output is the stream: baked into their table where possible.
+        bake: dict[str, str] = {}
+        for p, f in found.items():
+            if f.category == "post-ln" and f.reason == _OUTPUT_IS_STREAM and self._bakeable(p, f, found):
+                bake[p] = f.terms[0].ref
+                f.baked_table = f.terms[0].ref
+                f.category = f.reason = None
+                f.readers = [(STREAM, None)]
+
+        # 5. Terms: every one must be centerable (or a baked norm's output).
+        for p, f in found.items():
+            if p not in visited_of or f.category is not None:
+                continue
+            if f.baked_table:
+                continue
+            for t in f.terms:
+                if t.kind == "norm" and t.ref not in bake:
+                    f.refuse("post-ln", f"its input holds the output of {t.ref} (the stream is a norm's output)")
+                elif t.kind == "other":
+                    f.refuse("uncenterable-term", f"a term of its input is {t.ref}")
+
+        # 6. What gets centered, and whether each is only ever used where centering is harmless.
+        converting = [p for p, f in found.items() if f.category is None]
+        stray = self._stray_readers(found, converting, x_of, y_of, bake)
+        for p in converting:
+            if p in stray:
+                found[p].refuse("stray-reader", stray[p])
+        # A baked norm gains nothing unless a norm reading the stream it feeds converts too.
+        for p in bake:
+            if not any(t.kind == "norm" and t.ref == p for q, g in found.items() if g.category is None
+                       for t in g.terms):
+                f = found[p]
+                f.baked_table, f.readers = None, []
+                f.refuse("post-ln", _OUTPUT_IS_STREAM + ", and no norm reading that stream converts")
+        converting = [p for p, f in found.items() if f.category is None]
+        tables, writers, untie = self._centered(found, converting, bake)
+        converting = [p for p, f in found.items() if f.category is None]
+        params = sorted({t.ref for p in converting for t in found[p].terms if t.kind == "param"})
+        return Discovery(found, tables, writers, untie, params=params)
+
+    def _check_form(self, p: str, f: NormFinding, c: _Call) -> None:
+        mod = self.modules[p]
+        ops = self.ln_ops.get(p, [])
+        if len(ops) != 1:
+            f.refuse("norm-form", "it does not run F.layer_norm itself" if not ops else
+                     f"it runs F.layer_norm {len(ops)} times")
+            return
+        n = self.nodes[ops[0]]
+        shape = n.ins[1] if len(n.ins) > 1 else None
+        x_shape = n.shapes_in[0]
+        if not isinstance(shape, (list, tuple)) or len(shape) != 1 or not x_shape or x_shape[-1] != shape[0]:
+            f.refuse("norm-form", f"it normalises over {list(shape) if shape else '?'}, not the last dimension")
+            return
+        f.hidden = int(shape[0])
+        eps = n.ins[4] if len(n.ins) > 4 else n.kw.get("eps")
+        f.eps = float(eps) if isinstance(eps, (int, float)) else None
+        x_chain = self._chain_back(n.ins[0], c.ins[0])
+        if x_chain is None:
+            f.refuse("norm-form", "F.layer_norm does not read the module's input as is")
+            return
+        own = set(x_chain) | {ops[0]}
+        for slot, attr in ((2, "weight"), (3, "bias")):
+            arg = n.ins[slot] if len(n.ins) > slot else None
+            param = getattr(mod, attr, None)
+            if param is None and arg is None:
+                continue
+            if param is None or arg is None or not self._is_param(arg, f"{p}.{attr}", own):
+                f.refuse("norm-form", f"its F.layer_norm {attr} is not the module's own {attr} parameter "
+                         "(a 1 + w gain or a computed value)")
+                return
+        y_chain = self._chain_back(c.outs[0], n.outs[0])
+        if y_chain is None:
+            f.refuse("norm-form", "its output is not F.layer_norm's output (something is applied after it)")
+            return
+
+    def _chain_back(self, key, target) -> list[int] | None:
+        """Node indices of a pass-through chain leading from `target` to `key` (None: no chain)."""
+        chain = []
+        while key != target:
+            i = self.tr.producer.get(key)
+            if i is None:
+                return None
+            src = self.pass_input(self.nodes[i])
+            if src is None:
+                return None
+            chain.append(i)
+            key = src
+        return chain
+
+    def _is_param(self, key, name: str, own: set) -> bool:
+        while True:
+            if name in self.tr.params.get(key, ()):
+                return True
+            i = self.tr.producer.get(key)
+            if i is None:
+                return False
+            n = self.nodes[i]
+            if n.op not in ("_to_copy", "to", "alias", "detach", "clone", "view", "lift_fresh"):
+                return False
+            own.add(i)
+            key = n.ins[0]
+
+    def _readers(self, p: str, f: NormFinding, y) -> None:
+        if f.category is not None:
+            return
+        passed, uses = self.closure([y], through_adds=False)
+        if passed & self.tr.output_keys:
+            f.readers.append((OUTPUT, None))
+        readers: dict[str, str] = {}
+        for i, k in uses:
+            n = self.nodes[i]
+            if n.op in _ADD or n.op in _SCALE or self._layer_norm_input(i, k):
+                f.refuse("post-ln", _OUTPUT_IS_STREAM)
+                return
+        for i, _k in uses:
+            n = self.nodes[i]
+            mod = self.modules.get(n.module)
+            o = fold_orientation(mod) if mod is not None else None
+            calls = self.tr.calls.get(n.module, [])
+            if o is None or not any(c.ins and c.ins[0] in passed for c in calls):
+                f.refuse("nonlinear-reader", f"{n.op} in {n.module or '<model>'} reads its output")
+                return
+            if len(calls) > 1:
+                f.refuse("shared-weights", f"its reader {n.module} runs {len(calls)} times in one forward")
+                return
+            if _in_features(mod) != f.hidden:
+                f.refuse("nonlinear-reader", f"its reader {n.module} does not take the hidden size as input")
+                return
+            readers[n.module] = o
+        order = {q: j for j, q in enumerate(self.modules)}
+        f.readers += sorted(readers.items(), key=lambda r: order[r[0]])
+
+    def _bakeable(self, p: str, f: NormFinding, found) -> bool:
+        return (len(f.terms) == 1 and f.terms[0].kind == "embedding" and f.eps is not None and f.eps > 0
+                and not any(t.kind == "embedding" and t.ref == f.terms[0].ref
+                            for q, g in found.items() if q != p for t in g.terms))
+
+    def _stray_readers(self, found, converting, x_of, y_of, bake) -> dict[str, str]:
+        """norm -> a reason, for norms whose stream someone reads without a norm in front."""
+        term_owner: dict = {}  # term key -> norms whose input holds it
+        for p in converting:
+            for t in found[p].terms:
+                term_owner.setdefault(t.key, set()).add(p)
+        reached, uses = self.closure(list(term_owner))
+        out: dict[str, str] = {}
+        bad = []
+        for i, k in uses:
+            if self._layer_norm_input(i, k):
+                continue
+            n = self.nodes[i]
+            bad.append((k, f"{n.op} in {n.module or '<model>'}"))
+        bad += [(k, "the model's output") for k in reached & self.tr.output_keys]
+        if not bad:
+            return out
+        # Which norms' streams include the value read: those sharing any of its terms.
+        for k, what in bad:
+            shape = self.shape(k)
+            terms = [Term("", "", k)] if k in term_owner or not shape else self.terms(k, shape[-1], set(), [])
+            keys = {t.key for t in terms}
+            for key in keys:
+                for p in term_owner.get(key, ()):
+                    out.setdefault(p, f"{what} reads the residual stream without a norm in front of it")
+        return out
+
+    def _centered(self, found, converting, bake):
+        """(tables, writers, untie) for the norms that convert. Every module touched must run once
+        and own its parameters alone (a tie of the output embeddings with a table is untied);
+        where not, the norms involved are refused and the rest recomputed."""
+        tables: dict[str, None] = {}
+        writers: dict[str, str] = {}
+        term_keys = set()
+        for p in converting:
+            f = found[p]
+            for t in f.terms:
+                term_keys.add(t.key)
+                if t.kind == "embedding" and not f.baked_table:
+                    tables[t.ref] = None
+                elif t.kind == "writer":
+                    writers[t.ref] = t.orientation
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        head_path = next((q for q, m in self.modules.items() if m is head), None) if head is not None else None
+        readers = {r for p in converting for r, _ in found[p].readers if r not in (OUTPUT, STREAM)}
+        baked = {found[p].baked_table for p in converting if found[p].baked_table}
+        untie = None
+        problems: dict[str, str] = {}
+        for m in [*tables, *writers, *readers, *baked]:
+            calls = self.tr.calls.get(m, [])
+            if len(calls) > 1 and m not in tables and m not in baked:
+                problems[m] = f"{m} runs {len(calls)} times in one forward"
+            for attr in ("weight", "bias"):
+                prm = getattr(self.modules[m], attr, None)
+                if prm is None:
+                    continue
+                key = _key(prm)
+                names = self.tr.params.get(key, [f"{m}.{attr}"])
+                others = [n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[0] != m]
+                tie = None
+                if attr == "weight" and head_path is not None and len(others) == 1 and head_path in (m, others[0]):
+                    tie = (head_path, others[0] if m == head_path else m)
+                    untie = tie
+                elif others:
+                    problems[m] = f"{m}.{attr} is shared with {others[0]}"
+                    continue
+                allowed = {m, *(tie or ())}
+                for i in self.tr.users.get(key, ()):
+                    n = self.nodes[i]
+                    if n.op == "embedding" and m in tables and n.module == m and n.outs[0] not in term_keys:
+                        problems[m] = f"a lookup in {m} goes somewhere other than the residual stream"
+                    elif n.module not in allowed:
+                        problems[m] = f"{m}.{attr} is used by {n.module or '<model>'} too"
+        if problems:
+            for p in converting:
+                f = found[p]
+                mine = {t.ref for t in f.terms} | {r for r, _ in f.readers} | {f.baked_table}
+                hit = next((why for m, why in problems.items() if m in mine), None)
+                if hit is not None:
+                    f.refuse("shared-weights", hit)
+            converting = [p for p in converting if found[p].category is None]
+            return self._centered(found, converting, bake) if converting else ([], [], None)
+        if untie is not None and untie[1] not in tables and untie[1] not in baked and head_path not in readers:
+            untie = None
+        order = {q: j for j, q in enumerate(self.modules)}
+        return sorted(tables, key=order.get), sorted(writers.items(), key=lambda w: order[w[0]]), untie
+
+
+_OUTPUT_IS_STREAM = "its output is added into the residual stream (the stream is this norm's output)"
+
+
+def fold_orientation(mod: nn.Module | None) -> str | None:
+    """How a layer stores its weight, when γ/β can be folded into it or its output centered."""
+    if isinstance(mod, nn.Linear):
+        return fold.LINEAR
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
+        return fold.CONV1D
+    return None
+
+
+def _in_features(mod: nn.Module) -> int | None:
+    if isinstance(mod, nn.Linear):
+        return mod.in_features
+    w = getattr(mod, "weight", None)
+    return int(w.shape[0]) if w is not None else None

@@ -1,0 +1,310 @@
+"""The conversion sweep: every causal-LM and sequence-to-sequence LM class of the installed
+transformers that holds LayerNorm-like modules is built tiny and either converts exactly, with no
+architecture file (float64 logits within 1e-12 of the original, the stock from_pretrained reload
+equal, every converted norm's input zero-mean), or is listed in SWEEP with the categories of its
+refusals (normswap.discover.REFUSALS). A transformers release that adds an unclassified LayerNorm
+architecture, or changes how one converts, fails here until SWEEP is updated.
+
+Discovery runs on the meta device; real float64 models are built only for the exactness check.
+README.md's architecture list is rendered from SWEEP (`python -m tests.test_convert_sweep`) and
+checked against it below.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from normswap.convert import convert_model
+from normswap.discover import REFUSALS, discover, layer_norm_paths
+from tests.sweep_models import VOCAB, build, sweep_entries
+from tests.tiny_models import randomize_norms_and_biases
+
+CONVERTS = "converts"
+NOT_BUILT = "not-built"  # the tiny config cannot be built (a validator, a missing sub-config)
+
+# label -> outcome: "converts" (every LayerNorm), or the refusal categories of its refused norms,
+# with "converts" among them when the others convert (normswap convert --partial).
+SWEEP: dict[str, tuple[str, ...]] = {
+    'audioflamingo3': ('untraced',),
+    'axk2': ('untraced',),
+    'bamba': ('not-built',),
+    'bart': ('post-ln', 'untraced'),
+    'bart:seq2seq': ('post-ln',),
+    'bert': ('not-stream', 'post-ln'),
+    'bert-generation': ('post-ln',),
+    'big_bird': ('not-stream', 'post-ln'),
+    'bigbird_pegasus': ('converts', 'untraced'),
+    'bigbird_pegasus:seq2seq': ('shared-weights',),
+    'biogpt': ('converts',),
+    'blenderbot': ('converts', 'untraced'),
+    'blenderbot-small': ('post-ln', 'untraced'),
+    'blenderbot-small:seq2seq': ('post-ln',),
+    'blenderbot:seq2seq': ('shared-weights',),
+    'bloom': ('converts',),
+    'camembert': ('not-stream', 'post-ln'),
+    'codegen': ('converts',),
+    'cohere': ('norm-form',),
+    'cohere2': ('norm-form',),
+    'cohere2_moe': ('untraced',),
+    'cohere_compass_text': ('not-built',),
+    'ctrl': ('not-stream', 'uncenterable-term'),
+    'data2vec-text': ('not-stream', 'post-ln'),
+    'dbrx': ('not-built',),
+    'deepseek_v32': ('untraced',),
+    'dots1': ('not-built',),
+    'dots3_note': ('not-built',),
+    'dots3_note_text': ('not-built',),
+    'electra': ('converts', 'not-stream', 'post-ln'),
+    'emu3': ('not-built',),
+    'encoder-decoder': ('not-stream', 'post-ln'),
+    'ernie': ('not-stream', 'post-ln'),
+    'falcon': ('converts',),
+    'fsmt': ('post-ln',),
+    'fuyu': ('converts', 'not-stream'),
+    'gemma3': ('untraced',),
+    'gemma3n': ('not-built',),
+    'gemma3n_text': ('not-built',),
+    'gemma4_assistant': ('not-built',),
+    'gemma4_unified_assistant': ('not-built',),
+    'git': ('post-ln', 'untraced'),
+    'glm_moe_dsa': ('untraced',),
+    'glmasr': ('untraced',),
+    'got_ocr2': ('untraced',),
+    'gpt-sw3': ('converts',),
+    'gpt2': ('converts',),
+    'gpt_bigcode': ('converts',),
+    'gpt_neo': ('converts',),
+    'gpt_neox': ('converts',),
+    'gpt_neox_japanese': ('converts',),
+    'gptj': ('converts',),
+    'granite_speech': ('untraced',),
+    'granite_speech_plus': ('untraced',),
+    'granitemoehybrid': ('not-built',),
+    'hy_v4': ('untraced',),
+    'jais2': ('converts',),
+    'led': ('untraced',),
+    'lfm2_moe': ('not-built',),
+    'llama4': ('not-built',),
+    'm2m_100': ('uncenterable-term',),
+    'mamba2': ('not-built',),
+    'marian': ('post-ln', 'untraced'),
+    'marian:seq2seq': ('post-ln',),
+    'mbart': ('post-ln', 'untraced'),
+    'mbart:seq2seq': ('post-ln',),
+    'megatron-bert': ('converts', 'not-stream'),
+    'modernbert-decoder': ('not-stream', 'post-ln', 'stray-reader'),
+    'moss_transcribe_diarize': ('untraced',),
+    'moss_transcribe_diarize:seq2seq': ('untraced',),
+    'mpt': ('converts',),
+    'musicflamingo': ('untraced',),
+    'musicgen': ('not-built',),
+    'musicgen_melody': ('not-built',),
+    'mvp': ('post-ln', 'untraced'),
+    'mvp:seq2seq': ('post-ln',),
+    'nemo_speechlm': ('untraced',),
+    'nemotron': ('norm-form',),
+    'nllb-moe': ('uncenterable-term',),
+    'olmo': ('converts',),
+    'openai-gpt': ('post-ln',),
+    'opt': ('converts',),
+    'pegasus': ('converts', 'untraced'),
+    'pegasus:seq2seq': ('shared-weights',),
+    'pegasus_x': ('nonlinear-reader', 'not-stream', 'shared-weights', 'uncenterable-term'),
+    'persimmon': ('converts', 'not-stream'),
+    'phi': ('converts',),
+    'phi4_multimodal': ('untraced',),
+    'phimoe': ('untraced',),
+    'plbart': ('post-ln', 'untraced'),
+    'plbart:seq2seq': ('post-ln',),
+    'prophetnet': ('not-stream', 'post-ln', 'untraced'),
+    'prophetnet:seq2seq': ('not-stream', 'post-ln'),
+    'qwen2_audio': ('untraced',),
+    'qwen3_5': ('not-built',),
+    'qwen3_5_moe': ('not-built',),
+    'qwen3_asr': ('untraced',),
+    'qwen4_exp': ('not-built',),
+    'reformer': ('not-built',),
+    'rembert': ('converts', 'not-stream', 'post-ln'),
+    'roberta': ('not-stream', 'post-ln'),
+    'roberta-prelayernorm': ('not-stream', 'post-ln'),
+    'roc_bert': ('not-stream', 'post-ln'),
+    'roformer': ('not-stream', 'post-ln'),
+    'rwkv': ('post-ln', 'uncenterable-term'),
+    'seamless_m4t': ('uncenterable-term',),
+    'seamless_m4t_v2': ('uncenterable-term',),
+    'stablelm': ('converts',),
+    'starcoder2': ('converts',),
+    't5gemma2': ('untraced',),
+    'trocr': ('post-ln', 'untraced'),
+    'voxtral': ('untraced',),
+    'whisper': ('converts', 'untraced'),
+    'xglm': ('uncenterable-term',),
+    'xlm': ('post-ln',),
+    'xlm-roberta': ('not-stream', 'post-ln'),
+    'xlm-roberta-xl': ('converts', 'not-stream'),
+    'xlnet': ('untraced',),
+    'xlstm': ('norm-form',),
+    'xmod': ('untraced',),
+    'zamba': ('not-built',),
+    'zamba2': ('not-built',),
+    'zaya': ('not-built',),
+}
+
+
+# Norms that compute in float32 whatever the model's dtype: the converted model's float64 logits
+# carry one float32 rounding of a (now centered) norm input, so they are held to float32's scale.
+FLOAT32_NORMS = {"olmo": "OlmoLayerNorm runs F.layer_norm on a float32 copy of its input"}
+
+
+def outcome(label: str, model_type: str, class_name: str):
+    """(outcome tuple, discovery or None, meta model or None)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build(model_type, class_name)
+    except Exception:
+        return (NOT_BUILT,), None, None
+    if not layer_norm_paths(model):
+        return None, None, model
+    d = discover(model)
+    cats = {f.category or CONVERTS for f in d.norms.values()}
+    return tuple(sorted(cats, key=lambda c: (c != CONVERTS, c))), d, model
+
+
+def inputs_for(model, seq: int = 8, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, seq), generator=g)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if getattr(model.config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = torch.randint(3, VOCAB, (2, seq), generator=g)
+    return out
+
+
+def run_logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs, use_cache=False)
+    return out.logits
+
+
+def check_exact(label: str, model_type: str, class_name: str, tmp_path) -> str | None:
+    """Convert a float64 tiny model in memory (--partial); None when exact, else what is wrong."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        size = sum(p.numel() for p in build(model_type, class_name).parameters())
+        if size > 2_000_000:  # a config the sweep failed to shrink: say so rather than fill memory
+            return f"the tiny model has {size} parameters"
+        model = build(model_type, class_name, device="cpu", dtype=torch.float64)
+    randomize_norms_and_biases(model, 0)
+    inputs = inputs_for(model)
+    ref = run_logits(model, inputs)
+    manifest = convert_model(model, partial=True, check=False)
+    converted = [n["path"] for n in manifest["norms"] if n["rms"]]
+    ratios: dict[str, float] = {}
+
+    def hook(path):
+        def pre(_m, args):
+            x = args[0].double()
+            r = (x.mean(-1).abs() / x.pow(2).mean(-1).sqrt().clamp_min(1e-30)).max()
+            ratios[path] = max(ratios.get(path, 0.0), float(r))
+        return pre
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(hook(p)) for p in converted]
+    got = run_logits(model, inputs)
+    for h in handles:
+        h.remove()
+    err = float((got - ref).abs().max() / ref.abs().max())
+    if err > (1e-6 if label in FLOAT32_NORMS else 1e-12):
+        return f"logits differ by {err:.3g} of their scale"
+    worst = max(ratios.items(), key=lambda kv: kv[1], default=(None, 0.0))
+    if len(ratios) != len(converted) or worst[1] > 1e-9:
+        return f"the input of {worst[0]} is not zero-mean (|mean|/rms {worst[1]:.3g})"
+    model.save_pretrained(tmp_path)
+    import transformers
+
+    reloaded = getattr(transformers, class_name).from_pretrained(tmp_path, dtype=torch.float64).eval()
+    if not torch.equal(run_logits(reloaded, inputs), got):
+        return "the stock from_pretrained reload gives other logits"
+    return None
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    """label -> (outcome, model type, class name) for every sweep entry with LayerNorms."""
+    found = {}
+    for label, model_type, class_name in sweep_entries():
+        result, _, _ = outcome(label, model_type, class_name)
+        if result is not None:
+            found[label] = (result, model_type, class_name)
+    return found
+
+
+def test_every_layer_norm_architecture_is_classified(sweep):
+    got = {label: r for label, (r, _, _) in sweep.items()}
+    unknown = {k: v for k, v in got.items() if k not in SWEEP}
+    changed = {k: (SWEEP[k], v) for k, v in got.items() if k in SWEEP and SWEEP[k] != v}
+    gone = sorted(set(SWEEP) - set(got))
+    assert not unknown and not changed and not gone, (
+        f"unclassified: {unknown}\nchanged (listed, found): {changed}\nno longer LayerNorm architectures: {gone}")
+    for result in SWEEP.values():
+        assert set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
+
+
+def test_converted_architectures_are_exact(sweep, tmp_path):
+    """Every architecture where something converts: float64 logits within 1e-12, zero-mean norm
+    inputs, stock reload equal. At least 15 convert whole, with no architecture file."""
+    from normswap.archs import available
+
+    whole = [label for label, (r, _, _) in sweep.items() if r == (CONVERTS,)]
+    assert len(whole) >= 15, whole
+    assert {"gpt2", "opt", "gpt_neox", "phi", "falcon", "bloom"} <= set(whole) | set(available())
+    problems = {}
+    for label, (result, model_type, class_name) in sweep.items():
+        if CONVERTS in result:
+            why = check_exact(label, model_type, class_name, tmp_path / label)
+            if why is not None:
+                problems[label] = why
+    assert not problems, problems
+
+
+def render_readme() -> str:
+    """The README's architecture list, from SWEEP."""
+    whole = sorted(k for k, v in SWEEP.items() if v == (CONVERTS,))
+    partial = sorted(k for k, v in SWEEP.items() if CONVERTS in v and v != (CONVERTS,))
+    refused: dict[str, list[str]] = {}
+    for k, v in SWEEP.items():
+        if CONVERTS not in v and v != (NOT_BUILT,):
+            refused.setdefault(", ".join(v), []).append(k)
+    not_built = sorted(k for k, v in SWEEP.items() if v == (NOT_BUILT,))
+    lines = [f"Converts exactly, every LayerNorm ({len(whole)}): " + ", ".join(f"`{k}`" for k in whole) + ".",
+             "",
+             f"Converts with `--partial` ({len(partial)}; the rest refused): "
+             + "; ".join(f"`{k}` ({', '.join(c for c in SWEEP[k] if c != CONVERTS)})" for k in partial) + ".",
+             "",
+             f"Refused ({sum(len(v) for v in refused.values())}), by category:"]
+    for cats, labels in sorted(refused.items()):
+        lines.append(f"- {cats}: " + ", ".join(f"`{k}`" for k in sorted(labels)))
+    lines += ["", f"Not built tiny by the sweep ({len(not_built)}; their configs need more than the size knobs, so "
+              "whether they hold LayerNorms is not known): " + ", ".join(f"`{k}`" for k in not_built) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def test_readme_lists_the_sweep():
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    begin, end = "<!-- sweep:begin -->\n", "<!-- sweep:end -->"
+    assert begin in text and end in text
+    assert text.split(begin, 1)[1].split(end, 1)[0] == render_readme()
+
+
+if __name__ == "__main__":  # print the observed SWEEP table, then the README section
+    rows = {}
+    for label, model_type, class_name in sweep_entries():
+        result, _, _ = outcome(label, model_type, class_name)
+        if result is not None:
+            rows[label] = result
+    for k, v in sorted(rows.items()):
+        print(f"    {k!r}: {v!r},")
