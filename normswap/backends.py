@@ -141,6 +141,11 @@ _LOADERS: dict[str, Callable[[], Backend]] = {
 }
 
 
+def backend_names() -> tuple[str, ...]:
+    """Every backend name `get_backend` knows (whether or not it runs here)."""
+    return tuple(_LOADERS)
+
+
 def available_backends() -> dict[str, str | None]:
     """name -> None when it runs here, else the reason it does not."""
     out: dict[str, str | None] = {}

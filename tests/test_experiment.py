@@ -120,6 +120,12 @@ def test_the_shipped_recipe_validates():
     ("model.path=x", "exactly one of \\[model\\]"),
     ("nosection.key=1", "unknown section 'nosection'"),
     ("finetune", "expected key=value"),
+    ("finetune.lr=nan", "finetune.lr: expected a finite number, got nan"),
+    ("finetune.max_grad_norm=inf", "finetune.max_grad_norm: expected a finite number"),
+    ("seed=4294967296", "seed: 4294967296 is above the maximum 4294967295"),
+    ("impl=bogus", "impl: 'bogus' is not one of triton, torch"),
+    ('name="../elsewhere"', "name: '../elsewhere' is not a plain folder name"),
+    ("finetune.seq_len=65", r"finetune.seq_len: 65 exceeds the model's context \(64 positions\)"),
 ])
 def test_bad_recipes_are_one_line_errors(tmp_path, override, message):
     path = write_recipe(tmp_path / "r.toml", PRETRAIN)
@@ -141,6 +147,13 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() == load_recipe(path).fingerprint()
     (moved / "genesis.txt").write_text("other text\n")
     assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() != load_recipe(path).fingerprint()
+
+
+def test_a_model_directory_recipe_checks_seq_len_against_the_model(tmp_path, pretrained_dir):
+    recipe = load_recipe(model_recipe(tmp_path, pretrained_dir, ["approx+ft"]), ["finetune.seq_len=65"])
+    with pytest.raises(RecipeError, match="finetune.seq_len: 65 exceeds the model's context"):
+        run_experiment(recipe, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "arms").exists()  # refused before any arm ran
 
 
 def test_not_toml_and_missing_file(tmp_path):

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import click
 
+from normswap.backends import backend_names
+
 from normswap.cli.main import cli, emit, json_option
 from normswap.errors import NormswapError
 
-IMPLS = ("triton", "torch", "compile", "liger", "quack", "reference")
+IMPLS = backend_names()
 
 
 def _bar(desc: str, total: int | None = None, unit: str = "step"):

@@ -25,7 +25,7 @@ from normswap.errors import NormswapError
 from normswap.experiment import report
 from normswap.experiment.arms import DTYPES, build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
-from normswap.experiment.recipe import Recipe, RecipeError, parse_arm
+from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.jsonsafe import finite_or_null
 
@@ -119,6 +119,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
     else:
         model_path = recipe.model.path
     original, tokenizer = _load_model(model_path)
+    check_seq_len(recipe.finetune.seq_len, getattr(original.config, "max_position_embeddings", None))
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
