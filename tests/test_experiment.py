@@ -388,13 +388,21 @@ def test_recovered_share_is_against_the_fine_tuned_control():
         return {"steps": steps, "evals": evals}
 
     arms = {"original": arm(2.0, 2.0, 0), "original+ft": arm(2.0, 1.8), "approx": arm(3.0, 3.0, 0),
-            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(1.7, 1.75), "exact+ft": arm(2.0, 1.9)}
+            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(2.5, 2.3), "approx+distill": arm(1.9, 1.7),
+            "exact+ft": arm(2.0, 1.9)}
     rows = {r["arm"]: r for r in summary_rows(arms)}
-    assert rows["approx+ft"]["recovered"] == pytest.approx((3.0 - 2.4) / (3.0 - 1.8))
-    assert rows["approx-bias+ft"]["recovered"] is None  # started below the control's end: no gap
+    # A gap of 1.0 nats at step 0, 0.6 left against the fine-tuned control: 40 % taken back.
+    assert rows["approx+ft"]["recovered"] == pytest.approx(0.4)
+    # Fine-tuning lowered it by exactly what it lowered the control: nothing recovered (comparing its
+    # end with its own start would credit it with 0.2 / 0.7 of the gap).
+    assert rows["approx-bias+ft"]["recovered"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["approx+distill"]["recovered"] is None  # started below the original: no gap
     assert rows["exact+ft"]["recovered"] is None
     assert rows["approx+ft"]["delta_vs_original_ft"] == pytest.approx(math.exp(2.4) - math.exp(1.8))
     assert rows["approx"]["recovered"] is None and rows["original+ft"]["recovered"] is None
+    # Without the control the reference is the untouched original.
+    del arms["original+ft"]
+    assert {r["arm"]: r for r in summary_rows(arms)}["approx+ft"]["recovered"] == pytest.approx(0.6)
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
