@@ -28,7 +28,7 @@ ALL_ARMS = ["original", "original+ft", "exact", "exact+ft", "approx", "approx+ft
 # A model small enough for CI that still learns something from Genesis 1-3 in a few seconds.
 PRETRAIN = f"""
 [pretrain]
-text = "{GENESIS}"
+text = "{GENESIS.name}"
 vocab_size = 300
 n_layer = 2
 n_embd = 32
@@ -43,8 +43,8 @@ warmup_steps = 4
 
 REST = f"""
 [data]
-train = "{GENESIS}"
-eval = "{JOSHUA}"
+train = "{GENESIS.name}"
+eval = "{JOSHUA.name}"
 eval_max_tokens = 256
 eval_max_length = 64
 eval_batch_size = 4
@@ -61,6 +61,10 @@ warmup_steps = 1
 
 
 def write_recipe(path: Path, body: str, arms=ALL_ARMS, head: str = "") -> Path:
+    """A recipe whose texts lie beside it (paths relative to the recipe, as in recipes/)."""
+    for text in (GENESIS, JOSHUA):
+        if not (path.parent / text.name).exists():
+            (path.parent / text.name).write_bytes(text.read_bytes())
     path.write_text(f'name = "tiny"\nimpl = "torch"\narms = {json.dumps(arms)}\n{head}\n{body}{REST}')
     return path
 
@@ -88,7 +92,7 @@ def every_arm(cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pretrained_dir(every_arm) -> Path:
-    return Path(every_arm.data["model"])
+    return Path(every_arm.model_path)
 
 
 def model_recipe(tmp_path: Path, model_dir: Path, arms, head: str = "") -> Path:
@@ -156,6 +160,14 @@ def test_a_model_directory_recipe_checks_seq_len_against_the_model(tmp_path, pre
     assert not (tmp_path / "out" / "arms").exists()  # refused before any arm ran
 
 
+def test_a_model_directory_is_relative_to_the_recipe(tmp_path, monkeypatch):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    recipe = write_recipe(tmp_path / "r.toml", '[model]\npath = "models/m"\n')
+    monkeypatch.chdir(ROOT)
+    assert load_recipe(recipe).model.path == str(tmp_path / "models" / "m")
+    assert load_recipe(recipe, ['model.path="gpt2"']).model.path == "gpt2"  # not a local path: as written
+
+
 def test_not_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("this is = = not toml\n")
@@ -171,6 +183,26 @@ def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
         res = CliRunner().invoke(cli, ["experiment", str(path), *args])
         assert res.exit_code == 2, res.output
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("normswap: error:")
+
+
+def test_committed_results_name_no_machine_paths():
+    for results in (ROOT / "recipes" / "results").glob("*/results.json"):
+        data = json.loads(results.read_text())
+
+        def strings(node):
+            if isinstance(node, dict):
+                for v in node.values():
+                    yield from strings(v)
+            elif isinstance(node, list):
+                for v in node:
+                    yield from strings(v)
+            elif isinstance(node, str):
+                yield node
+
+        absolute = [s for s in strings(data) if s.startswith(("/", "~")) or ":\\" in s]
+        assert not absolute, f"{results}: {absolute}"
+        recipe = results.parents[2] / f"{data['recipe']['name']}.toml"
+        assert (recipe.parent / data["recipe"]["data"]["eval"]).is_file()  # relative to the recipe
 
 
 def test_arm_names():
@@ -239,6 +271,13 @@ def test_every_arm_runs_and_reports(every_arm):
     assert csv_lines[0].startswith("arm,step,ppl") and len(csv_lines) == 1 + 4 * 1 + 5 * 3
     if importlib.util.find_spec("tensorboard"):  # accelerate's tracker, when installed
         assert any((out / "logs").rglob("events.out.tfevents*"))
+    # No machine's paths in what a run writes (results get committed): texts relative to the
+    # recipe, the pretrained model by its cache entry.
+    assert data["recipe"]["data"]["train"] == GENESIS.name and data["recipe"]["pretrain"]["text"] == GENESIS.name
+    assert data["pretrain"]["section"]["text"] == GENESIS.name
+    assert data["model"] == f"<normswap cache>/pretrain/{Path(every_arm.model_path).name}"
+    text = (out / "results.json").read_text()
+    assert str(out.parent) not in text and str(Path.home()) not in text and os.environ["NORMSWAP_CACHE"] not in text
     # The arms' resumable state is gone once they are done; their results stay.
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
 

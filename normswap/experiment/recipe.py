@@ -239,6 +239,10 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
         raise RecipeError("a recipe needs exactly one of [model] (path = a model directory) and [pretrain]")
     if recipe.model is not None and not recipe.model.path:
         raise RecipeError("model.path: missing")
+    if recipe.model is not None and (base / recipe.model.path).expanduser().exists():
+        # A local model directory is relative to the recipe like every other path (a hub id is not a path).
+        local = str((base / recipe.model.path).expanduser().resolve())
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, path=local))
     if recipe.pretrain is not None:
         p = recipe.pretrain
         if not p.text:
