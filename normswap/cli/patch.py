@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from normswap.backends import backend_names
-
 from normswap.cli.main import cli, emit, json_option
 from normswap.errors import NormswapError
 
