@@ -102,7 +102,7 @@ def child(src: str, out: str, streaming: bool) -> None:
     """Run in a fresh process: convert and print one JSON line of measurements."""
     import normswap  # noqa: F401  (sets the environment before transformers)
     from normswap import loading
-    from normswap.convert_checkpoint import convert_directory
+    from normswap.convert_dir import convert_directory
 
     source = loading.resolve(src)
     loading.build_meta_model(source)  # warm the import of the model class

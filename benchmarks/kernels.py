@@ -6,31 +6,37 @@
 
 Measures the device copy bandwidth first (dst.copy_(src), bytes read + written), then forward and
 forward+backward of rms_norm and layer_norm for each backend, bf16 and fp32, rows {4096, 32768} x
-hidden {1024 .. 262144} plus 512 x 4096. GPU times come from CUDA-graph replays (triton's
-do_bench_cudagraph), so host overhead is not counted; a backend whose launch cannot be captured is
-timed with CUDA events instead (marked `~` in the table).
+hidden {1024 .. 262144} plus 512 x 4096; with --residual, the fused residual add + norm. Times come
+from CUDA-graph replays (triton's do_bench_cudagraph) by default, `--timing events` for CUDA
+events; a case the chosen method cannot time is an `error` row with the reason, never silently
+timed another way. Inside the timed region the case rotates over several input sets totalling
+>= 4x the L2 cache, so shapes that fit in L2 are not measured L2-warm.
 
-GB/s counts the minimal bytes of a pass (each input read once, each output written once):
-    fwd      x + weight (+ bias) read, y written
-    fwd+bwd  the fwd bytes plus dy read and dx, dweight (+ dbias) written (x and weight count once)
-Shapes that do not fit in device memory for a pass/dtype/backend are skipped and marked `oom`;
-combinations a backend refuses (e.g. quack's LayerNorm has no backward) are marked `n/a`; any other
-failure of one backend on one shape (e.g. Liger refusing rows wider than 65,536) is marked `error`,
-its message goes to stderr, and the run goes on. The `compile` backend is compiled afresh, with
-static shapes, for every shape (dynamo reset per case): inductor's best case, and no recompile limit.
-The JSON schema:
-    {"device", "torch", "triton", "copy_gbs", "rows": [{"op", "pass", "dtype", "M", "N", "impl", "us", "gbs"}]}
-Re-running on the same device and day merges rows into the same file (a new measurement of the
-same op/pass/dtype/shape/impl replaces the old one), so the grid can be measured in parts; the file
-is rewritten after every shape, so a run stopped by a time limit keeps what it measured.
+GB/s counts the bytes each pass moves as separate kernels must move them (quack's convention):
+    fwd      x (+ residual) and weight (+ bias) read; y (+ h) written
+    bwd      the saved input (x, or h) and dy (+ dh) and weight read; dx (+ dresidual), dweight
+             (+ dbias) written
+    fwd+bwd  fwd + bwd: x is counted twice (read by the forward and again by the backward)
+Saved statistics (rstd, mean) and fp32 partial sums are not counted. Shapes that do not fit in
+device memory are rows with skip "oom (skipped)"; combinations a backend refuses are skip "n/a:
+<reason>"; any other failure of one backend on one shape is skip "error: <message>" and the run goes
+on. Every row, measured or not, is kept in the JSON (schema in benchmarks/README.md). The `compile`
+backend is compiled afresh, with static shapes, for every case (dynamo reset per case): inductor's
+best case, and no recompile limit. Re-running on the same device and day merges rows into the same
+file (a new measurement of the same key replaces the old one), so the grid can be measured in
+parts; the file is rewritten after every shape, so a run stopped by a time limit keeps what it
+measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.metadata
 import json
+import math
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +49,16 @@ ROWS = (4096, 32768)
 HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 SMALL_SHAPE = (512, 4096)
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 # Backends whose kernels only take CUDA tensors: never part of a CPU dry run.
 CUDA_ONLY = ("liger", "quack")
+# Input sets a case rotates over: enough to total ROTATE_L2 x the L2 size, at most MAX_SETS.
+ROTATE_L2 = 4
+MAX_SETS = 64
+# The distribution each backend comes from, for the per-file versions.
+PACKAGES = {"triton": "triton", "torch": "torch", "compile": "torch", "liger": "liger-kernel",
+            "quack": "quack-kernels", "reference": "normswap"}
+ROW_KEY = ("op", "pass", "dtype", "M", "N", "residual", "impl")
 
 
 def parse_args(argv=None):
@@ -56,6 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="comma list of row counts (default 4096,32768)")
     p.add_argument("--hidden", default=None, help="comma list of hidden sizes (default 1024..262144)")
     p.add_argument("--no-small", action="store_true", help="leave out the 512x4096 shape")
+    p.add_argument("--residual", action="store_true",
+                   help="time the fused residual add + norm, norm(x + residual) and h = x + residual, "
+                        "instead of the plain norm (rows keep both apart: residual true/false)")
+    p.add_argument("--timing", choices=("graph", "events"), default="graph",
+                   help="CUDA-graph replays (default; host overhead excluded) or CUDA events")
     p.add_argument("--casting", default="gemma",
                    help="rms casting mode; gemma with offset 0 is one fp32 product and one cast, the "
                         "arithmetic every backend runs natively")
@@ -73,34 +92,56 @@ def slug(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Provenance
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout the benchmark runs from ("-dirty" with uncommitted changes), or None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def package_versions(impls) -> dict[str, str | None]:
+    out = {}
+    for impl in impls:
+        try:
+            out[impl] = importlib.metadata.version(PACKAGES.get(impl, impl))
+        except importlib.metadata.PackageNotFoundError:
+            out[impl] = None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Timing
 
 
-def time_us(fn, device: str, reps: int) -> tuple[float, bool]:
-    """Mean time of one fn() call in microseconds, and whether CUDA-graph replay timed it."""
+def time_us(fn, device: str, timing: str, reps: int) -> float:
+    """Median time of one fn() call in microseconds, by the requested method only (a failure to
+    time that way propagates: the caller records it, never falls back to another method)."""
     if device != "cuda":
         fn()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        return (time.perf_counter() - t0) / reps * 1e6, False
+        return (time.perf_counter() - t0) / reps * 1e6
     import triton.testing
 
     fn()  # compile / autotune outside the measurement
     torch.cuda.synchronize()
+    if timing == "events":
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
     # The capture allocates from a private pool: blocks cached by the warm-up calls would otherwise
     # stay reserved beside it and turn the largest shapes that fit into spurious OOMs.
     torch.cuda.empty_cache()
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3, True
-    except Exception:  # noqa: BLE001 - not capturable (or no room for the capture's pool): fall back
-        # to events (host overhead included); an OOM there too is a real one and propagates.
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return triton.testing.do_bench(fn, warmup=10, rep=50) * 1e3, False
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
 
 
-def copy_bandwidth(device: str) -> float:
+def copy_bandwidth(device: str, timing: str) -> float:
     """GB/s of a large device-to-device copy (read + write)."""
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
@@ -109,43 +150,76 @@ def copy_bandwidth(device: str) -> float:
         nbytes = 1 << 24
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    us, _ = time_us(lambda: dst.copy_(src), device, reps=5)
+    us = time_us(lambda: dst.copy_(src), device, timing, reps=5)
     return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def l2_bytes(device: str) -> int:
+    if device == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 50 << 20))
+    return 1 << 20
 
 
 # ----------------------------------------------------------------------------------------------
 # Cases
 
 
-def make_case(op, pass_, be, m, n, dtype, device, casting):
-    """(callable, minimal bytes) for one measurement; allocates its tensors."""
+def pass_bytes(op: str, pass_: str, m: int, n: int, e: int, residual: bool) -> int:
+    """Bytes the pass moves as separate forward and backward kernels (see the module docstring)."""
+    params = 2 if op == "layer_norm" else 1
+    rows = m * n * e
+    fwd = (4 if residual else 2) * rows + params * n * e             # x (+r) read, y (+h) written
+    if pass_ == "fwd":
+        return fwd
+    # saved input + dy (+ dh) read, dx (+ dr) written; weights read, their grads written
+    bwd = (5 if residual else 3) * rows + 2 * params * n * e
+    return fwd + bwd
+
+
+def make_case(op, pass_, be, m, n, dtype, device, casting, residual, l2):
+    """(callable over every input set, bytes per set, number of sets); allocates the tensors.
+
+    The callable runs the case once per input set, so that consecutive runs never find their
+    inputs in L2: the time of one case is the callable's time over the number of sets."""
     grad = pass_ == "fwd+bwd"
     e = torch.finfo(dtype).bits // 8
-    x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=grad)
+    nbytes = pass_bytes(op, pass_, m, n, e, residual)
+    sets = max(1, min(MAX_SETS, math.ceil(ROTATE_L2 * l2 / nbytes)))
+    if device != "cuda":
+        sets = 2
     w = (1 + 0.1 * torch.randn(n, device=device)).to(dtype).requires_grad_(grad)
     b = (0.1 * torch.randn(n, device=device)).to(dtype).requires_grad_(grad) if op == "layer_norm" else None
-    params = 1 if b is None else 2
-    fwd_bytes = 2 * m * n * e + params * n * e
-    if op == "rms_norm":
-        def forward():
-            return be.rms_norm(x, w, 1e-6, 0.0, casting)
-    else:
-        def forward():
-            return be.layer_norm(x, w, b, 1e-5)
-    if not grad:
-        def run():
-            with torch.no_grad():
-                return forward()
-        return run, fwd_bytes
-    dy = torch.randn(m, n, device=device, dtype=dtype)
-    inputs = (x, w) if b is None else (x, w, b)
 
-    def run_fwd_bwd():
-        return torch.autograd.grad(forward(), inputs, dy)
-    # The issue's rule, each input read once and each output written once over the whole pass:
-    # x and the params are already counted in fwd_bytes; the backward adds dy read, dx and grads written.
-    bwd_bytes = 2 * m * n * e + params * n * e
-    return run_fwd_bwd, fwd_bytes + bwd_bytes
+    def forward(x, r):
+        if op == "rms_norm":
+            return be.rms_norm(x, w, 1e-6, 0.0, casting, residual=r)
+        return be.layer_norm(x, w, b, 1e-5, residual=r)
+
+    inputs = []
+    for _ in range(sets):
+        x = torch.randn(m, n, device=device, dtype=dtype, requires_grad=grad)
+        r = torch.randn(m, n, device=device, dtype=dtype, requires_grad=grad) if residual else None
+        dy = torch.randn(m, n, device=device, dtype=dtype) if grad else None
+        dh = torch.randn(m, n, device=device, dtype=dtype) if grad and residual else None
+        inputs.append((x, r, dy, dh))
+
+    if not grad:
+        def run_all():
+            with torch.no_grad():
+                for x, r, _, _ in inputs:
+                    forward(x, r)
+        return run_all, nbytes, sets
+
+    params = [t for t in (w, b) if t is not None]
+
+    def run_all():
+        for x, r, dy, dh in inputs:
+            out = forward(x, r)
+            if r is None:
+                torch.autograd.grad(out, (x, *params), dy)
+            else:
+                torch.autograd.grad(out, (x, r, *params), (dy, dh))
+    return run_all, nbytes, sets
 
 
 def shapes(args):
@@ -157,11 +231,12 @@ def shapes(args):
     return out
 
 
-def fits(m, n, dtype, pass_, device) -> bool:
-    """Cheap pre-check: the pass's own tensors (x, y; plus dy, dx for the backward) must fit."""
+def fits(m, n, dtype, pass_, residual, device) -> bool:
+    """Cheap pre-check: one input set's own tensors (x, y, +dy, dx; with a residual also r, h, dh,
+    dr) must fit."""
     if device != "cuda":
         return True
-    tensors = 2 if pass_ == "fwd" else 5
+    tensors = (2 if pass_ == "fwd" else 4) * (2 if residual else 1)
     free, _ = torch.cuda.mem_get_info()
     return tensors * m * n * (torch.finfo(dtype).bits // 8) < 0.9 * free
 
@@ -171,12 +246,13 @@ def fits(m, n, dtype, pass_, device) -> bool:
 
 
 def print_table(rows, impls, copy_gbs, file=sys.stdout):
-    """One line per (op, pass, dtype, M, N); per backend: us and % of copy bandwidth."""
-    key = lambda r: (r["op"], r["pass"], r["dtype"], r["M"], r["N"])  # noqa: E731
+    """One line per (op, pass, dtype, M, N, residual); per backend: us and % of copy bandwidth."""
+    key = lambda r: (r["op"], r["pass"], r["dtype"], r["M"], r["N"], r["residual"])  # noqa: E731
     grouped: dict = {}
     for r in rows:
         grouped.setdefault(key(r), {})[r["impl"]] = r
-    head = f"{'op':<10} {'pass':<7} {'dtype':<5} {'M':>6} {'N':>7} | " + " | ".join(f"{i:>17}" for i in impls)
+    head = (f"{'op':<10} {'pass':<7} {'dtype':<5} {'M':>6} {'N':>7} {'res':<3} | "
+            + " | ".join(f"{i:>17}" for i in impls))
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s   cells: time in us (GB/s as % of copy)", file=file)
     print(head, file=file)
     print("-" * len(head), file=file)
@@ -187,27 +263,32 @@ def print_table(rows, impls, copy_gbs, file=sys.stdout):
             if r is None:
                 cells.append(f"{'-':>17}")
             elif "skip" in r:
-                cells.append(f"{r['skip']:>17}")
+                cells.append(f"{r['skip'].split(':')[0][:17]:>17}")
             else:
-                mark = "" if r.get("graph", True) else "~"
-                cells.append(f"{mark}{r['us']:>9.1f} ({100 * r['gbs'] / copy_gbs:>3.0f}%)")
-        print(f"{k[0]:<10} {k[1]:<7} {k[2]:<5} {k[3]:>6} {k[4]:>7} | " + " | ".join(cells), file=file)
+                cells.append(f"{r['us']:>10.1f} ({100 * r['gbs'] / copy_gbs:>3.0f}%)")
+        print(f"{k[0]:<10} {k[1]:<7} {k[2]:<5} {k[3]:>6} {k[4]:>7} {'yes' if k[5] else 'no':<3} | "
+              + " | ".join(cells), file=file)
 
 
 def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
     """Merge into an existing file of the same device (same key replaces), write atomically."""
-    keep = [{k: r[k] for k in ("op", "pass", "dtype", "M", "N", "impl", "us", "gbs")} for r in rows if "skip" not in r]
-    key = lambda r: (r["op"], r["pass"], r["dtype"], r["M"], r["N"], r["impl"])  # noqa: E731
+    key = lambda r: tuple(r.get(k) for k in ROW_KEY)  # noqa: E731
+    keep = list(rows)
     if path.exists():
         old = json.loads(path.read_text())
         if old.get("device") == meta["device"]:
             fresh = {key(r) for r in keep}
             keep = [r for r in old.get("rows", []) if key(r) not in fresh] + keep
-    doc = dict(meta, rows=sorted(keep, key=key))
+    doc = dict(meta, rows=sorted(keep, key=lambda r: tuple(str(v) for v in key(r))))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(path)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +346,12 @@ def main(argv=None) -> int:
         return 2
 
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu-dry-run"
-    copy_gbs = copy_bandwidth(device)
-    meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__, "copy_gbs": copy_gbs}
+    timing = args.timing if device == "cuda" else "host"
+    copy_gbs = copy_bandwidth(device, args.timing)
+    l2 = l2_bytes(device)
+    meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": git_commit(), "versions": package_versions(impls), "copy_gbs": copy_gbs,
+            "l2_bytes": l2}
     print(f"{device_name}: copy bandwidth {copy_gbs:.0f} GB/s", file=sys.stderr)
     if args.out:
         out = Path(args.out)
@@ -278,32 +363,34 @@ def main(argv=None) -> int:
     from normswap.errors import NormswapError
 
     reps = 3 if device == "cpu" else 0
+    residuals = (True,) if args.residual else (False,)
     rows: list[dict] = []
-    grid = [(op, p, dn, m, n) for op in csv(args.ops) for p in csv(args.passes) for dn in dtypes
-            for (m, n) in shapes(args)]
-    for i, (op, pass_, dname, m, n) in enumerate(grid, 1):
+    grid = [(op, p, dn, m, n, res) for op in csv(args.ops) for p in csv(args.passes) for dn in dtypes
+            for (m, n) in shapes(args) for res in residuals]
+    for i, (op, pass_, dname, m, n, res) in enumerate(grid, 1):
         dtype = dtypes[dname]
-        print(f"[{i}/{len(grid)}] {op} {pass_} {dname} {m}x{n}", file=sys.stderr)
+        print(f"[{i}/{len(grid)}] {op} {pass_} {dname} {m}x{n}{' +residual' if res else ''}", file=sys.stderr)
         for impl in impls:
-            row = {"op": op, "pass": pass_, "dtype": dname, "M": m, "N": n, "impl": impl}
-            if not fits(m, n, dtype, pass_, device):
+            row = {"op": op, "pass": pass_, "dtype": dname, "M": m, "N": n, "residual": res, "impl": impl,
+                   "casting": args.casting if op == "rms_norm" else None, "timing": timing}
+            if not fits(m, n, dtype, pass_, res, device):
                 row["skip"] = "oom (skipped)"
                 rows.append(row)
                 continue
+            fn = None
             try:
                 if impl == "compile":
                     dynamo.reset()
-                fn, nbytes = make_case(op, pass_, backends[impl], m, n, dtype, device, args.casting)
-                us, graphed = time_us(fn, device, reps)
-                row.update(us=us, gbs=nbytes / (us * 1e-6) / 1e9, graph=graphed)
+                fn, nbytes, sets = make_case(op, pass_, backends[impl], m, n, dtype, device, args.casting, res, l2)
+                us = time_us(fn, device, args.timing, reps) / sets
+                row.update(us=us, gbs=nbytes / (us * 1e-6) / 1e9, bytes=nbytes, sets=sets)
             except torch.OutOfMemoryError:
                 row["skip"] = "oom"
-            except NormswapError:
-                row["skip"] = "n/a"
+            except NormswapError as e:
+                row["skip"] = f"n/a: {str(e).splitlines()[0] if str(e) else ''}"
             except Exception as e:  # noqa: BLE001 - one backend failing one shape must not end the run
-                row["skip"] = "error"
-                print(f"  {impl} failed on {op} {pass_} {dname} {m}x{n}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+                row["skip"] = f"error: {first_line(e)}"
+                print(f"  {impl} failed on {op} {pass_} {dname} {m}x{n}: {first_line(e)}", file=sys.stderr)
             finally:
                 fn = None  # noqa: F841 - release the case's tensors before the next one
                 if device == "cuda":
@@ -318,6 +405,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(ROOT))
     import normswap  # noqa: F401 - decides TRITON_INTERPRET before anything imports triton
     raise SystemExit(main())

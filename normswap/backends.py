@@ -22,12 +22,14 @@ Never imports transformers.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from normswap.errors import NormswapError
+from normswap.specs import CASTINGS
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,24 @@ class Backend:
     layer_norm: Callable
 
 
-# Casting modes each backend's rms_norm runs with the reference's numerics (others raise).
-CASTING_SUPPORT: dict[str, tuple[str, ...]] = {
-    "triton": ("llama", "gemma", "t5", "none"),
-    "torch": ("llama", "gemma", "t5", "none"),
-    "compile": ("llama", "gemma", "t5", "none"),
-    "liger": ("llama", "gemma"),
-    "quack": ("llama", "gemma", "t5", "none"),
-    "reference": ("llama", "gemma", "t5", "none"),
+_EVERY_MODE = {mode: None for mode in CASTINGS}
+# What each backend's rms_norm runs with the reference's numerics: casting mode -> the condition it
+# needs (None: none). Anything else raises a NormswapError naming what is unsupported.
+CASTING_SUPPORT: dict[str, dict[str, str | None]] = {
+    "triton": dict(_EVERY_MODE),
+    "torch": dict(_EVERY_MODE),
+    "compile": dict(_EVERY_MODE),
+    "liger": {"llama": "offset 0 and a weight in the input's dtype", "gemma": "a weight"},
+    "quack": {"llama": None, "gemma": None, "t5": "no weight, or a half weight in the input's dtype",
+              "none": None},
+    "reference": dict(_EVERY_MODE),
+}
+# What each backend's layer_norm needs (None: every form, forward and backward).
+LAYER_NORM_SUPPORT: dict[str, str | None] = {
+    "triton": None, "torch": None, "compile": None,
+    "liger": "a weight and a bias, offset 0",
+    "quack": "a weight; forward only (no gradients)",
+    "reference": None,
 }
 
 
@@ -75,7 +87,6 @@ def _load_torch() -> Backend:
     return Backend("torch", native.rms_norm, native.layer_norm)
 
 
-_COMPILED: dict[str, Backend] = {}
 # Inductor fuses `normed.to(bf16) * weight` and by default skips the intermediate rounding, which
 # silently turns Llama casting into Gemma-like arithmetic (~25% of bf16 outputs differ by an ulp).
 # emulate_precision_casts keeps every cast the reference writes.
@@ -86,25 +97,22 @@ _EXACT_CASTS = {"emulate_precision_casts": True}
 _MIN_RECOMPILE_LIMIT = 64
 
 
+@functools.cache  # one compiled wrapper per process: torch.compile caches its graphs on the wrapper
 def _load_compile() -> Backend:
     import torch
 
     if not torch.cuda.is_available() and shutil.which("cc") is None and shutil.which("gcc") is None:
         raise RuntimeError("torch.compile on CPU needs a C++ compiler (no cc/gcc on PATH) and there is no CUDA device")
-    if "compile" not in _COMPILED:
-        import torch._dynamo
+    import torch._dynamo
 
-        from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, _MIN_RECOMPILE_LIMIT)
-
-        # One compiled wrapper per process: torch.compile caches its graphs on the wrapper.
-        _COMPILED["compile"] = Backend(
-            "compile", torch.compile(rms_norm_ref, fullgraph=True, options=_EXACT_CASTS),
-            torch.compile(layer_norm_ref, fullgraph=True, options=_EXACT_CASTS),
-        )
-    return _COMPILED["compile"]
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, _MIN_RECOMPILE_LIMIT)
+    return Backend(
+        "compile", torch.compile(rms_norm_ref, fullgraph=True, options=_EXACT_CASTS),
+        torch.compile(layer_norm_ref, fullgraph=True, options=_EXACT_CASTS),
+    )
 
 
 def _load_adapted(name: str, package: str, modules: tuple[str, ...], install: str, vendor: str) -> Backend:
@@ -141,9 +149,7 @@ _LOADERS: dict[str, Callable[[], Backend]] = {
 }
 
 
-def backend_names() -> tuple[str, ...]:
-    """Every backend name `get_backend` knows (whether or not it runs here)."""
-    return tuple(_LOADERS)
+BACKENDS: tuple[str, ...] = tuple(_LOADERS)  # every backend name, in the order they are listed
 
 
 def available_backends() -> dict[str, str | None]:

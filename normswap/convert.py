@@ -1,7 +1,7 @@
 """Exact LayerNorm → RMSNorm conversion of a model object, in memory.
 
 normswap.plan decides per norm what folds where; normswap.jobs does the arithmetic;
-convert_model applies it to a live model. normswap.convert_checkpoint does the same for a
+convert_model applies it to a live model. normswap.convert_dir does the same for a
 checkpoint directory (shard by shard) and verifies the result.
 
 The converted model is a checkpoint of the *original* class: the LayerNorms stay LayerNorms

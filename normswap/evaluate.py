@@ -20,6 +20,11 @@ Documents that get no special tokens are joined by a blank line, like the docume
 
 Text is tokenised lazily, piece by piece, and windows are cut from a bounded buffer, so memory does
 not grow with the corpus; logits are reduced per batch and never kept.
+
+The noise floor: a model run in half precision is not its float32 self. Given that float32 self
+(`reference=`), diff_models also scores it on the same windows and reports how far the half
+original is from it and how far the patched model is; the patch is judged against that distance
+(NoiseFloor), so "+0.41 %" reads as rounding or as a bug.
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ import copy
 import itertools
 import math
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from normswap.data import Corpus, open_corpus
 from normswap.errors import NormswapError
+from normswap.progress import ProgressFn
 
 # Config attributes that hold a model's context length, by the names the families use.
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -66,6 +71,43 @@ class PerplexityResult:
         return asdict(self)
 
 
+# The patch is within the half-precision noise floor while its mean KL from the float32 model is at
+# most this multiple of the original's own. Why 2: a faithful kernel rounds as often as the
+# original, in other places, so its distance from float32 is the original's give or take sampling
+# (measured 0.9-1.1x on the tiny test models); one bug (a wrong eps, a dropped offset) moves the
+# distributions by orders of magnitude more than rounding does.
+NOISE_KL_FACTOR = 2.0
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Distance:
+    """How far one model's next-token distributions are from the float32 reference R's."""
+
+    delta_ppl: float  # ppl - ppl_R
+    relative_delta: float  # (ppl - ppl_R) / ppl_R
+    kl_mean: float  # mean KL(R || model), nats/token
+    kl_max: float
+    top1_agreement: float  # fraction of positions where the model's argmax is R's
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The half-precision original A and the patched B, each against A's float32 self R."""
+
+    dtype: str  # the half precision A and B ran in
+    ppl_reference: float
+    original: Distance  # A vs R: the noise floor
+    patched: Distance  # B vs R
+    kl_ratio: float  # patched.kl_mean / original.kl_mean (inf when the original is exact)
+    limit: float  # NOISE_KL_FACTOR
+    within: bool  # kl_ratio <= limit
+    verdict: str  # the one line that says so
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class DiffResult:
     ppl_a: float
@@ -82,6 +124,7 @@ class DiffResult:
     windows: int
     max_length: int
     stride: int
+    noise_floor: NoiseFloor | None = field(default=None)  # set when diffed against a float32 reference
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -422,10 +465,9 @@ class _Scoring:
 
     def batches(self) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:
         """(windows, scored-row logits per model, scored targets) for each batch."""
-        from tqdm.auto import tqdm
+        from normswap.progress import bar as progress_bar
 
-        bar = tqdm(total=self.max_tokens, unit="tok", desc=self.desc, file=sys.stderr,
-                   disable=not self.progress, dynamic_ncols=True, leave=False)
+        bar = progress_bar(self.progress, self.desc, self.max_tokens, unit="tok")
         # Dropout off while scoring (deterministic numbers); the caller's mode is restored after.
         modes = [getattr(m, "training", False) for m in self.models]
         for m in self.models:
@@ -463,12 +505,14 @@ def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | N
 
 def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,
                stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
-               progress: bool = True, text_field: str = "text") -> PerplexityResult:
+               progress: bool | ProgressFn = True,
+               text_field: str = "text") -> PerplexityResult:
     """Sliding-window perplexity of `model` on a text (str), documents (iterable of str), a data
     PATH (pathlib.Path or normswap.data.open_corpus(PATH)) or token ids (tensor or ints).
 
     max_length caps the window (default: the model's context); stride defaults to half the window;
-    max_tokens keeps only the first tokens of the corpus. Raises NormswapError on bad input.
+    max_tokens keeps only the first tokens of the corpus. progress: True draws a bar on stderr; a
+    callable gets progress("perplexity", tokens done, max_tokens). Raises NormswapError on bad input.
     """
     run = _Scoring([model], tokenizer, texts_or_token_stream, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
@@ -482,49 +526,103 @@ def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None =
 
 
 def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None, stride: int | None = None,
-                max_tokens: int | None = None, batch_size: int = 1, progress: bool = True,
-                text_field: str = "text") -> DiffResult:
+                max_tokens: int | None = None, batch_size: int = 1,
+                progress: bool | ProgressFn = True,
+                text_field: str = "text", reference=None) -> DiffResult:
     """Score both models on the same windows and compare their next-token distributions.
 
     KL(A || B) = sum_v pA(v) (log pA(v) - log pB(v)) per scored position, from float64 log-softmax.
     `data` takes what `perplexity` takes; a data PATH must be a pathlib.Path or
     normswap.data.open_corpus(PATH) (a plain str is scored as the text itself).
+    reference: A's float32 self (A in half precision, loaded again in float32), scored on the same
+    windows: the result's noise_floor then says how far A and B each are from it (module doc).
     This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
     patched_copy(original, impl), tokenizer, open_corpus(PATH), ...).
     """
-    run = _Scoring([model_a, model_b], tokenizer, data, max_length=max_length, stride=stride,
+    models = [model_a, model_b] + ([reference] if reference is not None else [])
+    run = _Scoring(models, tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
                    desc="diff")
-    nll_a = nll_b = kl_sum = 0.0
-    kl_max = max_abs = 0.0
-    agree = 0
-    for _, (rows_a, rows_b), targets in run.batches():
-        if rows_a.shape[-1] != rows_b.shape[-1]:
+    ab, ra, rb = _PairStats(), _PairStats(), _PairStats()
+    for _, rows, targets in run.batches():
+        widths = {r.shape[-1] for r in rows}
+        if len(widths) > 1:
             raise NormswapError(
-                f"the models have different vocabularies ({rows_a.shape[-1]} vs {rows_b.shape[-1]} logits)"
+                f"the models have different vocabularies ({' vs '.join(str(r.shape[-1]) for r in rows)} logits)"
             )
-        for a, b, tgt in _row_chunks(rows_a, rows_b.to(rows_a.device), targets.to(rows_a.device)):
-            a64, b64 = a.double(), b.double()
-            logp_a = torch.log_softmax(a64, dim=-1)
-            logp_b = torch.log_softmax(b64, dim=-1)
-            nll_a -= logp_a.gather(1, tgt[:, None]).sum().item()
-            nll_b -= logp_b.gather(1, tgt[:, None]).sum().item()
-            # Tokens A rules out (logit -inf, e.g. a masked padding slot of the vocabulary) add
-            # 0 * (-inf - x) = nan in the plain formula; by definition they add nothing.
-            kl = torch.where(logp_a == -math.inf, 0.0, logp_a.exp() * (logp_a - logp_b)).sum(-1)
-            kl_sum += kl.sum().item()
-            kl_max = max(kl_max, kl.max().item())
-            agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
-            # Equal logits differ by 0, the infinite ones included (inf - inf would be nan).
-            max_abs = max(max_abs, torch.where(a64 == b64, 0.0, (a64 - b64).abs()).max().item())
+        device = rows[0].device
+        for chunk in _row_chunks(*(r.to(device) for r in rows), targets.to(device)):
+            *logits, tgt = chunk
+            logp = [torch.log_softmax(x.double(), dim=-1) for x in logits]
+            ab.add(logits[0], logits[1], logp[0], logp[1], tgt)
+            if reference is not None:
+                ra.add(logits[2], logits[0], logp[2], logp[0], tgt)
+                rb.add(logits[2], logits[1], logp[2], logp[1], tgt)
     n = run.tokens
-    nll_a, nll_b = nll_a / n, nll_b / n
-    ppl_a, ppl_b = _ppl(nll_a), _ppl(nll_b)
-    return DiffResult(
-        ppl_a=ppl_a, ppl_b=ppl_b, delta_ppl=ppl_b - ppl_a, relative_delta=(ppl_b - ppl_a) / ppl_a,
-        nll_a=nll_a, nll_b=nll_b, kl_mean=kl_sum / n, kl_max=kl_max, top1_agreement=agree / n,
-        max_abs_logit_diff=max_abs, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride,
-    )
+    d = ab.result(n)
+    noise = None
+    if reference is not None:
+        noise = _noise_floor(ra.result(n), rb.result(n), str(_dtype_of(model_a)).removeprefix("torch."))
+    return DiffResult(**d, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride,
+                      noise_floor=noise)
+
+
+class _PairStats:
+    """Running sums for the comparison of two models' scored rows (A, B)."""
+
+    def __init__(self):
+        self.nll_a = self.nll_b = self.kl_sum = self.kl_max = self.max_abs = 0.0
+        self.agree = 0
+
+    def add(self, a, b, logp_a, logp_b, tgt) -> None:
+        self.nll_a -= logp_a.gather(1, tgt[:, None]).sum().item()
+        self.nll_b -= logp_b.gather(1, tgt[:, None]).sum().item()
+        # Tokens A rules out (logit -inf, e.g. a masked padding slot of the vocabulary) add
+        # 0 * (-inf - x) = nan in the plain formula; by definition they add nothing.
+        kl = torch.where(logp_a == -math.inf, 0.0, logp_a.exp() * (logp_a - logp_b)).sum(-1)
+        self.kl_sum += kl.sum().item()
+        self.kl_max = max(self.kl_max, kl.max().item())
+        self.agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        a64, b64 = a.double(), b.double()
+        # Equal logits differ by 0, the infinite ones included (inf - inf would be nan).
+        self.max_abs = max(self.max_abs, torch.where(a64 == b64, 0.0, (a64 - b64).abs()).max().item())
+
+    def result(self, n: int) -> dict:
+        nll_a, nll_b = self.nll_a / n, self.nll_b / n
+        ppl_a, ppl_b = _ppl(nll_a), _ppl(nll_b)
+        return dict(ppl_a=ppl_a, ppl_b=ppl_b, delta_ppl=ppl_b - ppl_a, relative_delta=(ppl_b - ppl_a) / ppl_a,
+                    nll_a=nll_a, nll_b=nll_b, kl_mean=self.kl_sum / n, kl_max=self.kl_max,
+                    top1_agreement=self.agree / n, max_abs_logit_diff=self.max_abs)
+
+
+def _distance(d: dict) -> Distance:
+    return Distance(delta_ppl=d["delta_ppl"], relative_delta=d["relative_delta"], kl_mean=d["kl_mean"],
+                    kl_max=d["kl_max"], top1_agreement=d["top1_agreement"])
+
+
+def _noise_floor(ra: dict, rb: dict, dtype: str) -> NoiseFloor:
+    original, patched = _distance(ra), _distance(rb)
+    if original.kl_mean > 0:
+        ratio = patched.kl_mean / original.kl_mean
+    else:
+        ratio = 1.0 if patched.kl_mean == 0 else math.inf
+    within = ratio <= NOISE_KL_FACTOR
+
+    def show(x: Distance) -> str:
+        return f"{100 * x.relative_delta:+.3g}% ppl, KL {x.kl_mean:.3g}, top-1 {100 * x.top1_agreement:.2f}%"
+
+    verdict = (f"{dtype} noise floor: the original is {show(original)} from its float32 self, the patched model "
+               f"{show(patched)}: {'within' if within else 'OUTSIDE'} the {dtype} noise (KL to float32 "
+               f"{ratio:.3g}x the original's, limit {NOISE_KL_FACTOR:g}x)")
+    return NoiseFloor(dtype=dtype, ppl_reference=ra["ppl_a"], original=original, patched=patched,
+                      kl_ratio=ratio, limit=NOISE_KL_FACTOR, within=within, verdict=verdict)
+
+
+def _dtype_of(model) -> torch.dtype:
+    try:
+        return next(p.dtype for p in model.parameters() if p.is_floating_point())
+    except (StopIteration, AttributeError):
+        return torch.float32
 
 
 def patched_copy(model, impl: str):

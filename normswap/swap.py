@@ -2,7 +2,9 @@
 
 The shape is torchao's `quantize_(model, config, filter_fn)`: one in-place entry point that walks
 the model, asks the registry what each norm is (architecture knowledge lives there, as data), and
-swaps it for a replacement that adopts the original's Parameters. Each swap is verified before the
+swaps it for a replacement that adopts the original's Parameters. What a patch did is a frozen
+PatchConfig (report.config): the manifest's patch section serialises it and normswap.load applies
+it again with patch(model, config). Each swap is verified before the
 call returns (normswap.verify); a failed check undoes the whole call and raises, so a model is
 never left half-patched with an unproven module in it.
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +24,7 @@ from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.errors import NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
-from normswap.modules import NormswapNorm, RmsForm, build_replacement, restore_original
+from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.specs import NormSpec
 from normswap.verify import (
     ModelCheck,
@@ -43,6 +46,62 @@ class VerificationError(NormswapError):
     def __init__(self, message: str, report: PatchReport):
         super().__init__(message)
         self.report = report
+        self.result = None  # normswap.api.patch_checkpoint sets its PatchResult here
+
+
+@dataclass(frozen=True)
+class PatchConfig:
+    """What to patch and how: the implementation, which norms (None: every one the registry
+    recognises), which LayerNorms run as RMS norms on a zero-mean stream, and which residual adds
+    are fused into the norm that reads them (True: find them; pairs writer -> norm: these). Frozen
+    data that round-trips through JSON: the manifest's patch section holds to_dict(),
+    normswap.load reads it back with from_dict() and passes it to patch(model, config)."""
+
+    impl: str = "triton"
+    paths: tuple[str, ...] | None = None
+    # path -> RmsForm; given as a mapping or (path, form) pairs, kept as sorted pairs (hashable)
+    rms_forms: tuple[tuple[str, RmsForm], ...] | Mapping[str, RmsForm | dict] = ()
+    # False, True, or writer path -> norm path (a mapping or pairs, kept as sorted pairs)
+    fuse_residual: bool | tuple[tuple[str, str], ...] | Mapping[str, str] = False
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.impl, str) or not self.impl:
+            raise ValueError(f"impl must be a backend name, got {self.impl!r}")
+        if self.paths is not None:
+            object.__setattr__(self, "paths", tuple(sorted(str(p) for p in self.paths)))
+        pairs = self.rms_forms.items() if isinstance(self.rms_forms, Mapping) else self.rms_forms
+        object.__setattr__(self, "rms_forms", tuple(sorted((str(p), RmsForm.coerce(f)) for p, f in pairs)))
+        fused = self.fuse_residual
+        if not isinstance(fused, bool):
+            pairs = fused.items() if isinstance(fused, Mapping) else fused
+            object.__setattr__(self, "fuse_residual", tuple(sorted((str(w), str(n)) for w, n in pairs)))
+
+    @property
+    def forms(self) -> dict[str, RmsForm]:
+        return dict(self.rms_forms)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; "fuse_residual" (writer -> norm) only when the patch fuses (the manifest's
+        patch section leaves it out otherwise)."""
+        d = {"impl": self.impl, "paths": None if self.paths is None else list(self.paths),
+             "rms_forms": {p: f.to_dict() for p, f in self.rms_forms}, "strict": self.strict}
+        if self.fuse_residual is not False:
+            d["fuse_residual"] = True if self.fuse_residual is True else dict(self.fuse_residual)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PatchConfig:
+        """The config of a to_dict() (or of a manifest's patch section: other keys are ignored)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if kwargs.get("paths") is not None:
+            kwargs["paths"] = tuple(kwargs["paths"])
+        if kwargs.get("fuse_residual") is None:
+            kwargs.pop("fuse_residual", None)
+        elif not isinstance(kwargs["fuse_residual"], (bool, Mapping)):
+            raise TypeError("fuse_residual must be a bool or map writer paths to norm paths")
+        return cls(**kwargs)
 
 
 @dataclass
@@ -73,6 +132,16 @@ class PatchReport:
     model_check: ModelCheck | None = None
     verified: bool = True
     fusion: FusionReport | None = None  # patch(fuse_residual=True): the fused residual adds
+    strict: bool = False
+
+    @property
+    def config(self) -> PatchConfig:
+        """What this patch did, as the config that does it again (the patched paths, their forms,
+        the residual adds it fused)."""
+        return PatchConfig(self.impl, paths=tuple(m.path for m in self.patched),
+                           rms_forms={m.path: m.rms_form for m in self.patched if m.rms_form is not None},
+                           fuse_residual=dict(self.fusion.pairs) if self.fusion is not None else False,
+                           strict=self.strict)
 
     def by_status(self, status: str) -> list[ModuleEntry]:
         return [m for m in self.modules if m.status == status]
@@ -129,7 +198,7 @@ def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterF
 
 def patch(
     model: nn.Module,
-    impl: str = "triton",
+    impl: str | PatchConfig = "triton",
     filter_fn: FilterFn | None = None,
     strict: bool = False,
     verify: bool = True,
@@ -143,6 +212,9 @@ def patch(
 ) -> PatchReport:
     """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
 
+    impl: a backend name, or a PatchConfig (torchao style: patch(model, config)); a config's
+    paths and rms_forms add to filter_fn and rms_forms, its strict and fuse_residual apply unless
+    the arguments say otherwise.
     filter_fn(module, path) -> False leaves a norm alone (reported as excluded). strict=True
     raises UnknownNormError on a norm-like module the registry does not recognise (otherwise it
     is left alone and reported as unknown). rms_forms names LayerNorm paths whose input is known to
@@ -159,12 +231,21 @@ def patch(
     """
     from normswap import walk
 
+    if isinstance(impl, PatchConfig):
+        config, impl = impl, impl.impl
+        strict = strict or config.strict
+        rms_forms = {**_coerce_rms_forms(rms_forms), **config.forms}
+        if config.paths is not None:
+            wanted, outer = set(config.paths), filter_fn
+            filter_fn = lambda m, path: path in wanted and (outer is None or outer(m, path))  # noqa: E731
+        if fuse_residual is False and config.fuse_residual is not False:
+            fuse_residual = True if config.fuse_residual is True else dict(config.fuse_residual)
     probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
     dtype = dtype or model_dtype(model)
     rms_forms = _coerce_rms_forms(rms_forms)
-    report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify)
+    report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify, strict=strict)
 
     already = {p for p, m in model.named_modules() if isinstance(m, NormswapNorm)}
     found = [f for f in walk.find_norms(model, strict=False, warn=False)
@@ -235,7 +316,7 @@ def patch(
 
 
 def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
-    from normswap import fuse
+    from normswap import fusion
 
     pairs = None if fuse_residual is True else dict(fuse_residual)
     if batch is None and (check or pairs is None):
@@ -244,7 +325,7 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
         except ValueError:
             raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
                                 "residual adds go") from None
-    return fuse.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
+    return fusion.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
 
 
 def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
@@ -320,20 +401,17 @@ def revert(model: nn.Module) -> list[str]:
 
 @contextmanager
 def unpatched(model: nn.Module) -> Iterator[nn.Module]:
-    """Temporarily the original architecture (for saving exactly what stock transformers would)."""
-    from normswap import fuse, walk
+    """Temporarily the original architecture (for saving exactly what stock transformers would):
+    the original modules back, and no residual fusion."""
+    from normswap import fuse, fusion
 
-    reps = patched_modules(model)
     pairs = fuse.disable(model)
-    for path, rep in reps:
-        walk.set_submodule(model, path, restore_original(rep))
     try:
-        yield model
+        with originals_in_place(model):
+            yield model
     finally:
-        for path, rep in reps:
-            walk.set_submodule(model, path, rep)
         if pairs:
-            fuse.enable(model, pairs)
+            fusion.enable(model, pairs)
 
 
 def _move_accelerate_hook(src: nn.Module, dst: nn.Module) -> None:

@@ -38,7 +38,6 @@ probe batch, within a dtype-dependent fraction of the logits' magnitude.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -138,11 +137,14 @@ def _other_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reference64(spec: NormSpec, x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
-    """The original family's formula evaluated in float64 (roundings vanish; only math is left)."""
-    k = max(len(spec.shape), 1)
-    x64 = x.to(torch.float64).reshape(*x.shape[:-k], -1)
-    w64 = weight.detach().to(torch.float64).reshape(-1) if weight is not None else None
-    b64 = bias.detach().to(torch.float64).reshape(-1) if bias is not None else None
+    """The original family's formula evaluated in float64 (roundings vanish; only math is left).
+    A per-head norm reduces over the last dimension, its (..., N) parameters broadcast over x's
+    matching leading dims; otherwise every dimension of spec.shape is reduced over."""
+    k = 1 if spec.per_head else max(len(spec.shape), 1)
+    flat = (lambda t: t) if spec.per_head else (lambda t: t.reshape(-1))
+    x64 = x.to(torch.float64).reshape(*x.shape[:-k], -1) if k > 1 else x.to(torch.float64)
+    w64 = flat(weight.detach().to(torch.float64)) if weight is not None else None
+    b64 = flat(bias.detach().to(torch.float64)) if bias is not None else None
     if spec.kind == "rms":
         y = rms_norm_ref(x64, w64, eps, spec.offset, spec.casting)
     else:
@@ -423,5 +425,3 @@ def model_dtype(model: nn.Module) -> torch.dtype:
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.get) if counts else torch.float32
 
-
-ProgressFn = Callable[[str], None]

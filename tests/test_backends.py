@@ -232,19 +232,33 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     assert bench.main(["--dry-run", "--impls", "reference,torch", "--rows", "4", "--hidden", "16",
                        "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"device", "torch", "triton", "copy_gbs", "rows"}
+    assert set(doc) == {"device", "torch", "triton", "commit", "versions", "copy_gbs", "l2_bytes", "rows"}
     assert doc["copy_gbs"] > 0
+    assert set(doc["versions"]) == {"reference", "torch"} and doc["versions"]["torch"]
     assert len(doc["rows"]) == 2 * 2 * 2 * 2  # ops x passes x dtypes x impls, one shape
     for r in doc["rows"]:
-        assert set(r) == {"op", "pass", "dtype", "M", "N", "impl", "us", "gbs"}
+        assert set(r) == {"op", "pass", "dtype", "M", "N", "residual", "impl", "casting", "timing", "us", "gbs",
+                          "bytes", "sets"}
         assert r["op"] in ("rms_norm", "layer_norm") and r["pass"] in ("fwd", "fwd+bwd")
-        assert r["us"] > 0 and r["gbs"] > 0
+        assert r["us"] > 0 and r["gbs"] > 0 and r["sets"] >= 2
+        assert r["casting"] == ("gemma" if r["op"] == "rms_norm" else None)
+        # Bytes as separate kernels move them: fwd+bwd reads x twice (4 x 16 fp32/bf16 rows of 16).
+        e = 4 if r["dtype"] == "fp32" else 2
+        params = 1 if r["op"] == "rms_norm" else 2
+        fwd = (4 if r["residual"] else 2) * 4 * 16 * e + params * 16 * e
+        bwd = (5 if r["residual"] else 3) * 4 * 16 * e + 2 * params * 16 * e
+        assert r["bytes"] == (fwd if r["pass"] == "fwd" else fwd + bwd)
     table = capsys.readouterr().out
     assert "copy bandwidth" in table and "reference" in table and "torch" in table
     # A second run of a part merges into the same file instead of dropping the rest.
     assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd",
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["rows"]) == 16
+    # The fused residual path is timed apart and kept apart (its own rows, residual true).
+    assert bench.main(["--dry-run", "--impls", "reference", "--ops", "rms_norm", "--passes", "fwd,fwd+bwd",
+                       "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--residual", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 18 and sum(r["residual"] for r in rows) == 2
     # CUDA-only backends are refused in a dry run whether or not they import (they would crash on CPU tensors).
     for name in ("liger", "quack"):
         assert bench.main(["--dry-run", "--impls", name]) == 2
@@ -272,9 +286,13 @@ def test_benchmark_survives_a_backend_failing_one_shape(tmp_path, capsys, monkey
     assert "reference failed on rms_norm fwd fp32 4x48: RuntimeError: Cannot launch" in cap.err
     assert "error" in cap.out
     rows = json.loads(out.read_text())["rows"]
-    measured = {(r["op"], r["pass"], r["N"]) for r in rows}
+    measured = {(r["op"], r["pass"], r["N"]) for r in rows if "skip" not in r}
     assert measured == {(op, p, n) for op in ("rms_norm", "layer_norm") for p in ("fwd", "fwd+bwd") for n in (16, 48)
                         if not (op == "rms_norm" and n == 48)}
+    # The failures stay in the JSON, with their reason.
+    failed = [r for r in rows if "skip" in r]
+    assert len(failed) == 2 and all(r["op"] == "rms_norm" and r["N"] == 48 for r in failed)
+    assert all(r["skip"].startswith("error: RuntimeError: Cannot launch") for r in failed)
 
 
 def test_gradient_reaching_the_empty_h_placeholder_is_ignored():

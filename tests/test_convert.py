@@ -37,12 +37,12 @@ def running_as_rms(model, manifest, keep_gain_and_bias=False):
     """Inside the block the converted norms run as RMS norms (the reference backend, unverified:
     the caller compares logits); after it, as before. keep_gain_and_bias: apply each norm's γ and β
     whatever the manifest says was folded."""
-    from normswap.swap import patch, revert
+    from normswap.swap import PatchConfig, patch, revert
 
     forms = rms_forms(manifest)
     if keep_gain_and_bias:
         forms = {p: RmsForm() for p in forms}
-    patch(model, "reference", filter_fn=lambda _m, path: path in forms, rms_forms=forms, verify=False)
+    patch(model, PatchConfig("reference", paths=tuple(forms), rms_forms=forms), verify=False)
     try:
         yield
     finally:

@@ -23,14 +23,24 @@ def test_demo_scans_patches_and_diffs_the_default_model():
     assert 1.5 < ev["ppl_a"] < 100
 
 
-def test_demo_human_output_names_each_step(monkeypatch):
-    """The human form runs the real commands in order (stubbed here: the slow test runs them)."""
+def test_demo_calls_the_library_and_names_each_step(monkeypatch):
+    """The demo makes the library calls the commands make (stubbed here: the slow test runs them),
+    shows each as the command a user would type, and --json holds both results."""
+    from types import SimpleNamespace
+
+    from normswap import api, scan
+
     calls = []
-    for name in ("scan", "patch"):
-        command = cli.get_command(None, name)
-        monkeypatch.setattr(command, "callback", lambda name=name, **kw: calls.append((name, kw)))
-    result = CliRunner().invoke(cli, ["demo", "--impl", "torch"])
+    monkeypatch.setattr(scan, "scan", lambda ref, **kw: calls.append(("scan", ref, kw)) or
+                        {"model": ref, "unknown": []})
+    monkeypatch.setattr(api, "patch_checkpoint", lambda ref, impl, **kw: calls.append(("patch", ref, dict(kw, impl=impl)))
+                        or SimpleNamespace(to_dict=lambda: {"impl": impl}))
+    result = CliRunner().invoke(cli, ["demo", "--impl", "torch", "--json"])
     assert result.exit_code == 0, result.stderr
-    assert [c[0] for c in calls] == ["scan", "patch"]
-    assert calls[1][1]["impl"] == "torch" and calls[1][1]["eval_path"].endswith("genesis-kjv.txt")
+    assert [c[:2] for c in calls] == [("scan", "smollm2-135m"), ("patch", "smollm2-135m")]
+    evaluation = calls[1][2]["evaluation"]
+    assert calls[1][2]["impl"] == "torch" and str(evaluation.data).endswith("genesis-kjv.txt")
+    assert evaluation.max_tokens == 512 and evaluation.max_length == 256
+    assert json.loads(result.stdout) == {"scan": {"model": "smollm2-135m", "unknown": []}, "patch": {"impl": "torch"}}
+    assert "$ normswap scan smollm2-135m" in result.stderr
     assert "$ normswap patch smollm2-135m --impl torch --eval" in result.stderr

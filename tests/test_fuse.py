@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny_models import save_tiny, tiny_model
+from tiny_models import randomize_norms_and_biases, save_tiny, tiny_model
 
 import normswap
 from normswap import fuse
@@ -20,6 +20,7 @@ from normswap.modules import NormswapNorm
 EXPECTED = {
     "llama": 4, "mistral": 4, "qwen2": 4, "qwen3": 4, "gemma": 4, "gemma2": 4, "gemma3_text": 4, "phi3": 4,
     "gpt2": 4, "opt": 4, "gpt_neox": 2, "phi": 2, "falcon": 2, "falcon_new": 2,
+    "gptj": 2,  # no data: its writers come from normswap.discover
 }
 IDS = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -51,8 +52,8 @@ def _logits_and_grads(model):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_fused_equals_unfused(arch, impl, dtype, monkeypatch, rtol, atol):
-    model = tiny_model(arch, dtype)  # eval mode: dropout off, so runs are comparable
+def _check_fused_equals_unfused(arch, impl, dtype, monkeypatch, rtol, atol, model=None):
+    model = model if model is not None else tiny_model(arch, dtype)  # eval: dropout off, runs comparable
     normswap.patch(model, impl, verify=False)
     logits, grads = _logits_and_grads(model)
     report = normswap.patch(model, impl, fuse_residual=True)
@@ -70,9 +71,23 @@ def _check_fused_equals_unfused(arch, impl, dtype, monkeypatch, rtol, atol):
     return model, report
 
 
+def _gptj():
+    """A LayerNorm architecture with neither residual_writers.toml nor normswap/archs data."""
+    import transformers
+
+    from normswap import fuse as fuse_mod
+
+    assert fuse_mod.writer_patterns("gptj") == []
+    torch.manual_seed(0)
+    cfg = transformers.GPTJConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                                  bos_token_id=2, eos_token_id=2)
+    return randomize_norms_and_biases(transformers.GPTJForCausalLM(cfg)).eval()
+
+
 @pytest.mark.parametrize("arch", list(EXPECTED))
 def test_fused_matches_unfused_torch_backend(arch, monkeypatch):
-    model, report = _check_fused_equals_unfused(arch, "torch", torch.float32, monkeypatch, 1e-6, 1e-6)
+    model = _gptj() if arch == "gptj" else None
+    model, report = _check_fused_equals_unfused(arch, "torch", torch.float32, monkeypatch, 1e-6, 1e-6, model)
     # Across layers: the last layer's sum feeds the final norm, every earlier one the next layer.
     targets = set(report.fusion.pairs.values())
     final = [p for p, m in model.named_modules() if isinstance(m, NormswapNorm) and ".0." not in p
@@ -114,6 +129,7 @@ def test_unpatched_reader_is_left_unfused_with_reason():
 
 
 def test_unknown_architecture_is_a_clear_error():
+    # BERT: no data, and discovery finds no pre-LN stream writers (post-LN).
     with pytest.raises(NormswapError, match="residual writers"):
         normswap.patch(tiny_model("bert"), "torch", fuse_residual=True)
 

@@ -104,13 +104,8 @@ def test_no_library_module_imports_the_cli():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-# The one circle left, being taken apart by the split of convert.py (issue 11): convert_directory
-# streams through normswap.streaming, which runs convert's jobs. A circle may only disappear.
-KNOWN_CIRCLES = [["normswap.convert", "normswap.streaming"]]
-
-
 def test_no_import_circle():
-    assert [c for c in _cycles(_graph()) if c not in KNOWN_CIRCLES] == []
+    assert _cycles(_graph()) == []
 
 
 @pytest.mark.parametrize("graph, expected", [

@@ -133,17 +133,70 @@ def _unspecialised(kernel) -> set[str]:
 
 def test_row_count_never_selects_a_new_gpu_kernel():
     """No recompilation per batch size, checked without a GPU: the kernels never specialise on M
-    (Triton would otherwise compile anew for M == 1 or M % 16 == 0), and the GPU launch heuristics
-    pick the same tile and warps for every row count. (tests/test_kernels_gpu.py counts the
-    compiled variants on a real device.)"""
+    (Triton would otherwise compile anew for M == 1 or M % 16 == 0), and the GPU launch table picks
+    one tile per coarse row-count bucket: a few variants per hidden size, never one per batch size.
+    (tests/test_kernels_gpu.py counts the compiled variants on a real device.)"""
     from normswap.kernels.layer_norm import _ln_bwd_kernel, _ln_fwd_kernel
     from normswap.kernels.rms_norm import _rms_bwd_kernel
 
     for kernel in (_rms_fwd_kernel, _rms_bwd_kernel, _ln_fwd_kernel, _ln_bwd_kernel):
         assert "M" in _unspecialised(kernel), kernel
+    gpu_kernel = object()  # anything but an interpreted kernel: the GPU launch table answers
     for n in (1, 17, 1024, 4096, 70000, 262144):
-        for backward in (False, True):
-            configs = {tuple(sorted(_common._row_config(m, n, False, backward, _common.MAX_BLOCK_N,
-                                                        _common.INTERPRETER_TILE).items()))
-                       for m in (1, 3, 16, 1000, 4099, 32768)}
-            assert len(configs) == 1, (n, backward, configs)
+        for pass_ in ("fwd", "bwd"):
+            tiles = {_common.launch_config(m, n, 2, pass_, gpu_kernel)
+                     for m in (1, 3, 16, 1000, 2048, 2049, 4099, 32768, 1 << 20)}
+            # At most one tile per coarse row bucket, never one per row count.
+            assert len(tiles) <= len(_common.ROW_BUCKETS) + 1, (n, pass_, tiles)
+
+
+@pytest.mark.parametrize("split", (False, True))
+def test_per_head_weights(monkeypatch, split):
+    """Cohere-style q/k norms: x (batch, seq, heads, head_dim), weight and bias (heads, head_dim),
+    each head normalised over head_dim with its own parameter row. Forward, dx, dW and dB against
+    the float64 reference (which broadcasts the (heads, N) parameters the same way); `split` runs
+    the split-row path by shrinking the widest tile."""
+    from normswap.kernels.layer_norm import layer_norm
+    from normswap.kernels.reference import layer_norm_ref
+    from tests.kernel_checks import TOL, assert_close, leaf64
+
+    if split:
+        monkeypatch.setattr(_common, "MAX_BLOCK_N", 32)  # 40 columns: 5 chunks of 8
+    gen = torch.Generator().manual_seed(11)
+    heads, d = 3, 40
+    cases = ((BF16, "llama", 0.0), (FP32, "gemma", 1.0), (FP16, "t5", 0.0))
+    for dtype, casting, offset in cases[:1] if split else cases:
+        x = _rand((1, 4, heads, d), dtype, gen, 2.0, 0.5).requires_grad_()
+        w = torch.stack([rand_weight(d, dtype, offset, gen) for _ in range(heads)]).to(DEV).requires_grad_()
+        b = _rand((heads, d), dtype, gen, 0.3).requires_grad_()
+        dy = _rand(x.shape, dtype, gen)
+        fwd_tol, bwd_tol = TOL[dtype]
+        for name, ours, ref, params in (
+            ("rms", lambda x, w, b, o=offset, c=casting: rms_norm(x, w, 1e-6, o, c),
+             lambda x, w, b, o=offset, c=casting: rms_norm_ref(x, w, 1e-6, o, c), (w,)),
+            ("ln", lambda x, w, b, o=offset: layer_norm(x, w, b, 1e-5, o),
+             lambda x, w, b, o=offset: layer_norm_ref(x, w, b, 1e-5, o), (w, b)),
+        ):
+            y = ours(x, w, b)
+            x64, w64, b64 = leaf64(x), leaf64(w), leaf64(b)
+            y64 = ref(x64, w64, b64)
+            assert_close(y, y64, max(fwd_tol, TOL[y.dtype][0]), f"{name} y")
+            # A flattened (heads * d,) weight would be a different norm: the rows really use their head.
+            assert (y.float() - ours(x, w[:1].expand_as(w).contiguous(), b).float()).abs().max() > 0.05
+            got = torch.autograd.grad(y, (x, *params), dy.to(y.dtype))
+            want = torch.autograd.grad(y64, (x64, *(w64, b64)[:len(params)]), dy.double())
+            for what, g, e in zip(("dx", "dw", "db"), got, want, strict=False):
+                assert g.shape == e.shape
+                assert_close(g, e, bwd_tol, f"{name} {what}")
+
+
+def test_per_head_weight_shape_errors():
+    from normswap.errors import NormswapError
+
+    x = torch.randn(2, 3, 8, device=DEV)
+    with pytest.raises(NormswapError, match="heads"):
+        rms_norm(x, torch.ones(4, 8, device=DEV), 1e-6)  # 4 rows for 3 heads
+    from normswap.kernels.layer_norm import layer_norm
+
+    with pytest.raises(NormswapError, match="shapes differ"):
+        layer_norm(x, torch.ones(3, 8, device=DEV), torch.zeros(8, device=DEV), 1e-5)

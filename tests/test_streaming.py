@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from normswap import streaming as st
 from normswap.convert import convert_model
-from normswap.convert_checkpoint import convert_directory, verify_conversion
+from normswap.convert_dir import convert_directory, verify_conversion
 from normswap.loading import resolve
 from tests.tiny_models import save_tiny, tiny_model
 

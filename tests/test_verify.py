@@ -217,3 +217,38 @@ def test_compare_outputs():
     assert ok.passed and ok.argmax_agreement == 1.0
     bad = compare_outputs("logits", torch.float32, a, a + 0.1)
     assert not bad.passed
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_norm_is_recognised_run_and_verified(impl, dtype):
+    """Cohere's q/k LayerNorm: weight (heads, head_dim), each head normalised over head_dim with its
+    own row. It is recognised with its (heads, head_dim) parameter shape, replaced without
+    flattening (which would be a different norm), and passes verification like any norm; a
+    replacement that flattens it fails."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+
+    from normswap import registry
+    from normswap.backends import available_backends
+
+    if available_backends()[impl] is not None:
+        pytest.skip(available_backends()[impl])
+    m = _rand(CohereLayerNorm((4, 8), eps=1e-5)).to(dtype)
+    rec = registry.recognise(m)
+    assert rec.spec is not None, rec.reason
+    spec = rec.spec
+    assert spec.kind == "layer" and spec.shape == (4, 8) and spec.has_weight and spec.per_head
+    rep = build_replacement(m, spec, impl)
+    c = verify_module("q_norm", m, rep, spec, dtype, CFG)
+    assert c.passed, c.failures
+    x = torch.randn(3, 5, 4, 8).to(dtype)
+    with torch.no_grad():
+        assert (rep(x).double() - m(x).double()).abs().max().item() <= 2 * ulp(4.0, dtype)
+
+    def flattened(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
+        y = layer_norm_ref(x.reshape(*x.shape[:-2], -1), weight.reshape(-1), bias, eps, offset)
+        return y.reshape(x.shape)
+
+    wrong = verify_module("q_norm", m, build_replacement(m, spec, "fake", backend=_backend(layer=flattened)), spec,
+                          dtype, CFG)
+    assert not wrong.passed

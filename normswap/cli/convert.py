@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from normswap.cli.main import cli, emit, json_option
-from normswap.errors import NormswapError
+from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.loading import STORE_DTYPES
 
 
 def _yes(flag: bool) -> str:
@@ -54,7 +54,7 @@ def _render(data: dict) -> None:
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Output directory.")
 @click.option("--keep-gain", is_flag=True, help="Leave γ in the norms (fold β only).")
 @click.option("--partial", is_flag=True, help="Convert what can be converted; report the rest.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16", "fp64"]), default=None,
+@click.option("--dtype", type=click.Choice(STORE_DTYPES), default=None,
               help="Store the converted weights in this dtype (default: each tensor keeps its own).")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
 @json_option
@@ -65,35 +65,17 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
     same logits; its normswap.json lists the norms that may run as RMSNorm kernels
     (`normswap patch DIR` then runs them as such: weightless where γ was folded)."""
 
-    from normswap import loading
-    from normswap.checkpoint import check_out_target, staged_dir
-    from normswap.convert_checkpoint import convert_directory, verify_conversion
-    from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
-    from normswap.plan import build_manifest, check_refusals, plan_conversion
+    from normswap.api import ConversionRefused, convert_checkpoint
 
-    source = loading.resolve(model)
-    config = loading.load_config(source)
-    plan = plan_conversion(loading.build_meta_model(source, config), config, keep_gain=keep_gain)
+    announce = {"convert": f"converting {model} into {out} ...",
+                "verify": "verifying: stock reload and logits against the original ..."}
     try:
-        check_refusals(plan, partial)
-    except NormswapError as e:
-        report = build_manifest(plan, config, partial=partial)
-        emit(dict(report, model=model, out=None, error=str(e)), as_json, _render)
+        with ProgressBars({"convert": "B"}, announce=announce) as bars:
+            result = convert_checkpoint(model, out, keep_gain=keep_gain, partial=partial, dtype=dtype, force=force,
+                                        progress=bars)
+    except ConversionRefused as e:
+        emit(e.result.to_dict(), as_json, _render)
         raise
-    target_dir = check_out_target(out, source.path, force, "converted", "write the conversion elsewhere")
-    earlier = None if source.gguf_file else read_manifest_if_any(source.path)
-    if earlier is not None and "patch" in earlier:
-        click.echo(f"note: {model} carries a normswap patch ({earlier['patch']['impl']}); it is not carried "
-                   "into the conversion (run `normswap patch` on the output)", err=True)
-    # Same staging and publishing as `normswap patch`: a fresh directory beside the target,
-    # verified there, then renamed into place (an existing one is exchanged atomically).
-    with staged_dir(target_dir, replace=force) as tmp:
-        click.echo(f"converting {model} into {target_dir} ...", err=True)
-        section = convert_directory(
-            source, tmp, keep_gain=keep_gain, partial=partial, dtype=loading.parse_dtype(dtype),
-            progress=not as_json,
-        )
-        click.echo("verifying: stock reload and logits against the original ...", err=True)
-        section["verification"] = verify_conversion(source, tmp, section)
-        write_manifest(tmp, new_manifest(convert=section))
-    emit(dict(section, model=model, out=str(target_dir)), as_json, _render)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    emit(result.to_dict(), as_json, _render)

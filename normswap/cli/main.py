@@ -68,3 +68,42 @@ def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
 
 def main() -> None:
     cli(prog_name="normswap")
+
+
+class ProgressBars:
+    """The library's progress(stage, done, total) calls drawn as tqdm bars on stderr, one bar per
+    stage (a new stage closes the previous bar). Use as a context manager: the last bar closes.
+
+    units: stage -> what it counts ("module", "tok", "B"); labels: stage -> the bar's title;
+    announce: stage -> a line written to stderr when the stage starts."""
+
+    def __init__(self, units: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 announce: dict[str, str] | None = None):
+        self.units, self.labels, self.announce = units or {}, labels or {}, announce or {}
+        self.stage: str | None = None
+        self.bar = None
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        if stage != self.stage:
+            self.close()
+            from tqdm.auto import tqdm
+
+            if stage in self.announce:
+                click.echo(self.announce[stage], err=True)
+            unit = self.units.get(stage, "step")
+            self.bar = tqdm(total=total, desc=self.labels.get(stage, stage), unit=unit, unit_scale=unit == "B",
+                            file=sys.stderr, dynamic_ncols=True, leave=False)
+            self.stage = stage
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar, self.stage = None, None
+
+    def __enter__(self) -> ProgressBars:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

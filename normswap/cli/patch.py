@@ -2,49 +2,25 @@
 
 from __future__ import annotations
 
-import copy
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 import click
 
-from normswap.backends import backend_names
-from normswap.cli.main import cli, emit, json_option
-from normswap.errors import NormswapError
-
-IMPLS = backend_names()
-
-
-def _bar(desc: str, total: int | None = None, unit: str = "step"):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
-def _check_writable(target: Path) -> None:
-    """Fail before the (long) load when the destination's directory cannot take a new entry."""
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        probe = tempfile.mkdtemp(prefix=f".{target.name}.normswap-probe-", dir=parent)
-        os.rmdir(probe)
-    except OSError as e:
-        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+from normswap.backends import BACKENDS
+from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.loading import RUN_DTYPES
 
 
 @cli.command("patch")
 @click.argument("model")
-@click.option("--impl", type=click.Choice(IMPLS), default="triton", show_default=True,
+@click.option("--impl", type=click.Choice(BACKENDS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")
 @click.option("--out", "out", default=None, metavar="DIR",
               help="Save the patched checkpoint here (refused if it exists, unless --force).")
 @click.option("--in-place", is_flag=True, help="Replace MODEL's own directory (atomically, after the check).")
 @click.option("--only", default=None, metavar="REGEX", help="Patch only norms whose path matches.")
 @click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
               help="Load the weights in this dtype (default: the checkpoint's).")
 @click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
               help="Where the model runs; auto: the CUDA device when there is one.")
@@ -78,118 +54,39 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     sum (within a layer and across layers); the fused output is checked against the unfused patch,
     and the manifest records the pairs so that normswap.load fuses them again.
     """
-    from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched, target_lock
-    from normswap.loading import load_config, load_model, parse_device, parse_dtype, resolve
-    from normswap.manifest import rms_forms
-    from normswap.swap import VerificationError, patch, regex_filter
+    from normswap.api import EvalSettings, patch_checkpoint
+    from normswap.swap import VerificationError
 
-    if out is not None and in_place:
-        raise NormswapError("--out and --in-place are exclusive; pick one")
-    filter_fn = regex_filter(only, exclude)
-    device = parse_device(device)
-    get_backend(impl)  # an unavailable implementation fails before the model is loaded
-    source = resolve(model)
-    config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
-    target = None
-    if in_place:
-        if source.gguf_file or not Path(model).expanduser().is_dir():
-            raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
-                                "(use --out DIR)")
-        target = source.path
-        _refuse_lossy_in_place(source, config, parse_dtype(dtype))
-        # a second --in-place run on this directory is refused before it loads anything
-        click.get_current_context().with_resource(target_lock(target))
-    elif out is not None:
-        target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
-    if target is not None:
-        _check_writable(target)
-    evaluation = _prepare_eval(eval_path, eval_max_length, eval_max_tokens, source, config)
+    evaluation = None
+    if eval_path is not None:
+        evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens)
+    quiet_transformers()
+    try:
+        with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
+            result = patch_checkpoint(model, impl, out=out, in_place=in_place, only=only, exclude=exclude,
+                                      dtype=dtype, device=device, strict=strict, force=force,
+                                      max_shard_size=max_shard_size, rms=use_rms, fuse_residual=fuse_residual,
+                                      evaluation=evaluation, progress=bars)
+    except VerificationError as e:
+        if e.result is not None:
+            emit(e.result.to_dict(), as_json, render)
+        raise
+    emit(result.to_dict(), as_json, render)
 
+
+def quiet_transformers() -> None:
+    """Our bars are on stderr, one per stage; transformers' own would interleave with them."""
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()  # ours are on stderr; one bar per stage
+    transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    with _bar(f"load {model}", 1) as bar:
-        m = load_model(source, dtype=parse_dtype(dtype), device=device, config=config)
-        bar.update(1)
-
-    from normswap import walk
-
-    n = sum(1 for f in walk.find_norms(m, warn=False)
-            if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
-    if n == 0 and filter_fn is not None:
-        raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
-    original = copy.deepcopy(m) if evaluation else None
-    forms = rms_forms(source.path) if use_rms and not source.gguf_file else {}
-    try:
-        with _bar(f"patch+verify ({impl})", n, "module") as bar:
-            report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms,
-                           progress=lambda _p: bar.update(1), fuse_residual=fuse_residual)
-    except VerificationError as e:
-        emit(_payload(e.report, model, None, device=device), as_json, _render)
-        raise
-    eval_result = None
-    if evaluation:
-        from normswap.evaluate import diff_models
-
-        corpus, tokenizer, settings = evaluation
-        eval_result = diff_models(original, m, tokenizer, corpus, **settings).to_dict()
-        eval_result.update(model_a=model, model_b=f"{model} --impl {impl}", data=eval_path,
-                           dtype=str(next(m.parameters()).dtype).removeprefix("torch."))
-        del original
-    saved = None
-    if target is not None:
-        with _bar("save", 4) as bar:
-            saved = save_patched(m, report, target, source=source, replace=in_place or force,
-                                 max_shard_size=max_shard_size, progress=lambda _s: bar.update(1))
-    emit(_payload(report, model, saved, eval_result, device), as_json, _render)
-
-
-def _refuse_lossy_in_place(source, config, dtype) -> None:
-    """--in-place saves in the dtype the model was loaded in: with another --dtype it would
-    rewrite the user's only copy of the weights (fp32 -> bf16 cannot be undone)."""
-    if dtype is None:
-        return
-    import torch
-
-    stored = getattr(config, "dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    if isinstance(stored, torch.dtype) and stored != dtype:
-        name = str(stored).removeprefix("torch.")
-        raise NormswapError(f"--in-place with --dtype would rewrite the {name} weights of {source.ref} as "
-                            f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
-
-
-def _prepare_eval(path, max_length, max_tokens, source, config):
-    """Check --eval's text and options before the (long) load; None when --eval is not given."""
-    if path is None:
-        return None
-    from normswap.cli.ppl import window_settings
-    from normswap.data import open_corpus
-    from normswap.evaluate import check_before_loading
-    from normswap.loading import load_tokenizer
-
-    settings = window_settings(max_length, None, max_tokens, 1)
-    corpus, tokenizer = open_corpus(path, "text"), load_tokenizer(source)
-    check_before_loading([config], tokenizer, corpus, **settings)
-    return corpus, tokenizer, settings
-
-
-def _payload(report, model: str, saved: Path | None, eval_result: dict | None = None,
-             device: str | None = None) -> dict:
-    data = {"model": model, **report.to_dict(), "device": device or "cpu"}
-    data["saved_to"] = str(saved) if saved else None
-    data["eval"] = eval_result
-    return data
 
 
 def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _render(data: dict) -> None:
+def render(data: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 

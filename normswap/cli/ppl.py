@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import click
 
-from normswap.cli.main import cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.loading import RUN_DTYPES
 
 
 def eval_options(f: Callable) -> Callable:
@@ -21,20 +22,12 @@ def eval_options(f: Callable) -> Callable:
         click.option("--stride", type=int, default=None, help="Tokens between window starts (default: half the window)."),
         click.option("--max-tokens", type=int, default=None, help="Score only the first T tokens of the data."),
         click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass."),
-        click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+        click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
                      help="Load the weights in this dtype (default: the checkpoint's)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
-
-
-def window_settings(max_length, stride, max_tokens, batch_size) -> dict:
-    """Check the window options before any model is loaded; return them as perplexity() kwargs."""
-    from normswap.evaluate import check_window_options
-
-    check_window_options(max_length, stride, max_tokens, batch_size)
-    return dict(max_length=max_length, stride=stride, max_tokens=max_tokens, batch_size=batch_size)
 
 
 def describe_windows(d: dict) -> str:
@@ -48,24 +41,15 @@ def describe_windows(d: dict) -> str:
 @json_option
 def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, as_json) -> None:
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
-    from normswap.data import open_corpus
-    from normswap.evaluate import check_before_loading, perplexity
-    from normswap.loading import load_config, load_model, load_tokenizer, parse_dtype, resolve
+    from normswap.api import EvalSettings, evaluate_checkpoint
 
-    settings = window_settings(max_length, stride, max_tokens, batch_size)
-    corpus = open_corpus(data_path, text_field)
-    source = resolve(model)
-    tokenizer = load_tokenizer(source)
-    config = load_config(source)
-    check_before_loading([config], tokenizer, corpus, text_field=text_field, **settings)
-    loaded = load_model(source, dtype=parse_dtype(dtype), config=config)
-    result = perplexity(loaded, tokenizer, corpus, **settings)
-    data = {"model": model, "data": data_path, "dtype": str(next(loaded.parameters()).dtype).removeprefix("torch."),
-            **result.to_dict()}
+    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size)
+    with ProgressBars({"perplexity": "tok"}) as bars:
+        result = evaluate_checkpoint(model, settings, dtype=dtype, progress=bars)
 
     def render(d: dict) -> None:
         click.echo(f"{d['model']} on {d['data']} ({d['dtype']}): perplexity {d['ppl']:.4f} "
                    f"(NLL {d['nll']:.4f} nats/token)")
         click.echo(describe_windows(d))
 
-    emit(data, as_json, render)
+    emit(result.to_dict(), as_json, render)

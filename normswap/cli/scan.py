@@ -24,10 +24,14 @@ def scan(model: str, strict: bool, no_consumers: bool, as_json: bool) -> None:
     from normswap.scan import scan as run_scan
 
     doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False)
+    warn_unknown(doc)
+    emit(doc, as_json, render)
+
+
+def warn_unknown(doc: dict) -> None:
     for u in doc["unknown"]:
         click.echo(f"normswap: warning: {u['path']} ({u['class']}) looks like a norm but is not "
                    f"recognised and will be left alone: {u['reason']}", err=True)
-    emit(doc, as_json, _render)
 
 
 def _short(consumer: str, norm_path: str) -> str:
@@ -39,7 +43,7 @@ def _short(consumer: str, norm_path: str) -> str:
     return consumer
 
 
-def _render(doc: dict) -> None:
+def render(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -3,7 +3,7 @@
 An arm is `<transform>[+<training>]`:
 - original: the model as it is (its norms running on the recipe's backend);
 - exact: normswap's exact conversion (centre the residual-stream writers, fold γ/β into the
-  readers), then every converted LayerNorm runs as an RMSNorm (normswap.convert.patch_as_rms);
+  readers), then every converted LayerNorm runs as an RMSNorm (normswap.patch with rms_forms=normswap.manifest.rms_forms(...));
 - approx: every LayerNorm becomes an RMSNorm that keeps γ and drops the centering and β
   (the β tensor is zeroed and frozen: the arm has no β);
 - approx-bias: the same, keeping β;

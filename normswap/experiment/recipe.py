@@ -22,7 +22,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from normswap.backends import backend_names
+from normswap.backends import BACKENDS
 from normswap.errors import NormswapError
 
 TRANSFORMS = ("original", "exact", "approx", "approx-bias")
@@ -32,7 +32,6 @@ OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("fp32", "bf16", "fp16")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 TRACKERS = ("auto", "none", "tensorboard")
-BACKENDS = tuple(backend_names())
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a folder name: it becomes runs/<name> and a cache entry
 
 

@@ -1,19 +1,32 @@
-"""Plumbing shared by the Triton norm ops: dtype codes and exact rounding, launch heuristics,
-argument checks, the launchers and fake impls of both op pairs, and the answer to "do Triton
-kernels run here?".
+"""Plumbing shared by the Triton norm ops: dtype codes and exact rounding, the launch table,
+the split-row synchronisation, argument checks, the launchers and fake impls of both op pairs, and
+the answer to "do Triton kernels run here?".
 
 Why explicit rounding: every intermediate cast that a norm family performs (Llama rounds the
 normalized value to the input dtype, T5 to a half weight's dtype, the residual sum to the stream's
-dtype) is done in-kernel with round-to-nearest-even, then kept in fp32. The Triton CPU interpreter
-*truncates* fp32 -> bf16, so bf16 is rounded with integer ops instead of a cast; the same code runs
-natively on GPUs, so what the CPU tests check is what the GPU executes. Values reaching a store are
-then already representable in the destination dtype and every store is exact.
+dtype) is done in-kernel with round-to-nearest-even, then kept in fp32. On GPUs that is the
+hardware conversion (cvt.rn); the Triton CPU interpreter *truncates* fp32 -> bf16, so there bf16
+is rounded with integer ops instead, which give the same bits. Values reaching a store are then
+already representable in the destination dtype and every store is exact.
+
+How rows are laid out over programs (see launch_config):
+- a row that fits one program's registers (forward <= 16,384 elements, backward <= 8,192) is one
+  tile; short rows share a program (BLOCK_M rows);
+- a wider row is split into CHUNKS column chunks, one per program, and read once: each program
+  publishes its chunk's partial statistics, waits until every chunk of the row has, then combines
+  all of them in a fixed order (so every program of the row computes bit-identical statistics, run
+  after run: no atomics touch the values). The wait needs all programs of a row resident at once,
+  so these launches are persistent and cooperative (the driver refuses a grid that cannot be
+  co-resident, instead of hanging). The CPU interpreter runs programs one after another, so there
+  the same kernel runs twice: PHASE 1 publishes the partials, PHASE 2 combines them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import math
 
 import torch
 import triton
@@ -24,17 +37,37 @@ from normswap.errors import NormswapError
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # dtype -> code understood by round_to(); 0 means "fp32: nothing to round".
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+CODE_DTYPE = {code: dtype for dtype, code in DTYPE_CODE.items()}
 
-# Widest column block a program holds in registers; wider rows loop over column blocks. Module
-# level so that tests can shrink it and exercise the looping path on small, fast shapes.
+# Widest row one program holds in registers, forward (the backward holds dy and the input: half).
+# Wider rows are split into chunks of half that width over several programs. Module level so that
+# tests can shrink it and exercise the split-row path on small, fast shapes.
 MAX_BLOCK_N = 16384
 # Elements per program tile on the CPU interpreter: it pays per program and per op, not per
 # element, so big multi-row tiles are what make interpreter tests fast.
 INTERPRETER_TILE = 1 << 16
+# Row groups of a split-row launch on the interpreter: two, so the persistent loop is exercised.
+INTERPRETER_ROW_GROUPS = 2
 
 # Tests set this to True: every output buffer then starts as NaN (poisoned), so an element a
 # kernel forgets to write cannot pass for a correct one.
 POISON_OUTPUTS = False
+
+
+def interpreting(kernel) -> bool:
+    """True when `kernel` (a @triton.jit function) was built for the CPU interpreter, which triton
+    decides from TRITON_INTERPRET when the decorator runs."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# Hardware fp32 -> bf16 conversion (round-to-nearest-even) on GPUs; integer rounding on the
+# interpreter, whose cast truncates. Decided once per process, like TRITON_INTERPRET itself.
+HW_ROUND = tl.constexpr(not interpreting(_probe))
 
 
 @triton.jit
@@ -44,28 +77,55 @@ def round_to(x, CODE: tl.constexpr):
     if CODE == 1:
         return x.to(tl.float16).to(tl.float32)
     elif CODE == 2:
-        bits = x.to(tl.uint32, bitcast=True)
-        # Add half an ulp of bf16 (minus one when the kept lsb is 0: ties go to even), then drop
-        # the low 16 bits. NaNs are passed through (their payload could otherwise round to inf).
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        bits = (bits >> 16) << 16
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        if HW_ROUND:
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        else:
+            bits = x.to(tl.uint32, bitcast=True)
+            # Add half an ulp of bf16 (minus one when the kept lsb is 0: ties go to even), then drop
+            # the low 16 bits. NaNs are passed through (their payload could otherwise round to inf).
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            bits = (bits >> 16) << 16
+            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x
 
 
 @triton.jit
+def load_param(P, rows, row_ok, cols, col_ok, w_rows, N, PER_ROW: tl.constexpr):
+    """A per-column parameter in fp32, as a (len(rows), len(cols)) tile: P[cols] on every row, or
+    with PER_ROW the row of a (w_rows, N) matrix each normalised row uses (row % w_rows: per-head
+    parameters). Loaded in the data tile's own layout: each thread reads the columns it holds, in
+    16-byte vectors (a 1-D load would be spread over all threads, a few bytes each, and then moved
+    through shared memory). Kept in L2 (evict_last): every program reads it."""
+    if PER_ROW:
+        return tl.load(P + (rows % w_rows)[:, None] * N + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0, eviction_policy="evict_last").to(tl.float32)
+    else:
+        return tl.load(P + (rows * 0)[:, None] + cols[None, :], mask=(rows >= 0)[:, None] & col_ok[None, :],
+                       other=0.0, eviction_policy="evict_last").to(tl.float32)
+
+
+@triton.jit
 def load_norm_input(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h,
-                     HAS_R: tl.constexpr, STORE_H: tl.constexpr, H_CODE: tl.constexpr):
+                    HAS_R: tl.constexpr, STORE_H: tl.constexpr, H_CODE: tl.constexpr):
     """The norm's input tile in fp32: x, or h = x + residual rounded to the stream's dtype (and
-    written to H when STORE_H)."""
-    z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    written to H when STORE_H). Streamed: read once, so evicted first."""
+    z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
     if HAS_R:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
         z = round_to(z + r, H_CODE)
         if STORE_H:
             tl.store(H + rows[:, None] * stride_h + cols[None, :], z, mask=mask)
     return z
+
+
+@triton.jit
+def load_rows(P, rows, cols, mask, stride):
+    """A streamed tile (dy, the saved input) in fp32."""
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
@@ -75,16 +135,52 @@ def store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, strid
     incoming grad dh joins the norm's, and x and residual receive the same values, each in its own
     freshly allocated buffer (never one shared tensor that a later in-place accumulate could hit)."""
     if HAS_DH:
-        dx += tl.load(DH + rows[:, None] * stride_dh + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dx += load_rows(DH, rows, c, mask, stride_dh)
     tl.store(DX + rows[:, None] * stride_dx + c[None, :], round_to(dx, DX_CODE), mask=mask)
     if HAS_DR:
         tl.store(DR + rows[:, None] * stride_dr + c[None, :], round_to(dx, DR_CODE), mask=mask)
 
 
-def interpreting(kernel) -> bool:
-    """True when `kernel` (a @triton.jit function) was built for the CPU interpreter, which triton
-    decides from TRITON_INTERPRET when the decorator runs."""
-    return type(kernel).__name__ == "InterpretedFunction"
+@triton.jit
+def split_rows(M, CHUNKS: tl.constexpr):
+    """A split-row program's place: (its column chunk, first row, row step). Programs pid and
+    pid + CHUNKS * k share a chunk, so each program's column chunk (and its weight slice, and its
+    dW columns) stays the same for all its rows."""
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // CHUNKS
+    return pid % CHUNKS, pid // CHUNKS, groups
+
+
+@triton.jit
+def publish_and_gather(PART, COUNT, row, chunk, M, p0, p1, NSTAT: tl.constexpr, CHUNKS: tl.constexpr,
+                       CHUNKS_P2: tl.constexpr, PHASE: tl.constexpr):
+    """Split rows: store this chunk's partial statistics (p0, and p1 when NSTAT == 2) for `row`,
+    wait for the row's other chunks (PHASE 0, one launch on a GPU), and return every chunk's
+    partials as (CHUNKS_P2,) vectors, padded with zeros. PART holds NSTAT planes of (M, CHUNKS)
+    fp32; COUNT one zeroed int32 arrival counter per row."""
+    ks = tl.arange(0, CHUNKS_P2)
+    plane = M * CHUNKS  # the second statistic's plane
+    if PHASE != 2:
+        tl.store(PART + row * CHUNKS + chunk, p0)
+        if NSTAT == 2:
+            tl.store(PART + plane + row * CHUNKS + chunk, p1)
+    if PHASE == 0:
+        # Every thread's partial store is issued before the one release that announces it; the
+        # acquire loop then orders the reads below after every chunk's announcement.
+        tl.debug_barrier()
+        tl.atomic_add(COUNT + row, 1, sem="release", scope="gpu")
+        seen = tl.atomic_add(COUNT + row, 0, sem="acquire", scope="gpu")
+        while seen < CHUNKS:
+            seen = tl.atomic_add(COUNT + row, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+    q0 = tl.zeros([CHUNKS_P2], dtype=tl.float32)
+    q1 = tl.zeros([CHUNKS_P2], dtype=tl.float32)
+    if PHASE != 1:
+        # .cg: read from L2, never from this SM's L1 (it may hold the line from before the writes).
+        q0 = tl.load(PART + row * CHUNKS + ks, mask=ks < CHUNKS, other=0.0, cache_modifier=".cg")
+        if NSTAT == 2:
+            q1 = tl.load(PART + plane + row * CHUNKS + ks, mask=ks < CHUNKS, other=0.0, cache_modifier=".cg")
+    return q0, q1
 
 
 def triton_unavailable_reason(kernel) -> str | None:
@@ -115,9 +211,18 @@ def check_dtype(t: torch.Tensor | None, what: str) -> None:
         raise NormswapError(f"triton norm kernels take fp32/fp16/bf16 {what}, got {t.dtype}")
 
 
-def check_vector(t: torch.Tensor | None, n: int, what: str) -> None:
-    if t is not None and (t.dim() != 1 or t.shape[0] != n):
-        raise NormswapError(f"{what} must have shape ({n},), got {tuple(t.shape)}")
+def check_param(t: torch.Tensor | None, x: torch.Tensor, what: str) -> None:
+    """A per-column parameter is (N,), or (heads, N) for per-head parameters: x's rows are then
+    (..., heads, N) and each head has its own row (Cohere's q/k LayerNorm)."""
+    if t is None:
+        return
+    n = x.shape[-1]
+    if t.dim() == 1 and t.shape[0] == n:
+        return
+    if t.dim() == 2 and t.shape[1] == n and x.dim() >= 2 and x.shape[-2] == t.shape[0]:
+        return
+    raise NormswapError(f"{what} must have shape ({n},), or (heads, {n}) for inputs shaped (..., heads, {n}); "
+                        f"got {tuple(t.shape)} for inputs {tuple(x.shape)}")
 
 
 def as_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -147,63 +252,128 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
 
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return _cuda_props(device.index if device.index is not None else torch.cuda.current_device())["sms"]
     return 1
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_props(index: int) -> dict:
+    p = torch.cuda.get_device_properties(index)
+    return {"sms": p.multi_processor_count,
+            "regs": getattr(p, "regs_per_multiprocessor", 65536),
+            "threads": getattr(p, "max_threads_per_multi_processor", 2048),
+            "smem": getattr(p, "shared_memory_per_multiprocessor", 228 * 1024)}
 
 
-def row_config(m: int, n: int, kernel, backward: bool = False) -> dict:
-    """Block shape and warps for an (m, n) problem.
+# Hopper's per-SM limits: the planning target where no device answers (meta tensors, the static
+# analysis in benchmarks/kernel_static.py).
+H100_LIMITS = {"sms": 132, "regs": 65536, "threads": 2048, "smem": 228 * 1024}
 
-    BLOCK_N covers the whole row when it fits (one pass over HBM), else rows loop over column
-    blocks. Several rows share a program when rows are short: on a GPU so that each program moves
-    enough bytes to hide latency, on the interpreter because each program costs Python overhead.
-    Cached: this runs on every call, and host time is what small shapes are made of.
-    """
-    return dict(_row_config(m, n, interpreting(kernel), backward, MAX_BLOCK_N, INTERPRETER_TILE))
+
+def programs_per_sm(regs: int, num_warps: int, smem: int, limits: dict) -> int:
+    """How many programs of a kernel one SM holds at once (CUDA's occupancy rules: registers are
+    allocated per warp in units of 256, each program also reserves 1 KiB of shared memory)."""
+    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
+    by_regs = (limits["regs"] // per_warp) // num_warps
+    by_threads = limits["threads"] // (32 * num_warps)
+    by_smem = limits["smem"] // (smem + 1024)
+    return max(0, min(by_regs, by_threads, by_smem, 32))
+
+
+_RESIDENT: dict = {}
+
+
+def resident_programs(kernel, args, kwargs, device: torch.device) -> int:
+    """Programs of this kernel variant the whole device holds at once: SMs x programs per SM, from
+    the compiled kernel's registers and shared memory (compiled here, ahead of the launch that
+    would compile it anyway). Persistent launches size their grid with it, so that every program
+    is resident in one wave, and split-row launches need it (their programs wait for each other)."""
+    if device.type != "cuda":
+        return sm_count(device)
+    key = (kernel, device.index, tuple(sorted(kwargs.items())),
+           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+        limits = _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
+        per_sm = programs_per_sm(compiled.n_regs, kwargs["num_warps"], compiled.metadata.shared, limits)
+        _RESIDENT[key] = max(per_sm, 0) * limits["sms"]
+    return _RESIDENT[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """How a pass lays rows over programs. chunks > 1: each row is split into `chunks` column
+    chunks of block_n elements (block_m is then 1)."""
+
+    block_m: int
+    block_n: int
+    chunks: int
+    num_warps: int
+    num_stages: int
+
+    def constexprs(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "CHUNKS": self.chunks,
+                "CHUNKS_P2": triton.next_power_of_2(self.chunks), "num_warps": self.num_warps}
+
+
+# The GPU launch table, per pass: elements per program tile for rows held whole (by row-count
+# bucket: few rows get smaller tiles, so that they still spread over the SMs), the warps of a
+# split-row program, and the software-pipelining depth of the backward's loop over rows.
+# Chosen from the sm_90 static analysis (benchmarks/kernel_static.py: no spills, 16-byte accesses,
+# >= 2 programs per SM where rows are split, so one program's wait overlaps another's loads); the
+# GPU-evidence benchmark is what re-tunes them.
+ROW_BUCKETS = (2048,)  # row counts <= 2048 are "few"
+TILE_ELEMS = {"fwd": (4096, 8192), "bwd": (4096, 4096)}
+SPLIT_WARPS = {"fwd": 8, "bwd": 8}
+STAGES = {"fwd": 1, "bwd": 3}
+
+
+def whole_row_limit(pass_: str) -> int:
+    """Widest row one program holds: the backward keeps dy and the input, so half the forward's."""
+    return MAX_BLOCK_N if pass_ == "fwd" else max(MAX_BLOCK_N // 2, 2)
+
+
+def launch_config(m: int, n: int, elem_bytes: int, pass_: str, kernel) -> Tile:
+    """The tile for an (m, n) problem of `elem_bytes`-wide elements, pass "fwd" or "bwd". Depends on
+    the row count only through a coarse bucket (GPU) so that batch sizes never compile anew; on the
+    interpreter, tiles shrink to the row count (it pays for masked-off rows). Cached: this runs on
+    every call, and host time is what small shapes are made of."""
+    interp = interpreting(kernel)
+    rows = triton.next_power_of_2(max(m, 1)) if interp else sum(m > b for b in ROW_BUCKETS)
+    return _launch_config(rows, n, elem_bytes, pass_, interp, MAX_BLOCK_N, INTERPRETER_TILE)
 
 
 @functools.lru_cache(maxsize=4096)
-def _row_config(m: int, n: int, interp: bool, backward: bool, max_block_n: int, interp_tile: int) -> dict:
-    max_n = max_block_n if not backward else max(max_block_n // 2, 16)
-    block_n = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(max_n))
-    if interp:
-        tile = interp_tile
-    else:
-        # ~8K elements per program for short rows (bf16: 16 KiB in flight per program).
-        tile = 8192 if not backward else 4096
+def _launch_config(rows: int, n: int, elem_bytes: int, pass_: str, interp: bool, max_block_n: int,
+                   interp_tile: int) -> Tile:
+    whole = max_block_n if pass_ == "fwd" else max(max_block_n // 2, 2)
+    stages = 1 if interp else STAGES[pass_]
+    if n > whole:
+        # Split rows: narrower chunks than a whole-row tile (forward a quarter, backward half), so
+        # that several programs fit per SM and one's wait for its row overlaps another's loads.
+        chunk = max(whole // 4 if pass_ == "fwd" else whole // 2, 1)
+        return Tile(1, chunk, triton.cdiv(n, chunk), 4 if interp else SPLIT_WARPS[pass_], stages)
+    block_n = triton.next_power_of_2(max(n, 1))
+    tile = interp_tile if interp else TILE_ELEMS[pass_][rows]
     block_m = max(1, min(tile // block_n, 256))
     if interp:
-        # The interpreter pays for masked-off rows too; on a GPU the tile never depends on the row
-        # count, so no batch size ever compiles a new kernel variant.
-        block_m = min(block_m, triton.next_power_of_2(max(m, 1)))
-    elems = block_m * block_n
-    num_warps = max(1, min(16, elems // 512))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "SINGLE": block_n >= n, "num_warps": num_warps}
-
-
-def backward_programs(m: int, block_m: int, device: torch.device, kernel) -> int:
-    """Persistent backward: a bounded number of programs loop over row blocks, so the fp32 partial
-    dW buffer is (programs, N), not (rows, N)."""
-    row_blocks = triton.cdiv(max(m, 1), block_m)
-    if interpreting(kernel):
-        return min(row_blocks, 2)
-    # Two programs per SM keep the memory system busy while the partial buffer stays ~2*SMs*N*4 bytes.
-    return min(row_blocks, 2 * sm_count(device))
-
+        block_m = min(block_m, rows)
+    # ~32 bytes of each streamed tensor per thread (two 16-byte vectors): fp32 tiles get twice
+    # the warps of bf16 ones, so registers per thread (and spills) do not grow with the dtype.
+    num_warps = max(1, min(16, block_m * block_n * (elem_bytes if not interp else 2) // 1024))
+    return Tile(block_m, block_n, 1, num_warps, stages)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host-side plumbing shared by the RMSNorm and LayerNorm ops. Both kernel pairs take their
 # arguments in one layout, which is what lets one launcher serve both:
-#   forward:  X, R, *params, Y, H, *stats, M, N, stride_x, stride_r, stride_y, stride_h, eps, offset
-#   backward: DY, DH, Z, W, *stats, DX, DR, *partials, M, N, stride_dy, stride_dh, stride_z,
-#             stride_dx, stride_dr, offset
+#   forward:  X, R, *params, Y, H, *stats, PART, COUNT, M, N, w_rows, stride_x, stride_r, stride_y,
+#             stride_h, eps, offset
+#   backward: DY, DH, Z, W, *stats, DX, DR, *partials, PART, COUNT, M, N, w_rows, stride_dy, stride_dh,
+#             stride_z, stride_dx, stride_dr, offset
 # Absent tensors are replaced by a harmless pointer of the right device (their HAS_* flag is off).
+# PART / COUNT are the split-row scratch (partial statistics, arrival counters).
 
 _PLURAL = {"weight": "weights", "bias": "biases"}
 
@@ -211,7 +381,7 @@ _PLURAL = {"weight": "weights", "bias": "biases"}
 def check_norm_inputs(op: str, kernel, x: torch.Tensor, residual: torch.Tensor | None,
                       out_dtype: torch.dtype | None, params: dict[str, torch.Tensor | None]) -> None:
     """The functional API's argument checks, one clear NormswapError each. `params` maps the
-    per-column vectors' names ("weight", "bias") to the tensors (or None)."""
+    per-column parameters' names ("weight", "bias") to the tensors (or None)."""
     if x.dim() < 1 or x.shape[-1] < 1:
         raise NormswapError(f"{op} needs a non-empty last dimension, got shape {tuple(x.shape)}")
     check_device(x, kernel)
@@ -220,10 +390,13 @@ def check_norm_inputs(op: str, kernel, x: torch.Tensor, residual: torch.Tensor |
         check_dtype(t, _PLURAL[what])
     check_dtype(residual, "residuals")
     for what, t in params.items():
-        check_vector(t, x.shape[-1], what)
+        check_param(t, x, what)
     for what, t in (*params.items(), ("residual", residual)):
         if t is not None and t.device != x.device:
             raise NormswapError(f"{what} is on {t.device} but x is on {x.device}")
+    shaped = [t for t in params.values() if t is not None]
+    if len({tuple(t.shape) for t in shaped}) > 1:
+        raise NormswapError(f"{op}: weight and bias shapes differ ({', '.join(str(tuple(t.shape)) for t in shaped)})")
     if residual is not None and residual.shape != x.shape:
         raise NormswapError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
@@ -237,14 +410,57 @@ def stream_dtype(residual: torch.Tensor | None, residual_in_fp32: bool) -> torch
     return torch.float32 if residual_in_fp32 else residual.dtype
 
 
-def _tile_args(cfg: dict) -> dict:
-    return {"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "SINGLE": cfg["SINGLE"], "num_warps": cfg["num_warps"]}
+def param_rows(params) -> int:
+    """Rows of the parameter matrix: 1 for per-column vectors, `heads` for (heads, N) per-head
+    parameters (normalised row r uses parameter row r % heads)."""
+    return next((p.shape[0] for p in params if p is not None and p.dim() == 2), 1)
+
+
+def scratch_placeholders(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins of the right dtypes (fp32 partials, int32 counters) for scratch a launch does not
+    use, or does not have yet: the kernel variant compiled for them is the one that runs."""
+    return torch.empty((1,), dtype=torch.float32, device=device), torch.empty((1,), dtype=torch.int32, device=device)
+
+
+def _grid(kernel, m: int, tile: Tile, args, kwargs: dict, device, persistent: bool) -> tuple[int, dict]:
+    """(programs, the launch's keyword arguments) for m rows. Persistent launches never exceed what
+    the device holds at once; split-row launches must fit at once (their programs wait for each
+    other), so they are cooperative launches, which the driver refuses rather than hang."""
+    interp = interpreting(kernel)
+    if tile.chunks == 1:
+        kw = dict(kwargs, PHASE=0)
+        programs = triton.cdiv(m, tile.block_m)
+        if persistent:
+            programs = min(programs, 2 if interp else resident_programs(kernel, args, kw, device))
+        return programs, kw
+    if interp:  # PHASE is set per launch (1, then 2)
+        return max(1, min(m, INTERPRETER_ROW_GROUPS)) * tile.chunks, dict(kwargs)
+    kw = dict(kwargs, PHASE=0, launch_cooperative_grid=True)
+    fit = resident_programs(kernel, args, kw, device)
+    if fit < tile.chunks:
+        raise NormswapError(f"rows of {tile.chunks} chunks need {tile.chunks} programs running at once, but this "
+                            f"device holds only {fit} of them")
+    return max(1, min(m, fit // tile.chunks)) * tile.chunks, kw
+
+
+def _run(kernel, m: int, tile: Tile, programs: int, args, kw: dict, device, n_planes: int, scratch_at: int) -> None:
+    """Launch over m rows. scratch_at: where PART and COUNT sit in args (split rows only)."""
+    args = list(args)
+    if tile.chunks > 1:
+        args[scratch_at] = new_empty((n_planes, m, tile.chunks), torch.float32, device)
+        if interpreting(kernel):
+            for phase in (1, 2):
+                kernel[(programs,)](*args, PHASE=phase, **kw)
+            return
+        args[scratch_at + 1] = torch.zeros((m,), dtype=torch.int32, device=device)
+    kernel[(programs,)](*args, **kw)
 
 
 def launch_forward(kernel, x, residual, params, n_stats, y_dtype, residual_in_fp32, eps, offset, **consts):
     """Run a forward kernel over the rows of x: returns (y, h, *stats) shaped like x (stats like
     x.shape[:-1], fp32); h is an empty tensor without a residual. `params` are the per-column
-    vectors (None where absent); `consts` the kernel's own constexprs (HAS_W, ...)."""
+    parameters (None where absent; (heads, N) for per-head ones); `consts` the kernel's own
+    constexprs (HAS_W, ...)."""
     n = x.shape[-1]
     x2 = as_rows(x, n)
     r2 = as_rows(residual, n)
@@ -256,16 +472,15 @@ def launch_forward(kernel, x, residual, params, n_stats, y_dtype, residual_in_fp
     h = new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
     stats = [new_empty((m,), torch.float32, dev) for _ in range(n_stats)]
     if m > 0:
-        cfg = row_config(m, n, kernel)
-        kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
-            x2, x2 if r2 is None else r2, *(x2 if p is None else p for p in params),
-            y, y if residual is None else h, *stats,
-            m, n, x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
-            0 if residual is None else h.stride(0),
-            float(eps), float(offset),
-            HAS_R=residual is not None, H_CODE=0 if h_dtype is None else DTYPE_CODE[h_dtype],
-            OUT_CODE=DTYPE_CODE[y_dtype], **consts, **_tile_args(cfg),
-        )
+        tile = launch_config(m, n, x.element_size(), "fwd", kernel)
+        args = (x2, x2 if r2 is None else r2, *(x2 if p is None else p for p in params),
+                y, y if residual is None else h, *stats, *scratch_placeholders(dev),
+                m, n, param_rows(params), x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
+                0 if residual is None else h.stride(0), float(eps), float(offset))
+        kwargs = dict(HAS_R=residual is not None, H_CODE=0 if h_dtype is None else DTYPE_CODE[h_dtype],
+                      OUT_CODE=DTYPE_CODE[y_dtype], PER_ROW_W=param_rows(params) > 1, **consts, **tile.constexprs())
+        programs, kw = _grid(kernel, m, tile, args, kwargs, dev, persistent=False)
+        _run(kernel, m, tile, programs, args, kw, dev, n_stats, 2 + len(params) + 2 + n_stats)
     y = y.view(x.shape)
     if residual is not None:
         h = h.view(x.shape)
@@ -273,9 +488,13 @@ def launch_forward(kernel, x, residual, params, n_stats, y_dtype, residual_in_fp
 
 
 def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_dtype, param_grads, **consts):
-    """Run a persistent backward kernel: returns (dx, *dparams, dresidual). `param_grads` holds, per
+    """Run a backward kernel: returns (dx, *dparams, dresidual). `param_grads` holds, per
     parameter, the tensor whose grad is wanted (for its dtype and shape) or None to skip it (an
-    empty tensor then stands in its place); `consts` are the kernel's own constexprs."""
+    empty tensor then stands in its place); `consts` are the kernel's own constexprs.
+
+    dW/dB: each program sums its rows' products in fp32 registers and writes them once, as one row
+    of a (programs, N) buffer (split rows: its chunk's columns of one row per row group), which
+    torch then sums in fp32: no read-modify-write per row, no atomics."""
     n = z.shape[-1]
     z2 = as_rows(z, n)
     dy2 = as_rows(dy, n)
@@ -285,25 +504,30 @@ def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_
     dx = new_empty((m, n), x_dtype, dev)
     dr = new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
     w = weight.contiguous() if weight is not None else None
-    cfg = row_config(m, n, kernel, backward=True)
-    progs = backward_programs(m, cfg["BLOCK_M"], dev, kernel)
-    # Single-tile programs store their whole partial row once (poisoned in tests like every output,
-    # so a row no program writes shows up); looping ones accumulate into a zeroed row.
-    shape = (max(progs, 1), n)
-    partials = [None if like is None else
-                new_empty(shape, torch.float32, dev) if cfg["SINGLE"] else torch.zeros(shape, dtype=torch.float32, device=dev)
-                for like in param_grads]
+    tile = launch_config(m, n, z.element_size(), "bwd", kernel)
+    w_rows = param_rows([w])
+    args = [dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, *(s.reshape(-1) for s in stats),
+            dx, dx if residual_dtype is None else dr, *(scratch_placeholders(dev)[0] for _ in param_grads),
+            *scratch_placeholders(dev),
+            m, n, w_rows, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
+            0 if residual_dtype is None else dr.stride(0), float(offset)]
+    kwargs = dict(HAS_W=w is not None, PER_ROW_W=w_rows > 1, HAS_DH=dh2 is not None,
+                  HAS_DR=residual_dtype is not None, DX_CODE=DTYPE_CODE[x_dtype],
+                  DR_CODE=DTYPE_CODE[residual_dtype or x_dtype], NUM_STAGES=tile.num_stages,
+                  **consts, **tile.constexprs())
+    at = 4 + len(stats) + 2  # first partial-sum buffer in args
+    scratch_at = at + len(param_grads)
+    partials = [None] * len(param_grads)
     if m > 0:
-        kernel[(progs,)](
-            dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, *(s.reshape(-1) for s in stats),
-            dx, dx if residual_dtype is None else dr, *(dx if p is None else p for p in partials),
-            m, n, dy2.stride(0), 0 if dh2 is None else dh2.stride(0), z2.stride(0), dx.stride(0),
-            0 if residual_dtype is None else dr.stride(0),
-            float(offset),
-            HAS_W=w is not None, HAS_DH=dh2 is not None, HAS_DR=residual_dtype is not None,
-            DX_CODE=DTYPE_CODE[x_dtype], DR_CODE=DTYPE_CODE[residual_dtype or x_dtype],
-            **consts, **_tile_args(cfg),
-        )
+        # Every program writes its whole partial row (its chunk's columns when rows are split), so
+        # the buffers need no zeroing (poisoned in tests like every output).
+        programs, kw = _grid(kernel, m, tile, args, kwargs, dev, persistent=True)
+        rows = programs // tile.chunks
+        partials = [None if like is None else new_empty((rows, n), torch.float32, dev) for like in param_grads]
+        for i, p in enumerate(partials):
+            if p is not None:
+                args[at + i] = p
+        _run(kernel, m, tile, programs, args, kw, dev, len(stats), scratch_at)
 
     def reduce(part, like):
         if like is None:

@@ -13,6 +13,11 @@ import torch
 from normswap.errors import NormswapError
 from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_residual
 
+
+def _per_column_only(name: str, *params) -> None:
+    if any(p is not None and p.dim() > 1 for p in params):
+        raise NormswapError(f"the {name} backend takes (N,) parameters only, not per-head (heads, N) ones")
+
 # Liger-Kernel ---------------------------------------------------------------------------------
 # Supported: llama with offset 0 (its llama mode adds the offset in the weight's dtype), gemma with
 # any offset (fp32 weight + offset). Its "none" mode computes in the input dtype, unlike ours.
@@ -20,6 +25,7 @@ from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_r
 
 def liger_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None,
                    residual_in_fp32=False):
+    _per_column_only("liger", weight)
     if weight is None:
         raise NormswapError("the liger backend needs a weight (Liger's RMSNorm has no weight-free form)")
     if casting == "llama" and offset != 0:
@@ -40,6 +46,7 @@ def liger_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, o
 
 
 def liger_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
+    _per_column_only("liger", weight, bias)
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
     if weight is None or bias is None or offset != 0:
@@ -57,6 +64,7 @@ def liger_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=
 
 def quack_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None,
                    residual_in_fp32=False):
+    _per_column_only("quack", weight)
     from quack.rmsnorm import rmsnorm
 
     z, h = split_residual(x, residual, residual_in_fp32)
@@ -75,6 +83,7 @@ def quack_rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, o
 
 
 def quack_layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, residual_in_fp32=False):
+    _per_column_only("quack", weight, bias)
     from quack.rmsnorm import layernorm_fwd
 
     if any(t is not None and t.requires_grad for t in (x, weight, bias, residual)):

@@ -3,10 +3,12 @@
     y = cast((h - mean) * rstd * (offset + w) + b),  rstd = 1 / sqrt(var(h) + eps),  h = x [+ residual]
 
 Statistics and the affine run in fp32 with one final cast (reference.layer_norm_ref is the
-contract). Rows that fit one tile use an exact two-pass variance in registers; longer rows merge
-per-block (mean, M2) pairs with Chan's formula, so one read gives stable statistics even when the
-mean is large next to the spread (sum/sum-of-squares would cancel catastrophically there).
-dW and dB are reduced like RMSNorm's: per-program fp32 partial rows, then an fp32 sum.
+contract). Rows that fit one tile use an exact two-pass variance in registers; wider rows are
+split over several programs, each with its chunk's exact (mean, M2), merged over the chunks with
+the parallel-variance formula -- one read, and stable even when the mean is large next to the
+spread (sum/sum-of-squares would cancel catastrophically there). Per-head weight and bias
+(heads, N) apply to x shaped (..., heads, N). dW and dB are reduced like RMSNorm's: per-program fp32
+partial rows written once, then an fp32 sum.
 """
 
 from __future__ import annotations
@@ -16,117 +18,153 @@ import triton
 import triton.language as tl
 
 from normswap.kernels import _common as C
-from normswap.kernels._common import load_norm_input, round_to, store_input_grads
+from normswap.kernels._common import (
+    load_norm_input,
+    load_param,
+    load_rows,
+    publish_and_gather,
+    round_to,
+    split_rows,
+    store_input_grads,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels (int64 row offsets; M never specialised).
 
 
 @triton.jit
-def _ln_apply(z, mean, rstd, W, B, cols, col_ok, offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-              OUT_CODE: tl.constexpr):
+def _ln_params(W, B, rows, row_ok, c, col_ok, w_rows, N, offset, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+               PER_ROW_W: tl.constexpr):
+    """(offset + w, b) in fp32, broadcastable to the tile (0.0 where absent)."""
+    w = 0.0
+    b = 0.0
+    if HAS_W:
+        w = load_param(W, rows, row_ok, c, col_ok, w_rows, N, PER_ROW_W) + offset
+    if HAS_B:
+        b = load_param(B, rows, row_ok, c, col_ok, w_rows, N, PER_ROW_W)
+    return w, b
+
+
+@triton.jit
+def _ln_apply(z, mean, rstd, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, OUT_CODE: tl.constexpr):
     y = (z - mean[:, None]) * rstd[:, None]
     if HAS_W:
-        y = y * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+        y = y * w
     if HAS_B:
-        y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = y + b
     return round_to(y, OUT_CODE)
 
 
 @triton.jit(do_not_specialize=["M", "eps", "offset"])
 def _ln_fwd_kernel(
-    X, R, W, B, Y, H, MEAN, RSTD,
-    M, N, stride_x, stride_r, stride_y, stride_h,
+    X, R, W, B, Y, H, MEAN, RSTD, PART, COUNT,
+    M, N, w_rows, stride_x, stride_r, stride_y, stride_h,
     eps, offset,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, PER_ROW_W: tl.constexpr,
     H_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    PHASE: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < M
     cols = tl.arange(0, BLOCK_N)
-    if SINGLE:
+    if CHUNKS == 1:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
         col_ok = cols < N
         mask = row_ok[:, None] & col_ok[None, :]
+        # Parameters before the reduction, so that their latency hides under the row's.
+        w, b = _ln_params(W, B, rows, row_ok, cols, col_ok, w_rows, N, offset, HAS_W, HAS_B, PER_ROW_W)
         z = load_norm_input(X, R, H, rows, cols, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
         mean = tl.sum(z, axis=1) / N
         d = tl.where(mask, z - mean[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(d * d, axis=1) / N + eps)
         tl.store(MEAN + rows, mean, mask=row_ok)
         tl.store(RSTD + rows, rstd, mask=row_ok)
-        y = _ln_apply(z, mean, rstd, W, B, cols, col_ok, offset, HAS_W, HAS_B, OUT_CODE)
+        y = _ln_apply(z, mean, rstd, w, b, HAS_W, HAS_B, OUT_CODE)
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=mask)
     else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        count = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            col_ok = c < N
+        # Split rows: each chunk's exact (mean, M2) in registers, combined over the row's chunks
+        # with the parallel-variance formula (stable when the mean is large next to the spread).
+        chunk, group, groups = split_rows(M, CHUNKS)
+        c = chunk * BLOCK_N + cols
+        col_ok = c < N
+        nb = tl.minimum(N - chunk * BLOCK_N, BLOCK_N).to(tl.float32)
+        ks = tl.arange(0, CHUNKS_P2)
+        counts = tl.minimum(tl.maximum(N - ks * BLOCK_N, 0), BLOCK_N).to(tl.float32)
+        w = 0.0
+        b = 0.0
+        if not PER_ROW_W:
+            w, b = _ln_params(W, B, tl.arange(0, 1), True, c, col_ok, w_rows, N, offset, HAS_W, HAS_B, False)
+        for row in range(group, M, groups):
+            rows = row + tl.arange(0, 1).to(tl.int64)
+            row_ok = rows < M
             mask = row_ok[:, None] & col_ok[None, :]
-            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, True, H_CODE)
-            nb = tl.sum(col_ok.to(tl.float32), axis=0)
-            bmean = tl.sum(z, axis=1) / nb
-            bd = tl.where(mask, z - bmean[:, None], 0.0)
-            bm2 = tl.sum(bd * bd, axis=1)
-            # Chan et al.: merge (count, mean, m2) with the block's (nb, bmean, bm2).
-            total = count + nb
-            delta = bmean - mean
-            mean = mean + delta * (nb / total)
-            m2 = m2 + bm2 + delta * delta * (count * nb / total)
-            count = total
-        rstd = tl.math.rsqrt(m2 / N + eps)
-        tl.store(MEAN + rows, mean, mask=row_ok)
-        tl.store(RSTD + rows, rstd, mask=row_ok)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            col_ok = c < N
-            mask = row_ok[:, None] & col_ok[None, :]
-            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, False, H_CODE)
-            y = _ln_apply(z, mean, rstd, W, B, c, col_ok, offset, HAS_W, HAS_B, OUT_CODE)
-            tl.store(Y + rows[:, None] * stride_y + c[None, :], y, mask=mask)
+            z = load_norm_input(X, R, H, rows, c, mask, stride_x, stride_r, stride_h, HAS_R, PHASE != 2, H_CODE)
+            bmean = tl.sum(z) / nb
+            bd = tl.where(mask, z - bmean, 0.0)
+            qm, q2 = publish_and_gather(PART, COUNT, row, chunk, M, bmean, tl.sum(bd * bd), 2, CHUNKS, CHUNKS_P2,
+                                        PHASE)
+            if PHASE != 1:
+                mean_s = tl.sum(counts * qm) / N
+                dm = qm - mean_s
+                mean = tl.zeros([1], dtype=tl.float32) + mean_s
+                rstd = tl.zeros([1], dtype=tl.float32) + tl.math.rsqrt(tl.sum(q2 + counts * dm * dm) / N + eps)
+                if chunk == 0:
+                    tl.store(MEAN + rows, mean, mask=row_ok)
+                    tl.store(RSTD + rows, rstd, mask=row_ok)
+                if PER_ROW_W:
+                    wr, br = _ln_params(W, B, rows, row_ok, c, col_ok, w_rows, N, offset, HAS_W, HAS_B, True)
+                    y = _ln_apply(z, mean, rstd, wr, br, HAS_W, HAS_B, OUT_CODE)
+                else:
+                    y = _ln_apply(z, mean, rstd, w, b, HAS_W, HAS_B, OUT_CODE)
+                tl.store(Y + rows[:, None] * stride_y + c[None, :], y, mask=mask)
 
 
 @triton.jit
-def _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z, offset, HAS_W: tl.constexpr):
-    """(xhat, wdy, dy) for one tile; padded columns give zeros everywhere."""
-    z = tl.load(Z + rows[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+def _ln_bwd_tile(DY, Z, W, rows, row_ok, c, col_ok, mask, mean, rstd, w, w_rows, N, stride_dy, stride_z, offset,
+                 HAS_W: tl.constexpr, PER_ROW_W: tl.constexpr):
+    """(xhat, wdy, dy) for one tile; padded columns give zeros everywhere. `w` is the program's
+    `offset + w` (per-row weights are loaded here instead)."""
+    z = load_rows(Z, rows, c, mask, stride_z)
+    dy = load_rows(DY, rows, c, mask, stride_dy)
     xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
     wdy = dy
     if HAS_W:
-        wdy = dy * (tl.load(W + c, mask=col_ok, other=0.0).to(tl.float32) + offset)[None, :]
+        if PER_ROW_W:
+            wdy = dy * (load_param(W, rows, row_ok, c, col_ok, w_rows, N, True) + offset)
+        else:
+            wdy = dy * w
     return xhat, wdy, dy
 
 
 @triton.jit(do_not_specialize=["M", "offset"])
 def _ln_bwd_kernel(
-    DY, DH, Z, W, MEAN, RSTD, DX, DR, DWP, DBP,
-    M, N, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
+    DY, DH, Z, W, MEAN, RSTD, DX, DR, DWP, DBP, PART, COUNT,
+    M, N, w_rows, stride_dy, stride_dh, stride_z, stride_dx, stride_dr,
     offset,
-    HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_DH: tl.constexpr,
-    HAS_DR: tl.constexpr, DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
+    HAS_W: tl.constexpr, PER_ROW_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
+    HAS_DH: tl.constexpr, HAS_DR: tl.constexpr, DX_CODE: tl.constexpr, DR_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    PHASE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # Persistent programs; program `pid` owns row `pid` of the fp32 partial buffers DWP / DBP.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    row_blocks = tl.cdiv(M, BLOCK_M)
+    # Persistent: dW / dB summed in fp32 registers over the program's rows, written once as its own
+    # row of DWP / DBP (its chunk's columns of one row when rows are split).
     cols = tl.arange(0, BLOCK_N)
-    dwp_row = DWP + pid.to(tl.int64) * N
-    dbp_row = DBP + pid.to(tl.int64) * N
-    if SINGLE:
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w = 0.0
+    if CHUNKS == 1:
+        pid = tl.program_id(0)
         col_ok = cols < N
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for rb in range(pid, row_blocks, nprog):
+        if HAS_W and not PER_ROW_W:
+            w = load_param(W, tl.arange(0, BLOCK_M), True, cols, col_ok, w_rows, N, False) + offset  # once per program
+        for rb in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
             rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
             row_ok = rows < M
             mask = row_ok[:, None] & col_ok[None, :]
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, cols, mask, col_ok, mean, rstd, stride_dy, stride_z,
-                                         offset, HAS_W)
+            xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, row_ok, cols, col_ok, mask, mean, rstd, w, w_rows, N,
+                                         stride_dy, stride_z, offset, HAS_W, PER_ROW_W)
             c1 = tl.sum(xhat * wdy, axis=1) / N
             c2 = tl.sum(wdy, axis=1) / N
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
@@ -137,46 +175,37 @@ def _ln_bwd_kernel(
             if HAS_DB:
                 db_acc += tl.sum(dy, axis=0)
         if HAS_DW:
-            tl.store(dwp_row + cols, dw_acc, mask=col_ok)
+            tl.store(DWP + pid * N + cols, dw_acc, mask=col_ok)
         if HAS_DB:
-            tl.store(dbp_row + cols, db_acc, mask=col_ok)
+            tl.store(DBP + pid * N + cols, db_acc, mask=col_ok)
     else:
-        for rb in range(pid, row_blocks, nprog):
-            rows = rb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        chunk, group, groups = split_rows(M, CHUNKS)
+        c = chunk * BLOCK_N + cols
+        col_ok = c < N
+        if HAS_W and not PER_ROW_W:
+            w = load_param(W, tl.arange(0, 1), True, c, col_ok, w_rows, N, False) + offset  # once per program
+        for row in tl.range(group, M, groups, num_stages=NUM_STAGES):
+            rows = row + tl.arange(0, 1).to(tl.int64)
             row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
             mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                c = start + cols
-                col_ok = c < N
-                mask = row_ok[:, None] & col_ok[None, :]
-                xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z,
-                                             offset, HAS_W)
-                acc1 += xhat * wdy
-                acc2 += wdy
-            c1 = tl.sum(acc1, axis=1) / N
-            c2 = tl.sum(acc2, axis=1) / N
-            for start in range(0, N, BLOCK_N):
-                c = start + cols
-                col_ok = c < N
-                mask = row_ok[:, None] & col_ok[None, :]
-                xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, c, mask, col_ok, mean, rstd, stride_dy, stride_z,
-                                             offset, HAS_W)
-                dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            xhat, wdy, dy = _ln_bwd_tile(DY, Z, W, rows, row_ok, c, col_ok, mask, mean, rstd, w, w_rows, N,
+                                         stride_dy, stride_z, offset, HAS_W, PER_ROW_W)
+            q1, q2 = publish_and_gather(PART, COUNT, row, chunk, M, tl.sum(xhat * wdy), tl.sum(wdy), 2, CHUNKS,
+                                        CHUNKS_P2, PHASE)
+            if PHASE != 1:
+                dx = (wdy - (xhat * (tl.sum(q1) / N) + tl.sum(q2) / N)) * rstd[:, None]
                 store_input_grads(DH, DX, DR, rows, c, mask, dx, stride_dh, stride_dx, stride_dr,
                                   HAS_DH, HAS_DR, DX_CODE, DR_CODE)
-                if HAS_DW or HAS_DB:
-                    # The partial rows were last written in the previous row block, possibly by
-                    # other threads of this program: make those stores visible before reading.
-                    tl.debug_barrier()
                 if HAS_DW:
-                    part = tl.load(dwp_row + c, mask=col_ok, other=0.0)
-                    tl.store(dwp_row + c, part + tl.sum(dy * xhat, axis=0), mask=col_ok)
+                    dw_acc += tl.sum(dy * xhat, axis=0)
                 if HAS_DB:
-                    part = tl.load(dbp_row + c, mask=col_ok, other=0.0)
-                    tl.store(dbp_row + c, part + tl.sum(dy, axis=0), mask=col_ok)
+                    db_acc += tl.sum(dy, axis=0)
+        if HAS_DW and PHASE != 1:
+            tl.store(DWP + group * N + c, dw_acc, mask=col_ok)
+        if HAS_DB and PHASE != 1:
+            tl.store(DBP + group * N + c, db_acc, mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,10 +222,23 @@ def _ln_forward(x, weight, bias, residual, eps, offset, out_dtype, residual_in_f
 def _ln_backward(dy, dh, z, weight, bias, mean, rstd, offset, x_dtype, residual_dtype, need_dw=True):
     """`bias` only tells whether (and in which dtype) dbias is wanted: pass None to skip it."""
     need_dw = need_dw and weight is not None
-    return C.launch_backward(
+    per_head = any(p is not None and p.dim() == 2 for p in (weight, bias))
+    dx, dw, db, dr = C.launch_backward(
         _ln_bwd_kernel, dy, dh, z, weight, [mean, rstd], offset, x_dtype, residual_dtype,
-        [weight if need_dw else None, bias], HAS_DW=need_dw, HAS_DB=bias is not None,
+        [None, None] if per_head else [weight if need_dw else None, bias],
+        HAS_DW=need_dw and not per_head, HAS_DB=bias is not None and not per_head,
     )
+    if per_head:
+        # Per-head parameters: each head's dW / dB sums its own rows; torch sums them in fp32 here
+        # (q/k norms are head_dim wide: a per-head partial buffer in the kernel is not worth it).
+        heads = (weight if weight is not None else bias).shape
+        dyf = dy.float().reshape(-1, *heads)
+        if need_dw:
+            xhat = (z.float() - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+            dw = (dyf * xhat.reshape(-1, *heads)).sum(0).to(weight.dtype)
+        if bias is not None:
+            db = dyf.sum(0).to(bias.dtype)
+    return dx, dw, db, dr
 
 
 # ----------------------------------------------------------------------------------------------

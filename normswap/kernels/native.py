@@ -13,6 +13,7 @@ F.layer_norm computes statistics and the affine in fp32 with one final cast. So:
                                    (offset + w formed in fp32), then one cast -- extra traffic, exact
 - layer_norm, offset 0, weight/bias dtype = x.dtype ... native
 - layer_norm otherwise ........... composition: F.layer_norm on fp32 upcasts, one cast
+- per-head (heads, N) parameters . the native op without parameters, the affine in fp32, one cast
 - fused residual ................. not fused: h = x + residual in torch (summed in fp32, stored in
                                    the stream dtype), then the norm of h
 None of these silently changes the arithmetic; they only cost more memory traffic where unfused.
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from normswap.kernels.reference import CASTING_MODES, HALF, norm_result, rms_out_dtype, split_residual
+from normswap.kernels.reference import HALF, norm_result, rms_out_dtype, split_residual
+from normswap.specs import CASTINGS
 
 
 def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dtype=None, residual_in_fp32=False):
-    if casting not in CASTING_MODES:
+    if casting not in CASTINGS:
         raise ValueError(f"unknown casting mode {casting!r}")
     in_dtype = x.dtype
     z, h = split_residual(x, residual, residual_in_fp32)
@@ -45,6 +47,9 @@ def rms_norm(x, weight, eps, offset=0.0, casting="llama", residual=None, out_dty
             normed = normed.to(weight.dtype)
         w = weight if offset == 0 else weight.float() + offset
         y = (w * normed).to(natural)
+    elif weight.dim() > 1:
+        # Per-head (heads, N) weight: the native op takes an (N,) weight only; same fp32 product.
+        y = (F.rms_norm(z.float(), n, None, eps) * (weight.float() + offset)).to(in_dtype)
     elif offset == 0 and weight.dtype == z.dtype:
         y = F.rms_norm(z, n, weight, eps).to(in_dtype)
     else:
@@ -58,7 +63,14 @@ def layer_norm(x, weight, bias, eps, offset=0.0, residual=None, out_dtype=None, 
     n = (z.shape[-1],)
     eps = float(eps)
     native = offset == 0 and all(t is None or t.dtype == z.dtype for t in (weight, bias))
-    if native:
+    if any(t is not None and t.dim() > 1 for t in (weight, bias)):
+        # Per-head (heads, N) parameters: normalise natively, the affine in fp32, one cast.
+        y = F.layer_norm(z.float(), n, None, None, eps)
+        if weight is not None:
+            y = y * (weight.float() + offset)
+        if bias is not None:
+            y = y + bias.float()
+    elif native:
         y = F.layer_norm(z, n, weight, bias, eps)
     else:
         w = None if weight is None else weight.float() + offset

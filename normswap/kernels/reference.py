@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
+from normswap.specs import CASTINGS
+
 HALF = (torch.float16, torch.bfloat16)
-CASTING_MODES = ("llama", "gemma", "t5", "none")
 
 
 def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -85,7 +86,7 @@ def rms_norm_ref(
     residual_in_fp32: bool = False,
 ):
     """RMSNorm over the last dimension. With `residual`, returns (norm(x + residual), x + residual)."""
-    if casting not in CASTING_MODES:
+    if casting not in CASTINGS:
         raise ValueError(f"unknown casting mode {casting!r}")
     in_dtype = x.dtype
     z, h = split_residual(x, residual, residual_in_fp32)

@@ -17,6 +17,7 @@ from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
+from normswap.progress import ProgressFn
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -28,15 +29,19 @@ def convert_directory(
     partial: bool = False,
     dtype: torch.dtype | None = None,
     streaming: bool = True,
-    progress: bool = False,
+    progress: bool | ProgressFn = False,
+    config=None,
+    manifest: bool = True,
 ) -> dict:
     """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
-    directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, manifest.
-    Safetensors checkpoints are converted shard by shard; anything else is loaded whole."""
+    directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, and (unless
+    manifest=False: the caller writes it once, verified) the manifest. Returns the convert section.
+    Safetensors checkpoints are converted shard by shard; anything else is loaded whole.
+    config: loading.load_config(source) when the caller already read it."""
     from normswap import loading
 
     out = Path(out_dir)
-    config = loading.load_config(source)
+    config = loading.load_config(source) if config is None else config
     meta = loading.build_meta_model(source, config)
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     check_refusals(plan, partial)
@@ -68,7 +73,7 @@ def convert_directory(
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
-        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None)
+        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config)
         plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
         if dtype is not None:
             model.to(dtype)
@@ -80,7 +85,8 @@ def convert_directory(
     section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).
-    write_manifest(out, new_manifest(convert=section))
+    if manifest:
+        write_manifest(out, new_manifest(convert=section))
     return section
 
 
@@ -95,11 +101,11 @@ def _run_as_rms(model, manifest) -> None:
     """The speedup path on a converted model: every zero-mean LayerNorm as an RMS norm (reference
     backend: float64 stays float64), every other norm left alone. In place, unverified: the
     caller compares logits."""
-    from normswap.swap import patch
+    from normswap.swap import PatchConfig, patch
 
     forms = rms_forms(manifest)
     if forms:
-        patch(model, "reference", filter_fn=lambda _m, path: path in forms, rms_forms=forms, verify=False)
+        patch(model, PatchConfig("reference", paths=tuple(forms), rms_forms=forms), verify=False)
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
@@ -108,12 +114,14 @@ def tolerance_for(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
 
 
-def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None) -> dict:
+def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None,
+                      config=None) -> dict:
     """Reload the converted directory with stock transformers; compare its logits (and those of
-    its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance."""
+    its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance.
+    config: loading.load_config(source) when the caller already read it."""
     from normswap import loading
 
-    config = loading.load_config(source)
+    config = loading.load_config(source) if config is None else config
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     conv_cfg = loading.load_config(loading.resolve(converted_dir))
     conv_dtype = getattr(conv_cfg, "dtype", None) or stored
@@ -123,7 +131,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
     ids = probe_batch(config) if batch is None else batch
-    original = loading.load_model(source, dtype=run_dtype)
+    original = loading.load_model(source, dtype=run_dtype, config=config)
     ref = probe_logits(original, ids)
     del original
     converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)

@@ -1,0 +1,434 @@
+"""The checkpoint-level API: one call per command, on a model reference (a local directory, a .gguf
+file, a cached hub id, or the embedded default), doing everything the command does.
+
+    patch_checkpoint(model, impl, out=..., in_place=..., ...)   `normswap patch`
+    convert_checkpoint(model, out, ...)                          `normswap convert --to rms`
+    evaluate_checkpoint(model, EvalSettings(data, ...))          `normswap ppl`
+    diff_checkpoints(a, b | patched=impl, settings=...)          `normswap diff`
+
+Each returns a result whose to_dict() is the command's --json document, and takes a progress
+callback progress(stage, done, total) (normswap.progress). Bad input raises NormswapError with a
+one-line message, before any weights are read where it can be told from the config. The command
+line only parses options, calls one of these and renders the result (normswap/cli/).
+
+In half precision the diffs carry a noise floor: the original loaded again in float32 is scored on
+the same windows, and the patch is judged against the original's own distance from it
+(normswap.evaluate.NoiseFloor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import NormswapError
+from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
+from normswap.progress import ProgressFn, step
+from normswap.swap import PatchReport, VerificationError
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation settings and results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What to score and how to cut it into windows (see normswap.evaluate.perplexity)."""
+
+    data: str | os.PathLike  # a text file, .jsonl, a directory of .txt files, a saved datasets dataset
+    text_field: str = "text"
+    max_length: int | None = None  # window length; default and cap: the model's context
+    stride: int | None = None  # default: half the window
+    max_tokens: int | None = None  # score only the first tokens of the data
+    batch_size: int = 1
+
+    def check(self) -> None:
+        """The checks that need no model (window options)."""
+        from normswap.evaluate import check_window_options
+
+        check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size)
+
+    @property
+    def window_kwargs(self) -> dict[str, Any]:
+        return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
+                    batch_size=self.batch_size, text_field=self.text_field)
+
+
+@dataclass(frozen=True)
+class CheckpointPerplexity:
+    """`normswap ppl`: the perplexity of one checkpoint."""
+
+    model: str
+    data: str
+    dtype: str
+    result: PerplexityResult
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "data": self.data, "dtype": self.dtype, **self.result.to_dict()}
+
+
+@dataclass(frozen=True)
+class CheckpointDiff:
+    """`normswap diff` and `normswap patch --eval`: two models on the same windows (B is A patched
+    in memory when model_b says `--patched IMPL` / `--impl IMPL`)."""
+
+    model_a: str
+    model_b: str
+    data: str
+    dtype: str
+    result: DiffResult
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_a": self.model_a, "model_b": self.model_b, "data": self.data, "dtype": self.dtype,
+                **self.result.to_dict()}
+
+
+@dataclass
+class PatchResult:
+    """`normswap patch`: the verified report, where it was saved, and the --eval diff."""
+
+    model: str
+    device: str
+    report: PatchReport
+    saved_to: Path | None = None
+    eval: CheckpointDiff | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, **self.report.to_dict(), "device": self.device,
+                "saved_to": str(self.saved_to) if self.saved_to else None,
+                "eval": self.eval.to_dict() if self.eval else None}
+
+
+@dataclass
+class ConvertResult:
+    """`normswap convert`: the convert section of the manifest (per norm what was folded, kept or
+    refused and why; the verification), where it was written, or why nothing was."""
+
+    model: str
+    section: dict[str, Any] = field(default_factory=dict)
+    out: Path | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)  # for the user, not part of the report
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.section, model=self.model, out=str(self.out) if self.out else None)
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+
+class ConversionRefused(NormswapError):
+    """Some norm cannot be converted (without partial=True) or none can; nothing was written.
+    `.result` holds the per-norm report with the reasons."""
+
+    def __init__(self, message: str, result: ConvertResult):
+        super().__init__(message)
+        self.result = result
+
+
+# ---------------------------------------------------------------------------------------------
+# patch
+# ---------------------------------------------------------------------------------------------
+
+
+def patch_checkpoint(
+    model: str | os.PathLike,
+    impl: str = "triton",
+    *,
+    out: str | os.PathLike | None = None,
+    in_place: bool = False,
+    only: str | None = None,
+    exclude: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str = "auto",
+    strict: bool = False,
+    force: bool = False,
+    max_shard_size: str | int = "5GB",
+    rms: bool = True,
+    fuse_residual: bool = False,
+    evaluation: EvalSettings | None = None,
+    noise_floor: bool | None = None,
+    progress: ProgressFn | None = None,
+) -> PatchResult:
+    """Load `model`, swap every recognised norm for an `impl` module, verify each one and the
+    whole model, optionally diff against the original (`evaluation`) and save (`out`, or
+    `in_place` over the model's own directory, atomically).
+
+    only/exclude: regular expressions on module paths. rms: run the LayerNorms a `normswap
+    convert` manifest marks zero-mean as RMS norms. fuse_residual: also fuse each residual add
+    into the norm that reads the sum (normswap.fuse). noise_floor (default: in half precision)
+    adds the original's float32 self to the evaluation. A failed verification raises
+    VerificationError; its `.result` is this call's PatchResult (nothing was saved).
+    """
+    with contextlib.ExitStack() as held:
+        return _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
+                                 max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress)
+
+
+def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
+                      max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress) -> PatchResult:
+    from normswap import walk
+    from normswap.backends import get_backend
+    from normswap.checkpoint import check_out_target, save_patched, target_lock
+    from normswap.loading import load_config, load_model, parse_device, resolve
+    from normswap.manifest import rms_forms
+    from normswap.swap import patch, regex_filter
+
+    if out is not None and in_place:
+        raise NormswapError("--out and --in-place are exclusive; pick one")
+    filter_fn = regex_filter(only, exclude)
+    device = parse_device(device)
+    get_backend(impl)  # an unavailable implementation fails before the model is loaded
+    torch_dtype = _dtype(dtype)
+    source = resolve(model)
+    config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    target = None
+    if in_place:
+        if source.gguf_file or not Path(model).expanduser().is_dir():
+            raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
+                                "(use --out DIR)")
+        target = source.path
+        _refuse_lossy_in_place(source, config, torch_dtype)
+        held.enter_context(target_lock(target))  # a second --in-place run is refused before it loads anything
+    elif out is not None:
+        target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
+    if target is not None:
+        _check_writable(target)
+    scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
+
+    step(progress, "load", 0, 1)
+    m = load_model(source, dtype=torch_dtype, device=device, config=config)
+    step(progress, "load", 1, 1)
+
+    n = sum(1 for f in walk.find_norms(m, warn=False)
+            if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
+    if n == 0 and filter_fn is not None:
+        raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
+    original = copy.deepcopy(m) if scoring else None
+    forms = rms_forms(source.path) if rms and not source.gguf_file else {}
+    done = iter(range(1, n + 1))
+    step(progress, "patch", 0, n)
+    try:
+        report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
+                       progress=lambda _p: step(progress, "patch", next(done, n), n))
+    except VerificationError as e:
+        e.result = PatchResult(str(model), device or "cpu", e.report)
+        raise
+    result = PatchResult(str(model), device or "cpu", report)
+    if scoring:
+        corpus, tokenizer = scoring
+        reference = _float32_reference(source, config, m, device, noise_floor)
+        diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
+        del original, reference
+        result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff)
+    if target is not None:
+        stages = iter(range(1, 5))
+        step(progress, "save", 0, 4)
+        result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
+                                       max_shard_size=max_shard_size,
+                                       progress=lambda _s: step(progress, "save", next(stages, 4), 4))
+    return result
+
+
+def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
+    """--in-place saves in the dtype the model was loaded in: with another --dtype it would
+    rewrite the user's only copy of the weights (fp32 -> bf16 cannot be undone)."""
+    if dtype is None:
+        return
+    stored = getattr(config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if isinstance(stored, torch.dtype) and stored != dtype:
+        name = str(stored).removeprefix("torch.")
+        raise NormswapError(f"--in-place with --dtype would rewrite the {name} weights of {source.ref} as "
+                            f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
+
+
+def _check_writable(target: Path) -> None:
+    """Fail before the (long) load when the destination's directory cannot take a new entry."""
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{target.name}.normswap-probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as e:
+        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+
+
+def convert_checkpoint(
+    model: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    keep_gain: bool = False,
+    partial: bool = False,
+    dtype: str | torch.dtype | None = None,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+) -> ConvertResult:
+    """Exact LayerNorm -> RMSNorm of a checkpoint into `out`: plan (from the config alone), fold
+    shard by shard, reload with stock transformers and compare logits, write the manifest once,
+    publish atomically. A model that cannot be converted (some norm, without partial=True)
+    raises ConversionRefused with the per-norm report; nothing is written."""
+    from normswap.checkpoint import check_out_target, staged_dir
+    from normswap.convert_dir import convert_directory, verify_conversion
+    from normswap.loading import build_meta_model, load_config, resolve
+    from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
+    from normswap.plan import build_manifest, check_refusals, plan_conversion
+
+    source = resolve(model)
+    config = load_config(source)
+    plan = plan_conversion(build_meta_model(source, config), config, keep_gain=keep_gain)
+    try:
+        check_refusals(plan, partial)
+    except NormswapError as e:
+        report = build_manifest(plan, config, partial=partial)
+        raise ConversionRefused(str(e), ConvertResult(str(model), report, error=str(e))) from None
+    target = check_out_target(out, source.path, force, "converted", "write the conversion elsewhere")
+    earlier = None if source.gguf_file else read_manifest_if_any(source.path)
+    notes = []
+    if earlier is not None and "patch" in earlier:
+        notes.append(f"{model} carries a normswap patch ({earlier['patch']['impl']}); it is not carried into the "
+                     "conversion (run `normswap patch` on the output)")
+    # Same staging and publishing as patch: a fresh directory beside the target, verified there,
+    # then renamed into place (an existing one is exchanged atomically).
+    with staged_dir(target, replace=force) as tmp:
+        step(progress, "convert", 0, None)
+        section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=_dtype(dtype),
+                                    progress=progress or False, config=config, manifest=False)
+        step(progress, "verify", 0, 1)
+        section["verification"] = verify_conversion(source, tmp, section, config=config)
+        step(progress, "verify", 1, 1)
+        write_manifest(tmp, new_manifest(convert=section))
+    return ConvertResult(str(model), section, out=target, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# ppl and diff
+# ---------------------------------------------------------------------------------------------
+
+
+def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dtype: str | torch.dtype | None = None,
+                        progress: ProgressFn | None = None) -> CheckpointPerplexity:
+    """Sliding-window perplexity of a checkpoint on `settings.data`."""
+    from normswap.evaluate import perplexity
+    from normswap.loading import load_config, load_model, resolve
+
+    settings.check()
+    source = resolve(model)
+    config = load_config(source)
+    corpus, tokenizer = _prepare_scoring(settings, source, [config])
+    step(progress, "load", 0, 1)
+    loaded = load_model(source, dtype=_dtype(dtype), config=config)
+    step(progress, "load", 1, 1)
+    result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
+    return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result)
+
+
+def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
+                     patched: str | None = None, dtype: str | torch.dtype | None = None,
+                     noise_floor: bool | None = None, progress: ProgressFn | None = None) -> CheckpointDiff:
+    """A against B, or against A patched in memory with `patched` (an impl; each module verified),
+    on the same windows, tokenised with A's tokenizer. noise_floor (default: in half precision)
+    also scores A loaded in float32 and judges B against A's own distance from it."""
+    from normswap.backends import get_backend
+    from normswap.evaluate import patched_copy
+    from normswap.loading import load_config, load_model, resolve
+
+    if (b is None) == (patched is None):
+        raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
+    settings.check()
+    if patched is not None:
+        get_backend(patched)  # an unavailable implementation fails before anything loads
+    source_a = resolve(a)
+    source_b = resolve(b) if b is not None else None
+    config_a = load_config(source_a)
+    config_b = load_config(source_b) if source_b is not None else config_a
+    corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b)
+    torch_dtype = _dtype(dtype)
+    step(progress, "load", 0, 2)
+    model_a = load_model(source_a, dtype=torch_dtype, config=config_a)
+    step(progress, "load", 1, 2)
+    model_b = (load_model(source_b, dtype=torch_dtype, config=config_b) if source_b is not None
+               else patched_copy(model_a, patched))
+    step(progress, "load", 2, 2)
+    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor)
+    diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
+    name_b = str(b) if b is not None else f"{a} --patched {patched}"
+    return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff)
+
+
+def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None):
+    """(corpus, tokenizer), after every check that needs no weights: window options, the data, A's
+    tokenizer (and B's, which must be the same), the configs' context and vocabulary."""
+    from normswap.data import open_corpus
+    from normswap.evaluate import check_before_loading
+    from normswap.loading import load_tokenizer
+
+    settings.check()
+    corpus = open_corpus(settings.data, settings.text_field)
+    tokenizer = load_tokenizer(source)
+    if source_b is not None:
+        _check_same_tokenizer(tokenizer, source_b)
+    kwargs = settings.window_kwargs
+    check_before_loading(configs, tokenizer, corpus, **kwargs)
+    return corpus, tokenizer
+
+
+def _check_same_tokenizer(tokenizer_a, source_b) -> None:
+    """Both models read A's token ids: B must map them to the same strings, or the numbers compare
+    unrelated predictions (same-sized vocabularies would not even fail the logit-width check)."""
+    from normswap.loading import load_tokenizer
+
+    try:
+        tokenizer_b = load_tokenizer(source_b)
+    except NormswapError:
+        return  # B ships no tokenizer (a bare re-save of A's weights): it reads A's ids by design
+    if tokenizer_a.get_vocab() != tokenizer_b.get_vocab():
+        raise NormswapError(f"A and B have different tokenizers ({len(tokenizer_a)} vs {len(tokenizer_b)} "
+                            f"tokens, or the same tokens numbered differently); a diff needs one tokenizer")
+
+
+def _float32_reference(source, config, model, device, wanted: bool | None):
+    """A's float32 self for the noise floor: by default only when A runs in half precision."""
+    from normswap.loading import load_model
+
+    half = _model_dtype(model) in HALF_DTYPES
+    if wanted is False or (wanted is None and not half):
+        return None
+    return load_model(source, dtype=torch.float32, device=device, config=config)
+
+
+def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference, progress) -> DiffResult:
+    from normswap.evaluate import diff_models
+
+    return diff_models(model_a, model_b, tokenizer, corpus, progress=progress or False, reference=reference,
+                       **settings.window_kwargs)
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    from normswap.loading import parse_dtype
+
+    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+
+
+def _model_dtype(model) -> torch.dtype:
+    from normswap.verify import model_dtype
+
+    return model_dtype(model)
+
+
+def _dtype_name(model) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")

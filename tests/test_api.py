@@ -1,0 +1,187 @@
+"""The checkpoint-level API (normswap.api): each call does what its command does, its result's
+to_dict() is the command's --json document, progress arrives through the callback, and in half
+precision the diff is judged against the dtype's own noise floor."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny, tiny_model, tiny_tokenizer
+
+import normswap
+from normswap import api
+from normswap.cli import cli
+from normswap.evaluate import NOISE_KL_FACTOR, diff_models
+from normswap.loading import load
+from normswap.manifest import read_manifest
+from normswap.modules import RmsForm
+from normswap.swap import PatchConfig, patch
+
+TEXT = "In the beginning God created the heaven and the earth. And the earth was without form. " * 6
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    save_tiny("llama", root / "llama")
+    save_tiny("gpt2", root / "gpt2")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def small_probes(monkeypatch):
+    """The numeric proof is tested elsewhere; small probes keep these runs quick."""
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+
+
+def cli_json(*args):
+    result = CliRunner().invoke(cli, [*map(str, args), "--json"])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def as_json(d: dict) -> dict:
+    """What emit() writes: strict JSON (tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(d, default=str))
+
+
+# -- PatchConfig -------------------------------------------------------------------------------
+
+
+def test_patch_config_round_trips_and_is_hashable():
+    config = PatchConfig("torch", paths=["b", "a"], rms_forms={"a": {"weight": False, "bias": True}}, strict=True)
+    assert config.paths == ("a", "b") and config.forms == {"a": RmsForm(weight=False, bias=True)}
+    assert PatchConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert hash(config) == hash(PatchConfig.from_dict(config.to_dict()))
+    with pytest.raises(ValueError):
+        PatchConfig("")
+
+
+def test_patch_applies_a_config_and_reports_the_one_that_does_it_again():
+    model = tiny_model("llama")
+    wanted = ("model.layers.0.input_layernorm", "model.norm")
+    report = patch(model, PatchConfig("torch", paths=wanted), verify=False)
+    assert tuple(sorted(m.path for m in report.patched)) == wanted
+    assert {m.status for m in report.modules if m.path not in wanted} == {"excluded"}
+    assert report.config == PatchConfig("torch", paths=wanted)
+    again = tiny_model("llama")
+    assert patch(again, report.config, verify=False).config == report.config
+
+
+# -- patch_checkpoint --------------------------------------------------------------------------
+
+
+def test_patch_checkpoint_is_the_patch_command(root, tmp_path):
+    calls = []
+    result = normswap.patch_checkpoint(root / "llama", "torch", out=tmp_path / "lib",
+                                       evaluation=api.EvalSettings(root / "text.txt", max_length=32),
+                                       progress=lambda *a: calls.append(a))
+    assert result.report.ok and result.saved_to == (tmp_path / "lib").resolve()
+    stages = [c[0] for c in calls]
+    assert stages[0] == "load" and ("patch", 5, 5) in calls and calls[-1] == ("save", 4, 4)
+    assert stages.index("patch") < stages.index("diff") < stages.index("save")
+    assert result.eval.result.noise_floor is None  # fp32: no half-precision noise to judge against
+    doc = cli_json("patch", root / "llama", "--impl", "torch", "--out", tmp_path / "cli", "--eval", root / "text.txt",
+                   "--eval-max-length", 32)
+    mine = as_json(result.to_dict())
+    assert mine.pop("saved_to").endswith("lib") and doc.pop("saved_to").endswith("cli")
+    assert mine == doc
+    # The manifest's patch section is the config, and normswap.load applies it again.
+    section = read_manifest(tmp_path / "lib")["patch"]
+    assert PatchConfig.from_dict(section) == result.report.config
+    assert load(tmp_path / "lib").normswap_report.config == result.report.config
+
+
+def test_a_failed_patch_carries_its_result(root, monkeypatch):
+    from normswap.swap import VerificationError
+
+    monkeypatch.setattr("normswap.verify.MEAN_RATIO", 0.0)  # nothing can pass
+    with pytest.raises(VerificationError) as e:
+        api.patch_checkpoint(root / "llama", "torch")
+    assert e.value.result.model == str(root / "llama") and not e.value.result.to_dict()["ok"]
+
+
+# -- convert_checkpoint ------------------------------------------------------------------------
+
+
+def test_convert_checkpoint_is_the_convert_command(root, tmp_path):
+    stages = []
+    result = api.convert_checkpoint(root / "gpt2", tmp_path / "lib", progress=lambda s, d, t: stages.append(s))
+    assert result.out == (tmp_path / "lib").resolve() and result.section["verification"]["passed"]
+    assert {"convert", "verify"} <= set(stages)
+    doc = cli_json("convert", root / "gpt2", "--to", "rms", "--out", tmp_path / "cli")
+    mine = as_json(result.to_dict())
+    assert mine.pop("out").endswith("lib") and doc.pop("out").endswith("cli")
+    assert mine == doc
+    assert read_manifest(tmp_path / "lib")["convert"] == as_json(result.section)
+
+
+def test_convert_checkpoint_refusal_carries_the_report(tmp_path):
+    save_tiny("bert", tmp_path / "bert")
+    with pytest.raises(api.ConversionRefused) as e:
+        api.convert_checkpoint(tmp_path / "bert", tmp_path / "out")
+    doc = e.value.result.to_dict()
+    assert doc["out"] is None and doc["error"] == str(e.value) and all(n["why_not"] for n in doc["norms"])
+    assert not (tmp_path / "out").exists()
+
+
+# -- evaluate_checkpoint / diff_checkpoints ------------------------------------------------------
+
+
+def test_evaluate_and_diff_are_the_ppl_and_diff_commands(root):
+    settings = api.EvalSettings(root / "text.txt", max_length=32)
+    ppl = api.evaluate_checkpoint(root / "llama", settings)
+    assert as_json(ppl.to_dict()) == cli_json("ppl", root / "llama", "--data", root / "text.txt", "--max-length", 32)
+    diff = api.diff_checkpoints(root / "llama", settings=settings, patched="torch")
+    assert as_json(diff.to_dict()) == cli_json("diff", root / "llama", "--patched", "torch", "--data",
+                                               root / "text.txt", "--max-length", 32)
+    assert diff.result.ppl_a == pytest.approx(ppl.result.ppl, rel=1e-12)
+
+
+# -- the noise floor ------------------------------------------------------------------------------
+
+
+def test_half_precision_diff_is_judged_against_the_noise_floor(root):
+    settings = api.EvalSettings(root / "text.txt", max_length=32)
+    d = api.diff_checkpoints(root / "llama", settings=settings, patched="torch", dtype="bf16")
+    noise = d.result.noise_floor
+    assert noise is not None and noise.dtype == "bfloat16" and noise.limit == NOISE_KL_FACTOR
+    # bf16 really is away from float32, and a faithful kernel is as far from it as the original
+    assert noise.original.kl_mean > 0 and noise.patched.kl_mean > 0
+    assert noise.within and noise.kl_ratio <= NOISE_KL_FACTOR and "within the bfloat16 noise" in noise.verdict
+    assert noise.ppl_reference == pytest.approx(api.evaluate_checkpoint(root / "llama", settings).result.ppl)
+    doc = d.to_dict()["noise_floor"]
+    assert doc["within"] and set(doc["original"]) == {"delta_ppl", "relative_delta", "kl_mean", "kl_max",
+                                                      "top1_agreement"}
+    human = CliRunner().invoke(cli, ["diff", str(root / "llama"), "--patched", "torch", "--data",
+                                     str(root / "text.txt"), "--max-length", "32", "--dtype", "bf16"])
+    assert human.exit_code == 0 and noise.verdict in human.stdout
+
+
+def test_patch_eval_in_half_precision_reports_the_noise_floor(root):
+    result = api.patch_checkpoint(root / "llama", "torch", dtype="bf16",
+                                  evaluation=api.EvalSettings(root / "text.txt", max_length=32))
+    noise = result.to_dict()["eval"]["noise_floor"]
+    assert noise["dtype"] == "bfloat16" and noise["within"] and noise["verdict"].startswith("bfloat16 noise floor")
+
+
+def test_a_bug_is_outside_the_noise_floor():
+    """A patched model that is wrong (here: one norm with another eps) is far outside the noise."""
+    reference = tiny_model("llama", dtype=torch.float32)
+    original = copy.deepcopy(reference).to(torch.bfloat16)
+    broken = copy.deepcopy(original)
+    broken.model.layers[0].input_layernorm.variance_epsilon = 0.5
+    faithful = copy.deepcopy(original)
+    patch(faithful, "torch", verify=False)
+    kwargs = dict(max_length=32, progress=False, reference=reference)
+    good = diff_models(original, faithful, tiny_tokenizer(), TEXT, **kwargs).noise_floor
+    bad = diff_models(original, broken, tiny_tokenizer(), TEXT, **kwargs).noise_floor
+    assert good.within and not bad.within
+    assert bad.kl_ratio > 10 * NOISE_KL_FACTOR and "OUTSIDE the bfloat16 noise" in bad.verdict
