@@ -551,6 +551,30 @@ def test_recovered_share_is_against_the_fine_tuned_control():
     assert {r["arm"]: r for r in summary_rows(arms)}["approx+ft"]["recovered"] == pytest.approx(0.6)
 
 
+def test_a_stop_on_another_process_stops_every_process(tmp_path):
+    """Under `accelerate launch` each process gets Ctrl-C at its own moment: all of them must stop
+    (and checkpoint) at the same step, here seen from a process whose own flag is never set while
+    another process's is (its reduce reports one stopping process)."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    class SecondProcess(Accelerator):
+        num_processes = 2  # as seen by the flag exchange (and the batch split: this is rank 0 of 2)
+
+        def reduce(self, tensor, reduction="sum", scale=1.0):
+            return tensor + 1 if reduction == "sum" else tensor  # the other process is stopping
+
+    accelerator = SecondProcess(cpu=True)
+    model = random_layer_norm_gpt2()
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=5, warmup_steps=0, checkpoint_every=10)
+    with pytest.raises(Interrupted, match="stopped at step 1 of 5"):
+        train(accelerator, model, settings, batches, tmp_path / "state", progress=False, stop=StopFlag())
+    assert (tmp_path / "state" / "LATEST").read_text() == "step-000001"  # checkpointed before stopping
+
+
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
     import signal
 
