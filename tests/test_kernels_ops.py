@@ -200,3 +200,73 @@ def test_per_head_weight_shape_errors():
 
     with pytest.raises(NormswapError, match="shapes differ"):
         layer_norm(x, torch.ones(3, 8, device=DEV), torch.zeros(8, device=DEV), 1e-5)
+
+
+def _fused_grads(op, x, r, residual_in_fp32):
+    """Gradients of the fused add + norm with respect to x and the residual, through both outputs."""
+    gen = torch.Generator().manual_seed(7)
+    w = rand_weight(x.shape[-1], FP32, 0.0, gen).to(DEV).requires_grad_()
+    if op == "rms":
+        y, h = rms_norm(x, w, 1e-5, residual=r, residual_in_fp32=residual_in_fp32)
+    else:
+        b = (0.3 * torch.randn(x.shape[-1], generator=gen)).to(DEV).requires_grad_()
+        y, h = _ln(x, w, b, 1e-5, residual=r, residual_in_fp32=residual_in_fp32)
+    dy, dh = _rand(y.shape, y.dtype, gen), _rand(h.shape, h.dtype, gen)
+    return y, h, torch.autograd.grad((y, h), (x, r), (dy, dh)), (dy, dh), w
+
+
+def _ln(*args, **kwargs):
+    from normswap.kernels.layer_norm import layer_norm
+
+    return layer_norm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_residual_gradient_is_written_once(op):
+    """h = x + r hands its gradient unchanged to x and r: with one dtype the backward writes it once
+    and returns that tensor for both (issue 13: a second copy was a full extra write); a residual
+    of another dtype gets its own rounding. Values are checked against float64 autograd."""
+    gen = torch.Generator().manual_seed(3)
+    for dtype, r_dtype, in_fp32 in ((BF16, BF16, False), (FP32, FP32, False), (BF16, BF16, True),
+                                    (BF16, FP32, True)):
+        x = _rand((6, 48), dtype, gen).requires_grad_()
+        r = _rand((6, 48), r_dtype, gen, shift=0.5).requires_grad_()
+        y, h, (gx, gr), (dy, dh), w = _fused_grads(op, x, r, in_fp32)
+        shared = gx.data_ptr() == gr.data_ptr()
+        assert shared == (r_dtype == dtype), (dtype, r_dtype, in_fp32)
+        assert gr.dtype == r.dtype and gx.dtype == x.dtype
+        # float64 reference of the same graph (h as the kernel stores it)
+        x64, r64 = x.detach().double().requires_grad_(), r.detach().double().requires_grad_()
+        h64 = x64 + r64
+        if op == "rms":
+            y64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.detach().double()
+        else:
+            y64 = torch.nn.functional.layer_norm(h64, (48,), eps=1e-5) * w.detach().double()
+        g64 = torch.autograd.grad((y64, h64), (x64, r64), (dy.double(), dh.double()))
+        tol = 5e-2 if dtype == BF16 else 1e-4
+        for g, ref in zip((gx, gr), g64, strict=True):
+            err = (g.double() - ref).abs().max() / ref.abs().max()
+            assert err < tol, (op, dtype, r_dtype, in_fp32, float(err))
+
+
+@pytest.mark.parametrize("op", ["rms", "ln"])
+def test_residual_that_is_x_itself_gets_both_gradients(op):
+    """The shared gradient tensor must not be accumulated into in place: norm(x, residual=x) needs
+    the sum of both paths (2x the single gradient), not a doubled-then-redoubled buffer."""
+    gen = torch.Generator().manual_seed(5)
+    x = _rand((4, 32), FP32, gen)
+    x2 = x.clone().requires_grad_()
+    gen = torch.Generator().manual_seed(7)
+    w = rand_weight(32, FP32, 0.0, gen).to(DEV)
+    if op == "rms":
+        y, h = rms_norm(x2, w, 1e-5, residual=x2)
+        ref = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
+    else:
+        b = (0.3 * torch.randn(32, generator=gen)).to(DEV)
+        y, h = _ln(x2, w, b, 1e-5, residual=x2)
+        ref = lambda t: torch.nn.functional.layer_norm(t, (32,), w, b, 1e-5)  # noqa: E731
+    (g,) = torch.autograd.grad(y.sum() + h.sum(), x2)
+    x3 = x.detach().clone().requires_grad_()
+    h3 = x3 + x3
+    (g_ref,) = torch.autograd.grad(ref(h3).sum() + h3.sum(), x3)
+    torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)

@@ -553,6 +553,23 @@ def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_
     return (dx, *dparams, dr)
 
 
+def needs_separate_residual_grad(x_dtype, residual_dtype) -> bool:
+    """h = x + residual passes its gradient unchanged to both terms, so where they share a dtype
+    the backward writes it once (dx) and hands the same tensor back as the residual's gradient:
+    a second copy would cost a full extra write of the rows. Only a residual kept in another dtype
+    (residual_in_fp32) needs its own rounding of it."""
+    return residual_dtype is not None and residual_dtype != x_dtype
+
+
+def residual_grad(dx, dr, residual_dtype, separate):
+    """The residual's gradient for the autograd formula (see needs_separate_residual_grad). The
+    op's own outputs never alias (custom ops forbid it); autograd accepts one tensor as the
+    gradient of two inputs and never accumulates into a buffer that is shared."""
+    if residual_dtype is None:
+        return None
+    return dr if separate else dx
+
+
 def fake_forward(x, residual, residual_in_fp32, n_stats, y_dtype):
     """What launch_forward returns, as empty tensors (the ops' fake impls for torch.compile)."""
     h_dtype = stream_dtype(residual, residual_in_fp32)

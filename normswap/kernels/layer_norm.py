@@ -297,10 +297,11 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     # Frozen parameters (no grad wanted) skip their partial sums entirely.
     need_dw = weight is not None and ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
+    separate_dr = C.needs_separate_residual_grad(ctx.x_dtype, ctx.residual_dtype)
     dx, dw, db, dr = layer_norm_bwd(dy, dh, z, weight, bias if need_db else None, mean, rstd, ctx.offset,
-                                    ctx.x_dtype, ctx.residual_dtype, need_dw)
+                                    ctx.x_dtype, ctx.residual_dtype if separate_dr else None, need_dw)
     return (dx, dw if need_dw else None, db if need_db else None,
-            dr if ctx.residual_dtype is not None else None, None, None, None, None)
+            C.residual_grad(dx, dr, ctx.residual_dtype, separate_dr), None, None, None, None)
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -288,9 +288,10 @@ def _backward(ctx, dy, dh, _drstd):
         dy = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
     # A frozen weight (no grad wanted) skips the dW partial sums entirely.
     need_dw = weight is not None and ctx.needs_input_grad[1]
-    dx, dw, dr = rms_norm_bwd(dy, dh, z, weight, rstd, ctx.offset, ctx.casting, ctx.x_dtype, ctx.residual_dtype,
-                              need_dw)
-    return (dx, dw if need_dw else None, dr if ctx.residual_dtype is not None else None,
+    separate_dr = C.needs_separate_residual_grad(ctx.x_dtype, ctx.residual_dtype)
+    dx, dw, dr = rms_norm_bwd(dy, dh, z, weight, rstd, ctx.offset, ctx.casting, ctx.x_dtype,
+                              ctx.residual_dtype if separate_dr else None, need_dw)
+    return (dx, dw if need_dw else None, C.residual_grad(dx, dr, ctx.residual_dtype, separate_dr),
             None, None, None, None, None)
 
 
