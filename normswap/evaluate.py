@@ -41,6 +41,7 @@ import torch
 from normswap.data import Corpus, open_corpus
 from normswap.errors import NormswapError
 from normswap.progress import ProgressFn
+from normswap.verify import model_output
 
 # Config attributes that hold a model's context length, by the names the families use.
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -355,13 +356,6 @@ def _need_tokenizer(tokenizer):
 # ----------------------------------------------------------------------------- scoring
 
 
-def _device_of(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
 def _check_causal(model) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
@@ -400,9 +394,8 @@ def _model_name(model) -> str:
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids.to(_device_of(model)), use_cache=False)
-    logits = getattr(out, "logits", None)
-    if logits is None:
+    kind, logits = model_output(model, {"input_ids": ids, "use_cache": False}, raw=True)
+    if kind != "logits":
         raise NormswapError(f"{type(model).__name__} returns no logits (a model without a language-model head?)")
     return logits
 
