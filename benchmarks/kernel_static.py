@@ -326,6 +326,18 @@ def analyse(launch: Launch, workdir: Path) -> dict:
         "cp_async_widths": _widths(row_ops, ("LDGSTS",)),
         "local": sum(1 for o in mem if o["op"] in ("LDL", "STL")),
         "narrow_row_ops": [f"{o['op']}.{o['bits']}: {o['source']}" for o in row_ops if o["bits"] < 128],
+        "wait": split_row_wait(k.asm["ptx"]),
+    }
+
+
+def split_row_wait(ptx: str) -> dict:
+    """How a split-row kernel's programs wait for each other, read from the PTX: the arrival is a
+    release and the poll an acquire, both at GPU scope (the chunks of a row run on different SMs;
+    CTA scope would order nothing between them), and the poll loop is bounded (a trap ends it)."""
+    return {
+        "release_gpu": len(re.findall(r"\b(?:red|atom)\.global\.gpu\.release\b", ptx)),
+        "acquire_gpu": len(re.findall(r"\b(?:ld|atom)\.global\.gpu\.acquire\b", ptx)),
+        "trap": len(re.findall(r"^\s*trap;", ptx, re.M)),
     }
 
 
@@ -344,6 +356,17 @@ def problems(case: dict, res: dict) -> list[str]:
         out.append(f"spills {res['spill_bytes']} bytes ({res['local']} local-memory instructions)")
     if case["N"] % 16 == 0 and res["narrow_row_ops"]:
         out.append("row accesses narrower than 16 bytes: " + "; ".join(sorted(set(res["narrow_row_ops"]))))
+    if res["tile"].get("CHUNKS", 1) > 1:
+        # Split rows wait for each other: co-resident only under a cooperative launch, their
+        # partials published and read with GPU-scope release/acquire, the wait bounded, and no
+        # cp.async prefetch (it could read a row's partials ahead of that row's wait).
+        w = res["wait"]
+        if not res["cooperative"]:
+            out.append("split rows launched without launch_cooperative_grid")
+        if not (w["release_gpu"] and w["acquire_gpu"] and w["trap"]):
+            out.append(f"split-row wait is not a bounded GPU-scope release/acquire: {w}")
+        if res["cp_async"]:
+            out.append(f"split-row loop is software-pipelined ({res['cp_async']} cp.async)")
     return out
 
 

@@ -171,8 +171,9 @@ def pass_bytes(op: str, pass_: str, m: int, n: int, e: int, residual: bool) -> i
     fwd = (4 if residual else 2) * rows + params * n * e             # x (+r) read, y (+h) written
     if pass_ == "fwd":
         return fwd
-    # saved input + dy (+ dh) read, dx (+ dr) written; weights read, their grads written
-    bwd = (5 if residual else 3) * rows + 2 * params * n * e
+    # saved input + dy (+ dh) and the weight read (never the bias: its grad needs none of it),
+    # dx (+ dr) and every parameter's grad written
+    bwd = (5 if residual else 3) * rows + (1 + params) * n * e
     return fwd + bwd
 
 

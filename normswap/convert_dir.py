@@ -18,7 +18,14 @@ from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.progress import ProgressFn
-from normswap.verify import ProbeConfig, logits_rtol, model_output, probe_batch
+from normswap.verify import (
+    ProbeConfig,
+    check_reference_output,
+    check_weights,
+    logits_rtol,
+    model_output,
+    probe_batch,
+)
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -132,7 +139,9 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
     batch = probe_batch(config, ProbeConfig(batch=2, seq_len=32)) if batch is None else batch
     original = loading.load_model(source, dtype=run_dtype, config=config)
+    check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
     ref = model_output(original, batch, raw=True)[1]
+    check_reference_output("logits", ref, f"{source.ref} (the original)")
     del original
     converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
     got = model_output(converted, batch, raw=True)[1]

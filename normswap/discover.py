@@ -217,7 +217,7 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
 class Term:
     """One summand of a norm's input."""
 
-    kind: str  # "writer" | "embedding" | "norm" | "other"
+    kind: str  # "writer" | "embedding" | "param" | "norm" | "other"
     ref: str  # module path (writer, norm, embedding module) or a description (other)
     key: tuple | None = None  # the term's tensor in the trace
     orientation: str | None = None  # writers
@@ -250,6 +250,7 @@ class Discovery:
     writers: list[tuple[str, str]]  # (module, orientation) whose output rows and bias are centered
     untie: tuple[str, str] | None  # (head module, table module) tied and to be untied
     note: str | None = None  # a trace that failed
+    params: list[str] = field(default_factory=list)  # parameters added into the stream as is
 
 
 def is_layer_norm(mod: nn.Module) -> bool:
@@ -361,7 +362,11 @@ class _Analysis:
             if o is not None:
                 return [Term("writer", path, key, o)]
         if key in self.tr.params:
-            return [Term("other", f"the parameter {self.tr.params[key][0]} added as is", key)]
+            names = self.tr.params[key]
+            shape = self._param_shape(key)
+            if len(names) == 1 and shape and shape[-1] == hidden:  # a bias vector added as is: centered
+                return [Term("param", names[0], key)]
+            return [Term("other", f"the parameter {names[0]} added as is", key)]
         i = self.tr.producer.get(key)
         if i is None:
             return [Term("other", "a tensor made outside the traced forward", key)]
@@ -530,7 +535,9 @@ class _Analysis:
                 f.refuse("post-ln", _OUTPUT_IS_STREAM + ", and no norm reading that stream converts")
         converting = [p for p, f in found.items() if f.category is None]
         tables, writers, untie = self._centered(found, converting, bake)
-        return Discovery(found, tables, writers, untie)
+        converting = [p for p, f in found.items() if f.category is None]
+        params = sorted({t.ref for p in converting for t in found[p].terms if t.kind == "param"})
+        return Discovery(found, tables, writers, untie, params=params)
 
     def _check_form(self, p: str, f: NormFinding, c: _Call) -> None:
         mod = self.modules[p]

@@ -62,6 +62,11 @@ def run_job(
         for s0, n in _slices(table.shape[0], table.shape[-1]):
             res[s0:s0 + n] = fold.center_embedding(table[s0:s0 + n].to(f64))
         out[name] = res
+    elif job.kind == "center_param":  # a parameter added into the stream as is (a bias vector)
+        name = job.outputs[0]
+        t = read(name)
+        rows = fold.center_embedding(t.reshape(-1, t.shape[-1]).to(f64))
+        out[name] = cast(name, rows.reshape(t.shape), t)
     elif job.kind == "center_writer":
         w_name, b_name = f"{m}.weight", f"{m}.bias"
         w0 = read(w_name)

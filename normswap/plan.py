@@ -55,7 +55,7 @@ class NormDecision:
 class Job:
     """One group of tensors transformed together (the unit the streaming path holds in memory)."""
 
-    kind: str  # center_embedding | center_writer | fold_reader | reset_norm | bake | copy
+    kind: str  # center_embedding | center_param | center_writer | fold_reader | reset_norm | bake | copy
     module: str
     outputs: list[str]
     inputs: list[str]
@@ -111,6 +111,7 @@ class Layout:
     source: str | None  # the arch file, or None when discovered
     tables: list[str] = field(default_factory=list)  # embeddings whose rows are centered
     writers: list[tuple[str, str]] = field(default_factory=list)  # (module, orientation)
+    params: list[str] = field(default_factory=list)  # parameters added into the stream as is
     bakes: list[tuple[str, str]] = field(default_factory=list)  # (embedding norm, its table)
     readers: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)  # norm -> readers
     refused: dict[str, tuple[str, str]] = field(default_factory=dict)  # norm -> (category, reason)
@@ -166,7 +167,8 @@ def _nothing_to_convert(model_type: str, modules: dict) -> None:
 
 def _layout_from_discovery(model) -> Layout:
     d = discover(model)
-    layout = Layout(None, tables=list(d.tables), writers=list(d.writers), norms=list(d.norms))
+    layout = Layout(None, tables=list(d.tables), writers=list(d.writers), params=list(d.params),
+                    norms=list(d.norms))
     if d.untie is not None:
         layout.untie = (f"{d.untie[0]}.weight", f"{d.untie[1]}.weight")
     for p, f in d.norms.items():
@@ -306,6 +308,8 @@ def _build_plan(model_type: str, layout: Layout, modules: dict, lns: dict, keep_
     jobs: list[Job] = []
     for t in tables:
         jobs.append(Job("center_embedding", t, [f"{t}.weight"], [f"{t}.weight"]))
+    for name in layout.params:
+        jobs.append(Job("center_param", name.rsplit(".", 1)[0], [name], [name]))
     for p, o in writers:
         outs = [f"{p}.weight"] + ([f"{p}.bias"] if _has_bias(modules[p]) else [])
         jobs.append(Job("center_writer", p, outs, list(outs), orientation=o))
@@ -377,7 +381,7 @@ def _build_plan(model_type: str, layout: Layout, modules: dict, lns: dict, keep_
     return Plan(
         model_type, source, list(norms.values()), jobs,
         embeddings=tables + [t for _, t in layout.bakes] if any_converted else [],
-        writers=[p for p, _ in writers] if any_converted else [],
+        writers=[p for p, _ in writers] + list(layout.params) if any_converted else [],
         untie=untie, aliases=aliases, keep_gain=keep_gain,
     )
 

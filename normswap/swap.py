@@ -22,6 +22,7 @@ from torch import nn
 
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
@@ -243,7 +244,9 @@ def patch(
     probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
-    dtype = dtype or model_dtype(model)
+    dtype = parse_dtype(dtype) or model_dtype(model)
+    if verify or check_model:
+        verify_mod.check_weights(model)
     rms_forms = _coerce_rms_forms(rms_forms)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify, strict=strict)
 
@@ -286,6 +289,7 @@ def patch(
             batch = None
         if batch is not None:
             kind, before = model_output(model, batch)
+            verify_mod.check_reference_output(kind, before)
 
     swapped: list[tuple[str, nn.Module]] = []
     try:

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import BadInputError, NormswapError
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
@@ -364,6 +364,36 @@ def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtype
 
 # -- whole model ------------------------------------------------------------------------------
 
+def check_weights(model: nn.Module, what: str = "the model") -> None:
+    """Refuse weights that no numeric proof can be built on, naming the tensor: a NaN or an Inf
+    in the input would make both the original and the replacement produce NaN, and the check
+    would blame the replacement. Meta tensors (no values at all) are refused the same way."""
+    meta, real = [], []
+    for path, module in model.named_modules():
+        hook = vars(module).get("_hf_hook")
+        offloaded = hook is not None and getattr(hook, "offload", False)  # values live in the hook
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            (real if not p.is_meta else meta if not offloaded else []).append((full, p))
+    if meta:
+        raise BadInputError(f"{what} has no weights to verify with: {meta[0][0]} (and {len(meta) - 1} more) is on "
+                            "the meta device; load the weights first, or pass verify=False")
+    for name, p in real:
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            nan, inf = int(torch.isnan(p).sum()), int(torch.isinf(p).sum())
+            raise BadInputError(f"{what} is corrupt: {name} holds {nan} NaN and {inf} infinite value(s) "
+                                f"(of {p.numel()}); nothing can be verified against it")
+
+
+def check_reference_output(kind: str, output: torch.Tensor, what: str = "the original model") -> None:
+    """The output every later one is compared with must be finite, or the comparison would blame
+    whatever comes after (the kernel, the conversion) for the input's own NaN."""
+    bad = ~torch.isfinite(output)
+    if bool(bad.any()):
+        raise BadInputError(f"{what} already gives non-finite {kind} ({int(bad.sum())} of {output.numel()}) on "
+                            "the probe batch, with finite weights; nothing can be verified against it")
+
+
 def probe_batch(model_or_config, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
     """Token ids for one forward pass of a model (or of the model a config describes): above the
     special ids, below the vocabulary size, no longer than the context. The one probe batch of
@@ -372,7 +402,7 @@ def probe_batch(model_or_config, cfg: ProbeConfig = ProbeConfig()) -> dict[str, 
     vocab = getattr(config, "vocab_size", 0)
     vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 0
     if vocab < 2:
-        raise NormswapError("cannot build a probe batch: the model's config has no vocab_size")
+        raise BadInputError("cannot build a probe batch: the model's config has no vocab_size")
     context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq_len = min(cfg.seq_len, int(context)) if isinstance(context, int) and context > 0 else cfg.seq_len
     g = torch.Generator().manual_seed(cfg.seed + 1)

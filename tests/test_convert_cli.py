@@ -168,6 +168,26 @@ def test_real_architecture_without_data_converts_by_discovery(tmp_path):
     assert data["verification"]["passed"] and data["verification"]["max_rel_logit_error"] <= 1e-4
 
 
+def test_discovered_refusals_and_partial(tmp_path):
+    """No architecture file (Persimmon, q/k LayerNorms): refused whole without --partial (exit 2,
+    the category and reason on stderr, nothing written); with it the stream norms convert and the
+    stock reload verifies, the q/k norms stay LayerNorms."""
+    cfg = transformers.PersimmonConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=48, max_position_embeddings=64, qk_layernorm=True)
+    torch.manual_seed(0)
+    randomize_norms_and_biases(transformers.PersimmonForCausalLM(cfg)).save_pretrained(tmp_path / "p")
+    r = run(tmp_path / "p", "--to", "rms", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "--partial" in r.stderr and not (tmp_path / "o").exists()
+    assert "not a sum of residual-stream writers" in r.stderr and r.stderr.count("\n") == 1
+    assert "no (not-stream)" in r.stdout and "discovered from the model's forward" in r.stdout
+    r = run(tmp_path / "p", "--to", "rms", "--out", tmp_path / "o", "--json", "--partial")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["summary"]["converted"] == 5 and data["summary"]["refused"] == 4
+    assert {n["category"] for n in data["norms"] if not n["rms"]} == {"not-stream"}
+    assert data["verification"]["passed"]
+
+
 def test_truncated_shard_is_bad_input(gpt2_dir, tmp_path):
     """A corrupt checkpoint is the user's input, not an internal error: one line, exit 2."""
     import shutil

@@ -67,6 +67,11 @@ def test_representative_kernels_are_spill_free_and_16_byte_wide(tmp_path):
             # Wider than one program's registers: the row is split over co-resident programs (read
             # once), launched cooperatively, the grid a whole number of row groups that all fit.
             assert chunks > 1 and r["cooperative"], r
+            # The programs of a row wait for each other: GPU-scope release/acquire, a bounded poll
+            # (a trap, never a hang), and no cp.async prefetch that could run ahead of the wait.
+            w = r["wait"]
+            assert w["release_gpu"] >= 1 and w["acquire_gpu"] >= 1 and w["trap"] >= 1, r
+            assert r["cp_async"] == 0, r
             assert r["grid"][0] % chunks == 0
             assert r["grid"][0] <= 132 * r["programs_per_sm"]
         else:

@@ -25,9 +25,11 @@ def _render(data: dict) -> None:
         kept = f"yes: {n['kept_bias_why']}" if n["kept_bias"] else "-"
         if n["baked"]:
             kept = f"baked into the token table (s = {n['bake_scale']:.4g})" if n["bake_scale"] else "baked"
-        rms = ("yes" + (" (weight kept)" if n["rms_weight"] == "weight" else "")) if n["rms"] else f"no: {n['why_not']}"
+        rms = ("yes" + (" (weight kept)" if n["rms_weight"] == "weight" else "")) if n["rms"] else f"no ({n['category']}): {n['why_not']}"
         t.add_row(n["path"], _yes(n["folded_gain"]), _yes(n["folded_bias"]), kept, rms)
     console.print(t)
+    console.print("layout: " + (f"normswap/archs/{data['arch_file']}" if data.get("arch_file") else
+                                "discovered from the model's forward"))
     s = data["summary"]
     console.print(
         f"{s['converted']}/{s['norms']} norms convertible to RMS; folded γ into readers of {s['folded_gain']}, "

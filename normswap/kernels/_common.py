@@ -49,6 +49,11 @@ INTERPRETER_TILE = 1 << 16
 # Row groups of a split-row launch on the interpreter: two, so the persistent loop is exercised.
 INTERPRETER_ROW_GROUPS = 2
 
+# Polls of a row's arrival counter before a split-row program gives up and traps (~1 us each: tens
+# of seconds, against microseconds for a real wait). Cooperative launches make the wait finite;
+# this bound is the safety net if that guarantee is ever lost (a launcher that drops the flag).
+SPIN_LIMIT = tl.constexpr(1 << 24)
+
 # Tests set this to True: every output buffer then starts as NaN (poisoned), so an element a
 # kernel forgets to write cannot pass for a correct one.
 POISON_OUTPUTS = False
@@ -169,9 +174,14 @@ def publish_and_gather(PART, COUNT, row, chunk, M, p0, p1, NSTAT: tl.constexpr, 
         # acquire loop then orders the reads below after every chunk's announcement.
         tl.debug_barrier()
         tl.atomic_add(COUNT + row, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(COUNT + row, 0, sem="acquire", scope="gpu")
-        while seen < CHUNKS:
-            seen = tl.atomic_add(COUNT + row, 0, sem="acquire", scope="gpu")
+        # The loop carries only the poll count (no more registers than an unbounded wait).
+        spins = 0
+        while tl.atomic_add(COUNT + row, 0, sem="acquire", scope="gpu") < CHUNKS:
+            spins += 1
+            if spins > SPIN_LIMIT:
+                # A row's chunks that never all arrive (programs not co-resident after all) must
+                # end the kernel with an error, never hang the process (or a GPU session) forever.
+                spins = tl.inline_asm_elementwise("trap;", "=r,r", [spins], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
     q0 = tl.zeros([CHUNKS_P2], dtype=tl.float32)
     q1 = tl.zeros([CHUNKS_P2], dtype=tl.float32)

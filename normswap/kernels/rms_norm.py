@@ -170,7 +170,9 @@ def _rms_bwd_kernel(
         col_ok = c < N
         if HAS_W and not PER_ROW_W:
             w = load_param(W, tl.arange(0, 1), True, c, col_ok, w_rows, N, False) + offset  # once per program
-        for row in tl.range(group, M, groups, num_stages=NUM_STAGES):
+        # Not software-pipelined (no num_stages): a prefetch of the next row's partials would be
+        # issued before that row's wait, and read chunks that have not arrived yet.
+        for row in range(group, M, groups):
             rows = row + tl.arange(0, 1).to(tl.int64)
             row_ok = rows < M
             mask = row_ok[:, None] & col_ok[None, :]
