@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -24,7 +23,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -62,27 +60,6 @@ def _checksum(d: Path) -> str:
             h.update(str(p.relative_to(d)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _denied(path: Path):
-    """Reading anything under `path` fails with EACCES (as root, permission bits do not)."""
-    import builtins
-    import pathlib
-
-    prefix = str(path)
-
-    def guard(real):
-        def wrapper(p, *a, **k):
-            if str(os.fspath(p)).startswith(prefix):
-                raise PermissionError(errno.EACCES, "Permission denied", str(p))
-            return real(p, *a, **k)
-        return wrapper
-
-    with mock.patch.object(os, "listdir", guard(os.listdir)), \
-            mock.patch.object(pathlib.Path, "read_text", guard(pathlib.Path.read_text)), \
-            mock.patch.object(builtins, "open", guard(builtins.open)):
-        yield
 
 
 def fixtures(root: Path) -> dict:
@@ -152,6 +129,12 @@ def fixtures(root: Path) -> dict:
     return fx
 
 
+def _deny(path: Path):
+    from test_safety import _denied
+
+    return _denied(path)
+
+
 def fixtures_stub() -> dict:
     """Placeholder paths: enough to list the cases (names, count) without building any model."""
     import collections
@@ -178,9 +161,9 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: negative kv heads", ["scan", fx["neg_kv"]], "num_key_value_heads is -2", ci=True),
         Case("scan: unknown model_type", ["scan", fx["unknown_type"]], "no_such_xyz", ci=True),
         Case("scan: unreadable directory", ["scan", fx["locked"]], "Permission denied", ci=True,
-             setup=lambda: _denied(fx["locked"])),
+             setup=lambda: _deny(fx["locked"])),
         Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
-             setup=lambda: _denied(fx["locked"] / "config.json")),
+             setup=lambda: _deny(fx["locked"] / "config.json")),
         Case("scan: not a hub id", ["scan", "a/b/c"], "no such file", ci=True),
         Case("scan: hub id not cached", ["scan", "nobody-xyz/nothing-xyz"], "not in the local Hugging Face cache",
              ci=True),
@@ -251,7 +234,7 @@ def cases(fx: dict) -> list[Case]:
         Case("ppl: text shorter than the window", ["ppl", L, "--data", fx["short"], "--max-length", "32"],
              "shorter than one window"),
         Case("ppl: unreadable text", ["ppl", L, "--data", T], "Permission denied",
-             setup=lambda: _denied(T)),
+             setup=lambda: _deny(T)),
         Case("ppl: config disagrees with weights", ["ppl", fx["more"], "--data", T, "--max-length", "16"],
              "missing from the checkpoint"),
         Case("diff: neither B nor --patched", ["diff", L, "--data", T], "exactly one", ci=True),
