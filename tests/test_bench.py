@@ -82,3 +82,12 @@ def test_bad_input_is_one_line(tmp_path):
     assert r.exit_code == 2 and "unknown mode 'sprint'" in r.stderr and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", str(tmp_path / "nope")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_out_fails_before_measuring(tmp_path):
+    """The destination is checked first: a bench must not run for minutes and then lose its numbers."""
+    model = _config_only("llama", tmp_path / "cfg")
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", "--out", "/proc/normswap-bench.json"])
+    assert r.exit_code == 2 and "cannot write to /proc" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "eager" not in r.stderr  # no progress: nothing ran
