@@ -62,11 +62,16 @@ def test_bench_compiled_variant(tmp_path):
     assert result.to_dict()["config"]["compile"] is True
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_decode_step_is_the_next_token_of_the_prompt(arch):
+@pytest.mark.parametrize("arch,fused", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_decode_step_is_the_next_token_of_the_prompt(arch, fused):
     """The timed decode step (static cache reset to the prompt before every call) computes the
-    logits a full forward gives at the next position, every time it is called."""
+    logits a full forward gives at the next position, every time it is called (fused too: the
+    static cache's in-place writes must not meet a precomputed norm)."""
     model = tiny_model(arch)
+    if fused:
+        import normswap
+
+        assert normswap.patch(model, "torch", fuse_residual=True).fusion.pairs
     ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
     step, static = bench._decode(model, ids)
     with torch.no_grad():
