@@ -241,3 +241,18 @@ def test_gradient_checkpointing_keeps_every_gradient(reentrant):
     assert set(fused_grads) == set(grads) == {n for n, _ in model.named_parameters()}
     for name, g in grads.items():
         torch.testing.assert_close(fused_grads[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_generate_with_kv_cache_fused_gives_the_same_tokens(monkeypatch):
+    """Decoding with a KV cache runs fused (every step's adds) and picks the unfused model's tokens."""
+    import copy
+
+    model = tiny_model("llama")
+    normswap.patch(model, "torch", verify=False)
+    fused = copy.deepcopy(model)
+    normswap.patch(fused, "torch", fuse_residual=True)
+    expected = model.generate(IDS, max_new_tokens=6, do_sample=False)
+    counter = Counter(monkeypatch)
+    got = fused.generate(IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    assert counter.fused == counter.hits == 6 * EXPECTED["llama"]  # the prompt's forward + 5 cached steps
