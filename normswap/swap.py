@@ -23,7 +23,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, UnknownNormError
+from normswap.errors import BadInputError, NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.specs import NormSpec
@@ -183,11 +183,13 @@ def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterF
     """The CLI's --only/--exclude as a filter_fn (re.search on the module path)."""
     if only is None and exclude is None:
         return None
-    try:
-        only_re = re.compile(only) if only is not None else None
-        excl_re = re.compile(exclude) if exclude is not None else None
-    except re.error as e:
-        raise NormswapError(f"bad regular expression: {e}") from None
+    def compiled(name: str, pattern: str | None):
+        try:
+            return re.compile(pattern) if pattern is not None else None
+        except re.error as e:  # say which of the two it was
+            raise BadInputError(f"{name} {pattern!r}: not a regular expression ({e})") from None
+
+    only_re, excl_re = compiled("--only", only), compiled("--exclude", exclude)
 
     def keep(module: nn.Module, path: str) -> bool:
         if only_re is not None and not only_re.search(path):
@@ -285,7 +287,7 @@ def patch(
     if check_model and todo:
         try:
             batch = probe_batch(model, probe)
-        except ValueError:  # not a token model (no config.vocab_size): per-module proof only
+        except NormswapError:  # not a token model (no config.vocab_size): per-module proof only
             batch = None
         if batch is not None:
             kind, before = model_output(model, batch)
@@ -326,7 +328,7 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
     if batch is None and (check or pairs is None):
         try:
             batch = probe_batch(model)
-        except ValueError:
+        except NormswapError:
             raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
                                 "residual adds go") from None
     return fusion.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)

@@ -194,10 +194,10 @@ def test_cli_save_load_revert(tmp_path):
     assert pairs["model.layers.1.mlp.down_proj"] == "model.norm"
 
     model = normswap.load(out)
-    assert fuse.fused_pairs(model) == pairs
+    assert fuse._fused_pairs(model) == pairs
     fused = model(IDS).logits
     normswap.revert(model)
-    assert fuse.fused_pairs(model) == {}
+    assert fuse._fused_pairs(model) == {}
     assert not any(m._forward_hooks for m in model.modules())
     torch.testing.assert_close(model(IDS).logits, fused, rtol=1e-5, atol=1e-5)
 
@@ -241,3 +241,18 @@ def test_gradient_checkpointing_keeps_every_gradient(reentrant):
     assert set(fused_grads) == set(grads) == {n for n, _ in model.named_parameters()}
     for name, g in grads.items():
         torch.testing.assert_close(fused_grads[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_generate_with_kv_cache_fused_gives_the_same_tokens(monkeypatch):
+    """Decoding with a KV cache runs fused (every step's adds) and picks the unfused model's tokens."""
+    import copy
+
+    model = tiny_model("llama")
+    normswap.patch(model, "torch", verify=False)
+    fused = copy.deepcopy(model)
+    normswap.patch(fused, "torch", fuse_residual=True)
+    expected = model.generate(IDS, max_new_tokens=6, do_sample=False)
+    counter = Counter(monkeypatch)
+    got = fused.generate(IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    assert counter.fused == counter.hits == 6 * EXPECTED["llama"]  # the prompt's forward + 5 cached steps

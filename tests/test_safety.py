@@ -4,6 +4,7 @@ Each test names the case it covers; each fails without its fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -306,57 +307,55 @@ def test_case5_8_nonsense_config_is_bad_input(src, tmp_path, change, says, cmd):
     assert "Warning" not in r.stderr and "warn" not in r.stderr.lower()
 
 
-def _deny(monkeypatch, path: Path):
-    """Make `path` unreadable. Tests may run as root, which ignores permission bits: then the
-    calls normswap makes are made to fail the way they fail for a user without permission."""
+@contextlib.contextmanager
+def _denied(path: Path):
+    """Reading anything under `path` fails with EACCES, as for a user without permission (tests
+    may run as root, which ignores permission bits, so the calls normswap makes are made to fail)."""
+    import builtins
     import errno
     import pathlib
+    from unittest import mock
 
-    if os.geteuid() != 0:
-        path.chmod(0)
-        return
-    denied = str(path)
+    prefix = str(path)
 
     def guard(real):
         def wrapper(p, *a, **k):
-            if str(os.fspath(p)).startswith(denied):
+            if str(os.fspath(p)).startswith(prefix):
                 raise PermissionError(errno.EACCES, "Permission denied", str(p))
             return real(p, *a, **k)
         return wrapper
 
-    monkeypatch.setattr(os, "listdir", guard(os.listdir))
-    monkeypatch.setattr(pathlib.Path, "read_text", guard(pathlib.Path.read_text))
-    import builtins
+    with mock.patch.object(os, "listdir", guard(os.listdir)), \
+            mock.patch.object(pathlib.Path, "read_text", guard(pathlib.Path.read_text)), \
+            mock.patch.object(builtins, "open", guard(builtins.open)):
+        yield
 
-    monkeypatch.setattr(builtins, "open", guard(builtins.open))
 
-
-def test_case5_unreadable_model_directory_is_bad_input_naming_the_os_reason(src, tmp_path, monkeypatch):
+def test_case5_unreadable_model_directory_is_bad_input_naming_the_os_reason(src, tmp_path):
     import shutil
 
     d = tmp_path / "locked"
     shutil.copytree(src, d)
-    _deny(monkeypatch, d)
     for cmd in (["scan", d], ["patch", d, "--impl", "torch"]):
-        r = run(*cmd)
+        with _denied(d):
+            r = run(*cmd)
         assert_one_line_error(r, "Permission denied")
         assert str(d) in r.stderr and "no such" not in r.stderr.lower() and "malformed" not in r.stderr
 
 
-def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path, monkeypatch):
+def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path):
     import shutil
 
     d = tmp_path / "m"
     shutil.copytree(src, d)
     text = tmp_path / "t.txt"
     text.write_text("hello there " * 50)
-    _deny(monkeypatch, d / "config.json")
-    r = run("scan", d)
+    with _denied(d / "config.json"):
+        r = run("scan", d)
     assert_one_line_error(r, f"{d / 'config.json'}: Permission denied")
     assert "malformed" not in r.stderr
-    monkeypatch.undo()
-    _deny(monkeypatch, text)
-    r = run("ppl", src, "--data", text)
+    with _denied(text):
+        r = run("ppl", src, "--data", text)
     assert_one_line_error(r, "Permission denied")
     assert str(text) in r.stderr
 
@@ -530,3 +529,16 @@ def test_case4_long_lines_and_strings_are_cut_into_bounded_exact_pieces(tmp_path
     streamed = [t for chunk in document_tokens(spy, [iter([sample])]) for t in chunk]
     assert max(spy.seen) <= 4000
     assert streamed == tiny_tokenizer()(sample, add_special_tokens=False)["input_ids"]
+
+
+# ---- the error contract: without --json a refusal's report goes to stderr, stdout stays empty --
+
+
+def test_contract_refusal_report_goes_to_stderr_without_json(tmp_path):
+    save_tiny("bert", tmp_path / "bert")
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o")
+    assert_one_line_error(r, "nothing converts")
+    assert r.stdout == "" and "embeddings.LayerNorm" in r.stderr
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o", "--json")
+    assert_one_line_error(r, "nothing converts")
+    assert json.loads(r.stdout)["out"] is None

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.cli.main import cli, emit, json_option
+from normswap.loading import RUN_DTYPES
 
 
 @cli.command("bench")
@@ -19,7 +20,7 @@ from normswap.cli.main import cli, emit, json_option
               help="Comma-separated workloads: train (fwd+bwd step), prefill, decode (one step with a KV cache).")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="bf16", show_default=True)
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True)
 @click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help="Default: the CUDA device when there is one.")
 @click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
 @click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
@@ -38,7 +39,11 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
     weights are random (seeded) from the config, so any size can be timed without its weights.
     On a CPU the numbers are CPU numbers and say nothing about GPU speed.
     """
+    from normswap.api import _check_writable
     from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+
+    # Before minutes of measuring, not after: an unwritable destination would lose every number.
+    _check_writable(out or Path("benchmarks/results/bench.json"))
 
     cfg = BenchConfig(model=model, impls=parse_list(impls), fuse_residual=fuse_residual, modes=parse_list(modes),
                       batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,
