@@ -31,6 +31,14 @@ Why the mean as well: one extra rounding (a Gemma norm cast to the input dtype b
 pass, but it is there on a large share of the elements: the mean error grows by 1.35-1.8x. A faithful
 kernel (another reduction order, a fused multiply-add) stays within ~1% of the original's mean.
 
+Overflow: a probe at OVERFLOW_SCALE (|x| ~ 1e30, in the dtypes that hold it), where the
+variance or mean square overflows float32, compares the non-finite patterns of the two outputs.
+Implementations disagree there by design, and torch itself by device: torch's CPU nn.LayerNorm
+gives NaN rows once sum(x^2) overflows, a hand-written fp32 LayerNorm (Cohere's) and every RMSNorm
+give the bias or zero, as normswap's kernels do. normswap keeps its kernels' finite output; a
+difference in either direction does not fail the module but is recorded as a note naming the
+number of rows, shown in the patch table and its JSON, so it is reported, never silent.
+
 Whole model: logits (or the last hidden state) of the patched model against the original's on one
 probe batch, within a dtype-dependent fraction of the logits' magnitude.
 """
@@ -49,6 +57,9 @@ from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
 
 DEFAULT_SCALES = (1e-2, 1.0, 1e2)
+# Far past where float32 sums of squares overflow (~1.8e19 per element), representable in fp32
+# and bf16 (not fp16: the probe is skipped there).
+OVERFLOW_SCALE = 1e30
 # How far the original may sit from the spec's float64 value before the spec is deemed not to
 # describe it: each family rounds at most twice (Llama: normalised value, then the product), and
 # the fp32 statistics add a little; a wrong family is off by hundreds of ulps.
@@ -96,6 +107,7 @@ class ModuleCheck:
     mean_err_ratio: float | None = None  # max over probes of M_new / M_orig; pass: <= MEAN_RATIO
     passed: bool = True
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # reported differences that do not fail (overflow)
 
     def fail(self, why: str) -> None:
         self.passed = False
@@ -273,7 +285,33 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         eps = default_eps(x.dtype) if eps_orig is None else eps_orig
         _compare(check, spec, scale, x, y_orig, y_new, reference64(spec, x, weight, bias, eps),
                  [t.dtype for t in (weight, bias) if t is not None])
+    if torch.finfo(dtype).max > OVERFLOW_SCALE * 1e3:
+        x = probe_input(spec, dtype, device, cfg, scales=(OVERFLOW_SCALE,), elements=1,
+                        zero_mean=zero_mean)
+        x, y_orig = _run_original(original, x)
+        try:
+            y_new = replacement(x.clone())
+        except Exception as e:  # noqa: BLE001
+            check.fail(f"replacement raised on the overflow probe: {e.__class__.__name__}: {e}")
+        else:
+            _compare_overflow(check, y_orig, y_new)
     return check
+
+
+def _compare_overflow(check: ModuleCheck, y_orig: torch.Tensor, y_new: torch.Tensor) -> None:
+    """Non-finite patterns on the overflow probe (see the module doc): a new NaN/Inf fails, a
+    NaN/Inf of the original that the replacement does not reproduce is noted."""
+    fin_o, fin_n = torch.isfinite(y_orig), torch.isfinite(y_new)
+    rows = y_orig.reshape(-1, y_orig.shape[-1]).shape[0] if y_orig.dim() else 1
+    def rows_where(mask):
+        return int(mask.reshape(rows, -1).any(-1).sum()) if y_orig.dim() else int(mask.any())
+
+    if bool((fin_o & ~fin_n).any()):
+        check.notes.append(f"overflow: at |x| ~ {OVERFLOW_SCALE:g} the replacement gives NaN/Inf on "
+                           f"{rows_where(fin_o & ~fin_n)} of {rows} probe rows where the original stays finite")
+    if bool((~fin_o & fin_n).any()):
+        check.notes.append(f"overflow: at |x| ~ {OVERFLOW_SCALE:g} the original gives NaN/Inf on "
+                           f"{rows_where(~fin_o & fin_n)} of {rows} probe rows where the replacement stays finite")
 
 
 def _run_original(original: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

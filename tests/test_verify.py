@@ -252,3 +252,29 @@ def test_per_head_norm_is_recognised_run_and_verified(impl, dtype):
     wrong = verify_module("q_norm", m, build_replacement(m, spec, "fake", backend=_backend(layer=flattened)), spec,
                           dtype, CFG)
     assert not wrong.passed
+
+
+def test_overflow_probe_notes_an_original_nan_and_fails_a_new_one():
+    """Issue 9 case 11: at |x| ~ 1e30 torch's CPU nn.LayerNorm gives NaN rows (its sum of squares
+    overflows float32) where normswap's LayerNorm returns the bias. The swap keeps the finite
+    output, and the check says so in a note; a replacement that turns a finite output of the
+    original into NaN is noted the other way round (neither fails: both are overflow garbage)."""
+    m = _module(LN, torch.float32)
+    x = 1e30 * torch.randn(4, 32)
+    assert bool(torch.isnan(m(x)).all()), "premise: the original overflows to NaN here"
+    c = verify_module("n", m, build_replacement(m, LN, "reference"), LN, torch.float32, CFG)
+    assert c.passed, c.failures
+    assert any("overflow" in n and "NaN" in n for n in c.notes), c.notes
+
+    def nan_on_overflow(x, w, eps, offset=0.0, casting="llama", **kw):
+        y = rms_norm_ref(x, w, eps, offset, casting, **kw)
+        big = x.detach().float().abs().amax(-1, keepdim=True) > 1e20
+        return torch.where(big, torch.full_like(y, float("nan")), y)
+
+    r = _module(LLAMA, torch.float32)
+    assert bool(torch.isfinite(r(x)).all()), "premise: Llama's RMSNorm stays finite (0) there"
+    bad = build_replacement(r, LLAMA, "fake", backend=_backend(rms=nan_on_overflow))
+    c = verify_module("n", r, bad, LLAMA, torch.float32, CFG)
+    assert c.passed and any("replacement gives NaN" in n for n in c.notes), (c.failures, c.notes)
+    ok = verify_module("n", r, build_replacement(r, LLAMA, "reference"), LLAMA, torch.float32, CFG)
+    assert ok.passed and not ok.notes, (ok.failures, ok.notes)

@@ -104,6 +104,8 @@ def render(data: dict) -> None:
             table.add_row(m["path"], m["class"], "-", eps, "-", "-", "-", "-", f"{m['status']}: {m['reason']}")
             continue
         result = "pass" if c["passed"] else "FAIL: " + "; ".join(c["failures"])
+        if c.get("notes"):
+            result += " (" + "; ".join(c["notes"]) + ")"
         margin = c["worst_margin_ulps"]
         cls = m["class"] + (f" as {m['runs_as']}" if m["rms_form"] else "")
         table.add_row(m["path"], cls, c["impl"], repr(c["eps"]), c["dtype"],
