@@ -202,8 +202,18 @@ def check_exact(label: str, model_type: str, class_name: str, tmp_path, expected
     randomize_norms_and_biases(model, 0)
     inputs = inputs_for(model)
     ref = run_logits(model, inputs)
+    before = {name: (type(mod), {k: v.detach().clone() for k, v in mod.named_parameters()})
+              for name, mod in model.named_modules()}
     manifest = convert_model(model, partial=True, check=False)
     converted = [n["path"] for n in manifest["norms"] if n["rms"]]
+    for n in manifest["norms"]:  # --partial leaves a refused norm as it was: class, weight and bias
+        if not n["rms"]:
+            mod = model.get_submodule(n["path"])
+            kind, params = before[n["path"]]
+            now = dict(mod.named_parameters())
+            if type(mod) is not kind or now.keys() != params.keys() or any(
+                    not torch.equal(now[k], v) for k, v in params.items()):
+                return f"the refused norm {n['path']} was changed"
     if expected is not None and set(converted) != expected:
         return (f"the real model converts other norms than the meta discovery: {sorted(set(converted) ^ expected)}")
     ratios: dict[str, float] = {}

@@ -31,7 +31,7 @@ FILE_MODELS = [
 ]
 
 DECISION_FIELDS = ("path", "readers", "rms", "zero_mean_input", "folded_gain", "folded_bias", "kept_gain",
-                   "kept_bias", "baked", "eps")
+                   "kept_gain_why", "kept_bias", "kept_bias_why", "baked", "bake_scale", "eps")
 
 
 def meta_model(arch: str, **overrides):
@@ -51,6 +51,7 @@ def comparable(plan) -> dict:
         "writers": sorted(plan.writers),
         "untie": plan.untie,
         "aliases": plan.aliases,
+        "keep_gain": plan.keep_gain,
     }
 
 
