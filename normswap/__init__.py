@@ -1,19 +1,22 @@
 """normswap: find, swap, fold and measure the normalization layers of Hugging Face models."""
 
-from normswap._env import prepare_triton_env
+from normswap._env import install_triton_hook
 
-prepare_triton_env()
+install_triton_hook()
 
 from normswap._version import __version__  # noqa: E402
-from normswap.errors import NormswapError  # noqa: E402
-from normswap.loading import load  # noqa: E402
-from normswap.modules import RmsForm  # noqa: E402
-from normswap.specs import NormSpec  # noqa: E402
-from normswap.swap import PatchConfig, patch, revert  # noqa: E402
+from normswap.errors import BadInputError, NormswapError  # noqa: E402
 
-# The rest of the public API, imported on first use (each pulls in more of transformers).
+# The public API, imported on first use: `import normswap` stays instant (no torch), and each
+# name pulls in only what it needs of torch and transformers.
 # (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)
 _LAZY = {
+    "NormSpec": "normswap.specs",
+    "RmsForm": "normswap.modules",
+    "PatchConfig": "normswap.swap",
+    "load": "normswap.loading",
+    "patch": "normswap.swap",
+    "revert": "normswap.swap",
     "convert_model": "normswap.convert",
     "perplexity": "normswap.evaluate",
     "diff_models": "normswap.evaluate",
@@ -25,7 +28,7 @@ _LAZY = {
     "EvalSettings": "normswap.api",
 }
 
-__all__ = ["NormSpec", "NormswapError", "PatchConfig", "RmsForm", "__version__", "load", "patch", "revert", *_LAZY]
+__all__ = ["BadInputError", "NormswapError", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -2,9 +2,15 @@
 
 Importing any transformers model class imports triton, and triton reads TRITON_INTERPRET once,
 at import. On a machine without a CUDA device the interpreter is the only way triton kernels run,
-so normswap switches it on here, first thing, unless the user already decided either way.
+so normswap switches it on, unless the user already decided either way.
+
+Deciding needs torch (is there a CUDA device?), and importing torch takes seconds; `import
+normswap` must stay instant (the command line answers Ctrl-C during its start-up with one line,
+which it can only do once its own code runs). So importing normswap installs a finder that makes
+the decision at the moment something first imports triton, before triton reads the variable.
 """
 
+import importlib.abc
 import os
 import sys
 
@@ -18,3 +24,27 @@ def prepare_triton_env() -> None:
         return
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+class _BeforeTriton(importlib.abc.MetaPathFinder):
+    """Runs prepare_triton_env when triton is first imported, then steps aside (finds nothing)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "triton":
+            remove_triton_hook()
+            prepare_triton_env()
+        return None
+
+
+def install_triton_hook() -> None:
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
+        return
+    if "torch" in sys.modules:  # deciding now costs nothing
+        prepare_triton_env()
+        return
+    if not any(isinstance(f, _BeforeTriton) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeTriton())
+
+
+def remove_triton_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _BeforeTriton)]

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,17 +49,20 @@ class EvalSettings:
     stride: int | None = None  # default: half the window
     max_tokens: int | None = None  # score only the first tokens of the data
     batch_size: int = 1
+    # what messages call max_length, stride, max_tokens, batch_size: the parameter names, or the
+    # flags a command line took them from (normswap.evaluate.CLI_NAMES, patch's --eval-max-*)
+    option_names: Mapping[str, str] | None = None
 
     def check(self) -> None:
         """The checks that need no model (window options)."""
         from normswap.evaluate import check_window_options
 
-        check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size)
+        check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size, self.option_names)
 
     @property
     def window_kwargs(self) -> dict[str, Any]:
         return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
-                    batch_size=self.batch_size, text_field=self.text_field)
+                    batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
                       max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress) -> PatchResult:
     from normswap import walk
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, save_patched, target_lock
+    from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, resolve
     from normswap.manifest import rms_forms
     from normswap.swap import patch, regex_filter
@@ -184,6 +188,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
+    parse_shard_size(max_shard_size)  # every option is checked before the (long) load
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = _dtype(dtype)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap.errors import BadInputError, NormswapError
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
 # stale next to the new ones; a previous manifest is replaced).
@@ -386,6 +386,20 @@ def _link_or_copy(src, dst) -> None:
         shutil.copy2(src, dst)
 
 
+def parse_shard_size(value: str | int) -> int:
+    """--max-shard-size as bytes ("5GB", "500MB", or a plain number of bytes), or a one-line error.
+    Checked before anything is loaded: it is only used at the very end, after the long work."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = int(value) if isinstance(value, str) and value.strip().isdigit() else convert_file_size_to_int(value)
+    except (ValueError, TypeError):
+        size = None
+    if not isinstance(size, int) or size <= 0:
+        raise BadInputError(f"--max-shard-size {value!r}: give a positive size such as 5GB, 500MB or 1000000 (bytes)")
+    return size
+
+
 def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB",
                       progress: Callable[[str], None] | None = None) -> None:
     """save_pretrained of the original architecture (the patch is lifted while saving)."""
@@ -414,6 +428,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
 
     if not hasattr(model, "save_pretrained") or not hasattr(type(model), "from_pretrained"):
         raise NormswapError(f"cannot save a {type(model).__name__}: only transformers models can be saved")
+    max_shard_size = parse_shard_size(max_shard_size)
     probe = probe or ProbeConfig()
     batch = probe_batch(model, probe)
     with unpatched(model):

@@ -21,6 +21,7 @@ from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos, run_jobs
 from normswap.manifest import rms_forms
 from normswap.plan import build_manifest, check_refusals, plan_conversion
+from normswap.verify import check_weights
 
 
 def convert_model(
@@ -35,6 +36,8 @@ def convert_model(
     architecture data missed a writer, so no norm may run as an RMSNorm."""
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
+    if not any(p.is_meta for p in model.parameters()):
+        check_weights(model)  # folding a NaN spreads it into every reader: name it here instead
     state = model.state_dict()
 
     def read(name: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.progress import ProgressFn
+from normswap.verify import check_reference_output, check_weights
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -132,7 +133,9 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
     ids = probe_batch(config) if batch is None else batch
     original = loading.load_model(source, dtype=run_dtype, config=config)
+    check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
     ref = probe_logits(original, ids)
+    check_reference_output("logits", ref, f"{source.ref} (the original)")
     del original
     converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
     got = probe_logits(converted, ids)

@@ -5,11 +5,16 @@ of .txt files, or a `datasets` dataset saved to disk (`save_to_disk`).
 `datasets` package is there when needed) so that bad input fails before a model is loaded; the
 text itself is read lazily, document by document, so memory does not grow with the corpus.
 
-A document is yielded as an iterator of text pieces. Large plain files are cut into pieces only at
-a line break that follows a non-blank character and precedes a non-blank line: for byte-level BPE
-tokenizers (GPT-2, Llama 3, SmolLM2, Qwen) encoding the pieces one by one gives exactly the tokens
-of the whole text, because their pre-tokenizers always split there. The evaluator checks that
-property on the tokenizer at hand and joins the pieces again when it does not hold.
+A document is yielded as an iterator of text pieces, never longer than MAX_PIECE_CHARS, whatever
+the file's shape: a 50 MB file on one line (text8) is read in blocks and cut like any other
+(`cut_pieces`). A cut goes, by preference, at a line break that follows a non-blank character and
+precedes a non-blank line; in a long line, before a space between two non-blank characters; only
+a run of MAX_PIECE_CHARS / 2 characters with neither is cut anywhere. For byte-level BPE tokenizers
+(GPT-2, Llama 3, SmolLM2, Qwen) encoding the pieces one by one gives exactly the tokens of the whole
+text, because their pre-tokenizers always split there (a space starts the next word's token). The
+evaluator checks that property on the tokenizer at hand; where it does not hold (SentencePiece's
+prefix space) it joins pieces up to MAX_PIECE_CHARS, so such a tokenizer sees one cut per million
+characters (one token in ~250k may differ from encoding the whole text) and memory stays bounded.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +33,9 @@ from normswap.errors import NormswapError
 # a cap that keeps the tokenizer's working set bounded.
 FIRST_PIECE_CHARS = 64 * 1024
 MAX_PIECE_CHARS = 1024 * 1024
+_READ_CHARS = 64 * 1024  # plain files are read in blocks: a line may be the whole file
+_LINE_CUT = re.compile(r"(?<=\S\n)(?=\S)")  # after "x\n", before a non-blank line
+_SPACE_CUT = re.compile(r"(?<=\S)(?= \S)")  # before the space that starts the next word
 _SNIFF_BYTES = 8192
 # Files that mark a directory written by datasets' save_to_disk.
 _DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
@@ -132,37 +141,41 @@ def _decode_error(path: Path, e: UnicodeDecodeError) -> NormswapError:
 
 
 def _text_file_pieces(path: Path) -> Document:
-    """The file's text in pieces cut only at token-safe line breaks (see the module docstring)."""
-    target = FIRST_PIECE_CHARS
-    buf: list[str] = []
-    size = 0
+    """The file's text in bounded pieces cut at token-safe places (see the module docstring)."""
     try:
         with _open_text(path) as fh:
-            for line in fh:
-                if size >= target and _safe_cut(buf[-1], line):
-                    yield "".join(buf)
-                    buf, size = [], 0
-                    target = min(2 * target, MAX_PIECE_CHARS)
-                buf.append(line)
-                size += len(line)
+            yield from cut_pieces(iter(lambda: fh.read(_READ_CHARS), ""))
     except UnicodeDecodeError as e:
         raise _decode_error(path, e) from None
-    if buf:
-        yield "".join(buf)
 
 
-def _safe_cut(previous_line: str, next_line: str) -> bool:
-    """A cut between two lines is safe when the first ends 'x\\n' and the second starts with a
-    non-blank character: pre-tokenizers keep one newline to itself (or glued to the punctuation
-    before it) and never join it to the next word."""
-    return (
-        previous_line.endswith("\n")
-        and not previous_line.endswith(("\r\n", "\n\n"))
-        and len(previous_line) >= 2
-        and not previous_line[-2].isspace()
-        and next_line[:1] != ""
-        and not next_line[:1].isspace()
-    )
+def cut_pieces(stream: Iterable[str], first: int | None = None, cap: int | None = None) -> Iterator[str]:
+    """Re-cut a stream of text (any sizes, cut anywhere) into pieces of at most `first` characters,
+    the limit doubling up to `cap` (small first: a --max-tokens run tokenises little), each cut at
+    the last safe place in the second half of the limit (see the module docstring)."""
+    limit = first or FIRST_PIECE_CHARS
+    cap = cap or MAX_PIECE_CHARS
+    buf, start = "", 0
+    for block in stream:
+        buf, start = buf[start:] + block, 0
+        while len(buf) - start > limit:
+            cut = _last_cut(buf, start + limit // 2, start + limit)
+            yield buf[start:cut]
+            start = cut
+            limit = min(2 * limit, cap)
+    if start < len(buf):
+        yield buf[start:]
+
+
+def _last_cut(text: str, lo: int, hi: int) -> int:
+    """The last safe cut position in text[lo:hi] (a line break first, then a space), else hi."""
+    for pattern in (_LINE_CUT, _SPACE_CUT):
+        last = None
+        for last in pattern.finditer(text, lo, hi + 1):  # noqa: B007 - the last match is wanted
+            pass
+        if last is not None and last.start() > lo:
+            return last.start()
+    return hi
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:

@@ -1,5 +1,7 @@
 """Errors that the command line turns into one line on stderr and exit code 2."""
 
+import re
+
 
 class NormswapError(Exception):
     """A user-facing failure: bad input, an unavailable backend, a failed verification.
@@ -8,12 +10,31 @@ class NormswapError(Exception):
     """
 
 
+class BadInputError(NormswapError, ValueError):
+    """An argument of the right kind with a value normswap cannot use (a dtype name it does not
+    know, a negative token id, a model on the meta device where weights are needed). Also a
+    ValueError, so library callers that catch that keep working."""
+
+
 class UnknownNormError(NormswapError):
     """A norm-like module that the registry does not recognise (raised under --strict)."""
 
 
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message (or its class name when it has none): library
-    errors often run to many lines, and a NormswapError must stay one."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else error.__class__.__name__
+# Library messages that point at output the user never sees (transformers' load report is
+# logged, and the CLI silences the log).
+_NOISE = re.compile(r"\s*For details look at the above report!?\s*")
+_LONGEST = 400
+
+
+def one_line(error: BaseException) -> str:
+    """The whole reason an exception gives, as one line: its lines joined (a validation error's
+    reason is on its second line), an OSError as 'FILE: the operating system's reason', never
+    cut at the first line break. Very long messages are shortened to their start."""
+    if isinstance(error, OSError) and error.strerror:
+        where = ": ".join(str(f) for f in (error.filename, error.filename2) if f is not None)
+        return f"{where}: {error.strerror}" if where else error.strerror
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = _NOISE.sub(" ", text).strip()
+    if not text:
+        return error.__class__.__name__
+    return text if len(text) <= _LONGEST else text[:_LONGEST - 1] + "…"

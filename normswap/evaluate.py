@@ -33,13 +33,14 @@ import copy
 import itertools
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from normswap.data import Corpus, open_corpus
-from normswap.errors import NormswapError
+from normswap import data as text_data
+from normswap.data import Corpus, cut_pieces, open_corpus
+from normswap.errors import BadInputError, NormswapError
 from normswap.progress import ProgressFn
 
 # Config attributes that hold a model's context length, by the names the families use.
@@ -156,40 +157,56 @@ def model_context_length(model) -> int | None:
     return None
 
 
+# The window options, named in messages as the caller calls them: the library's parameter names by
+# default; a command line passes its own flags (`ppl --max-length`, `patch --eval-max-length`).
+WINDOW_OPTIONS = ("max_length", "stride", "max_tokens", "batch_size")
+CLI_NAMES = {k: "--" + k.replace("_", "-") for k in WINDOW_OPTIONS}
+
+
+def _names(names: Mapping[str, str] | None) -> dict[str, str]:
+    return {k: k for k in WINDOW_OPTIONS} | dict(names or {})
+
+
 def check_window_options(max_length: int | None, stride: int | None, max_tokens: int | None = None,
-                         batch_size: int = 1) -> None:
+                         batch_size: int = 1, names: Mapping[str, str] | None = None) -> None:
     """The checks that need no model: a CLI runs them before loading anything."""
+    n = _names(names)
+    for key, value in zip(WINDOW_OPTIONS, (max_length, stride, max_tokens, batch_size), strict=True):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadInputError(f"{n[key]} must be a whole number of tokens, got {value!r}")
     if max_length is not None and max_length < 2:
-        raise NormswapError(f"--max-length {max_length}: a window needs at least 2 tokens")
+        raise BadInputError(f"{n['max_length']} {max_length}: a window needs at least 2 tokens")
     if stride is not None and stride <= 0:
-        raise NormswapError(f"--stride {stride}: must be a positive number of tokens")
+        raise BadInputError(f"{n['stride']} {stride}: must be a positive number of tokens")
     if stride is not None and max_length is not None and stride > max_length:
-        raise NormswapError(f"--stride {stride} is larger than --max-length {max_length}: tokens between "
-                            "windows would never be scored")
+        raise BadInputError(f"{n['stride']} {stride} is larger than {n['max_length']} {max_length}: tokens "
+                            "between windows would never be scored")
     if max_tokens is not None and max_tokens < 2:
-        raise NormswapError(f"--max-tokens {max_tokens}: at least 2 tokens are needed to score one")
+        raise BadInputError(f"{n['max_tokens']} {max_tokens}: at least 2 tokens are needed to score one")
     if batch_size < 1:
-        raise NormswapError(f"--batch-size {batch_size}: must be at least 1")
+        raise BadInputError(f"{n['batch_size']} {batch_size}: must be at least 1")
 
 
-def plan_window(models: Sequence, max_length: int | None, stride: int | None) -> tuple[int, int]:
+def plan_window(models: Sequence, max_length: int | None, stride: int | None,
+                names: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(window, stride): the models' context capped by max_length; stride defaults to half of it."""
-    check_window_options(max_length, stride)
+    check_window_options(max_length, stride, names=names)
+    n = _names(names)
     contexts = [c for c in (model_context_length(m) for m in models) if c is not None]
     context = min(contexts) if contexts else None
     if max_length is None:
         if context is None:
-            raise NormswapError("cannot tell the model's context length from its config; pass --max-length")
+            raise NormswapError(f"cannot tell the model's context length from its config; pass {n['max_length']}")
         window = context
     else:
         window = min(max_length, context) if context is not None else max_length
     if stride is None:
         stride = max(1, window // 2)
     if stride <= 0:
-        raise NormswapError(f"--stride {stride}: must be a positive number of tokens")
+        raise NormswapError(f"{n['stride']} {stride}: must be a positive number of tokens")
     if stride > window:
         raise NormswapError(
-            f"--stride {stride} is larger than the window ({window} tokens): tokens between windows "
+            f"{n['stride']} {stride} is larger than the window ({window} tokens): tokens between windows "
             "would never be scored"
         )
     return window, stride
@@ -201,6 +218,7 @@ def sliding_windows(
     stride: int,
     max_tokens: int | None = None,
     short_ok: bool = True,
+    names: Mapping[str, str] | None = None,
 ) -> Iterator[Window]:
     """Cut the token stream into the recipe's windows, holding at most one window of tokens.
 
@@ -208,6 +226,7 @@ def sliding_windows(
     behaviour, used when the window is the model's context) and an error otherwise (the user asked
     for windows of that length: a number measured on fewer tokens would not be comparable).
     """
+    n = _names(names)
     tokens = _capped(_flatten(token_chunks), max_tokens)
     buf: list[int] = []
     buf_start = 0  # absolute position of buf[0]
@@ -226,11 +245,11 @@ def sliding_windows(
             if end < 2:
                 raise NormswapError(f"the text has {end} token{'s' * (end != 1)}; at least 2 are needed to score one")
             if end < window and not short_ok and end == max_tokens:
-                raise NormswapError(f"--max-tokens {max_tokens} is shorter than one window ({window} tokens)")
+                raise NormswapError(f"{n['max_tokens']} {max_tokens} is shorter than one window ({window} tokens)")
             if end < window and not short_ok:
                 raise NormswapError(
                     f"the text is shorter than one window: {end} tokens, window {window}; "
-                    f"pass --max-length {end} or less, or more text"
+                    f"pass {n['max_length']} {end} or less, or more text"
                 )
         # Tokens before prev_end were scored by an earlier window; position 0 never can be (no context).
         win = Window(buf[begin - buf_start:end - buf_start], max(1, prev_end - begin), end - prev_end)
@@ -296,7 +315,9 @@ def document_tokens(tokenizer, documents: Iterable[Iterable[str]]) -> Iterator[l
     exact_cuts = _cuts_are_exact(tokenizer)
     first_document = True
     for doc in documents:
-        pieces = doc if exact_cuts else iter(["".join(doc)])
+        # bounded pieces whatever the source (a str, a jsonl row, a dataset row may be one huge
+        # line); a tokenizer whose encoding changes at a cut gets them joined up to the cap
+        pieces = cut_pieces(doc) if exact_cuts else cut_pieces(doc, first=text_data.MAX_PIECE_CHARS)
         started = False
         for piece in pieces:
             if not started:
@@ -437,13 +458,13 @@ class _Scoring:
     """Plans the windows, drives the models over them batch by batch, with a progress bar."""
 
     def __init__(self, models, tokenizer, data, *, max_length, stride, max_tokens, batch_size, progress,
-                 text_field, desc):
+                 text_field, desc, option_names=None):
         for m in models:
             _check_causal(m)
-        check_window_options(max_length, stride, max_tokens, batch_size)
-        self.window, self.stride = plan_window(models, max_length, stride)
+        check_window_options(max_length, stride, max_tokens, batch_size, option_names)
+        self.window, self.stride = plan_window(models, max_length, stride, option_names)
         windows = sliding_windows(token_chunks(tokenizer, data, text_field), self.window, self.stride,
-                                  max_tokens, short_ok=max_length is None)
+                                  max_tokens, short_ok=max_length is None, names=option_names)
         limits = [v for v in (_vocabulary_size(m) for m in models) if v is not None]
         self.vocab_limit = min(limits) if limits else None
         # Cut the first window before the bar appears: bad input fails with a clean line.
@@ -457,6 +478,8 @@ class _Scoring:
     def _check_ids(self, ids: Sequence[int]) -> None:
         """A token id past the embedding table would crash the forward with an IndexError: the
         tokenizer does not belong to the model."""
+        if ids and min(ids) < 0:
+            raise BadInputError(f"token id {min(ids)} is negative; token ids index the embedding table")
         if self.vocab_limit is not None and ids and max(ids) >= self.vocab_limit:
             raise NormswapError(
                 f"the tokenizer produced token id {max(ids)}, but the model has only {self.vocab_limit} token "
@@ -494,29 +517,32 @@ class _Scoring:
 
 def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | None = None,
                          stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
-                         text_field: str = "text") -> None:
+                         text_field: str = "text", option_names: Mapping[str, str] | None = None) -> None:
     """Raise the NormswapError that `perplexity` / `diff_models` would raise for these options and
     this data (encoder-decoder, unknown context length, stride past the window, text shorter than
     one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
     loads any weights, so bad input fails fast and with nothing but its one line on stderr."""
     _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
-             max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="")
+             max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="",
+             option_names=option_names)
 
 
 def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,
                stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
                progress: bool | ProgressFn = True,
-               text_field: str = "text") -> PerplexityResult:
+               text_field: str = "text", option_names: Mapping[str, str] | None = None) -> PerplexityResult:
     """Sliding-window perplexity of `model` on a text (str), documents (iterable of str), a data
     PATH (pathlib.Path or normswap.data.open_corpus(PATH)) or token ids (tensor or ints).
 
     max_length caps the window (default: the model's context); stride defaults to half the window;
     max_tokens keeps only the first tokens of the corpus. progress: True draws a bar on stderr; a
-    callable gets progress("perplexity", tokens done, max_tokens). Raises NormswapError on bad input.
+    callable gets progress("perplexity", tokens done, max_tokens). Raises NormswapError on bad input
+    (BadInputError for a value no window can have). option_names: what to call max_length,
+    stride, max_tokens and batch_size in messages (a command line passes its flags).
     """
     run = _Scoring([model], tokenizer, texts_or_token_stream, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
-                   desc="perplexity")
+                   desc="perplexity", option_names=option_names)
     total = 0.0
     for _, (rows,), targets in run.batches():
         total += _nll_sum(rows, targets)
@@ -528,7 +554,8 @@ def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None =
 def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None, stride: int | None = None,
                 max_tokens: int | None = None, batch_size: int = 1,
                 progress: bool | ProgressFn = True,
-                text_field: str = "text", reference=None) -> DiffResult:
+                text_field: str = "text", reference=None,
+                option_names: Mapping[str, str] | None = None) -> DiffResult:
     """Score both models on the same windows and compare their next-token distributions.
 
     KL(A || B) = sum_v pA(v) (log pA(v) - log pB(v)) per scored position, from float64 log-softmax.
@@ -542,7 +569,7 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     models = [model_a, model_b] + ([reference] if reference is not None else [])
     run = _Scoring(models, tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
-                   desc="diff")
+                   desc="diff", option_names=option_names)
     ab, ra, rb = _PairStats(), _PairStats(), _PairStats()
     for _, rows, targets in run.batches():
         widths = {r.shape[-1] for r in rows}

@@ -65,6 +65,7 @@ class StreamTensor(torch.Tensor):
       _ns_into     write: adding this to another tensor computes _ns_into's norm of the sum
       _ns_norm     sum: _ns_normed is _ns_norm(self), computed by the add that produced self
       _ns_normed
+      _ns_key      sum: what y depends on besides the sum's values (see precomputed)
       _ns_writers  discovery: the writer paths this term (or sum) comes from
       _ns_summed   discovery: True once the writers met the stream
     """
@@ -117,7 +118,7 @@ def _in_place(func) -> bool:
 
 
 def _forget(t: StreamTensor, keep_into: bool = False) -> None:
-    for name in ("_ns_norm", "_ns_normed", "_ns_summed", *(() if keep_into else ("_ns_into",))):
+    for name in ("_ns_norm", "_ns_normed", "_ns_key", "_ns_summed", *(() if keep_into else ("_ns_into",))):
         if getattr(t, name, None) is not None:
             setattr(t, name, None)  # (not __dict__.pop: dynamo loses the other tags then)
 
@@ -153,7 +154,7 @@ def _add(func, a, b):
         return None
     write, stream, norm = (a, b, into_a) if into_a is not None else (b, a, into_b)
     y, h = norm.fused_add(write, stream)
-    return _tag(h, _ns_norm=norm, _ns_normed=y)
+    return _tag(h, _ns_norm=norm, _ns_normed=y, _ns_key=_key(h, norm))
 
 
 def _iadd(func, a, b):
@@ -183,7 +184,9 @@ def _reshape(func, args, kwargs):
         return out
     normed = _role(src, "_ns_normed")
     if normed is not None:  # rows regrouped, the hidden dimension kept: the norm commutes with it
-        return _tag(out, _ns_norm=src._ns_norm, _ns_normed=func(normed, *args[1:], **kwargs))
+        # (a view shares src's version counter, so src's key stays valid for it)
+        return _tag(out, _ns_norm=src._ns_norm, _ns_normed=func(normed, *args[1:], **kwargs),
+                    _ns_key=_role(src, "_ns_key"))
     into = _role(src, "_ns_into")
     if into is not None:
         return _tag(out, _ns_into=into)
@@ -199,9 +202,35 @@ def precomputed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
     if _RECORDER is not None:
         _RECORDER.reached(x, norm)
         return None
-    if getattr(x, "_ns_norm", None) is norm:
-        return x._ns_normed
-    return None
+    if getattr(x, "_ns_norm", None) is not norm:
+        return None
+    y = x._ns_normed
+    if torch.compiler.is_compiling():
+        return y  # traced within one forward: nothing can change in between
+    with torch._C.DisableTorchFunctionSubclass():
+        # y is only norm(x) while neither x (through any view of it) nor the norm's tensors were
+        # changed in place since the add (a tagged sum kept across forwards, e.g. a returned
+        # hidden state fed back after an optimizer step) ...
+        if x._ns_key != _key(x, norm):
+            return None
+        # ... and while y's graph still reaches x's inputs: a sum returned through an autograd
+        # Function (reentrant gradient checkpointing runs the block without grad, then gives the
+        # output a new grad_fn) carries a y computed without grad, which would cut every
+        # gradient upstream of this norm.
+        if torch.is_grad_enabled() and x.requires_grad and not y.requires_grad:
+            return None
+    return y
+
+
+def _key(h: torch.Tensor, norm: nn.Module):
+    """What must not change between the fused add and the norm's call for the precomputed value
+    to stay norm(h): h's version counter (shared by its views) and the norm's tensors (object,
+    storage, version). None under torch.compile, which does not check it (see precomputed)."""
+    if torch.compiler.is_compiling():
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        return (h._version, *((id(p), p.data_ptr(), p._version) for p in (norm.norm_weight, norm.norm_bias)
+                              if p is not None))
 
 
 # ---------------------------------------------------------------------------------------------

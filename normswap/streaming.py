@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import NormswapError, one_line
 from normswap.jobs import keep_dtype, run_job
 from normswap.plan import Plan
 from normswap.progress import ProgressFn
@@ -123,7 +123,7 @@ class CheckpointReader:
                 # when the tensor is freed, so nothing of the shard outlives the job that asked.
                 return f.get_tensor(key)
         except (SafetensorError, OSError) as e:  # a truncated or corrupt shard is bad input
-            msg = first_line(e)
+            msg = one_line(e)
             raise NormswapError(f"{self.src / file}: unreadable safetensors file ({msg})") from None
 
     def names(self) -> list[str]:

@@ -22,7 +22,8 @@ from torch import nn
 
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
-from normswap.errors import NormswapError, UnknownNormError
+from normswap.dtypes import parse_dtype
+from normswap.errors import BadInputError, NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.specs import NormSpec
@@ -182,11 +183,13 @@ def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterF
     """The CLI's --only/--exclude as a filter_fn (re.search on the module path)."""
     if only is None and exclude is None:
         return None
-    try:
-        only_re = re.compile(only) if only is not None else None
-        excl_re = re.compile(exclude) if exclude is not None else None
-    except re.error as e:
-        raise NormswapError(f"bad regular expression: {e}") from None
+    def compiled(name: str, pattern: str | None):
+        try:
+            return re.compile(pattern) if pattern is not None else None
+        except re.error as e:  # say which of the two it was
+            raise BadInputError(f"{name} {pattern!r}: not a regular expression ({e})") from None
+
+    only_re, excl_re = compiled("--only", only), compiled("--exclude", exclude)
 
     def keep(module: nn.Module, path: str) -> bool:
         if only_re is not None and not only_re.search(path):
@@ -243,7 +246,9 @@ def patch(
     probe = probe or verify_mod.DEFAULT_PROBE
     backend = get_backend(impl)  # an unavailable backend fails here, loudly, before any change
     check_model = verify if check_model is None else check_model
-    dtype = dtype or model_dtype(model)
+    dtype = parse_dtype(dtype) or model_dtype(model)
+    if verify or check_model:
+        verify_mod.check_weights(model)
     rms_forms = _coerce_rms_forms(rms_forms)
     report = PatchReport(impl=impl, dtype=str(dtype).removeprefix("torch."), verified=verify, strict=strict)
 
@@ -286,6 +291,7 @@ def patch(
             batch = None
         if batch is not None:
             kind, before = model_output(model, batch)
+            verify_mod.check_reference_output(kind, before)
 
     swapped: list[tuple[str, nn.Module]] = []
     try:

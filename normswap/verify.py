@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from normswap.errors import BadInputError
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
@@ -361,6 +362,36 @@ def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtype
 
 
 # -- whole model ------------------------------------------------------------------------------
+
+def check_weights(model: nn.Module, what: str = "the model") -> None:
+    """Refuse weights that no numeric proof can be built on, naming the tensor: a NaN or an Inf
+    in the input would make both the original and the replacement produce NaN, and the check
+    would blame the replacement. Meta tensors (no values at all) are refused the same way."""
+    meta, real = [], []
+    for path, module in model.named_modules():
+        hook = vars(module).get("_hf_hook")
+        offloaded = hook is not None and getattr(hook, "offload", False)  # values live in the hook
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            (real if not p.is_meta else meta if not offloaded else []).append((full, p))
+    if meta:
+        raise BadInputError(f"{what} has no weights to verify with: {meta[0][0]} (and {len(meta) - 1} more) is on "
+                            "the meta device; load the weights first, or pass verify=False")
+    for name, p in real:
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            nan, inf = int(torch.isnan(p).sum()), int(torch.isinf(p).sum())
+            raise BadInputError(f"{what} is corrupt: {name} holds {nan} NaN and {inf} infinite value(s) "
+                                f"(of {p.numel()}); nothing can be verified against it")
+
+
+def check_reference_output(kind: str, output: torch.Tensor, what: str = "the original model") -> None:
+    """The output every later one is compared with must be finite, or the comparison would blame
+    whatever comes after (the kernel, the conversion) for the input's own NaN."""
+    bad = ~torch.isfinite(output)
+    if bool(bad.any()):
+        raise BadInputError(f"{what} already gives non-finite {kind} ({int(bad.sum())} of {output.numel()}) on "
+                            "the probe batch, with finite weights; nothing can be verified against it")
+
 
 def probe_batch(model: nn.Module, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
     """Token ids for one forward pass (above the special ids, below the vocabulary size)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from normswap import registry
-from normswap.errors import NormswapError, UnknownNormError
+from normswap.errors import BadInputError, NormswapError, UnknownNormError
 from normswap.specs import NormSpec
 
 
@@ -43,7 +43,10 @@ def find_norms(model: nn.Module, strict: bool = False, warn: bool = True) -> lis
             continue
         if not registry.is_norm_like(module):
             continue
-        rec = registry.recognise(module)
+        try:
+            rec = registry.recognise(module)
+        except BadInputError as e:  # e.g. a NaN eps: name the module it belongs to
+            raise BadInputError(f"{path} ({type(module).__name__}): {e}") from None
         found.append(FoundNorm(path, type(module).__name__, rec.spec, rec.reason, rec.method,
                                rec.exact if rec.spec is not None else False))
         if rec.spec is not None:

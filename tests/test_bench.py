@@ -62,11 +62,16 @@ def test_bench_compiled_variant(tmp_path):
     assert result.to_dict()["config"]["compile"] is True
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_decode_step_is_the_next_token_of_the_prompt(arch):
+@pytest.mark.parametrize("arch,fused", [("llama", False), ("gpt2", False), ("llama", True)])
+def test_decode_step_is_the_next_token_of_the_prompt(arch, fused):
     """The timed decode step (static cache reset to the prompt before every call) computes the
-    logits a full forward gives at the next position, every time it is called."""
+    logits a full forward gives at the next position, every time it is called (fused too: the
+    static cache's in-place writes must not meet a precomputed norm)."""
     model = tiny_model(arch)
+    if fused:
+        import normswap
+
+        assert normswap.patch(model, "torch", fuse_residual=True).fusion.pairs
     ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
     step, static = bench._decode(model, ids)
     with torch.no_grad():
@@ -82,3 +87,12 @@ def test_bad_input_is_one_line(tmp_path):
     assert r.exit_code == 2 and "unknown mode 'sprint'" in r.stderr and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", str(tmp_path / "nope")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_unwritable_out_fails_before_measuring(tmp_path):
+    """The destination is checked first: a bench must not run for minutes and then lose its numbers."""
+    model = _config_only("llama", tmp_path / "cfg")
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", "--out", "/proc/normswap-bench.json"])
+    assert r.exit_code == 2 and "cannot write to /proc" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and "eager" not in r.stderr  # no progress: nothing ran

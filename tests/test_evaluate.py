@@ -180,8 +180,12 @@ def test_a_text_shorter_than_the_context_is_one_window_unless_a_length_was_asked
     assert (r.windows, r.max_length, r.tokens) == (1, 30, 29)
     with pytest.raises(NormswapError, match="shorter than one window: 30 tokens, window 48"):
         perplexity(llama, None, ids, max_length=48, progress=False)
-    with pytest.raises(NormswapError, match="--max-tokens 20 is shorter than one window"):
+    with pytest.raises(NormswapError, match="max_tokens 20 is shorter than one window"):
         perplexity(llama, None, ids, max_length=24, max_tokens=20, progress=False)
+    # a command line names its own flags
+    with pytest.raises(NormswapError, match="--eval-max-tokens 20 is shorter than one window"):
+        perplexity(llama, None, ids, max_length=24, max_tokens=20, progress=False,
+                   option_names={"max_tokens": "--eval-max-tokens"})
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -28,7 +28,7 @@ ALL_ARMS = ["original", "original+ft", "exact", "exact+ft", "approx", "approx+ft
 # A model small enough for CI that still learns something from Genesis 1-3 in a few seconds.
 PRETRAIN = f"""
 [pretrain]
-text = "{GENESIS}"
+text = "{GENESIS.name}"
 vocab_size = 300
 n_layer = 2
 n_embd = 32
@@ -43,8 +43,8 @@ warmup_steps = 4
 
 REST = f"""
 [data]
-train = "{GENESIS}"
-eval = "{JOSHUA}"
+train = "{GENESIS.name}"
+eval = "{JOSHUA.name}"
 eval_max_tokens = 256
 eval_max_length = 64
 eval_batch_size = 4
@@ -61,6 +61,10 @@ warmup_steps = 1
 
 
 def write_recipe(path: Path, body: str, arms=ALL_ARMS, head: str = "") -> Path:
+    """A recipe whose texts lie beside it (paths relative to the recipe, as in recipes/)."""
+    for text in (GENESIS, JOSHUA):
+        if not (path.parent / text.name).exists():
+            (path.parent / text.name).write_bytes(text.read_bytes())
     path.write_text(f'name = "tiny"\nimpl = "torch"\narms = {json.dumps(arms)}\n{head}\n{body}{REST}')
     return path
 
@@ -88,7 +92,7 @@ def every_arm(cache, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pretrained_dir(every_arm) -> Path:
-    return Path(every_arm.data["model"])
+    return Path(every_arm.model_path)
 
 
 def model_recipe(tmp_path: Path, model_dir: Path, arms, head: str = "") -> Path:
@@ -120,6 +124,12 @@ def test_the_shipped_recipe_validates():
     ("model.path=x", "exactly one of \\[model\\]"),
     ("nosection.key=1", "unknown section 'nosection'"),
     ("finetune", "expected key=value"),
+    ("finetune.lr=nan", "finetune.lr: expected a finite number, got nan"),
+    ("finetune.max_grad_norm=inf", "finetune.max_grad_norm: expected a finite number"),
+    ("seed=4294967296", "seed: 4294967296 is above the maximum 4294967295"),
+    ("impl=bogus", "impl: 'bogus' is not one of triton, torch"),
+    ('name="../elsewhere"', "name: '../elsewhere' is not a plain folder name"),
+    ("finetune.seq_len=65", r"finetune.seq_len: 65 exceeds the model's context \(64 positions\)"),
 ])
 def test_bad_recipes_are_one_line_errors(tmp_path, override, message):
     path = write_recipe(tmp_path / "r.toml", PRETRAIN)
@@ -143,6 +153,21 @@ def test_overrides_are_typed_and_validated(tmp_path):
     assert load_recipe(path, [f'data.train="{moved / "genesis.txt"}"']).fingerprint() != load_recipe(path).fingerprint()
 
 
+def test_a_model_directory_recipe_checks_seq_len_against_the_model(tmp_path, pretrained_dir):
+    recipe = load_recipe(model_recipe(tmp_path, pretrained_dir, ["approx+ft"]), ["finetune.seq_len=65"])
+    with pytest.raises(RecipeError, match="finetune.seq_len: 65 exceeds the model's context"):
+        run_experiment(recipe, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "arms").exists()  # refused before any arm ran
+
+
+def test_a_model_directory_is_relative_to_the_recipe(tmp_path, monkeypatch):
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    recipe = write_recipe(tmp_path / "r.toml", '[model]\npath = "models/m"\n')
+    monkeypatch.chdir(ROOT)
+    assert load_recipe(recipe).model.path == str(tmp_path / "models" / "m")
+    assert load_recipe(recipe, ['model.path="gpt2"']).model.path == "gpt2"  # not a local path: as written
+
+
 def test_not_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("this is = = not toml\n")
@@ -158,6 +183,26 @@ def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
         res = CliRunner().invoke(cli, ["experiment", str(path), *args])
         assert res.exit_code == 2, res.output
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("normswap: error:")
+
+
+def test_committed_results_name_no_machine_paths():
+    for results in (ROOT / "recipes" / "results").glob("*/results.json"):
+        data = json.loads(results.read_text())
+
+        def strings(node):
+            if isinstance(node, dict):
+                for v in node.values():
+                    yield from strings(v)
+            elif isinstance(node, list):
+                for v in node:
+                    yield from strings(v)
+            elif isinstance(node, str):
+                yield node
+
+        absolute = [s for s in strings(data) if s.startswith(("/", "~")) or ":\\" in s]
+        assert not absolute, f"{results}: {absolute}"
+        recipe = results.parents[2] / f"{data['recipe']['name']}.toml"
+        assert (recipe.parent / data["recipe"]["data"]["eval"]).is_file()  # relative to the recipe
 
 
 def test_arm_names():
@@ -193,7 +238,8 @@ def test_pretraining_is_cached(every_arm, cache, pretrained_dir):
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
     stamp = (pretrained_dir / "model.safetensors").stat().st_mtime_ns
     again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name, recipe.data.eval)
-    assert again == pretrained_dir and info == every_arm.data["pretrain"]
+    reported = every_arm.data["pretrain"]  # the same, but results.json names the text relative to the recipe
+    assert again == pretrained_dir and info == {**reported, "section": {**reported["section"], "text": recipe.pretrain.text}}
     assert (pretrained_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not trained again
     assert [p.name for p in (cache / "pretrain").iterdir()] == [pretrained_dir.name]  # no .partial left
 
@@ -224,8 +270,16 @@ def test_every_arm_runs_and_reports(every_arm):
     assert all(f"| {a} |" in summary for a in ALL_ARMS)
     csv_lines = (out / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("arm,step,ppl") and len(csv_lines) == 1 + 4 * 1 + 5 * 3
-    if importlib.util.find_spec("tensorboard"):  # accelerate's tracker, when installed
-        assert any((out / "logs").rglob("events.out.tfevents*"))
+    # accelerate's tracker (tracker = "auto": TensorBoard, installed by the dev extra) logged the run.
+    assert importlib.util.find_spec("tensorboard"), "pip install -e '.[dev]' (tensorboard) to test the tracker"
+    assert any((out / "logs").rglob("events.out.tfevents*"))
+    # No machine's paths in what a run writes (results get committed): texts relative to the
+    # recipe, the pretrained model by its cache entry.
+    assert data["recipe"]["data"]["train"] == GENESIS.name and data["recipe"]["pretrain"]["text"] == GENESIS.name
+    assert data["pretrain"]["section"]["text"] == GENESIS.name
+    assert data["model"] == f"<normswap cache>/pretrain/{Path(every_arm.model_path).name}"
+    text = (out / "results.json").read_text()
+    assert str(out.parent) not in text and str(Path.home()) not in text and os.environ["NORMSWAP_CACHE"] not in text
     # The arms' resumable state is gone once they are done; their results stay.
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
 
@@ -291,14 +345,35 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
 # --------------------------------------------------------------------------- kernels
 
 
+def count_rms_kernel_calls(monkeypatch) -> dict:
+    """Counts the launches of normswap's Triton RMS kernels (forward and backward) from now on."""
+    from normswap.kernels import rms_norm
+
+    calls = {"forward": 0, "backward": 0}
+    def counting(key, real):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    for name, key in (("_rms_forward", "forward"), ("_rms_backward", "backward")):
+        monkeypatch.setattr(rms_norm, name, counting(key, getattr(rms_norm, name)))
+    return calls
+
+
 @pytest.mark.slow
-def test_triton_fine_tuning_matches_torch(tmp_path, pretrained_dir):
+def test_triton_fine_tuning_matches_torch(tmp_path, pretrained_dir, monkeypatch):
     """--impl triton: the arms train through normswap's Triton kernels (forward and backward)."""
     arms = ["approx-bias+ft", "exact+ft"]
     path = model_recipe(tmp_path, pretrained_dir, arms)
     sets = ["finetune.steps=2", "finetune.eval_every=2", "data.eval_max_tokens=64"]
+    calls = count_rms_kernel_calls(monkeypatch)
     ref = run_experiment(load_recipe(path, sets), tmp_path / "torch", progress=False)
+    assert calls == {"forward": 0, "backward": 0}
     tri = run_experiment(load_recipe(path, [*sets, "impl=triton"]), tmp_path / "triton", progress=False)
+    # Both arms run as RMS norms: the Triton RMS kernels ran in the training steps, both ways
+    # (5 norms x 2 arms x 2 steps x 2 micro-batches... at least one per norm per step).
+    assert calls["forward"] >= 5 * 2 * 2 and calls["backward"] >= 5 * 2 * 2
     for arm in arms:
         a, b = ref.data["arms"][arm], tri.data["arms"][arm]
         for x, y in zip(a["losses"], b["losses"], strict=True):
@@ -306,7 +381,7 @@ def test_triton_fine_tuning_matches_torch(tmp_path, pretrained_dir):
         assert abs(a["evals"][-1]["ppl"] - b["evals"][-1]["ppl"]) / a["evals"][-1]["ppl"] < 1e-5
 
 
-def test_triton_arm_is_built_on_normswap_modules(pretrained_dir):
+def test_triton_arm_is_built_on_normswap_modules(pretrained_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from normswap.experiment.arms import build_arm
@@ -317,13 +392,97 @@ def test_triton_arm_is_built_on_normswap_modules(pretrained_dir):
     norms = [m for m in model.modules() if isinstance(m, NormswapNorm)]
     assert len(norms) == 5 and all(m.impl == "triton" and m.rms_form is not None for m in norms)
     ids = torch.randint(0, 300, (2, 16))
+    calls = count_rms_kernel_calls(monkeypatch)
     model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == {"forward": 5, "backward": 5}  # every norm, through the Triton kernels both ways
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in norms)
     assert all(m.bias.grad is None and not m.bias.requires_grad for m in norms)  # approx has no β
     exact = build_arm(original, "exact", "torch")
     frozen = [n for n, p in exact.named_parameters() if not p.requires_grad]
     assert frozen and all(".ln_" in n for n in frozen)  # the folded γ/β (ones/zeros) only
     assert not any(isinstance(m, NormswapNorm) for m in original.modules())
+
+
+def random_layer_norm_gpt2(seed: int = 0):
+    """A tiny GPT-2 whose LayerNorms have random γ and β (ones/zeros would hide a dropped one)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.copy_(1 + 0.5 * torch.randn_like(mod.weight))
+                mod.bias.copy_(0.5 * torch.randn_like(mod.bias))
+    return model
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_approx_arms_are_rms_norms_keeping_gamma(impl):
+    """approx: x / sqrt(mean(x²) + eps) · γ (no centering, no β); approx-bias: the same + β.
+    Against float64 on an input whose mean is far from 0 (centering would show)."""
+    from normswap.experiment.arms import build_arm
+
+    original = random_layer_norm_gpt2()
+    paths = [n for n, m in original.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    x = torch.randn(3, 5, 16, dtype=torch.float64) * 3 + 1.5
+    for arm, keep_bias in (("approx", False), ("approx-bias", True)):
+        model = build_arm(original, arm, impl)
+        for path in paths:
+            ln = original.get_submodule(path)
+            want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + ln.eps) * ln.weight.double()
+            if keep_bias:
+                want = want + ln.bias.double()
+            got = model.get_submodule(path)(x.float()).double()
+            assert (got - want).abs().max() < 1e-5 * want.abs().max(), (arm, path)
+    assert isinstance(original.get_submodule(paths[0]), torch.nn.LayerNorm)  # the original is untouched
+
+
+def test_distill_loss_is_kl_from_the_original_to_the_arm():
+    """KL(original ‖ arm) = Σ p_original (log p_original − log p_arm), mean over positions; not the
+    reverse KL, not cross-entropy."""
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.trainer import distill_loss
+
+    original = random_layer_norm_gpt2()
+    arm = build_arm(original, "approx", "torch")
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        p = torch.log_softmax(original(input_ids=ids).logits.double(), -1)
+        q = torch.log_softmax(arm(input_ids=ids).logits.double(), -1)
+    forward = (p.exp() * (p - q)).sum(-1).mean().item()
+    reverse = (q.exp() * (q - p)).sum(-1).mean().item()
+    assert abs(reverse - forward) > 1e-3 * forward  # the two directions are told apart here
+    got = distill_loss(arm, ids, original)
+    assert abs(got.item() - forward) < 1e-4 * forward
+    got.backward()  # the arm learns from it; the teacher does not
+    assert any(p.grad is not None for p in arm.parameters())
+    assert all(p.grad is None for p in original.parameters())
+
+
+def test_the_distill_arm_trains_on_kl_from_the_original(every_arm, pretrained_dir):
+    """approx+distill's first training loss is KL(original ‖ approx) on step 0's batch (the
+    language-modelling loss of the same batch is what approx+ft starts from)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.pretrain import encode, read_text
+    from normswap.experiment.trainer import RandomWindows
+
+    recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
+    original = AutoModelForCausalLM.from_pretrained(pretrained_dir, dtype=torch.float64).eval()
+    arm = build_arm(original, "approx", "torch", "fp32").double()
+    ids = encode(AutoTokenizer.from_pretrained(pretrained_dir), read_text(recipe.data.train))
+    batch = RandomWindows(ids, recipe.finetune.seq_len, recipe.finetune.batch_size, recipe.seed).micro_batches(0, 0, 1, 1)[0]
+    with torch.no_grad():
+        p = torch.log_softmax(original(input_ids=batch).logits, -1)
+        q = torch.log_softmax(arm(input_ids=batch).logits, -1)
+        ce = arm(input_ids=batch, labels=batch).loss.item()
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    arms = every_arm.data["arms"]
+    assert arms["approx+distill"]["losses"][0] == pytest.approx(kl, rel=1e-3)
+    assert arms["approx+ft"]["losses"][0] == pytest.approx(ce, rel=1e-4)
 
 
 # --------------------------------------------------------------------------- DDP
@@ -375,13 +534,45 @@ def test_recovered_share_is_against_the_fine_tuned_control():
         return {"steps": steps, "evals": evals}
 
     arms = {"original": arm(2.0, 2.0, 0), "original+ft": arm(2.0, 1.8), "approx": arm(3.0, 3.0, 0),
-            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(1.7, 1.75), "exact+ft": arm(2.0, 1.9)}
+            "approx+ft": arm(3.0, 2.4), "approx-bias+ft": arm(2.5, 2.3), "approx+distill": arm(1.9, 1.7),
+            "exact+ft": arm(2.0, 1.9)}
     rows = {r["arm"]: r for r in summary_rows(arms)}
-    assert rows["approx+ft"]["recovered"] == pytest.approx((3.0 - 2.4) / (3.0 - 1.8))
-    assert rows["approx-bias+ft"]["recovered"] is None  # started below the control's end: no gap
+    # A gap of 1.0 nats at step 0, 0.6 left against the fine-tuned control: 40 % taken back.
+    assert rows["approx+ft"]["recovered"] == pytest.approx(0.4)
+    # Fine-tuning lowered it by exactly what it lowered the control: nothing recovered (comparing its
+    # end with its own start would credit it with 0.2 / 0.7 of the gap).
+    assert rows["approx-bias+ft"]["recovered"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["approx+distill"]["recovered"] is None  # started below the original: no gap
     assert rows["exact+ft"]["recovered"] is None
     assert rows["approx+ft"]["delta_vs_original_ft"] == pytest.approx(math.exp(2.4) - math.exp(1.8))
     assert rows["approx"]["recovered"] is None and rows["original+ft"]["recovered"] is None
+    # Without the control the reference is the untouched original.
+    del arms["original+ft"]
+    assert {r["arm"]: r for r in summary_rows(arms)}["approx+ft"]["recovered"] == pytest.approx(0.6)
+
+
+def test_a_stop_on_another_process_stops_every_process(tmp_path):
+    """Under `accelerate launch` each process gets Ctrl-C at its own moment: all of them must stop
+    (and checkpoint) at the same step, here seen from a process whose own flag is never set while
+    another process's is (its reduce reports one stopping process)."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    class SecondProcess(Accelerator):
+        num_processes = 2  # as seen by the flag exchange (and the batch split: this is rank 0 of 2)
+
+        def reduce(self, tensor, reduction="sum", scale=1.0):
+            return tensor + 1 if reduction == "sum" else tensor  # the other process is stopping
+
+    accelerator = SecondProcess(cpu=True)
+    model = random_layer_norm_gpt2()
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=5, warmup_steps=0, checkpoint_every=10)
+    with pytest.raises(Interrupted, match="stopped at step 1 of 5"):
+        train(accelerator, model, settings, batches, tmp_path / "state", progress=False, stop=StopFlag())
+    assert (tmp_path / "state" / "LATEST").read_text() == "step-000001"  # checkpointed before stopping
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():

@@ -200,3 +200,59 @@ def test_cli_save_load_revert(tmp_path):
     assert fuse.fused_pairs(model) == {}
     assert not any(m._forward_hooks for m in model.modules())
     torch.testing.assert_close(model(IDS).logits, fused, rtol=1e-5, atol=1e-5)
+
+
+def test_precomputed_norm_is_dropped_when_the_sum_or_the_weights_change():
+    """A tagged sum outlives its forward (a returned hidden state): an in-place change through a
+    view of it, or to the norm's weight (an optimizer step), makes the precomputed value stale."""
+    model = tiny_model("llama")
+    normswap.patch(model, "torch")
+    norm = model.model.norm
+    g = torch.Generator().manual_seed(3)
+    stream, x = torch.randn(2, 3, 32, generator=g), torch.randn(2, 3, 32, generator=g)
+    h = stream + fuse._tag(x, _ns_into=norm)
+    h[0].zero_()  # a plain view of h: h itself sees no in-place op
+    torch.testing.assert_close(norm(h), norm._norm(h.as_subclass(torch.Tensor)))
+    h = stream + fuse._tag(x, _ns_into=norm)
+    assert fuse.precomputed(h.view(-1, 32), norm) is not None  # a view keeps it while nothing changed
+    with torch.no_grad():
+        norm.weight.mul_(3.0)
+    assert fuse.precomputed(h, norm) is None
+    torch.testing.assert_close(norm(h), norm._norm(h.as_subclass(torch.Tensor)))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_keeps_every_gradient(reentrant):
+    """Reentrant checkpointing runs each block without grad and hands its output a new grad_fn:
+    a norm taking the precomputed value there would cut every gradient upstream of it."""
+    import copy
+
+    model = tiny_model("llama")
+    normswap.patch(model, "torch", verify=False)
+    fused = copy.deepcopy(model)
+    normswap.patch(fused, "torch", fuse_residual=True)
+    results = []
+    for m in (model, fused):
+        m.train()  # (tiny models have no active dropout: runs stay comparable)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        results.append(_logits_and_grads(m))
+    (logits, grads), (fused_logits, fused_grads) = results
+    torch.testing.assert_close(fused_logits, logits, rtol=1e-6, atol=1e-6)
+    assert set(fused_grads) == set(grads) == {n for n, _ in model.named_parameters()}
+    for name, g in grads.items():
+        torch.testing.assert_close(fused_grads[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_generate_with_kv_cache_fused_gives_the_same_tokens(monkeypatch):
+    """Decoding with a KV cache runs fused (every step's adds) and picks the unfused model's tokens."""
+    import copy
+
+    model = tiny_model("llama")
+    normswap.patch(model, "torch", verify=False)
+    fused = copy.deepcopy(model)
+    normswap.patch(fused, "torch", fuse_residual=True)
+    expected = model.generate(IDS, max_new_tokens=6, do_sample=False)
+    counter = Counter(monkeypatch)
+    got = fused.generate(IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, expected)
+    assert counter.fused == counter.hits == 6 * EXPECTED["llama"]  # the prompt's forward + 5 cached steps

@@ -4,6 +4,7 @@ Each test names the case it covers; each fails without its fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -243,3 +244,301 @@ def test_case2_tied_and_ignorable_keys_still_load(tmp_path):
     tensors["transformer.h.0.attn.bias"] = torch.ones(1)  # what old GPT-2 files carry (ignorable)
     save_file(tensors, f, metadata={"format": "pt"})
     load_model(resolve(tmp_path / "g"))
+
+
+# ---- case 9: Ctrl-C at any moment: one line, exit 130 ------------------------------------------
+
+# The console script runs `from normswap.cli import main; main()`. These drivers deliver a real
+# SIGINT at a chosen instant: while torch is being imported (start-up), and from an atexit
+# handler (the interpreter's shutdown after a successful run).
+_SIGINT_ON_TORCH_IMPORT = """
+import os, signal, sys, importlib.abc
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+assert "torch" not in sys.modules  # the entry point itself is light: nothing heavy before main()
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+_SIGINT_AT_EXIT = """
+import atexit, os, signal, sys
+from normswap.cli import main
+atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("driver", [_SIGINT_ON_TORCH_IMPORT, _SIGINT_AT_EXIT], ids=["start-up", "after-success"])
+def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", driver, "scan", str(src), "--json", "--no-consumers"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted", p.stderr[-3000:]
+    if driver is _SIGINT_AT_EXIT:
+        assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
+
+
+# ---- cases 5, 7 (the whole reason) and 8: nonsense configs and unreadable files -----------------
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_hidden_layers=-1), "num_hidden_layers is -1; it must be at least 1"),
+    (dict(hidden_size=0), "hidden_size is 0"),
+    (dict(vocab_size=0), "vocab_size is 0"),
+    (dict(num_key_value_heads=-2), "num_key_value_heads is -2; a size or count cannot be negative"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps is nan; an eps must be finite"),
+    (dict(hidden_size="big"), "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' "
+                              "expected int, got str"),
+])
+@pytest.mark.parametrize("cmd", ["scan", "patch"])
+def test_case5_8_nonsense_config_is_bad_input(src, tmp_path, change, says, cmd):
+    d = _edited_copy(src, tmp_path / "m", **change)
+    r = run(cmd, d, *(["--impl", "torch"] if cmd == "patch" else []))
+    assert_one_line_error(r, says)
+    assert f"{d / 'config.json'}" in r.stderr
+    assert "Warning" not in r.stderr and "warn" not in r.stderr.lower()
+
+
+@contextlib.contextmanager
+def _denied(path: Path):
+    """Reading anything under `path` fails with EACCES, as for a user without permission (tests
+    may run as root, which ignores permission bits, so the calls normswap makes are made to fail)."""
+    import builtins
+    import errno
+    import pathlib
+    from unittest import mock
+
+    prefix = str(path)
+
+    def guard(real):
+        def wrapper(p, *a, **k):
+            if str(os.fspath(p)).startswith(prefix):
+                raise PermissionError(errno.EACCES, "Permission denied", str(p))
+            return real(p, *a, **k)
+        return wrapper
+
+    with mock.patch.object(os, "listdir", guard(os.listdir)), \
+            mock.patch.object(pathlib.Path, "read_text", guard(pathlib.Path.read_text)), \
+            mock.patch.object(builtins, "open", guard(builtins.open)):
+        yield
+
+
+def test_case5_unreadable_model_directory_is_bad_input_naming_the_os_reason(src, tmp_path):
+    import shutil
+
+    d = tmp_path / "locked"
+    shutil.copytree(src, d)
+    for cmd in (["scan", d], ["patch", d, "--impl", "torch"]):
+        with _denied(d):
+            r = run(*cmd)
+        assert_one_line_error(r, "Permission denied")
+        assert str(d) in r.stderr and "no such" not in r.stderr.lower() and "malformed" not in r.stderr
+
+
+def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    text = tmp_path / "t.txt"
+    text.write_text("hello there " * 50)
+    with _denied(d / "config.json"):
+        r = run("scan", d)
+    assert_one_line_error(r, f"{d / 'config.json'}: Permission denied")
+    assert "malformed" not in r.stderr
+    with _denied(text):
+        r = run("ppl", src, "--data", text)
+    assert_one_line_error(r, "Permission denied")
+    assert str(text) in r.stderr
+
+
+# ---- case 6: non-finite input is named, never blamed on the kernel or the conversion -----------
+
+
+def _corrupt(src: Path, dst: Path, name: str, value: float) -> Path:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(f)
+    tensors[name][3] = value
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_case6_non_finite_weight_is_named(src, gpt2, tmp_path, value):
+    bad = _corrupt(src, tmp_path / "bad", "model.norm.weight", value)
+    r = run("patch", bad, "--impl", "torch")
+    assert_one_line_error(r, "is corrupt: model.norm.weight holds")
+    assert "whole-model check" not in r.stderr and "kernel" not in r.stderr
+    bad2 = _corrupt(gpt2, tmp_path / "bad2", "transformer.h.0.ln_1.weight", value)
+    r = run("convert", bad2, "--to", "rms", "--out", tmp_path / "conv")
+    assert_one_line_error(r, "transformer.h.0.ln_1.weight holds")
+    assert "differ" not in r.stderr and not (tmp_path / "conv").exists()
+    # the library says the same
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = value
+    with pytest.raises(NormswapError, match=r"model.layers.1.mlp.up_proj.weight holds"):
+        patch(model, "torch", probe=SMALL)
+
+
+def test_case6_nan_eps_is_bad_input(tmp_path):
+    model = tiny_model("llama")
+    model.model.norm.variance_epsilon = float("nan")
+    with pytest.raises(NormswapError, match=r"model.norm \(LlamaRMSNorm\): eps is nan"):
+        patch(model, "torch", probe=SMALL)
+
+
+# ---- case 7: every option named as typed, and checked before any load --------------------------
+
+
+def test_case7_options_are_named_as_typed_and_checked_before_loading(src, tmp_path, monkeypatch):
+    from normswap import loading
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    text = tmp_path / "t.txt"
+    text.write_text("hello there " * 50)
+    r = run("patch", src, "--impl", "torch", "--eval", text, "--eval-max-length", "0")
+    assert_one_line_error(r, "--eval-max-length 0: a window needs at least 2 tokens")
+    r = run("patch", src, "--impl", "torch", "--eval", text, "--eval-max-tokens", "1")
+    assert_one_line_error(r, "--eval-max-tokens 1")
+    r = run("demo", "--max-tokens", "-5")
+    assert_one_line_error(r, "--max-tokens -5: at least 2 tokens")
+    assert "--max-length" not in r.stderr and "--eval" not in r.stderr
+    r = run("patch", src, "--impl", "torch", "--out", tmp_path / "o", "--max-shard-size", "banana")
+    assert_one_line_error(r, "--max-shard-size 'banana'")
+    assert not (tmp_path / "o").exists()
+
+
+# ---- case 10: the Python API raises NormswapError subclasses for plausible values --------------
+
+
+def test_case10_api_errors_are_normswap_errors(tmp_path):
+    from tiny_models import tiny_tokenizer
+
+    import normswap
+    from normswap.errors import BadInputError
+
+    model = tiny_model("llama")
+    report = normswap.patch(model, "torch", dtype="fp32", probe=SMALL)  # what load accepts, patch accepts
+    assert report.dtype == "float32"
+    normswap.revert(model)
+    with pytest.raises(BadInputError, match="unknown dtype 'fp8'"):
+        normswap.patch(model, "torch", dtype="fp8")
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    with pytest.raises(BadInputError, match="meta device"):
+        normswap.patch(meta, "torch")
+    normswap.patch(meta, "torch", verify=False)  # what the meta device is for: no numbers
+    tok = tiny_tokenizer()
+    with pytest.raises(BadInputError, match="token id -3 is negative"):
+        normswap.perplexity(model, tok, torch.tensor([5, 6, -3, 7, 8]), max_length=4, progress=False)
+    with pytest.raises(BadInputError, match="max_length must be a whole number of tokens, got 2.5"):
+        normswap.perplexity(model, tok, "some text here", max_length=2.5, progress=False)
+    assert issubclass(BadInputError, ValueError) and issubclass(BadInputError, normswap.NormswapError)
+
+
+# ---- case 4: tokenisation streams, whatever the file's shape -----------------------------------
+
+
+class _SpyTokenizer:
+    """Wraps a tokenizer and records the length of every text it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.seen = tok, []
+
+    def __call__(self, text, **kw):
+        self.seen.append(len(text))
+        return self.tok(text, **kw)
+
+
+def _one_line_file(path: Path, chars: int) -> str:
+    import random
+
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "anarchism", "originated"]
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(words)
+        out.append(w)
+        n += len(w) + 1
+    text = " ".join(out)  # text8's shape: one line, no newline at all
+    path.write_text(text)
+    return text
+
+
+def test_case4_one_line_file_with_max_tokens_tokenises_a_bounded_prefix(tmp_path):
+    from tiny_models import tiny_tokenizer
+
+    import normswap
+    from normswap import data as nsdata
+    from normswap.data import open_corpus
+
+    p = tmp_path / "text8.txt"
+    _one_line_file(p, 4_000_000)
+    spy = _SpyTokenizer(tiny_tokenizer())
+    model = tiny_model("llama")
+    r = normswap.perplexity(model, spy, open_corpus(p), max_length=32, max_tokens=256, progress=False)
+    assert r.tokens == 255
+    assert max(spy.seen) <= nsdata.FIRST_PIECE_CHARS  # never the 4 MB line
+    assert sum(spy.seen) <= 2 * nsdata.FIRST_PIECE_CHARS  # it stopped once 256 tokens were there
+
+
+def test_case4_long_lines_and_strings_are_cut_into_bounded_exact_pieces(tmp_path, monkeypatch):
+    import tracemalloc
+
+    from tiny_models import tiny_tokenizer
+
+    from normswap import data as nsdata
+    from normswap.data import open_corpus
+    from normswap.evaluate import document_tokens
+
+    p = tmp_path / "line.txt"
+    text = _one_line_file(p, 3_000_000)
+    # reading a 3 MB one-line file piece by piece holds a bounded amount of it
+    tracemalloc.start()
+    try:
+        (doc,) = list(open_corpus(p).documents())
+        sizes = [len(piece) for piece in doc]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert max(sizes) <= nsdata.MAX_PIECE_CHARS and sum(sizes) == len(text)
+    assert peak < 8 * nsdata.MAX_PIECE_CHARS < len(text) * 4  # not the whole line (str of 3M chars)
+    # a str, a jsonl row or a dataset row arrives whole: the tokenizer still sees bounded pieces,
+    # and the cuts (before a space) give exactly the tokens of the whole text
+    monkeypatch.setattr(nsdata, "FIRST_PIECE_CHARS", 1000)
+    monkeypatch.setattr(nsdata, "MAX_PIECE_CHARS", 4000)
+    sample = text[:200_000]
+    spy = _SpyTokenizer(tiny_tokenizer())
+    streamed = [t for chunk in document_tokens(spy, [iter([sample])]) for t in chunk]
+    assert max(spy.seen) <= 4000
+    assert streamed == tiny_tokenizer()(sample, add_special_tokens=False)["input_ids"]
+
+
+# ---- the error contract: without --json a refusal's report goes to stderr, stdout stays empty --
+
+
+def test_contract_refusal_report_goes_to_stderr_without_json(tmp_path):
+    save_tiny("bert", tmp_path / "bert")
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o")
+    assert_one_line_error(r, "nothing converts")
+    assert r.stdout == "" and "embeddings.LayerNorm" in r.stderr
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o", "--json")
+    assert_one_line_error(r, "nothing converts")
+    assert json.loads(r.stdout)["out"] is None

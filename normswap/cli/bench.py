@@ -38,7 +38,11 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
     weights are random (seeded) from the config, so any size can be timed without its weights.
     On a CPU the numbers are CPU numbers and say nothing about GPU speed.
     """
+    from normswap.api import _check_writable
     from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+
+    # Before minutes of measuring, not after: an unwritable destination would lose every number.
+    _check_writable(out or Path("benchmarks/results/bench.json"))
 
     cfg = BenchConfig(model=model, impls=parse_list(impls), fuse_residual=fuse_residual, modes=parse_list(modes),
                       batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,

@@ -27,8 +27,11 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     from normswap.cli.patch import render as render_patch
     from normswap.cli.scan import render as render_scan
     from normswap.cli.scan import warn_unknown
+    from normswap.evaluate import check_window_options
     from normswap.loading import DEFAULT_MODEL
 
+    # the demo's own option, named as the user typed it (it feeds patch's --eval-max-* options)
+    check_window_options(None, None, max_tokens, names={"max_tokens": "--max-tokens"})
     window = min(256, max_tokens)
     click.echo(f"\n$ normswap scan {DEFAULT_MODEL}", err=True)
     doc = scanning.scan(DEFAULT_MODEL, warn=False)

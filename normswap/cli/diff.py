@@ -23,8 +23,9 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
 
     Both models read the same windows, tokenised with A's tokenizer."""
     from normswap.api import EvalSettings, diff_checkpoints
+    from normswap.evaluate import CLI_NAMES
 
-    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size)
+    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
     with ProgressBars({"diff": "tok"}) as bars:
         result = diff_checkpoints(model_a, model_b, settings=settings, patched=impl, dtype=dtype, progress=bars)
     emit(result.to_dict(), as_json, render_diff)

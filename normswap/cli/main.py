@@ -10,15 +10,42 @@ from typing import Any
 
 import click
 
-import normswap  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
+def _usage_line(e: click.UsageError) -> str:
+    # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
+    hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+    return f"normswap: error: {e.format_message()}{hint}"
 
 
 class NormswapGroup(click.Group):
-    """Turns every NormswapError into one line on stderr and exit code 2 (no traceback)."""
+    """Turns every NormswapError (and any OSError: a permission, a full disk, an unreadable file)
+    into one line on stderr and exit code 2, Ctrl-C into one line and 130; anything else is an
+    internal error, one line and exit 1 (NORMSWAP_DEBUG=1 shows the traceback)."""
+
+    def main(self, args=None, prog_name=None, **extra) -> Any:
+        # click's standalone mode would answer Ctrl-C with a blank line + "Aborted!" and exit 1,
+        # and a usage error in the group's own options with its usage block: do it ourselves.
+        extra.pop("standalone_mode", None)
+        try:
+            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+        except (KeyboardInterrupt, click.Abort):
+            click.echo("normswap: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.UsageError as e:
+            click.echo(_usage_line(e), err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -26,14 +53,17 @@ class NormswapGroup(click.Group):
         except NormswapError as e:
             click.echo(f"normswap: error: {e}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
+        except OSError as e:
+            from normswap.errors import one_line
+
+            click.echo(f"normswap: error: {one_line(e)}", err=True)
+            ctx.exit(EXIT_BAD_INPUT)
         except click.UsageError as e:
-            # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
-            hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-            click.echo(f"normswap: error: {e.format_message()}{hint}", err=True)
+            click.echo(_usage_line(e), err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             click.echo("normswap: interrupted", err=True)
-            ctx.exit(130)
+            ctx.exit(EXIT_INTERRUPTED)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception as e:
@@ -45,13 +75,22 @@ class NormswapGroup(click.Group):
                 "(set NORMSWAP_DEBUG=1 for the traceback)",
                 err=True,
             )
-            ctx.exit(1)
+            ctx.exit(EXIT_INTERNAL)
 
 
 @click.group(cls=NormswapGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(normswap.__version__, prog_name="normswap")
 def cli() -> None:
-    """Find, swap, fold and measure the normalization layers of Hugging Face models."""
+    """Find, swap, fold and measure the normalization layers of Hugging Face models.
+
+    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted.
+    With --json stdout holds one JSON document or nothing (see README: the error contract).
+
+    Writes are staged in a hidden .DIR.normswap-PID-* directory beside the target and renamed into
+    place after verification. A run killed with kill -9 leaves that directory (up to the model's
+    size) until the next run on the same target removes it; delete it by hand to reclaim the space
+    sooner.
+    """
 
 
 def json_option(f: Callable) -> Callable:
@@ -66,7 +105,7 @@ def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
         render(data)
 
 
-def main() -> None:
+def run() -> None:
     cli(prog_name="normswap")
 
 

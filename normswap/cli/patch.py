@@ -59,7 +59,8 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
 
     evaluation = None
     if eval_path is not None:
-        evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens)
+        evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens,
+                                  option_names={"max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"})
     quiet_transformers()
     try:
         with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:

@@ -42,8 +42,9 @@ def describe_windows(d: dict) -> str:
 def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, as_json) -> None:
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
     from normswap.api import EvalSettings, evaluate_checkpoint
+    from normswap.evaluate import CLI_NAMES
 
-    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size)
+    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
     with ProgressBars({"perplexity": "tok"}) as bars:
         result = evaluate_checkpoint(model, settings, dtype=dtype, progress=bars)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from normswap.backends import BACKENDS
 from normswap.errors import NormswapError
 
 TRANSFORMS = ("original", "exact", "approx", "approx-bias")
@@ -29,6 +32,7 @@ OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("fp32", "bf16", "fp16")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 TRACKERS = ("auto", "none", "tensorboard")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a folder name: it becomes runs/<name> and a cache entry
 
 
 class RecipeError(NormswapError):
@@ -96,10 +100,10 @@ class DataSection:
 
 @dataclass(frozen=True)
 class Recipe:
-    name: str = _spec("experiment")
+    name: str = _spec("experiment", doc="names the default output folder and the pretraining cache entry")
     description: str = _spec("")
-    seed: int = _spec(0, minimum=0)
-    impl: str = _spec("torch", doc="normswap backend the norms of every arm run on (triton, torch, ...)")
+    seed: int = _spec(0, minimum=0, maximum=2**32 - 1, doc="numpy's and accelerate's seeds stop at 2**32 - 1")
+    impl: str = _spec("torch", choices=BACKENDS, doc="normswap backend the norms of every arm run on (triton, torch, ...)")
     arms: list = _spec(["original", "original+ft", "exact", "exact+ft", "approx", "approx+ft",
                         "approx-bias", "approx-bias+ft", "approx+distill"])
     tracker: str = _spec("auto", choices=TRACKERS, doc="accelerate tracker: auto = tensorboard when installed")
@@ -162,6 +166,8 @@ def _check_value(where: str, f: dataclasses.Field, value: Any, base: Path):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise RecipeError(f"{where}: expected a finite number, got {value!r}")
     if kind == "str" and not isinstance(value, str):
         raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
     if kind == "list" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
@@ -170,6 +176,8 @@ def _check_value(where: str, f: dataclasses.Field, value: Any, base: Path):
         raise RecipeError(f"{where}: {value!r} is not one of {', '.join(meta['choices'])}")
     if meta.get("minimum") is not None and value < meta["minimum"]:
         raise RecipeError(f"{where}: {value!r} is below the minimum {meta['minimum']}")
+    if meta.get("maximum") is not None and value > meta["maximum"]:
+        raise RecipeError(f"{where}: {value!r} is above the maximum {meta['maximum']}")
     if meta.get("path") and value:
         value = str((base / Path(value).expanduser()).resolve())
     return value
@@ -218,6 +226,8 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
     """A Recipe from a raw table (paths resolved against `base`); RecipeError on anything wrong."""
     recipe = _build(Recipe, table, "", base)
     recipe = dataclasses.replace(recipe, source=source)
+    if not NAME.fullmatch(recipe.name):
+        raise RecipeError(f"name: {recipe.name!r} is not a plain folder name (letters, digits, '.', '_', '-')")
     for arm in recipe.arms:
         parse_arm(arm)
     if not recipe.arms:
@@ -228,6 +238,10 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
         raise RecipeError("a recipe needs exactly one of [model] (path = a model directory) and [pretrain]")
     if recipe.model is not None and not recipe.model.path:
         raise RecipeError("model.path: missing")
+    if recipe.model is not None and (base / recipe.model.path).expanduser().exists():
+        # A local model directory is relative to the recipe like every other path (a hub id is not a path).
+        local = str((base / recipe.model.path).expanduser().resolve())
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, path=local))
     if recipe.pretrain is not None:
         p = recipe.pretrain
         if not p.text:
@@ -236,6 +250,7 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
             raise RecipeError(f"pretrain.n_embd: {p.n_embd} is not a multiple of pretrain.n_head ({p.n_head})")
         if p.seq_len > p.context:
             raise RecipeError(f"pretrain.seq_len: {p.seq_len} exceeds pretrain.context ({p.context})")
+        check_seq_len(recipe.finetune.seq_len, p.context)
     for key in ("train", "eval"):
         value = getattr(recipe.data, key)
         if not value:
@@ -247,6 +262,12 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
     if recipe.data.eval_stride > recipe.data.eval_max_length:
         raise RecipeError("data.eval_stride: larger than data.eval_max_length")
     return recipe
+
+
+def check_seq_len(seq_len: int, context: int | None) -> None:
+    """A training sequence must fit the model's positions (else the embedding lookup fails mid-run)."""
+    if context and seq_len > context:
+        raise RecipeError(f"finetune.seq_len: {seq_len} exceeds the model's context ({context} positions)")
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

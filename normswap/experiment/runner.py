@@ -25,7 +25,7 @@ from normswap.errors import NormswapError
 from normswap.experiment import report
 from normswap.experiment.arms import DTYPES, build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
-from normswap.experiment.recipe import Recipe, RecipeError, parse_arm
+from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.jsonsafe import finite_or_null
 
@@ -37,6 +37,7 @@ class ExperimentResult:
     out: Path
     data: dict  # what results.json holds
     files: dict[str, str]
+    model_path: str = ""  # the model the arms were made from, on this machine (results.json keeps no such path)
 
     @property
     def summary(self) -> list[dict]:
@@ -44,6 +45,40 @@ class ExperimentResult:
 
     def to_dict(self) -> dict:
         return {"out": str(self.out), "files": self.files, "summary": self.summary, **self.data}
+
+
+def portable_path(path: str, recipe_dir: Path | None) -> str:
+    """A local path as results.json records it, so that a committed result names no machine: relative
+    to the recipe's folder when inside it, `<normswap cache>/...` inside the cache, `~/...` inside the
+    home folder; anything else (a hub id, a relative path) unchanged."""
+    from normswap.loading import cache_dir
+
+    if not path or not Path(path).is_absolute():
+        return path
+    p = Path(path)
+    for root, prefix in ((recipe_dir, None), (cache_dir(), "<normswap cache>"), (Path.home(), "~")):
+        if root is None:
+            continue
+        try:
+            rel = p.relative_to(Path(root).expanduser().resolve())
+        except ValueError:
+            continue
+        return rel.as_posix() if prefix is None else f"{prefix}/{rel.as_posix()}"
+    return path
+
+
+def portable_result(data: dict, recipe_dir: Path | None) -> dict:
+    """`data` (results.json's content) with its paths made portable (see portable_path)."""
+    data = json.loads(json.dumps(data))
+    sections = [data["recipe"].get(k) for k in ("model", "pretrain", "data")]
+    sections.append((data.get("pretrain") or {}).get("section"))
+    for section in sections:
+        for key, value in (section or {}).items():
+            if key in ("path", "text", "train", "eval") and isinstance(value, str):
+                section[key] = portable_path(value, recipe_dir)
+    if isinstance(data.get("model"), str):
+        data["model"] = portable_path(data["model"], recipe_dir)
+    return data
 
 
 def make_accelerator(recipe: Recipe, out: Path):
@@ -119,6 +154,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
     else:
         model_path = recipe.model.path
     original, tokenizer = _load_model(model_path)
+    check_seq_len(recipe.finetune.seq_len, getattr(original.config, "max_position_embeddings", None))
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
@@ -188,6 +224,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
                             "dtype": str(DTYPES[ft.dtype]).removeprefix("torch.")},
             "seconds_this_invocation": round(time.perf_counter() - started, 1),
         }
+        data = portable_result(data, Path(recipe.source).parent if recipe.source else None)
         files = report.write_reports(data, out, plot=plot)
     accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
-    return ExperimentResult(out=out, data=data, files=files)
+    return ExperimentResult(out=out, data=data, files=files, model_path=str(model_path))

@@ -178,6 +178,16 @@ def _save(accelerator, state_dir: Path, history: History) -> None:
     accelerator.wait_for_everyone()
 
 
+def _any_process(accelerator, flag: bool) -> bool:
+    """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
+    launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
+    barrier while another started the next step's all-reduce, and both would hang."""
+    if accelerator.num_processes == 1:
+        return flag
+    t = torch.tensor(float(flag), device=accelerator.device)
+    return accelerator.reduce(t, reduction="sum").item() > 0
+
+
 def train(
     accelerator,
     model: torch.nn.Module,
@@ -269,11 +279,12 @@ def train(
                 on_step(history.step, step_loss)
             if eval_every and (history.step % eval_every == 0 or history.step == settings.steps):
                 run_eval(history.step)
+            stopping = _any_process(accelerator, stop.is_set())
             if history.step % settings.checkpoint_every == 0 or history.step == settings.steps:
                 _save(accelerator, state_dir, history)
-            elif stop.is_set():
+            elif stopping:
                 _save(accelerator, state_dir, history)
-            if stop.is_set() and history.step < settings.steps:
+            if stopping and history.step < settings.steps:
                 raise Interrupted(f"{desc}: stopped at step {history.step} of {settings.steps}; "
                                   "run the same command again to resume")
     if not eval_every and evaluate is not None and (not history.evals or history.evals[-1]["step"] != history.step):

@@ -1,0 +1,367 @@
+"""A hostile new user's sweep: bad inputs to every command, each judged against the error contract.
+
+    python benchmarks/hostile_sweep.py [--only SUBSTRING] [--json]
+
+A case is clean when the command exits with the expected code (2: bad input), prints exactly one
+`normswap: error:` line on stderr and no traceback or warning, leaves stdout empty (or, where the
+contract allows a report, one JSON document), and leaves every input directory byte for byte as
+it was (checksummed before and after). Anything else is a defect, listed with what broke.
+
+The commands run in-process through click's test runner (one import of torch for the whole sweep);
+tests/test_hostile_sweep.py runs the cases marked `ci` in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class Case:
+    name: str
+    args: list  # the command line after `normswap` (Paths and str)
+    says: str = ""  # a fragment the error line must contain
+    report: bool = False  # the contract allows a JSON report on stdout (--json failures)
+    ci: bool = False  # cheap and representative: run in the test suite
+    cwd: Path | None = None
+    setup: object = None  # a context manager factory (e.g. a permission error)
+    code: int = 2
+
+
+@dataclass
+class Outcome:
+    case: Case
+    exit_code: int
+    problems: list = field(default_factory=list)
+    error_line: str = ""
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+
+def _checksum(d: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(d.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(d)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def fixtures(root: Path) -> dict:
+    from test_safety import _corrupt
+    from test_safety import _edited_copy as _edited
+    from tiny_models import save_tiny
+
+    fx = {"root": root}
+    fx["llama"] = root / "llama"
+    save_tiny("llama", fx["llama"])
+    fx["gpt2"] = root / "gpt2"
+    save_tiny("gpt2", fx["gpt2"])
+    fx["bert"] = root / "bert"
+    save_tiny("bert", fx["bert"])
+    for name, change in {"neg_layers": dict(num_hidden_layers=-1), "zero_hidden": dict(hidden_size=0),
+                         "zero_vocab": dict(vocab_size=0), "str_hidden": dict(hidden_size="big"),
+                         "nan_eps": dict(rms_norm_eps=float("nan")), "unknown_type": dict(model_type="no_such_xyz"),
+                         "fewer": dict(num_hidden_layers=1), "more": dict(num_hidden_layers=3),
+                         "wide": dict(intermediate_size=64), "neg_kv": dict(num_key_value_heads=-2)}.items():
+        fx[name] = _edited(fx["llama"], root / name, **change)
+    fx["nan_w"] = _corrupt(fx["llama"], root / "nan_w", "model.norm.weight", float("nan"))
+    fx["inf_w"] = _corrupt(fx["llama"], root / "inf_w", "model.layers.0.mlp.up_proj.weight", float("inf"))
+    fx["nan_gpt2"] = _corrupt(fx["gpt2"], root / "nan_gpt2", "transformer.h.0.ln_1.weight", float("nan"))
+    fx["trunc"] = root / "trunc"
+    shutil.copytree(fx["llama"], fx["trunc"])
+    f = fx["trunc"] / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    fx["badjson"] = root / "badjson"
+    shutil.copytree(fx["llama"], fx["badjson"])
+    (fx["badjson"] / "config.json").write_text('{"model_type": "llama",')
+    fx["listjson"] = root / "listjson"
+    shutil.copytree(fx["llama"], fx["listjson"])
+    (fx["listjson"] / "config.json").write_text("[1, 2, 3]")
+    fx["locked"] = root / "locked"
+    shutil.copytree(fx["llama"], fx["locked"])
+    fx["empty_dir"] = root / "empty_dir"
+    fx["empty_dir"].mkdir()
+    fx["user_dir"] = root / "thesis"
+    fx["user_dir"].mkdir()
+    (fx["user_dir"] / "chapter1.tex").write_text("years of work")
+    (fx["user_dir"] / "config.json").write_text('{"editor": "vim"}')
+    fx["done"] = root / "done"  # an earlier output: exists, so --out without --force is refused
+    shutil.copytree(fx["llama"], fx["done"])
+    (fx["done"] / "sub").mkdir()
+    texts = root / "texts"
+    texts.mkdir()
+    fx["text"] = texts / "t.txt"
+    fx["text"].write_text("In the beginning God created the heaven and the earth. " * 40)
+    fx["short"] = texts / "short.txt"
+    fx["short"].write_text("Hi there.")
+    fx["empty_txt"] = texts / "empty.txt"
+    fx["empty_txt"].write_text("")
+    fx["binary"] = texts / "bin.txt"
+    fx["binary"].write_bytes(b"\x00\x01\x02binary" * 100)
+    fx["latin1"] = texts / "latin1.txt"
+    fx["latin1"].write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    fx["badjsonl"] = texts / "bad.jsonl"
+    fx["badjsonl"].write_text('{"text": "ok"}\n{not json}\n')
+    fx["nofield"] = texts / "nofield.jsonl"
+    fx["nofield"].write_text('{"body": "some text here"}\n')
+    fx["notxt"] = texts / "notxt"
+    fx["notxt"].mkdir()
+    (fx["notxt"] / "a.csv").write_text("x,y\n")
+    fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
+    fx["bad_recipe"] = texts / "bad.toml"
+    fx["bad_recipe"].write_text("this is = not [valid toml")
+    return fx
+
+
+def _deny(path: Path):
+    from test_safety import _denied
+
+    return _denied(path)
+
+
+def fixtures_stub() -> dict:
+    """Placeholder paths: enough to list the cases (names, count) without building any model."""
+    import collections
+
+    return collections.defaultdict(lambda: Path("/nonexistent"), root=Path("/nonexistent"))
+
+
+def cases(fx: dict) -> list[Case]:
+    L, G, T = fx["llama"], fx["gpt2"], fx["text"]
+    out = fx["root"] / "out"
+    P = ["patch"]
+    c = [
+        # ---- scan
+        Case("scan: no such path", ["scan", fx["root"] / "missing"], "no such file", ci=True),
+        Case("scan: a file that is not .gguf", ["scan", T], "not .gguf", ci=True),
+        Case("scan: empty directory", ["scan", fx["empty_dir"]], "no config.json", ci=True),
+        Case("scan: malformed config.json", ["scan", fx["badjson"]], "malformed config.json", ci=True),
+        Case("scan: config.json is a list", ["scan", fx["listjson"]], "config", ci=True),
+        Case("scan: num_hidden_layers -1", ["scan", fx["neg_layers"]], "num_hidden_layers is -1", ci=True),
+        Case("scan: hidden_size 0", ["scan", fx["zero_hidden"]], "hidden_size is 0", ci=True),
+        Case("scan: vocab_size 0", ["scan", fx["zero_vocab"]], "vocab_size is 0", ci=True),
+        Case("scan: hidden_size 'big'", ["scan", fx["str_hidden"]], "expected int, got str", ci=True),
+        Case("scan: NaN eps", ["scan", fx["nan_eps"]], "rms_norm_eps is nan", ci=True),
+        Case("scan: negative kv heads", ["scan", fx["neg_kv"]], "num_key_value_heads is -2", ci=True),
+        Case("scan: unknown model_type", ["scan", fx["unknown_type"]], "no_such_xyz", ci=True),
+        Case("scan: unreadable directory", ["scan", fx["locked"]], "Permission denied", ci=True,
+             setup=lambda: _deny(fx["locked"])),
+        Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
+             setup=lambda: _deny(fx["locked"] / "config.json")),
+        Case("scan: not a hub id", ["scan", "a/b/c"], "no such file", ci=True),
+        Case("scan: hub id not cached", ["scan", "nobody-xyz/nothing-xyz"], "not in the local Hugging Face cache",
+             ci=True),
+        Case("scan: unknown option", ["scan", L, "--bogus"], "No such option", ci=True),
+        # ---- patch: options and targets (checked before any load)
+        Case("patch: unknown impl", [*P, L, "--impl", "nope"], "nope", ci=True),
+        Case("patch: --out ''", [*P, L, "--impl", "torch", "--out", ""], "output directory is empty", ci=True),
+        Case("patch: --out blank --force", [*P, L, "--impl", "torch", "--out", "   ", "--force"],
+             "output directory is empty", ci=True),
+        Case("patch: --force on a user directory", [*P, L, "--impl", "torch", "--out", fx["user_dir"], "--force"],
+             "not a model checkpoint", ci=True),
+        Case("patch: --out . --force in a checkpoint", [*P, L, "--impl", "torch", "--out", ".", "--force"],
+             "current directory", ci=True, cwd=fx["done"]),
+        Case("patch: --out .. --force", [*P, L, "--impl", "torch", "--out", "..", "--force"],
+             "holds the current directory", ci=True, cwd=fx["done"] / "sub"),
+        Case("patch: --out / --force", [*P, L, "--impl", "torch", "--out", "/", "--force"], "write elsewhere", ci=True),
+        Case("patch: --out HOME --force", [*P, L, "--impl", "torch", "--out", Path.home(), "--force"], "refusing",
+             ci=True),
+        Case("patch: existing --out without --force", [*P, L, "--impl", "torch", "--out", fx["done"]],
+             "already exists; pass --force", ci=True),
+        Case("patch: --out and --in-place", [*P, L, "--out", out, "--in-place"], "exclusive", ci=True),
+        Case("patch: --in-place on a file", [*P, T, "--in-place"], "not .gguf", ci=True),
+        Case("patch: --out is the model", [*P, L, "--impl", "torch", "--out", L, "--force"], "own directory", ci=True),
+        Case("patch: --out holds the model", [*P, L, "--impl", "torch", "--out", fx["root"], "--force"],
+             "contains the model", ci=True),
+        Case("patch: --dtype fp8", [*P, L, "--dtype", "fp8"], "fp8", ci=True),
+        Case("patch: --max-shard-size banana", [*P, L, "--impl", "torch", "--out", out, "--max-shard-size", "banana"],
+             "--max-shard-size 'banana'", ci=True),
+        Case("patch: --max-shard-size -5GB", [*P, L, "--impl", "torch", "--out", out, "--max-shard-size", "-5GB"],
+             "--max-shard-size", ci=True),
+        Case("patch: --only with a bad regex", [*P, L, "--impl", "torch", "--only", "["], "--only '['", ci=True),
+        Case("patch: --exclude with a bad regex", [*P, L, "--impl", "torch", "--exclude", "(a"], "--exclude '(a'",
+             ci=True),
+        Case("patch: --device tpu", [*P, L, "--impl", "torch", "--device", "tpu"], "unknown device", ci=True),
+        Case("patch: --eval missing file", [*P, L, "--impl", "torch", "--eval", fx["root"] / "nope.txt"],
+             "no such file", ci=True),
+        Case("patch: --eval empty file", [*P, L, "--impl", "torch", "--eval", fx["empty_txt"]], "empty", ci=True),
+        Case("patch: --eval binary file", [*P, L, "--impl", "torch", "--eval", fx["binary"]], "binary", ci=True),
+        Case("patch: --eval-max-length 0", [*P, L, "--impl", "torch", "--eval", T, "--eval-max-length", "0"],
+             "--eval-max-length 0", ci=True),
+        Case("patch: --eval-max-tokens 1", [*P, L, "--impl", "torch", "--eval", T, "--eval-max-tokens", "1"],
+             "--eval-max-tokens 1", ci=True),
+        # ---- patch: models that are broken (these load the tiny model)
+        Case("patch: --only matches nothing", [*P, L, "--impl", "torch", "--only", "nothing_here"], "leave no"),
+        Case("patch: config one layer short, --in-place", [*P, fx["fewer"], "--impl", "torch", "--in-place"],
+             "no place for", ci=True),
+        Case("patch: config one layer long, --out", [*P, fx["more"], "--impl", "torch", "--out", out],
+             "missing from the checkpoint"),
+        Case("patch: a size mismatch", [*P, fx["wide"], "--impl", "torch"], "(checkpoint [32, 48], config [32, 64])"),
+        Case("patch: NaN in a norm weight", [*P, fx["nan_w"], "--impl", "torch"], "model.norm.weight holds", ci=True),
+        Case("patch: Inf in a linear weight", [*P, fx["inf_w"], "--impl", "torch", "--json"], "up_proj.weight holds"),
+        Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
+        Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
+        # ---- ppl / diff
+        Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
+        Case("ppl: --data no such file", ["ppl", L, "--data", fx["root"] / "none.txt"], "no such file", ci=True),
+        Case("ppl: --max-length 1", ["ppl", L, "--data", T, "--max-length", "1"], "--max-length 1", ci=True),
+        Case("ppl: --max-length abc", ["ppl", L, "--data", T, "--max-length", "abc"], "abc", ci=True),
+        Case("ppl: --stride 0", ["ppl", L, "--data", T, "--stride", "0"], "--stride 0", ci=True),
+        Case("ppl: --stride > --max-length", ["ppl", L, "--data", T, "--max-length", "8", "--stride", "9"],
+             "larger than --max-length", ci=True),
+        Case("ppl: --batch-size 0", ["ppl", L, "--data", T, "--batch-size", "0"], "--batch-size 0", ci=True),
+        Case("ppl: --max-tokens 1", ["ppl", L, "--data", T, "--max-tokens", "1"], "--max-tokens 1", ci=True),
+        Case("ppl: latin-1 text", ["ppl", L, "--data", fx["latin1"]], "not UTF-8", ci=True),
+        Case("ppl: jsonl with a bad row", ["ppl", L, "--data", fx["badjsonl"]], "not valid JSON"),
+        Case("ppl: jsonl without the field", ["ppl", L, "--data", fx["nofield"]], "--text-field"),
+        Case("ppl: directory without .txt", ["ppl", L, "--data", fx["notxt"]], "no .txt files", ci=True),
+        Case("ppl: text shorter than the window", ["ppl", L, "--data", fx["short"], "--max-length", "32"],
+             "shorter than one window"),
+        Case("ppl: unreadable text", ["ppl", L, "--data", T], "Permission denied",
+             setup=lambda: _deny(T)),
+        Case("ppl: config disagrees with weights", ["ppl", fx["more"], "--data", T, "--max-length", "16"],
+             "missing from the checkpoint"),
+        Case("diff: neither B nor --patched", ["diff", L, "--data", T], "exactly one", ci=True),
+        Case("diff: both B and --patched", ["diff", L, L, "--patched", "torch", "--data", T], "exactly one", ci=True),
+        Case("diff: --patched nope", ["diff", L, "--patched", "nope", "--data", T], "nope", ci=True),
+        Case("diff: B missing", ["diff", L, fx["root"] / "missing", "--data", T], "no such file", ci=True),
+        Case("diff: --stride -1", ["diff", L, "--patched", "torch", "--data", T, "--stride", "-1"], "--stride -1",
+             ci=True),
+        # ---- convert
+        Case("convert: a model without LayerNorm", ["convert", L, "--to", "rms", "--out", out], "nothing to convert",
+             report=True),
+        Case("convert: --to foo", ["convert", G, "--to", "foo", "--out", out], "foo", ci=True),
+        Case("convert: --out missing", ["convert", G, "--to", "rms"], "--out", ci=True),
+        Case("convert: --out ''", ["convert", G, "--to", "rms", "--out", ""], "output directory is empty", ci=True),
+        Case("convert: --force on a user directory", ["convert", G, "--to", "rms", "--out", fx["user_dir"], "--force"],
+             "not a model checkpoint", ci=True),
+        Case("convert: --out is the model", ["convert", G, "--to", "rms", "--out", G, "--force"], "own directory",
+             ci=True),
+        Case("convert: post-LN BERT", ["convert", fx["bert"], "--to", "rms", "--out", out, "--json"], "nothing converts",
+             report=True),
+        Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
+             "ln_1.weight holds"),
+        # ---- demo, bench, experiment, the group
+        Case("demo: --max-tokens -5", ["demo", "--max-tokens", "-5"], "--max-tokens -5", ci=True),
+        Case("demo: --max-tokens x", ["demo", "--max-tokens", "x"], "'x'", ci=True),
+        Case("bench: --batch 0", ["bench", L, "--batch", "0", "--impl", "torch"], "batch", ci=True),
+        Case("bench: --seq -1", ["bench", L, "--seq", "-1", "--impl", "torch"], "seq", ci=True),
+        Case("bench: --mode nonsense", ["bench", L, "--mode", "nonsense", "--impl", "torch"], "nonsense", ci=True),
+        Case("bench: --impl nope", ["bench", L, "--impl", "nope"], "nope", ci=True),
+        Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impl", "torch"], "repeats", ci=True),
+        Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
+        Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
+        Case("experiment: --set without =", ["experiment", fx["recipe"], "--set", "garbage"], "garbage", ci=True),
+        Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
+        Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "nope", ci=True),
+        Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
+    ]
+    return c
+
+
+def run_case(case: Case, inputs: list[Path]) -> Outcome:
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    before = {d: _checksum(d) for d in inputs}
+    cwd = os.getcwd()
+    try:
+        if case.cwd is not None:
+            os.chdir(case.cwd)
+        with case.setup() if case.setup else contextlib.nullcontext():
+            r = CliRunner().invoke(cli, [str(a) for a in case.args])
+    finally:
+        os.chdir(cwd)
+    o = Outcome(case, r.exit_code)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        o.problems.append(f"raised {type(r.exception).__name__}: {r.exception}")
+    if r.exit_code != case.code:
+        o.problems.append(f"exit {r.exit_code}, want {case.code}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    o.error_line = lines[0] if lines else ""
+    if len(lines) != 1:
+        o.problems.append(f"{len(lines)} 'normswap:' lines on stderr")
+    elif not lines[0].startswith("normswap: error:"):
+        o.problems.append(f"not a bad-input line: {lines[0][:120]}")
+    elif case.says and case.says not in lines[0]:
+        o.problems.append(f"the line does not say {case.says!r}")
+    if "Traceback" in r.stderr:
+        o.problems.append("traceback on stderr")
+    if any("Warning" in ln or "warnings.warn" in ln for ln in r.stderr.splitlines()):
+        o.problems.append("a warning on stderr")
+    if r.stdout.strip():
+        if not case.report:
+            o.problems.append("stdout is not empty")
+        elif "--json" in map(str, case.args):
+            try:
+                json.loads(r.stdout)
+            except ValueError:
+                o.problems.append("stdout is not one JSON document")
+    for d, digest in before.items():
+        if _checksum(d) != digest:
+            o.problems.append(f"{d.name} changed")
+    return o
+
+
+def sweep(root: Path, only: str | None = None, ci_only: bool = False) -> list[Outcome]:
+    fx = fixtures(root)
+    inputs = [p for p in root.iterdir() if p.is_dir()]
+    chosen = [c for c in cases(fx) if (not ci_only or c.ci) and (only is None or only in c.name)]
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    outcomes = []
+    for case in chosen:
+        outcomes.append(run_case(case, inputs))
+        out = root / "out"
+        if out.exists():
+            outcomes[-1].problems.append("out was written")
+            shutil.rmtree(out)
+    return outcomes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=None, help="Run the cases whose name contains this.")
+    ap.add_argument("--ci", action="store_true", help="Only the cases the test suite runs.")
+    ap.add_argument("--json", action="store_true", help="One JSON document on stdout.")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        outcomes = sweep(Path(tmp), args.only, args.ci)
+    clean = sum(o.clean for o in outcomes)
+    rows = [{"case": o.case.name, "exit": o.exit_code, "clean": o.clean, "problems": o.problems,
+             "line": o.error_line} for o in outcomes]
+    commands = sorted({str(o.case.args[0]) for o in outcomes})
+    if args.json:
+        print(json.dumps({"cases": len(outcomes), "clean": clean, "defects": len(outcomes) - clean,
+                          "commands": commands, "rows": rows}, indent=2))
+    else:
+        for r in rows:
+            mark = "ok  " if r["clean"] else "FAIL"
+            print(f"{mark} {r['case']:<45} exit {r['exit']}  {r['line'][:110]}")
+            for p in r["problems"]:
+                print(f"       - {p}")
+        print(f"\n{len(outcomes)} bad inputs across {len(commands)} commands ({', '.join(commands)}): "
+              f"{clean} clean, {len(outcomes) - clean} defects")
+    sys.exit(0 if clean == len(outcomes) else 1)
+
+
+if __name__ == "__main__":
+    main()
