@@ -178,8 +178,10 @@ def test_discovered_refusals_and_partial(tmp_path):
     randomize_norms_and_biases(transformers.PersimmonForCausalLM(cfg)).save_pretrained(tmp_path / "p")
     r = run(tmp_path / "p", "--to", "rms", "--out", tmp_path / "o")
     assert r.exit_code == 2 and "--partial" in r.stderr and not (tmp_path / "o").exists()
-    assert "not a sum of residual-stream writers" in r.stderr and r.stderr.count("\n") == 1
-    assert "no (not-stream)" in r.stdout and "discovered from the model's forward" in r.stdout
+    # the refusal's table explains the error: on stderr with it, stdout empty (the error contract)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    assert len(errors) == 1 and "not a sum of residual-stream writers" in errors[0] and r.stdout == ""
+    assert "no (not-stream)" in r.stderr and "discovered from the model's forward" in r.stderr
     r = run(tmp_path / "p", "--to", "rms", "--out", tmp_path / "o", "--json", "--partial")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)

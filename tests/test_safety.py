@@ -529,3 +529,16 @@ def test_case4_long_lines_and_strings_are_cut_into_bounded_exact_pieces(tmp_path
     streamed = [t for chunk in document_tokens(spy, [iter([sample])]) for t in chunk]
     assert max(spy.seen) <= 4000
     assert streamed == tiny_tokenizer()(sample, add_special_tokens=False)["input_ids"]
+
+
+# ---- the error contract: without --json a refusal's report goes to stderr, stdout stays empty --
+
+
+def test_contract_refusal_report_goes_to_stderr_without_json(tmp_path):
+    save_tiny("bert", tmp_path / "bert")
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o")
+    assert_one_line_error(r, "nothing converts")
+    assert r.stdout == "" and "embeddings.LayerNorm" in r.stderr
+    r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o", "--json")
+    assert_one_line_error(r, "nothing converts")
+    assert json.loads(r.stdout)["out"] is None

@@ -17,7 +17,10 @@ def _render(data: dict) -> None:
     from rich.table import Table
 
     # Reasons are sentences: give them room when stdout is not a terminal (pipes default to 80).
-    console = Console(soft_wrap=False, width=None if Console().is_terminal else 160)
+    # A refusal's table explains the error: it goes to stderr with it (stdout stays empty, as for
+    # every bad input; see README, the error contract).
+    console = Console(soft_wrap=False, stderr=bool(data.get("error")),
+                      width=None if Console().is_terminal else 160)
     t = Table(title=f"normswap convert --to rms: {data['model']} ({data['arch']})", show_lines=False)
     for col in ("norm", "folded γ", "folded β", "kept β (why)", "RMS (why not)"):
         t.add_column(col, overflow="fold")
