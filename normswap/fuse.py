@@ -385,6 +385,6 @@ def disable(model: nn.Module) -> dict[str, str]:
     return fusion.pairs
 
 
-def fused_pairs(model: nn.Module) -> dict[str, str]:
+def _fused_pairs(model: nn.Module) -> dict[str, str]:
     fusion = vars(model).get("_normswap_fusion")
     return dict(fusion.pairs) if fusion is not None else {}

@@ -194,10 +194,10 @@ def test_cli_save_load_revert(tmp_path):
     assert pairs["model.layers.1.mlp.down_proj"] == "model.norm"
 
     model = normswap.load(out)
-    assert fuse.fused_pairs(model) == pairs
+    assert fuse._fused_pairs(model) == pairs
     fused = model(IDS).logits
     normswap.revert(model)
-    assert fuse.fused_pairs(model) == {}
+    assert fuse._fused_pairs(model) == {}
     assert not any(m._forward_hooks for m in model.modules())
     torch.testing.assert_close(model(IDS).logits, fused, rtol=1e-5, atol=1e-5)
 
