@@ -295,7 +295,8 @@ def convert_checkpoint(
 
     source = resolve(model)
     config = load_config(source)
-    plan = plan_conversion(build_meta_model(source, config), config, keep_gain=keep_gain)
+    meta = build_meta_model(source, config)
+    plan = plan_conversion(meta, config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)
     except NormswapError as e:
@@ -312,7 +313,8 @@ def convert_checkpoint(
     with staged_dir(target, replace=force) as tmp:
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=_dtype(dtype),
-                                    progress=progress or False, config=config, manifest=False)
+                                    progress=progress or False, config=config, manifest=False,
+                                    planned=(meta, plan))
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config)
         step(progress, "verify", 1, 1)

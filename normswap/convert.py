@@ -21,7 +21,7 @@ from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos, run_jobs
 from normswap.manifest import rms_forms
 from normswap.plan import build_manifest, check_refusals, plan_conversion
-from normswap.verify import check_weights
+from normswap.verify import ProbeConfig, check_weights, model_output, probe_batch
 
 
 def convert_model(
@@ -62,7 +62,7 @@ def convert_model(
         return plan
     manifest = build_manifest(plan, model.config, partial=partial)
     if check and not any(p.is_meta for p in model.parameters()):
-        manifest["zero_mean_check"] = check_zero_mean(model, manifest, probe_batch(model.config, 1, 16))
+        manifest["zero_mean_check"] = check_zero_mean(model, manifest, probe_batch(model, ProbeConfig(batch=1, seq_len=16)))
     return manifest
 
 
@@ -72,7 +72,7 @@ def zero_mean_tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2}.get(dtype, 5e-2)
 
 
-def check_zero_mean(model, manifest, ids: torch.Tensor, raise_on_failure: bool = True,
+def check_zero_mean(model, manifest, batch: dict, raise_on_failure: bool = True,
                     stored_dtype: torch.dtype | None = None) -> dict:
     """Measure, on a probe batch, |mean(x)| / rms(x) of the input of every RMS-eligible norm (the
     property the conversion promises). Returns the worst ratio, where, the tolerance and a
@@ -89,7 +89,7 @@ def check_zero_mean(model, manifest, ids: torch.Tensor, raise_on_failure: bool =
 
         handles.append(mod.register_forward_pre_hook(hook))
     try:
-        probe_logits(model, ids.to(next(model.parameters()).device))
+        model_output(model, batch, raw=True)
     finally:
         for h in handles:
             h.remove()
@@ -122,21 +122,3 @@ def _configs(config) -> Iterable:
     get_text = getattr(config, "get_text_config", None)
     if callable(get_text):
         yield get_text()
-
-
-def probe_batch(config, batch: int = 2, length: int = 32, seed: int = 0) -> torch.Tensor:
-    """Random token ids inside the vocabulary (never all one token, never zeros)."""
-    vocab = int(getattr(config, "vocab_size", 0) or 0)
-    if vocab < 2:
-        raise NormswapError("cannot build a probe batch: the config has no vocab_size")
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit:
-        length = min(length, int(limit))
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (batch, length), generator=g)
-
-
-def probe_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        out = model(input_ids=ids)
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state

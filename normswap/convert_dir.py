@@ -12,13 +12,20 @@ import torch
 
 from normswap import streaming as st
 from normswap.archs import load_arch
-from normswap.convert import check_zero_mean, convert_model, probe_batch, probe_logits
+from normswap.convert import check_zero_mean, convert_model
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.progress import ProgressFn
-from normswap.verify import check_reference_output, check_weights
+from normswap.verify import (
+    ProbeConfig,
+    check_reference_output,
+    check_weights,
+    logits_rtol,
+    model_output,
+    probe_batch,
+)
 
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -33,19 +40,24 @@ def convert_directory(
     progress: bool | ProgressFn = False,
     config=None,
     manifest: bool = True,
+    planned: tuple | None = None,
 ) -> dict:
     """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
     directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, and (unless
     manifest=False: the caller writes it once, verified) the manifest. Returns the convert section.
     Safetensors checkpoints are converted shard by shard; anything else is loaded whole.
-    config: loading.load_config(source) when the caller already read it."""
+    config: loading.load_config(source), and planned: (meta model, plan) with that keep_gain and
+    its refusals checked, when the caller already has them (each is built once per conversion)."""
     from normswap import loading
 
     out = Path(out_dir)
     config = loading.load_config(source) if config is None else config
-    meta = loading.build_meta_model(source, config)
-    plan = plan_conversion(meta, config, keep_gain=keep_gain)
-    check_refusals(plan, partial)
+    if planned is None:
+        meta = loading.build_meta_model(source, config)
+        plan = plan_conversion(meta, config, keep_gain=keep_gain)
+        check_refusals(plan, partial)
+    else:
+        meta, plan = planned
     policy = keep_dtype(dtype)
     has_safetensors = source.gguf_file is None and (
         (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()
@@ -109,12 +121,6 @@ def _run_as_rms(model, manifest) -> None:
         patch(model, PatchConfig("reference", paths=tuple(forms), rms_forms=forms), verify=False)
 
 
-def tolerance_for(dtype: torch.dtype) -> float:
-    """Max |Δlogit| / max |logit| accepted by verification, per stored dtype: the converted
-    weights are rounded once to it, so the gate scales with its precision."""
-    return {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
-
-
 def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None,
                       config=None) -> dict:
     """Reload the converted directory with stock transformers; compare its logits (and those of
@@ -131,28 +137,28 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
-    ids = probe_batch(config) if batch is None else batch
+    batch = probe_batch(config, ProbeConfig(batch=2, seq_len=32)) if batch is None else batch
     original = loading.load_model(source, dtype=run_dtype, config=config)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
-    ref = probe_logits(original, ids)
+    ref = model_output(original, batch, raw=True)[1]
     check_reference_output("logits", ref, f"{source.ref} (the original)")
     del original
     converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
-    got = probe_logits(converted, ids)
-    zero_mean = check_zero_mean(converted, manifest, ids, raise_on_failure=False,
+    got = model_output(converted, batch, raw=True)[1]
+    zero_mean = check_zero_mean(converted, manifest, batch, raise_on_failure=False,
                                 stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)
     _run_as_rms(converted, manifest)
-    got_rms = probe_logits(converted, ids)
+    got_rms = model_output(converted, batch, raw=True)[1]
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max()) / scale
     err_rms = float((got_rms - ref).abs().max()) / scale
-    tol = tolerance_for(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
+    tol = logits_rtol(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
     if run_dtype == torch.float32:
         tol = max(tol, 1e-4)
     # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
     # it is held to the same gate as the stock reload.
     tol_rms = tol
-    result = {"probe": list(ids.shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+    result = {"probe": list(batch["input_ids"].shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
               "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}

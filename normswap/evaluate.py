@@ -42,6 +42,7 @@ from normswap import data as text_data
 from normswap.data import Corpus, cut_pieces, open_corpus
 from normswap.errors import BadInputError, NormswapError
 from normswap.progress import ProgressFn
+from normswap.verify import model_output
 
 # Config attributes that hold a model's context length, by the names the families use.
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -376,13 +377,6 @@ def _need_tokenizer(tokenizer):
 # ----------------------------------------------------------------------------- scoring
 
 
-def _device_of(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
 def _check_causal(model) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
@@ -421,9 +415,8 @@ def _model_name(model) -> str:
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids.to(_device_of(model)), use_cache=False)
-    logits = getattr(out, "logits", None)
-    if logits is None:
+    kind, logits = model_output(model, {"input_ids": ids, "use_cache": False}, raw=True)
+    if kind != "logits":
         raise NormswapError(f"{type(model).__name__} returns no logits (a model without a language-model head?)")
     return logits
 

@@ -1,7 +1,7 @@
 """The tensor arithmetic of the exact LayerNorm → RMSNorm conversion, and nothing else.
 
 Pure functions on float64 tensors (callers upcast once and cast back once): no modules, no
-checkpoints, no transformers. See DESIGN.md "Exact LayerNorm → RMSNorm".
+checkpoints, no transformers. See docs/ARCHITECTURE.md, "Exact LayerNorm → RMSNorm".
 
 Why it is exact: LN(x + c·1) = LN(x) for any scalar c. If every writer into the residual stream
 has its output centered (mean over the hidden dimension removed), the stream is zero-mean, so a
@@ -91,29 +91,22 @@ def fold_into_reader(
     return new_weight, new_bias
 
 
-def bake_embedding_norm(
-    table: torch.Tensor, gain: torch.Tensor, shift: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, float]:
-    """Rewrite `table` → LayerNorm(γ, β, eps) (BLOOM's word embeddings + embedding LayerNorm) so
-    that the norm's output is zero-mean while the *stock* LayerNorm class still computes it.
-
-    The norm's output for token t is a fixed vector o_t = γ⊙n_t + β. Its mean (⟨γ, n_t⟩/d plus
-    mean β) varies per token unless γ is constant, so γ and β alone cannot be changed to make it
-    zero-mean. But because o_t depends on the token alone, the table can be rewritten instead:
-    with z_t = o_t - mean(o_t) (removing a per-token constant is invisible to every later
-    LayerNorm), choose a gain s·1, bias 0 and new rows E'_t = a_t z_t. A LayerNorm then outputs
-    s · a_t z_t / sqrt(a_t² m_t² + eps), with m_t² = mean(z_t²); this equals z_t exactly when
-    a_t = sqrt(eps / (s² - m_t²)), which exists for s > m_t. So pick s ≥ 2·max_t m_t (and s = 1
-    when that is enough, leaving a plain weightless norm). This needs eps > 0: with eps = 0 the
-    norm's output always has RMS s, and tokens whose centered outputs differ in RMS cannot all
-    be matched.
-
-    Returns (new table, s); the norm's weight becomes s·1 and its bias 0. The new rows are
-    zero-mean, so the embedding norm's own input is zero-mean too.
-    """
-    _check_f64(table, gain, shift)
-    s = bake_scale(float(centered_output_ms(table, gain, shift, eps).max()) if table.shape[0] else 0.0)
-    return bake_rows(table, gain, shift, eps, s), s
+# Baking an embedding LayerNorm into its token table (BLOOM's word embeddings + embedding
+# LayerNorm), so that the norm's output is zero-mean while the *stock* LayerNorm still computes it.
+#
+# The norm's output for token t is a fixed vector o_t = γ⊙n_t + β. Its mean (⟨γ, n_t⟩/d plus
+# mean β) varies per token unless γ is constant, so γ and β alone cannot be changed to make it
+# zero-mean. But because o_t depends on the token alone, the table can be rewritten instead:
+# with z_t = o_t - mean(o_t) (removing a per-token constant is invisible to every later
+# LayerNorm), choose a gain s·1, bias 0 and new rows E'_t = a_t z_t. A LayerNorm then outputs
+# s · a_t z_t / sqrt(a_t² m_t² + eps), with m_t² = mean(z_t²); this equals z_t exactly when
+# a_t = sqrt(eps / (s² - m_t²)), which exists for s > m_t. So pick s ≥ 2·max_t m_t (and s = 1
+# when that is enough, leaving a plain weightless norm). This needs eps > 0: with eps = 0 the
+# norm's output always has RMS s, and tokens whose centered outputs differ in RMS cannot all be
+# matched. The new rows are zero-mean, so the embedding norm's own input is zero-mean too.
+#
+# normswap.jobs runs it a slice of rows at a time: centered_output_ms over every row, bake_scale
+# once, then bake_rows; the norm's weight becomes s·1 and its bias 0.
 
 
 def centered_output_ms(table: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
@@ -144,24 +137,3 @@ def _centered_output(table, gain, shift, eps: float) -> torch.Tensor:
     n = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     out = n * gain + (shift if shift is not None else 0.0)
     return out - out.mean(dim=-1, keepdim=True)
-
-
-def apply_layer_norm(x: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
-    """float64 LayerNorm over the last dimension (for checks and the baking identity's tests)."""
-    mu = x.mean(dim=-1, keepdim=True)
-    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(dim=-1, keepdim=True) + eps)
-    if gain is not None:
-        y = y * gain
-    if shift is not None:
-        y = y + shift
-    return y
-
-
-def apply_rms_norm(x: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
-    """float64 RMSNorm (with an optional bias, the form a kept β takes)."""
-    y = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    if gain is not None:
-        y = y * gain
-    if shift is not None:
-        y = y + shift
-    return y

@@ -172,11 +172,6 @@ def is_norm_like_name(name: str) -> bool:
     return bool(_NORM_NAME.search(name)) and not _OTHER_NORMS.search(name)
 
 
-def spec_for(module: nn.Module) -> NormSpec | None:
-    """The module's NormSpec, or None when it is not a norm normswap recognises."""
-    return recognise(module).spec
-
-
 def recognise(module: nn.Module) -> Recognition:
     """Classify one module; never raises for a strange module (the reason says what was wrong)."""
     name = type(module).__name__
@@ -565,7 +560,7 @@ def _probe(m: nn.Module, parts: _Parts):
     return family, (None if parts.eps_attr else eps), "probe", -neg_exact == len(cases)
 
 
-def class_family(cls: type) -> Family | None:
+def _class_family(cls: type) -> Family | None:
     """The family of a class from its code alone (for classes that cannot be instantiated
     without a full model config); None when the fingerprint matches no reference family."""
     for (module_name, class_name), family in REFERENCE_FAMILIES.items():

@@ -3,7 +3,7 @@
 A spec is data: frozen, comparable, and round-trips through JSON (to_dict/from_dict), so that
 scan output, patch manifests and conversion reports all speak the same language.
 
-Casting modes (how each family orders its roundings; see DESIGN.md "Numerics"):
+Casting modes (how each family orders its roundings; see docs/ARCHITECTURE.md, "Numerics"):
   llama  y = weight * (x.float() * rsqrt(mean(x²) + eps)).to(x.dtype)     # rounded twice
   gemma  y = ((x.float() * rsqrt(mean(x²) + eps)) * (offset + weight.float())).to(x.dtype)
   t5     h = x.float() * rsqrt(mean(x²) + eps); h = h.to(w.dtype) if w is half else h; y = w * h

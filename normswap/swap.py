@@ -287,7 +287,7 @@ def patch(
     if check_model and todo:
         try:
             batch = probe_batch(model, probe)
-        except ValueError:  # not a token model (no config.vocab_size): per-module proof only
+        except NormswapError:  # not a token model (no config.vocab_size): per-module proof only
             batch = None
         if batch is not None:
             kind, before = model_output(model, batch)
@@ -328,7 +328,7 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
     if batch is None and (check or pairs is None):
         try:
             batch = probe_batch(model)
-        except ValueError:
+        except NormswapError:
             raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
                                 "residual adds go") from None
     return fusion.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, NormswapError
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
@@ -58,7 +58,8 @@ ORIGINAL_ULPS = 8
 MEAN_RATIO = 1.25
 # Whole-model tolerance: max|Δlogits| <= rtol * max|logits|. One-ulp differences in a norm
 # propagate through every later layer; these bound that growth with room, and are far below
-# what a wrong family (an offset applied twice, a dropped bias) produces.
+# what a wrong family (an offset applied twice, a dropped bias) produces. The conversion's
+# reload check uses the same gate: its weights are rounded once to the stored dtype.
 LOGITS_RTOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
@@ -393,18 +394,23 @@ def check_reference_output(kind: str, output: torch.Tensor, what: str = "the ori
                             "the probe batch, with finite weights; nothing can be verified against it")
 
 
-def probe_batch(model: nn.Module, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
-    """Token ids for one forward pass (above the special ids, below the vocabulary size)."""
-    config = getattr(model, "config", None)
-    vocab = int(getattr(config, "vocab_size", 0) or 0) if config is not None else 0
-    if vocab <= 0:
-        raise ValueError("the model has no config.vocab_size; pass an explicit probe batch")
+def probe_batch(model_or_config, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
+    """Token ids for one forward pass of a model (or of the model a config describes): above the
+    special ids, below the vocabulary size, no longer than the context. The one probe batch of
+    the whole-model checks (patch, save, fusion, conversion)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    vocab = getattr(config, "vocab_size", 0)
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 0
+    if vocab < 2:
+        raise BadInputError("cannot build a probe batch: the model's config has no vocab_size")
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    seq_len = min(cfg.seq_len, int(context)) if isinstance(context, int) and context > 0 else cfg.seq_len
     g = torch.Generator().manual_seed(cfg.seed + 1)
     lo = min(3, vocab - 1)
-    ids = torch.randint(lo, vocab, (cfg.batch, cfg.seq_len), generator=g)
+    ids = torch.randint(lo, vocab, (cfg.batch, seq_len), generator=g)
     batch = {"input_ids": ids}
     if getattr(config, "is_encoder_decoder", False):
-        batch["decoder_input_ids"] = torch.randint(lo, vocab, (cfg.batch, max(cfg.seq_len // 2, 1)), generator=g)
+        batch["decoder_input_ids"] = torch.randint(lo, vocab, (cfg.batch, max(seq_len // 2, 1)), generator=g)
     return batch
 
 
@@ -417,28 +423,37 @@ def _input_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def model_output(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor).
+def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[str, torch.Tensor]:
+    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor): the one
+    forward pass every check and every score goes through. `batch` holds the forward's keyword
+    arguments (tensors are moved to the model's input device).
 
+    The tensor comes back as float32 on the CPU (comparable across devices and dtypes), or with
+    raw=True as the model produced it (its dtype and device: scoring and float64 checks).
     Runs in eval mode (dropout would make two runs differ) and restores every module's own
     training flag afterwards: a model being fine-tuned stays in train mode."""
     device = _input_device(model)
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        out = model(**{k: v.to(device) for k, v in batch.items()})
+        out = model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
     finally:
         for m, training in flags:
             m.training = training
     for kind in ("logits", "last_hidden_state"):
         t = getattr(out, kind, None)
         if t is not None:
-            return kind, t.detach().float().cpu()
-    raise ValueError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
+            return kind, t.detach() if raw else t.detach().float().cpu()
+    raise NormswapError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
+
+
+def logits_rtol(dtype: torch.dtype) -> float:
+    """The whole-model tolerance of `dtype` (LOGITS_RTOL; float32's for any other dtype)."""
+    return LOGITS_RTOL.get(dtype, LOGITS_RTOL[torch.float32])
 
 
 def compare_outputs(kind: str, dtype: torch.dtype, before: torch.Tensor, after: torch.Tensor) -> ModelCheck:
-    rtol = LOGITS_RTOL.get(dtype, 1e-4)
+    rtol = logits_rtol(dtype)
     diff = (after - before).abs().max().item() if before.numel() else 0.0
     scale = before.abs().max().item() if before.numel() else 0.0
     agree = None

@@ -5,6 +5,25 @@ import torch
 
 from normswap import fold
 
+
+def layer_norm64(x: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
+    """float64 LayerNorm over the last dimension, written out (the identities' left-hand side)."""
+    mu = x.mean(dim=-1, keepdim=True)
+    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y * (gain if gain is not None else 1.0) + (shift if shift is not None else 0.0)
+
+
+def rms_norm64(x: torch.Tensor, gain, shift, eps: float) -> torch.Tensor:
+    """float64 RMSNorm with an optional bias (the form a kept β takes)."""
+    y = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y * (gain if gain is not None else 1.0) + (shift if shift is not None else 0.0)
+
+
+def bake(table, gain, shift, eps):
+    """The whole table at once, as normswap.jobs does it a slice at a time: (new rows, s)."""
+    s = fold.bake_scale(float(fold.centered_output_ms(table, gain, shift, eps).max()))
+    return fold.bake_rows(table, gain, shift, eps, s), s
+
 D = 24
 
 
@@ -74,34 +93,34 @@ def test_layer_norm_of_zero_mean_input_is_rms_norm():
     x = fold.center_embedding(rand(30, D) * 3)
     gain, shift = rand(D, seed=1), rand(D, seed=2)
     torch.testing.assert_close(
-        fold.apply_layer_norm(x, gain, shift, 1e-5), fold.apply_rms_norm(x, gain, shift, 1e-5), rtol=0, atol=1e-13
+        layer_norm64(x, gain, shift, 1e-5), rms_norm64(x, gain, shift, 1e-5), rtol=0, atol=1e-13
     )
     y = rand(30, D) + 1.0  # not zero-mean: the two differ
-    assert (fold.apply_layer_norm(y, gain, shift, 1e-5) - fold.apply_rms_norm(y, gain, shift, 1e-5)).abs().max() > 0.1
+    assert (layer_norm64(y, gain, shift, 1e-5) - rms_norm64(y, gain, shift, 1e-5)).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("eps", [1e-5, 1e-12, 0.1])
 @pytest.mark.parametrize("scale", [0.05, 5.0])
-def test_bake_embedding_norm_reproduces_the_centered_output(eps, scale):
+def test_baked_embedding_norm_reproduces_the_centered_output(eps, scale):
     table = rand(64, D, seed=3) * 2 + 0.5
     table[5] = 0.0  # a zero row too
     gain, shift = rand(D, seed=4) * scale, rand(D, seed=5)
-    original = fold.apply_layer_norm(table, gain, shift, eps)
+    original = layer_norm64(table, gain, shift, eps)
     want = original - original.mean(-1, keepdim=True)
-    new_table, s = fold.bake_embedding_norm(table, gain, shift, eps)
+    new_table, s = bake(table, gain, shift, eps)
     assert s >= 1.0
     assert new_table.mean(-1).abs().max() < 1e-14  # the norm's own input is zero-mean
     # The *stock* LayerNorm with weight s·1, bias 0 now outputs the centered original output.
-    got = fold.apply_layer_norm(new_table, torch.full((D,), s, dtype=torch.float64), torch.zeros(D, dtype=torch.float64), eps)
+    got = layer_norm64(new_table, torch.full((D,), s, dtype=torch.float64), torch.zeros(D, dtype=torch.float64), eps)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * max(1.0, float(want.abs().max())))
     # ... and so does an RMSNorm (its input is zero-mean).
-    got_rms = fold.apply_rms_norm(new_table, torch.full((D,), s, dtype=torch.float64), None, eps)
+    got_rms = rms_norm64(new_table, torch.full((D,), s, dtype=torch.float64), None, eps)
     torch.testing.assert_close(got_rms, want, rtol=0, atol=1e-12 * max(1.0, float(want.abs().max())))
 
 
 def test_bake_needs_positive_eps():
     with pytest.raises(ValueError, match="eps > 0"):
-        fold.bake_embedding_norm(rand(4, D), rand(D), rand(D), 0.0)
+        bake(rand(4, D), rand(D), rand(D), 0.0)
 
 
 def test_unknown_orientation():

@@ -31,7 +31,7 @@ def test_every_tiny_model_norm_class_reproduces_bit_for_bit(arch):
     classes = _norm_classes_of(arch)
     assert classes, f"{arch}: no norm found"
     for name, module in classes.items():
-        spec = registry.spec_for(module)
+        spec = registry.recognise(module).spec
         assert spec is not None, f"{arch}: {name} not recognised: {registry.recognise(module).reason}"
         for dtype in DTYPES:
             assert_spec_reproduces(module, spec, dtype)
@@ -49,7 +49,7 @@ def test_every_tiny_model_norm_class_reproduces_bit_for_bit(arch):
     ("gpt2", "LayerNorm", "layer", "none", 0.0, "eps"),
 ])
 def test_family_fields(arch, cls_name, kind, casting, offset, eps_attr):
-    spec = registry.spec_for(_norm_classes_of(arch)[cls_name])
+    spec = registry.recognise(_norm_classes_of(arch)[cls_name]).spec
     assert (spec.kind, spec.casting, spec.offset, spec.eps_attr) == (kind, casting, offset, eps_attr)
     assert spec.has_weight and spec.has_bias == (kind == "layer") and spec.dtype == "float32"
 
@@ -60,7 +60,7 @@ def test_probe_agrees_with_the_fingerprint(arch):
     for module in _norm_classes_of(arch).values():
         parts = registry._find_parts(module)
         family, _, method, exact = registry._probe(module, parts)
-        spec = registry.spec_for(module)
+        spec = registry.recognise(module).spec
         assert method == "probe" and exact
         assert (family.kind, family.casting, family.offset) == (spec.kind, spec.casting, spec.offset)
 
@@ -141,7 +141,7 @@ class GainOnlyRMSNorm(nn.Module):
 ])
 def test_variants(make, expect):
     module = make()
-    spec = registry.spec_for(module)
+    spec = registry.recognise(module).spec
     assert spec is not None, registry.recognise(module).reason
     for k, v in expect.items():
         assert getattr(spec, k) == v, (k, getattr(spec, k), v)
@@ -153,7 +153,7 @@ def test_variants(make, expect):
 def test_meta_module_is_recognised_like_a_real_one():
     with torch.device("meta"):
         module = GainOnlyRMSNorm(40)
-    spec = registry.spec_for(module)
+    spec = registry.recognise(module).spec
     assert spec is not None and spec.offset == 1.0 and spec.dtype == "float32"
 
 
@@ -211,5 +211,5 @@ def test_unsupported_entries_have_reasons():
 
 
 def test_spec_round_trips_json():
-    spec = registry.spec_for(_norm_classes_of("gemma")["GemmaRMSNorm"])
+    spec = registry.recognise(_norm_classes_of("gemma")["GemmaRMSNorm"]).spec
     assert NormSpec.from_dict(spec.to_dict()) == spec

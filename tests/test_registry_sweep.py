@@ -113,7 +113,7 @@ def check_class(cls: type) -> str | None:
     try:
         module = instantiate(cls)
     except Exception as e:
-        if registry.class_family(cls) is not None:  # recognised by its code alone
+        if registry._class_family(cls) is not None:  # recognised by its code alone
             return None
         return f"cannot instantiate to check it ({e.__class__.__name__}: {str(e)[:60]})"
     if next(iter(module.children()), None) is not None:

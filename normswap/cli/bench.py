@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.cli.main import cli, emit, json_option
+from normswap.loading import RUN_DTYPES
 
 
 @cli.command("bench")
@@ -19,7 +20,7 @@ from normswap.cli.main import cli, emit, json_option
               help="Comma-separated workloads: train (fwd+bwd step), prefill, decode (one step with a KV cache).")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="bf16", show_default=True)
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True)
 @click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help="Default: the CUDA device when there is one.")
 @click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
 @click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
