@@ -117,7 +117,13 @@ class _Recorder(TorchDispatchMode):
         # above it), so the value it makes is keyed with the version the caller will see.
         written = {id(a) for a, s in zip(args, func._schema.arguments, strict=False)
                    if isinstance(a, torch.Tensor) and s.alias_info is not None and s.alias_info.is_write}
-        out_keys = [(id(t), t._version + 1) if id(t) in written else _key(t) for t in outs]
+        # A view shares its base's version counter, but that sharing is also set up after this
+        # mode returns: read here, a view of a parameter an init wrote in place would carry
+        # version 0 and not match what its users see (a real model's stream bias, expanded).
+        base = args[0] if args and isinstance(args[0], torch.Tensor) and any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns) else None
+        out_keys = [(id(t), t._version + 1) if id(t) in written
+                    else (id(t), base._version) if base is not None else _key(t) for t in outs]
         node = _Node(func.overloadpacket.__name__, self.stack[-1], ins, kw, out_keys,
                      shapes_in, [tuple(t.shape) for t in outs])
         i = len(self.nodes)

@@ -229,8 +229,14 @@ def _key(h: torch.Tensor, norm: nn.Module):
     if torch.compiler.is_compiling():
         return None
     with torch._C.DisableTorchFunctionSubclass():
-        return (h._version, *((id(p), p.data_ptr(), p._version) for p in (norm.norm_weight, norm.norm_bias)
-                              if p is not None))
+        return (_version(h), *((id(p), p.data_ptr(), _version(p)) for p in (norm.norm_weight, norm.norm_bias)
+                               if p is not None))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    # Tensors made under torch.inference_mode keep no version counter (reading it raises); there
+    # only an in-place op on the tensor itself is seen (_forget), not one through a view of it.
+    return None if t.is_inference() else t._version
 
 
 # ---------------------------------------------------------------------------------------------

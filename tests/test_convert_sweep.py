@@ -189,8 +189,10 @@ def run_logits(model, inputs) -> torch.Tensor:
     return out.logits
 
 
-def check_exact(label: str, model_type: str, class_name: str, tmp_path) -> str | None:
-    """Convert a float64 tiny model in memory (--partial); None when exact, else what is wrong."""
+def check_exact(label: str, model_type: str, class_name: str, tmp_path, expected: set[str] | None = None) -> str | None:
+    """Convert a float64 tiny model in memory (--partial); None when exact, else what is wrong.
+    `expected`: the norms the meta-device discovery converts; the real model must convert the same
+    ones (else the exactness checked here is not that of the classified plan)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         size = sum(p.numel() for p in build(model_type, class_name).parameters())
@@ -200,8 +202,20 @@ def check_exact(label: str, model_type: str, class_name: str, tmp_path) -> str |
     randomize_norms_and_biases(model, 0)
     inputs = inputs_for(model)
     ref = run_logits(model, inputs)
+    before = {name: (type(mod), {k: v.detach().clone() for k, v in mod.named_parameters()})
+              for name, mod in model.named_modules()}
     manifest = convert_model(model, partial=True, check=False)
     converted = [n["path"] for n in manifest["norms"] if n["rms"]]
+    for n in manifest["norms"]:  # --partial leaves a refused norm as it was: class, weight and bias
+        if not n["rms"]:
+            mod = model.get_submodule(n["path"])
+            kind, params = before[n["path"]]
+            now = dict(mod.named_parameters())
+            if type(mod) is not kind or now.keys() != params.keys() or any(
+                    not torch.equal(now[k], v) for k, v in params.items()):
+                return f"the refused norm {n['path']} was changed"
+    if expected is not None and set(converted) != expected:
+        return (f"the real model converts other norms than the meta discovery: {sorted(set(converted) ^ expected)}")
     ratios: dict[str, float] = {}
 
     def hook(path):
@@ -235,14 +249,15 @@ def sweep():
     """label -> (outcome, model type, class name) for every sweep entry with LayerNorms."""
     found = {}
     for label, model_type, class_name in sweep_entries():
-        result, _, _ = outcome(label, model_type, class_name)
+        result, d, _ = outcome(label, model_type, class_name)
         if result is not None:
-            found[label] = (result, model_type, class_name)
+            converting = set() if d is None else {p for p, f in d.norms.items() if f.category is None}
+            found[label] = (result, model_type, class_name, converting)
     return found
 
 
 def test_every_layer_norm_architecture_is_classified(sweep):
-    got = {label: r for label, (r, _, _) in sweep.items()}
+    got = {label: r for label, (r, *_) in sweep.items()}
     unknown = {k: v for k, v in got.items() if k not in SWEEP}
     changed = {k: (SWEEP[k], v) for k, v in got.items() if k in SWEEP and SWEEP[k] != v}
     gone = sorted(set(SWEEP) - set(got))
@@ -257,13 +272,13 @@ def test_converted_architectures_are_exact(sweep, tmp_path):
     inputs, stock reload equal. At least 15 convert whole, with no architecture file."""
     from normswap.archs import available
 
-    whole = [label for label, (r, _, _) in sweep.items() if r == (CONVERTS,)]
+    whole = [label for label, (r, *_) in sweep.items() if r == (CONVERTS,)]
     assert len(whole) >= 15, whole
     assert {"gpt2", "opt", "gpt_neox", "phi", "falcon", "bloom"} <= set(whole) | set(available())
     problems = {}
-    for label, (result, model_type, class_name) in sweep.items():
+    for label, (result, model_type, class_name, converting) in sweep.items():
         if CONVERTS in result:
-            why = check_exact(label, model_type, class_name, tmp_path / label)
+            why = check_exact(label, model_type, class_name, tmp_path / label, converting)
             if why is not None:
                 problems[label] = why
     assert not problems, problems

@@ -31,7 +31,7 @@ FILE_MODELS = [
 ]
 
 DECISION_FIELDS = ("path", "readers", "rms", "zero_mean_input", "folded_gain", "folded_bias", "kept_gain",
-                   "kept_bias", "baked", "eps")
+                   "kept_gain_why", "kept_bias", "kept_bias_why", "baked", "bake_scale", "eps")
 
 
 def meta_model(arch: str, **overrides):
@@ -51,6 +51,7 @@ def comparable(plan) -> dict:
         "writers": sorted(plan.writers),
         "untie": plan.untie,
         "aliases": plan.aliases,
+        "keep_gain": plan.keep_gain,
     }
 
 
@@ -84,3 +85,21 @@ def test_discovery_names_terms_readers_and_earlier_streams():
     assert ln2.earlier == ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1"]
     assert ln2.readers == [("transformer.h.1.mlp.c_fc", "conv1d")]
     assert d.untie == ("lm_head", "transformer.wte")
+
+
+def test_a_real_model_is_discovered_as_its_meta_twin():
+    """A parameter added into the stream through a view (GPT-NeoX-Japanese's dense_bias, expanded)
+    after an init wrote it in place: on a real model its version is not 0, and a view keyed with
+    the version read inside the dispatch mode would not match its users, so the in-memory convert
+    refused norms that the checkpoint convert (meta) converts, and never centered the bias."""
+    from tests.sweep_models import build
+    from tests.tiny_models import randomize_norms_and_biases
+
+    args = ("gpt_neox_japanese", "GPTNeoXJapaneseForCausalLM")
+    real = randomize_norms_and_biases(build(*args, device="cpu", dtype=torch.float64), 0)
+    bias = "gpt_neox_japanese.layers.1.attention.dense_bias"
+    assert real.get_parameter(bias)._version > 0 and real.get_parameter(bias).abs().max() > 0
+    meta, got = discover(build(*args)), discover(real)
+    assert {p: f.category for p, f in got.norms.items()} == {p: f.category for p, f in meta.norms.items()}
+    assert got.params == meta.params == [bias]
+    assert all(f.category is None for f in got.norms.values())

@@ -256,3 +256,18 @@ def test_generate_with_kv_cache_fused_gives_the_same_tokens(monkeypatch):
     got = fused.generate(IDS, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, expected)
     assert counter.fused == counter.hits == 6 * EXPECTED["llama"]  # the prompt's forward + 5 cached steps
+
+
+def test_inference_mode_runs_fused(monkeypatch):
+    """Inference tensors keep no version counter: the fused model still runs (and fuses) under
+    torch.inference_mode, as pipelines call it."""
+    model = tiny_model("llama")
+    normswap.patch(model, "torch", verify=False)
+    with torch.no_grad():
+        expected = model(IDS).logits
+    normswap.patch(model, "torch", fuse_residual=True)
+    counter = Counter(monkeypatch)
+    with torch.inference_mode():
+        got = model(IDS).logits
+    assert counter.fused == counter.hits == EXPECTED["llama"]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

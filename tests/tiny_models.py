@@ -68,7 +68,9 @@ def tiny_config(arch: str):
 
 
 def randomize_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Give every norm weight a spread around its init and every bias a random value."""
+    """Give every norm weight a spread around its init and every bias a random value: every
+    parameter whose name ends in "bias" (GPT-NeoX-Japanese's dense_bias, a bias vector added into
+    the stream as is, is zeros at init and would hide a conversion that forgets to center it)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.modules():
@@ -77,7 +79,7 @@ def randomize_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> torch.n
                 noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
                 if is_norm:
                     p.add_((0.3 * noise).to(p.dtype))
-                elif name == "bias":
+                elif name.endswith("bias"):
                     p.copy_((0.1 * noise).to(p.dtype))
     return model
 
