@@ -254,7 +254,7 @@ def test_per_head_norm_is_recognised_run_and_verified(impl, dtype):
     assert not wrong.passed
 
 
-def test_overflow_probe_notes_an_original_nan_and_fails_a_new_one():
+def test_overflow_probe_notes_nan_differences_both_ways():
     """Issue 9 case 11: at |x| ~ 1e30 torch's CPU nn.LayerNorm gives NaN rows (its sum of squares
     overflows float32) where normswap's LayerNorm returns the bias. The swap keeps the finite
     output, and the check says so in a note; a replacement that turns a finite output of the
