@@ -36,7 +36,6 @@ import importlib.metadata
 import json
 import math
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,17 +92,6 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Provenance
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout the benchmark runs from ("-dirty" with uncommitted changes), or None."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def package_versions(impls) -> dict[str, str | None]:
@@ -350,6 +338,8 @@ def main(argv=None) -> int:
     timing = args.timing if device == "cuda" else "host"
     copy_gbs = copy_bandwidth(device, args.timing)
     l2 = l2_bytes(device)
+    from normswap._version import git_commit  # here: __main__ puts the checkout on sys.path first
+
     meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
             "commit": git_commit(), "versions": package_versions(impls), "copy_gbs": copy_gbs,
             "l2_bytes": l2}

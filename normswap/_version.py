@@ -1,4 +1,22 @@
-"""The package version, in a module of its own: the manifest writer reads it without importing the
-package (whose __init__ imports the modules that write manifests)."""
+"""The package version and the checkout it runs from, in a module of its own: the manifest writer
+and the benchmarks read them without importing the package (whose __init__ imports the modules
+that write manifests)."""
+
+import subprocess
+from pathlib import Path
 
 __version__ = "0.1.0"
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout normswap runs from ("-dirty" with uncommitted changes to tracked
+    files), or None outside a git checkout: the provenance every benchmark result records."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=5, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

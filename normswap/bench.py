@@ -25,7 +25,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -225,6 +224,7 @@ def _versions() -> dict[str, Any]:
     import transformers
 
     import normswap
+    from normswap._version import git_commit
 
     out: dict[str, Any] = {"normswap": normswap.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__, "python": platform.python_version()}
@@ -237,10 +237,9 @@ def _versions() -> dict[str, Any]:
             from importlib.metadata import version
 
             out[pkg] = version(pkg.replace("_", "-") if pkg == "liger_kernel" else "quack-kernels")
-    with contextlib.suppress(Exception):
-        out["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-            timeout=5, check=True).stdout.strip()
+    commit = git_commit()
+    if commit:
+        out["git_commit"] = commit
     return out
 
 
