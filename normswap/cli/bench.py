@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from normswap.backends import BACKENDS
 from normswap.cli.main import cli, emit, json_option
 from normswap.loading import RUN_DTYPES
 
@@ -14,7 +15,7 @@ from normswap.loading import RUN_DTYPES
 @cli.command("bench")
 @click.argument("model")
 @click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
-              help="Comma-separated impls to compare with the unpatched model (triton, torch, compile, liger, quack).")
+              help=f"Comma-separated impls to compare with the unpatched model ({', '.join(BACKENDS)}).")
 @click.option("--fuse-residual", is_flag=True, help="Also measure each impl with its residual adds fused into the norms.")
 @click.option("--mode", "modes", default="train,prefill,decode", show_default=True, metavar="LIST",
               help="Comma-separated workloads: train (fwd+bwd step), prefill, decode (one step with a KV cache).")

@@ -339,11 +339,6 @@ SPLIT_WARPS = {"fwd": 8, "bwd": 8}
 STAGES = {"fwd": 1, "bwd": 3}
 
 
-def whole_row_limit(pass_: str) -> int:
-    """Widest row one program holds: the backward keeps dy and the input, so half the forward's."""
-    return MAX_BLOCK_N if pass_ == "fwd" else max(MAX_BLOCK_N // 2, 2)
-
-
 def launch_config(m: int, n: int, elem_bytes: int, pass_: str, kernel) -> Tile:
     """The tile for an (m, n) problem of `elem_bytes`-wide elements, pass "fwd" or "bwd". Depends on
     the row count only through a coarse bucket (GPU) so that batch sizes never compile anew; on the
