@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -93,6 +94,10 @@ def fixtures(root: Path) -> dict:
     fx["listjson"] = root / "listjson"
     shutil.copytree(fx["llama"], fx["listjson"])
     (fx["listjson"] / "config.json").write_text("[1, 2, 3]")
+    fx["dirjson"] = root / "dirjson"
+    shutil.copytree(fx["llama"], fx["dirjson"])
+    (fx["dirjson"] / "config.json").unlink()
+    (fx["dirjson"] / "config.json").mkdir()
     fx["locked"] = root / "locked"
     shutil.copytree(fx["llama"], fx["locked"])
     fx["empty_dir"] = root / "empty_dir"
@@ -153,6 +158,8 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: empty directory", ["scan", fx["empty_dir"]], "no config.json", ci=True),
         Case("scan: malformed config.json", ["scan", fx["badjson"]], "malformed config.json", ci=True),
         Case("scan: config.json is a list", ["scan", fx["listjson"]], "config", ci=True),
+        Case("scan: config.json is a directory", ["scan", fx["dirjson"]], "config.json: cannot read: Is a directory",
+             ci=True),
         Case("scan: num_hidden_layers -1", ["scan", fx["neg_layers"]], "num_hidden_layers is -1", ci=True),
         Case("scan: hidden_size 0", ["scan", fx["zero_hidden"]], "hidden_size is 0", ci=True),
         Case("scan: vocab_size 0", ["scan", fx["zero_vocab"]], "vocab_size is 0", ci=True),
@@ -302,6 +309,11 @@ def run_case(case: Case, inputs: list[Path]) -> Outcome:
         o.problems.append(f"not a bad-input line: {lines[0][:120]}")
     elif case.says and case.says not in lines[0]:
         o.problems.append(f"the line does not say {case.says!r}")
+    # Beside our line only normswap's own progress may stand (stderr by design, README contract),
+    # never a library's log lines: transformers' config warnings come as "[transformers] ...".
+    others = [ln for ln in r.stderr.splitlines() if re.match(r"\[\w[\w.-]*\] ", ln)]
+    if others:
+        o.problems.append(f"{len(others)} other line(s) on stderr: {others[0][:120]}")
     if "Traceback" in r.stderr:
         o.problems.append("traceback on stderr")
     if any("Warning" in ln or "warnings.warn" in ln for ln in r.stderr.splitlines()):
@@ -324,9 +336,6 @@ def sweep(root: Path, only: str | None = None, ci_only: bool = False) -> list[Ou
     fx = fixtures(root)
     inputs = [p for p in root.iterdir() if p.is_dir()]
     chosen = [c for c in cases(fx) if (not ci_only or c.ci) and (only is None or only in c.name)]
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
     outcomes = []
     for case in chosen:
         outcomes.append(run_case(case, inputs))

@@ -100,7 +100,10 @@ def _resolve(ref: str) -> ModelSource:
 
 def _directory_source(ref: str, p: Path) -> ModelSource:
     os.listdir(p)  # an unreadable directory is reported as such, not as "no config.json"
-    if not (p / "config.json").is_file():
+    config = p / "config.json"
+    if config.exists() and not config.is_file():  # there, but no file: say so, not "no config.json"
+        raise NormswapError(f"{config}: cannot read: {'Is a directory' if config.is_dir() else 'not a regular file'}")
+    if not config.is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(ref, p.resolve(), ggufs[0].name)

@@ -542,3 +542,20 @@ def test_contract_refusal_report_goes_to_stderr_without_json(tmp_path):
     r = run("convert", tmp_path / "bert", "--to", "rms", "--out", tmp_path / "o", "--json")
     assert_one_line_error(r, "nothing converts")
     assert json.loads(r.stdout)["out"] is None
+
+
+def test_case8_scan_of_a_nonsense_config_prints_only_our_line(src, tmp_path):
+    """A fresh process (transformers warns once per process, so in-process runs cannot see it):
+    vocab_size 0 made transformers log three config warnings before normswap's error line."""
+    import shutil
+
+    bad = tmp_path / "zero_vocab"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] = 0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "normswap", "scan", str(bad), "--json"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
+    assert len(lines) == 1 and lines[0].startswith("normswap: error:") and "vocab_size" in lines[0], lines

@@ -23,7 +23,6 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     """Scan, patch (--impl triton) and perplexity-diff the embedded SmolLM2-135M."""
     from normswap import api
     from normswap import scan as scanning
-    from normswap.cli.patch import quiet_transformers
     from normswap.cli.patch import render as render_patch
     from normswap.cli.scan import render as render_scan
     from normswap.cli.scan import warn_unknown
@@ -40,7 +39,6 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
         render_scan(doc)
     click.echo(f"\n$ normswap patch {DEFAULT_MODEL} --impl {impl} --eval {DEMO_TEXT} --eval-max-length {window} "
                f"--eval-max-tokens {max_tokens}", err=True)
-    quiet_transformers()
     evaluation = api.EvalSettings(DEMO_TEXT, max_length=window, max_tokens=max_tokens)
     with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
         result = api.patch_checkpoint(DEFAULT_MODEL, impl, evaluation=evaluation, progress=bars)

@@ -49,6 +49,7 @@ class NormswapGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            quiet_transformers()
             return super().invoke(ctx)
         except NormswapError as e:
             click.echo(f"normswap: error: {e}", err=True)
@@ -146,3 +147,13 @@ class ProgressBars:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def quiet_transformers() -> None:
+    """Every command: normswap's bars are on stderr, one per stage, and bad input is one line there;
+    transformers' own bars and config warnings (a vocab_size of 0 logs three lines before our
+    error) would interleave with them. Errors still show."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()

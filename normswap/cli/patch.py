@@ -61,7 +61,6 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     if eval_path is not None:
         evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens,
                                   option_names={"max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"})
-    quiet_transformers()
     try:
         with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
             result = patch_checkpoint(model, impl, out=out, in_place=in_place, only=only, exclude=exclude,
@@ -73,14 +72,6 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
             emit(e.result.to_dict(), as_json, render)
         raise
     emit(result.to_dict(), as_json, render)
-
-
-def quiet_transformers() -> None:
-    """Our bars are on stderr, one per stage; transformers' own would interleave with them."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 def _fmt(x: float) -> str:
