@@ -130,7 +130,7 @@ def _dtype_tables(path: Path) -> list[int]:
 
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Dict) and any(name(k) and torch_dtype(v) for k, v in zip(node.keys, node.values)):
+        if isinstance(node, ast.Dict) and any(name(k) and torch_dtype(v) for k, v in zip(node.keys, node.values, strict=True)):
             found.append(node.lineno)
         elif isinstance(node, ast.Tuple) and len(node.elts) > 1 and all(name(e) for e in node.elts):
             found.append(node.lineno)
@@ -143,3 +143,19 @@ def test_dtype_names_have_one_registry():
     tables = {name: _dtype_tables(path) for name, path in _modules().items() if name != "normswap.dtypes"}
     assert {k: v for k, v in tables.items() if v} == {}
     assert _dtype_tables(PACKAGE / "dtypes.py")  # the check sees the registry itself
+
+
+def _private_library_imports(path: Path) -> list[str]:
+    """`from normswap.x import _y` where normswap.x is not part of the command line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("normswap") and not _is_cli(node.module):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_the_cli_calls_only_public_library_names():
+    """A command that needs a private helper of the library is doing the library's work itself
+    (bench once called api._check_writable and wrote its results file)."""
+    offenders = {name: _private_library_imports(path) for name, path in _modules().items() if _is_cli(name)}
+    assert {k: v for k, v in offenders.items() if v} == {}
