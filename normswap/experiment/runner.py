@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
-from normswap.experiment.arms import DTYPES, build_arm
+from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
@@ -221,7 +222,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
             "environment": {"torch": torch.__version__, "python": platform.python_version(),
                             "device": str(accelerator.device), "num_processes": accelerator.num_processes,
                             "mixed_precision": accelerator.mixed_precision,
-                            "dtype": str(DTYPES[ft.dtype]).removeprefix("torch.")},
+                            "dtype": str(parse_dtype(ft.dtype)).removeprefix("torch.")},
             "seconds_this_invocation": round(time.perf_counter() - started, 1),
         }
         data = portable_result(data, Path(recipe.source).parent if recipe.source else None)
