@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from normswap.dtypes import DTYPES, RUN_DTYPES
 from normswap.errors import NormswapError
 from normswap.kernels import launch_table
 
@@ -342,7 +343,7 @@ STAGES = {"fwd": 1, "bwd": 3}
 # The architecture a launch is planned for where no CUDA device answers (meta tensors: the static
 # analysis of benchmarks/kernel_static.py, whose limits are an H100's).
 PLAN_ARCH = "sm_90"
-DTYPE_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_NAME = {DTYPES[name]: name for name in RUN_DTYPES}  # torch dtype -> the table's dtype name
 
 
 def row_bucket(m: int) -> int:

@@ -46,11 +46,13 @@ import re
 import warnings
 from pathlib import Path
 
+from normswap.dtypes import RUN_DTYPES
+
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
 OPS = ("rms_norm", "layer_norm")
 PASSES = ("fwd", "bwd")
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = RUN_DTYPES  # normswap.dtypes' short names
 TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
 MEASURED_FIELDS = ("device", "date", "torch", "triton", "commit", "us", "static", "runner_up")
 ARCH_RE = re.compile(r"^sm_\d+$")
