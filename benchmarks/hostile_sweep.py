@@ -277,7 +277,8 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
         Case("experiment: --set without =", ["experiment", fx["recipe"], "--set", "garbage"], "garbage", ci=True),
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
-        Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "nope", ci=True),
+        Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
+             ci=True),
         Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
     ]
     return c
