@@ -267,6 +267,7 @@ def cases(fx: dict) -> list[Case]:
         # ---- demo, bench, experiment, the group
         Case("demo: --max-tokens -5", ["demo", "--max-tokens", "-5"], "--max-tokens -5", ci=True),
         Case("demo: --max-tokens x", ["demo", "--max-tokens", "x"], "'x'", ci=True),
+        Case("demo: --impl nope", ["demo", "--impl", "nope"], "--impl", ci=True),
         Case("bench: --batch 0", ["bench", L, "--batch", "0", "--impl", "torch"], "batch", ci=True),
         Case("bench: --seq -1", ["bench", L, "--seq", "-1", "--impl", "torch"], "seq", ci=True),
         Case("bench: --mode nonsense", ["bench", L, "--mode", "nonsense", "--impl", "torch"], "nonsense", ci=True),

@@ -3,8 +3,9 @@
     python benchmarks/kernel_static.py                       # the benchmark grid, table on stdout
     python benchmarks/kernel_static.py --subset ci           # the few variants the CPU test compiles
     python benchmarks/kernel_static.py --hidden 4096 --dtypes bf16 --json
+    python benchmarks/kernel_static.py --table               # every sm_90 entry of the launch table
 
-For every kernel launch the library's launch heuristics pick on the benchmark grid (hidden
+For every kernel launch the library's launch table and heuristics pick on the benchmark grid (hidden
 1,024 ... 262,144; bf16 / fp32; with and without weight, bias, residual; forward and backward),
 this compiles the kernel for sm_90 exactly as the launcher would (same constexprs, warps and
 options, the launcher's argument types and 16-byte alignment specialisations), then reads:
@@ -56,6 +57,11 @@ CI_SUBSET = {
     "variants": (("rms_norm", True, False, True), ("layer_norm", True, True, False)),
 }
 H100_SMS = 132
+# The variants a launch-table entry is checked in (--table, and the tuner's candidates): the one
+# benchmarks/tune.py times and the same with the fused residual (more registers). One entry serves
+# every variant of its op and pass.
+TABLE_VARIANTS = {"rms_norm": (("rms_norm", True, False, False), ("rms_norm", True, False, True)),
+                  "layer_norm": (("layer_norm", True, True, False), ("layer_norm", True, True, True))}
 # Source-line names of per-row statistics and scratch buffers: their accesses are exempt from the
 # 16-byte rule (one fp32 per row, or a program's partial-sum row).
 SCRATCH_NAMES = ("RSTD", "MEAN", "STAT", "PART", "DWP", "DBP", "SYNC", "COUNT")
@@ -382,9 +388,9 @@ def cases(hidden, dtypes, variants, passes, rows):
                            "residual": r}
 
 
-def run(case_list, workdir: Path, progress=None) -> list[dict]:
+def run(case_list, workdir: Path, progress=None, cache: dict | None = None) -> list[dict]:
     results = []
-    cache: dict = {}
+    cache = {} if cache is None else cache
     for i, case in enumerate(case_list, 1):
         launches = plan(case["op"], case["pass"], case["dtype"], case["M"], case["N"], case["weight"],
                         case["bias"], case["residual"])
@@ -399,6 +405,66 @@ def run(case_list, workdir: Path, progress=None) -> list[dict]:
         if progress:
             progress(i, len(case_list), case)
     return results
+
+
+def bucket_rows(label: str) -> int:
+    """A row count inside a launch-table row bucket ("<=2048" -> 2048, ">2048" -> 32768): any count
+    in the bucket plans the same launch."""
+    bound = int(label.lstrip("<=>"))
+    return bound if label.startswith("<=") else max(ROWS, bound + 1)
+
+
+def check_tile(key: tuple, tile: dict, workdir: Path, cache: dict | None = None) -> list[dict]:
+    """The static check of one launch-table tile: `key` = (arch, op, pass, dtype, hidden, rows label)
+    is planned with `tile` forced for it (launch_table.forced), in each of TABLE_VARIANTS[op], and
+    analysed like the grid. Each result row's problems also name a launch that did not use the
+    tile (the table was not what the launcher read) or a split row too wide to be co-resident."""
+    from normswap.errors import NormswapError
+    from normswap.kernels import _common as C
+    from normswap.kernels import launch_table as T
+
+    arch, op, pass_, dtype, hidden, label = key
+    out = []
+    with T.forced(key, tile, C.ROW_BUCKETS):
+        for variant in TABLE_VARIANTS[op]:
+            case = next(cases((hidden,), (dtype,), (variant,), (pass_,), bucket_rows(label)))
+            try:
+                rows = run([case], workdir, cache=cache)
+            except NormswapError as e:
+                out.append(dict(case, launch=0, tile={}, problems=[f"cannot launch: {e}"]))
+                continue
+            for r in rows:
+                used = (r["tile"].get("BLOCK_N"), r["num_warps"]) == (tile["block_n"], tile["num_warps"]) and (
+                    r["tile"].get("CHUNKS", 1) > 1 or r["tile"].get("BLOCK_M") == tile["block_m"])
+                if r["launch"] == 0 and not used:
+                    r["problems"].append(f"the launch used {r['tile']} with {r['num_warps']} warps, not the table's "
+                                         f"{tile}")
+                out.append(r)
+    return out
+
+
+def table_check(path: Path, workdir: Path, progress=None) -> tuple[list[dict], list[str]]:
+    """check_tile for every entry of a launch-table file planned for this analysis' target (sm_90);
+    (result rows, entries of other architectures, which are listed and not compiled)."""
+    from normswap.kernels import _common as C
+    from normswap.kernels import launch_table as T
+
+    doc = T.read(path)
+    bad = T.problems(doc, C.ROW_BUCKETS)
+    if bad:
+        raise ValueError("; ".join(bad[:3]))
+    results, others, cache = [], [], {}
+    todo = [(arch, e) for arch, body in doc["archs"].items() for e in body["entries"]]
+    for i, (arch, e) in enumerate(todo, 1):
+        if arch != C.PLAN_ARCH:
+            others.append(f"{arch} {e['op']} {e['pass']} {e['dtype']} {e['hidden']} {e['rows']}")
+            continue
+        key = (arch, *(e[f] for f in T.KEY_FIELDS))
+        for r in check_tile(key, e["tile"], workdir, cache):
+            results.append(dict(r, entry=list(key)))
+        if progress:
+            progress(i, len(todo), {"op": e["op"], "pass": e["pass"], "dtype": e["dtype"], "N": e["hidden"]})
+    return results, others
 
 
 def variant_name(r: dict) -> str:
@@ -460,6 +526,8 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")
     p.add_argument("--summary", action="store_true", help="one line per (op, pass, dtype, hidden)")
     p.add_argument("--render", metavar="JSON", default=None, help="print the tables of a saved --json run")
+    p.add_argument("--table", nargs="?", const="", default=None, metavar="PATH",
+                   help="check every sm_90 entry of a launch table (default: the package's) instead of the grid")
     return p.parse_args(argv)
 
 
@@ -499,15 +567,32 @@ def main(argv=None) -> int:
         return 2
     passes = [p for p in args.passes.split(",") if p]
     case_list = list(cases(hidden, dtypes, variants, passes, args.rows))
+
+    def progress(i, total, case):
+        print(f"[{i}/{total}] {case['op']} {case['pass']} {case['dtype']} {case['N']}", file=sys.stderr)
+
+    others: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        def progress(i, total, case):
-            print(f"[{i}/{total}] {case['op']} {case['pass']} {case['dtype']} {case['N']}", file=sys.stderr)
-        results = run(case_list, Path(tmp), progress)
+        if args.table is not None:
+            from normswap.kernels import launch_table as T
+
+            path = Path(args.table) if args.table else T.PATH
+            try:
+                results, others = table_check(path, Path(tmp), progress)
+            except (OSError, ValueError) as e:
+                print(f"kernel_static.py: launch table {path}: {e}", file=sys.stderr)
+                return 2
+            print(f"launch table {path}: {len({tuple(r['entry']) for r in results})} sm_90 entries checked"
+                  + (f"; other architectures not compiled: {', '.join(others)}" if others else ""), file=sys.stderr)
+        else:
+            results = run(case_list, Path(tmp), progress)
     bad = [r for r in results if r["problems"]]
     if args.json:
-        print(json.dumps({"target": "sm_90 (H100 limits)", "rows": args.rows, "results": results}, indent=1))
+        print(json.dumps({"target": "sm_90 (H100 limits)", "rows": args.rows, "results": results,
+                          "not_checked": others}, indent=1))
     else:
-        print(summary(results) if args.summary else table(results))
+        shown = [r for r in results if "regs" in r]  # not the launches that could not be planned
+        print(summary(shown) if args.summary else table(shown))
         for r in bad:
             print(f"FAIL {r['op']} {r['pass']} {r['dtype']} N={r['N']} {variant_name(r)} launch {r['launch']}: "
                   + " | ".join(r["problems"]))

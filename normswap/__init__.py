@@ -25,6 +25,7 @@ _LAZY = {
     "convert_checkpoint": "normswap.api",
     "evaluate_checkpoint": "normswap.api",
     "diff_checkpoints": "normswap.api",
+    "bench_checkpoint": "normswap.api",
     "EvalSettings": "normswap.api",
 }
 

@@ -5,6 +5,7 @@ file, a cached hub id, or the embedded default), doing everything the command do
     convert_checkpoint(model, out, ...)                          `normswap convert --to rms`
     evaluate_checkpoint(model, EvalSettings(data, ...))          `normswap ppl`
     diff_checkpoints(a, b | patched=impl, settings=...)          `normswap diff`
+    bench_checkpoint(model, impls, out=..., ...)                 `normswap bench`
 
 Each returns a result whose to_dict() is the command's --json document, and takes a progress
 callback progress(stage, done, total) (normswap.progress). Bad input raises NormswapError with a
@@ -22,13 +23,14 @@ import contextlib
 import copy
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from normswap.bench import BenchResult
 from normswap.errors import NormswapError
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.progress import ProgressFn, step
@@ -126,6 +128,18 @@ class ConvertResult:
         if self.error is not None:
             d["error"] = self.error
         return d
+
+
+@dataclass
+class CheckpointBench:
+    """`normswap bench`: the measurements (normswap.bench.BenchResult, what the results file holds)
+    and the file they were written to."""
+
+    result: BenchResult
+    saved_to: Path
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.result.to_dict(), "saved_to": str(self.saved_to)}
 
 
 class ConversionRefused(NormswapError):
@@ -320,6 +334,40 @@ def convert_checkpoint(
         step(progress, "verify", 1, 1)
         write_manifest(tmp, new_manifest(convert=section))
     return ConvertResult(str(model), section, out=target, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_checkpoint(
+    model: str | os.PathLike,
+    impls: str | Sequence[str] = ("torch", "triton"),
+    *,
+    modes: str | Sequence[str] = ("train", "prefill", "decode"),
+    out: str | os.PathLike | None = None,
+    results_dir: str | os.PathLike = "benchmarks/results",
+    progress: ProgressFn | None = None,
+    **options: Any,
+) -> CheckpointBench:
+    """Time `model` unpatched and patched with each of `impls` (a list or "torch,triton") in each
+    of `modes`, and write the results as JSON to `out` (default:
+    results_dir/bench-<model>-<device>-<date>.json). options: the other fields of
+    normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
+    repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
+    raise NormswapError before anything is measured."""
+    from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+
+    config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
+    # Before minutes of measuring, not after: an unwritable destination would lose every number.
+    _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json")
+    measured = iter(range(1, 1 << 30))
+    total = (1 + len(config.impls) * (2 if config.fuse_residual else 1)) * len(config.modes)
+    result = run_bench(config, progress=None if progress is None else
+                       lambda what: progress(what, next(measured), total))
+    saved = write_result(result, out if out is not None else default_output(result, results_dir))
+    return CheckpointBench(result, saved)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,9 +80,11 @@ class BenchResult:
     model_info: dict[str, Any]
     rows: list[BenchRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # fixed when the run starts: the results file and the --json document carry the same stamp
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        return {"format": FORMAT, "created": self.created,
                 "config": asdict(self.config), "device": self.device, "versions": self.versions,
                 "model": self.model_info, "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,49 @@ def test_unwritable_out_fails_before_measuring(tmp_path):
                                  "--repeats", "1", "--warmup", "0", "--out", "/proc/normswap-bench.json"])
     assert r.exit_code == 2 and "cannot write to /proc" in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and "eager" not in r.stderr  # no progress: nothing ran
+
+
+def test_bench_checkpoint_is_the_bench_command(tmp_path, monkeypatch):
+    """normswap.bench_checkpoint does all that `normswap bench` does: measure, write the results
+    file, and return a result whose to_dict() is the --json document (saved_to included)."""
+    import normswap
+    from normswap.jsonsafe import finite_or_null
+
+    model = _config_only("llama", tmp_path / "cfg")
+    calls = []
+    kwargs = dict(modes="prefill,decode", seq=4, dtype="fp32", warmup=0, repeats=1)
+    result = normswap.bench_checkpoint(model, "torch", results_dir=tmp_path / "res",
+                                       progress=lambda *a: calls.append(a), **kwargs)
+    assert result.saved_to.parent == tmp_path / "res" and result.saved_to.name.startswith("bench-cfg-cpu-")
+    doc = json.loads(json.dumps(finite_or_null(result.to_dict())))
+    assert doc.pop("saved_to") == str(result.saved_to)
+    assert json.loads(result.saved_to.read_text()) == doc  # the file is the document, less where it is
+    assert [(r["variant"], r["mode"]) for r in doc["rows"]] == [(v, m) for v in ("eager", "torch")
+                                                                 for m in ("prefill", "decode")]
+    assert all(len(c) == 3 and c[2] == 4 for c in calls) and max(c[1] for c in calls) == 4
+    # The command is this call and a renderer: the same document, apart from the timings.
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill,decode", "--seq", "4",
+                                 "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    cli_doc = json.loads(r.stdout)
+    saved = Path(cli_doc.pop("saved_to"))
+    assert saved.parent == Path("benchmarks/results") and json.loads(saved.read_text()) == cli_doc
+
+    def shape(d):
+        timed = ("median_ms", "tokens_per_s", "speedup")
+        return {**d, "created": None, "rows": [{k: (v is None) if k in timed else v for k, v in row.items()}
+                                               for row in d["rows"]]}
+
+    assert shape(cli_doc) == shape(doc)
+
+
+def test_bench_checkpoint_refuses_an_unwritable_destination_before_measuring(tmp_path):
+    import normswap
+
+    model = _config_only("llama", tmp_path / "cfg")
+    calls = []
+    with pytest.raises(normswap.NormswapError, match="cannot write to /proc"):
+        normswap.bench_checkpoint(model, "torch", modes="prefill", seq=4, out="/proc/normswap-bench.json",
+                                  progress=lambda *a: calls.append(a))
+    assert calls == []

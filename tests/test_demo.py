@@ -44,3 +44,20 @@ def test_demo_calls_the_library_and_names_each_step(monkeypatch):
     assert json.loads(result.stdout) == {"scan": {"model": "smollm2-135m", "unknown": []}, "patch": {"impl": "torch"}}
     assert "$ normswap scan smollm2-135m" in result.stderr
     assert "$ normswap patch smollm2-135m --impl torch --eval" in result.stderr
+
+
+def test_demo_impl_is_a_registry_choice(monkeypatch):
+    """--impl is checked against the backend registry before anything runs: a typo is one line and
+    exit 2, not a scan of the default model followed by a failed patch."""
+    from normswap import api, scan
+    from normswap.backends import BACKENDS
+
+    calls = []
+    monkeypatch.setattr(scan, "scan", lambda ref, **kw: calls.append("scan"))
+    monkeypatch.setattr(api, "patch_checkpoint", lambda *a, **kw: calls.append("patch"))
+    result = CliRunner().invoke(cli, ["demo", "--impl", "nope"])
+    assert result.exit_code == 2 and calls == []
+    (line,) = result.stderr.strip().splitlines()
+    assert "--impl" in line and "'nope'" in line
+    help_text = CliRunner().invoke(cli, ["demo", "--help"]).stdout
+    assert all(name in help_text for name in BACKENDS)

@@ -114,3 +114,48 @@ def test_no_import_circle():
 ])
 def test_cycle_finder(graph, expected):
     assert _cycles(graph) == expected
+
+
+def _dtype_tables(path: Path) -> list[int]:
+    """Lines of `path` holding a table from dtype names ("bf16", "float16", ...) to torch dtypes,
+    or a tuple of those names: what normswap/dtypes.py owns."""
+    from normswap.dtypes import DTYPES
+
+    def name(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in DTYPES
+
+    def torch_dtype(node) -> bool:
+        return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
+                and node.attr in {str(d).removeprefix("torch.") for d in DTYPES.values()})
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Dict) and any(name(k) and torch_dtype(v) for k, v in zip(node.keys, node.values, strict=True)):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Tuple) and len(node.elts) > 1 and all(name(e) for e in node.elts):
+            found.append(node.lineno)
+    return found
+
+
+def test_dtype_names_have_one_registry():
+    """The loader, the commands and the experiment read dtype names through normswap.dtypes; a
+    second table drifts (one accepts "bfloat16", another does not)."""
+    tables = {name: _dtype_tables(path) for name, path in _modules().items() if name != "normswap.dtypes"}
+    assert {k: v for k, v in tables.items() if v} == {}
+    assert _dtype_tables(PACKAGE / "dtypes.py")  # the check sees the registry itself
+
+
+def _private_library_imports(path: Path) -> list[str]:
+    """`from normswap.x import _y` where normswap.x is not part of the command line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("normswap") and not _is_cli(node.module):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_the_cli_calls_only_public_library_names():
+    """A command that needs a private helper of the library is doing the library's work itself
+    (bench once called api._check_writable and wrote its results file)."""
+    offenders = {name: _private_library_imports(path) for name, path in _modules().items() if _is_cli(name)}
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -92,3 +92,50 @@ def test_narrow_accesses_are_seen_and_exempt_only_off_multiples_of_16(tmp_path):
     assert narrow, "a 1,000-wide bf16 row cannot be read in 16-byte vectors; the analysis saw none"
     assert not any("RSTD" in op for op in narrow)
     assert all(not r["problems"] for r in doc["results"])
+
+
+def _entries(doc: dict, arch: str = "sm_90") -> list[tuple]:
+    from normswap.kernels import launch_table as T
+
+    return [(arch, *(e[f] for f in T.KEY_FIELDS)) for e in doc["archs"].get(arch, {}).get("entries", [])]
+
+
+def test_every_committed_launch_table_entry_passes_the_static_check(tmp_path):
+    """The measured table (normswap/kernels/launch_table.json) is held to the heuristics' rule: each
+    sm_90 entry, planned as the launcher plans it, compiles spill-free with 16-byte row accesses in
+    the variant the tuner timed and with the fused residual, and is what the launcher really used."""
+    from normswap.kernels import launch_table as T
+
+    rc, doc, err = _run(tmp_path, "--table")
+    assert rc == 0 and "results" in doc, err[-3000:]
+    want = set(_entries(T.read(T.PATH)))
+    assert {tuple(r["entry"]) for r in doc["results"]} == want
+    assert len(doc["results"]) >= 2 * len(want)  # both variants of every entry
+    assert not [r for r in doc["results"] if r["problems"]]
+
+
+def test_table_check_fails_a_spilling_entry_and_passes_a_sound_one(tmp_path):
+    """The table check is real: a fabricated entry with one warp for an 8,192-wide row (256 fp32
+    values per thread) spills and fails the run; a sound 2 x 4,096 tile passes, and both were the
+    tiles the launcher used."""
+    measured = {"device": "test fixture, not a measurement", "date": "2000-01-01", "torch": "-", "triton": "-",
+                "commit": "-", "us": {"32768": 1.0}, "static": None, "runner_up": None}
+
+    def entry(hidden, **tile):
+        return {"op": "rms_norm", "pass": "fwd", "dtype": "bf16", "hidden": hidden, "rows": ">2048",
+                "tile": dict(tile, num_stages=1), "measured": measured}
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"schema": 1, "about": "fixture", "row_buckets": [2048], "archs": {"sm_90": {
+        "entries": [entry(4096, block_m=2, block_n=4096, num_warps=8),
+                    entry(8192, block_m=1, block_n=8192, num_warps=1)]}}}))
+    rc, doc, err = _run(tmp_path, "--table", str(path))
+    assert rc == 1 and doc, err[-3000:]
+    by_n = {}
+    for r in doc["results"]:
+        by_n.setdefault(r["N"], []).append(r)
+    assert {n: len(rs) for n, rs in by_n.items()} == {4096: 2, 8192: 2}  # with and without the residual
+    for r in by_n[4096]:
+        assert not r["problems"] and r["tile"]["BLOCK_M"] == 2 and r["num_warps"] == 8, r
+    for r in by_n[8192]:
+        assert r["num_warps"] == 1 and r["spill_bytes"] > 0 and any("spills" in p for p in r["problems"]), r

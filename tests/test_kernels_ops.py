@@ -144,7 +144,7 @@ def test_row_count_never_selects_a_new_gpu_kernel():
     gpu_kernel = object()  # anything but an interpreted kernel: the GPU launch table answers
     for n in (1, 17, 1024, 4096, 70000, 262144):
         for pass_ in ("fwd", "bwd"):
-            tiles = {_common.launch_config(m, n, 2, pass_, gpu_kernel)
+            tiles = {_common.launch_config(m, n, torch.bfloat16, pass_, gpu_kernel)
                      for m in (1, 3, 16, 1000, 2048, 2049, 4099, 32768, 1 << 20)}
             # At most one tile per coarse row bucket, never one per row count.
             assert len(tiles) <= len(_common.ROW_BUCKETS) + 1, (n, pass_, tiles)

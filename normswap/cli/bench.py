@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option
 from normswap.loading import RUN_DTYPES
 
 
@@ -40,35 +40,14 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
     weights are random (seeded) from the config, so any size can be timed without its weights.
     On a CPU the numbers are CPU numbers and say nothing about GPU speed.
     """
-    from normswap.api import _check_writable
-    from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+    from normswap.api import bench_checkpoint
 
-    # Before minutes of measuring, not after: an unwritable destination would lose every number.
-    _check_writable(out or Path("benchmarks/results/bench.json"))
-
-    cfg = BenchConfig(model=model, impls=parse_list(impls), fuse_residual=fuse_residual, modes=parse_list(modes),
-                      batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,
-                      compile_backend=compile_backend, warmup=warmup, repeats=repeats, load_weights=load_weights)
-    from tqdm.auto import tqdm
-
-    bars = []  # opened at the first measurement: bad input fails before, with one clean line
-
-    def progress(what: str) -> None:
-        if not bars:
-            total = (1 + len(cfg.impls) * (2 if fuse_residual else 1)) * len(cfg.modes)
-            bars.append(tqdm(total=total, desc="bench", unit="run", file=sys.stderr, leave=False))
-        bars[0].set_postfix_str(what)
-        bars[0].update(1)
-
-    try:
-        result = run_bench(cfg, progress=progress)
-    finally:
-        for bar in bars:
-            bar.close()
-    path = write_result(result, out or default_output(result))
-    data = result.to_dict()
-    data["saved_to"] = str(path)
-    emit(data, as_json, _render)
+    with ProgressBars() as bars:
+        result = bench_checkpoint(model, impls, modes=modes, out=out, progress=bars, fuse_residual=fuse_residual,
+                                  batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,
+                                  compile_backend=compile_backend, warmup=warmup, repeats=repeats,
+                                  load_weights=load_weights)
+    emit(result.to_dict(), as_json, _render)
 
 
 def _render(data: dict) -> None:

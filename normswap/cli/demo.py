@@ -10,13 +10,15 @@ from pathlib import Path
 
 import click
 
+from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
 
 DEMO_TEXT = Path(__file__).resolve().parent.parent / "data" / "genesis-kjv.txt"
 
 
 @cli.command()
-@click.option("--impl", default="triton", show_default=True, help="Implementation to patch with.")
+@click.option("--impl", type=click.Choice(BACKENDS), default="triton", show_default=True,
+              help="Implementation to patch with.")
 @click.option("--max-tokens", type=int, default=512, show_default=True, help="Tokens of the demo text to score.")
 @json_option
 def demo(impl: str, max_tokens: int, as_json: bool) -> None:

@@ -17,10 +17,9 @@ import copy
 
 import torch
 
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment.recipe import parse_arm
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _layer_norm_paths(model) -> list[str]:
@@ -61,7 +60,7 @@ def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32
     # Every norm not swapped above runs on the recipe's backend too (already-patched ones are skipped).
     patch(model, impl)
     _freeze_unused(model)
-    return model.to(DTYPES[dtype])
+    return model.to(parse_dtype(dtype))
 
 
 def _freeze_unused(model) -> None:

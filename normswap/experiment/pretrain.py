@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from normswap.dtypes import parse_dtype
 from normswap.experiment.recipe import PretrainSection, file_digest
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 
@@ -116,7 +117,7 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
     ids = encode(tokenizer, text)
     eval_ids = encode(tokenizer, read_text(eval_text))
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
-    model.to({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[section.dtype])
+    model.to(parse_dtype(section.dtype))
     batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
     history = train(accelerator, model, section, batches, partial / "state", stop=stop, progress=progress,
                     desc="pretrain", log_prefix="pretrain/")

@@ -23,13 +23,13 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from normswap.backends import BACKENDS
+from normswap.dtypes import RUN_DTYPES
 from normswap.errors import NormswapError
 
 TRANSFORMS = ("original", "exact", "approx", "approx-bias")
 TRAININGS = ("ft", "distill")
 SCHEDULES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
-DTYPES = ("fp32", "bf16", "fp16")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 TRACKERS = ("auto", "none", "tensorboard")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a folder name: it becomes runs/<name> and a cache entry
@@ -60,7 +60,7 @@ class TrainSettings:
     optimizer: str = _spec("adamw", choices=OPTIMIZERS)
     weight_decay: float = _spec(0.0, minimum=0.0)
     max_grad_norm: float = _spec(1.0, minimum=0.0, doc="0 turns clipping off")
-    dtype: str = _spec("fp32", choices=DTYPES, doc="dtype of the weights being trained")
+    dtype: str = _spec("fp32", choices=RUN_DTYPES, doc="dtype of the weights being trained")
     mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, else no")
     checkpoint_every: int = _spec(50, minimum=1, doc="steps between resumable checkpoints")
 

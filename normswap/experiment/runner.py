@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
-from normswap.experiment.arms import DTYPES, build_arm
+from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
@@ -134,7 +135,7 @@ def _load_model(path: str):
 
 
 def _dtype_name(dtype: str) -> str:
-    return str(DTYPES[dtype]).removeprefix("torch.")
+    return str(parse_dtype(dtype)).removeprefix("torch.")
 
 
 def _floor_section(floor: DiffResult | None, dtype: str) -> dict | None:
@@ -217,7 +218,7 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
     windows = {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
                "batch_size": d.eval_batch_size}
     floor = None
-    if DTYPES[ft.dtype] in HALF_DTYPES and accelerator.is_main_process:
+    if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
         # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
         half_original = build_arm(original, "original", recipe.impl, ft.dtype)
         floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)

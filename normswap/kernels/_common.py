@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from normswap.dtypes import DTYPES, RUN_DTYPES
 from normswap.errors import NormswapError
+from normswap.kernels import launch_table
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # dtype -> code understood by round_to(); 0 means "fp32: nothing to round".
@@ -327,26 +329,82 @@ class Tile:
                 "CHUNKS_P2": triton.next_power_of_2(self.chunks), "num_warps": self.num_warps}
 
 
-# The GPU launch table, per pass: elements per program tile for rows held whole (by row-count
-# bucket: few rows get smaller tiles, so that they still spread over the SMs), the warps of a
-# split-row program, and the software-pipelining depth of the backward's loop over rows.
+# The static launch heuristics, per pass: elements per program tile for rows held whole (by
+# row-count bucket: few rows get smaller tiles, so that they still spread over the SMs), the warps
+# of a split-row program, and the software-pipelining depth of the backward's loop over rows.
 # Chosen from the sm_90 static analysis (benchmarks/kernel_static.py: no spills, 16-byte accesses,
-# >= 2 programs per SM where rows are split, so one program's wait overlaps another's loads); the
-# GPU-evidence benchmark is what re-tunes them.
+# >= 2 programs per SM where rows are split, so one program's wait overlaps another's loads). They
+# answer wherever the measured launch table (launch_table.json, filled by benchmarks/tune.py on a
+# GPU) has no entry for the device's architecture.
 ROW_BUCKETS = (2048,)  # row counts <= 2048 are "few"
 TILE_ELEMS = {"fwd": (4096, 8192), "bwd": (4096, 4096)}
 SPLIT_WARPS = {"fwd": 8, "bwd": 8}
 STAGES = {"fwd": 1, "bwd": 3}
+# The architecture a launch is planned for where no CUDA device answers (meta tensors: the static
+# analysis of benchmarks/kernel_static.py, whose limits are an H100's).
+PLAN_ARCH = "sm_90"
+DTYPE_NAME = {DTYPES[name]: name for name in RUN_DTYPES}  # torch dtype -> the table's dtype name
 
 
-def launch_config(m: int, n: int, elem_bytes: int, pass_: str, kernel) -> Tile:
-    """The tile for an (m, n) problem of `elem_bytes`-wide elements, pass "fwd" or "bwd". Depends on
-    the row count only through a coarse bucket (GPU) so that batch sizes never compile anew; on the
-    interpreter, tiles shrink to the row count (it pays for masked-off rows). Cached: this runs on
-    every call, and host time is what small shapes are made of."""
-    interp = interpreting(kernel)
-    rows = triton.next_power_of_2(max(m, 1)) if interp else sum(m > b for b in ROW_BUCKETS)
-    return _launch_config(rows, n, elem_bytes, pass_, interp, MAX_BLOCK_N, INTERPRETER_TILE)
+def row_bucket(m: int) -> int:
+    """The coarse row-count bucket of m rows (an index into launch_table.bucket_labels(ROW_BUCKETS))."""
+    return sum(m > b for b in ROW_BUCKETS)
+
+
+def device_arch(device: torch.device | None) -> str:
+    """'sm_<major><minor>' of a CUDA device; PLAN_ARCH for anything else (meta tensors)."""
+    if device is not None and device.type == "cuda":
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return PLAN_ARCH
+
+
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
+def kernel_op(kernel) -> str:
+    """The op a kernel belongs to, from its module (normswap.kernels.rms_norm -> rms_norm)."""
+    return str(getattr(kernel, "__module__", "")).rpartition(".")[2]
+
+
+def launch_config(m: int, n: int, dtype: torch.dtype, pass_: str, kernel, device=None) -> Tile:
+    """The tile for an (m, n) problem of `dtype` elements, pass "fwd" or "bwd", on `device`. On GPUs
+    the measured launch table (launch_table.py) answers for the device's architecture where it has
+    an entry, the static heuristics elsewhere; both see the row count only through a coarse bucket,
+    so batch sizes never compile anew. On the interpreter, tiles shrink to the row count (it pays
+    for masked-off rows) and the table is never read. Cached: this runs on every call, and host
+    time is what small shapes are made of."""
+    elem_bytes = dtype.itemsize
+    if interpreting(kernel):
+        return _launch_config(triton.next_power_of_2(max(m, 1)), n, elem_bytes, pass_, True, MAX_BLOCK_N,
+                              INTERPRETER_TILE)
+    _, generation = launch_table.active(ROW_BUCKETS)
+    return _gpu_launch_config(row_bucket(m), n, dtype, pass_, kernel_op(kernel), device_arch(device), generation,
+                              MAX_BLOCK_N)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gpu_launch_config(bucket: int, n: int, dtype: torch.dtype, pass_: str, op: str, arch: str, generation: int,
+                       max_block_n: int) -> Tile:
+    """The table's tile where it has one (generation: which table, so that a new one is never
+    answered from the cache), else the heuristics'."""
+    table, _ = launch_table.active(ROW_BUCKETS)
+    hidden = launch_table.hidden_bucket(n)
+    label = launch_table.bucket_labels(ROW_BUCKETS)[bucket]
+    t = table.get((arch, op, pass_, DTYPE_NAME.get(dtype), hidden, label))
+    if t is None:
+        return _launch_config(bucket, n, dtype.itemsize, pass_, False, max_block_n, INTERPRETER_TILE)
+    if t["block_n"] < n:  # split rows
+        return Tile(1, t["block_n"], triton.cdiv(n, t["block_n"]), t["num_warps"], t["num_stages"])
+    return Tile(t["block_m"], t["block_n"], 1, t["num_warps"], t["num_stages"])
+
+
+def tile_fields(tile: Tile) -> dict:
+    """A Tile as a launch-table entry's tile (chunks follow from block_n and the hidden size)."""
+    return {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,
+            "num_stages": tile.num_stages}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -477,7 +535,7 @@ def launch_forward(kernel, x, residual, params, n_stats, y_dtype, residual_in_fp
     h = new_empty((m, n), h_dtype, dev) if residual is not None else x.new_empty((0,))
     stats = [new_empty((m,), torch.float32, dev) for _ in range(n_stats)]
     if m > 0:
-        tile = launch_config(m, n, x.element_size(), "fwd", kernel)
+        tile = launch_config(m, n, x.dtype, "fwd", kernel, dev)
         args = (x2, x2 if r2 is None else r2, *(x2 if p is None else p for p in params),
                 y, y if residual is None else h, *stats, *scratch_placeholders(dev),
                 m, n, param_rows(params), x2.stride(0), 0 if r2 is None else r2.stride(0), y.stride(0),
@@ -509,7 +567,7 @@ def launch_backward(kernel, dy, dh, z, weight, stats, offset, x_dtype, residual_
     dx = new_empty((m, n), x_dtype, dev)
     dr = new_empty((m, n), residual_dtype, dev) if residual_dtype is not None else z.new_empty((0,))
     w = weight.contiguous() if weight is not None else None
-    tile = launch_config(m, n, z.element_size(), "bwd", kernel)
+    tile = launch_config(m, n, z.dtype, "bwd", kernel, dev)
     w_rows = param_rows([w])
     args = [dy2, dy2 if dh2 is None else dh2, z2, z2 if w is None else w, *(s.reshape(-1) for s in stats),
             dx, dx if residual_dtype is None else dr, *(scratch_placeholders(dev)[0] for _ in param_grads),

@@ -1,0 +1,246 @@
+"""The measured launch table: per GPU architecture, the tile each kernel pass launches with, as
+measured by benchmarks/tune.py on a real device. `_common.launch_config` consults it first and falls
+back to its static heuristics where it has no entry (and the CPU interpreter never reads it).
+
+Why a committed table and not runtime autotuning (triton.autotune): a different tile or warp count
+changes the order in which a row's sum of squares (and the backward's dW partial sums) are added,
+so the output can differ in the last bit. An autotuner picks the fastest candidate by timing at
+run time, so which candidate wins, and therefore the bits of the output, would depend on timing
+noise, differ between two processes on one machine, and change with load. A table measured once,
+reviewed and committed makes the choice a pure function of (GPU architecture, op, pass, dtype,
+hidden-size bucket, row-count bucket): the same bits on every run on the same kind of GPU. It also
+costs no tuning time at the first call and never specialises on the exact row count.
+
+Schema of launch_table.json (checked by `problems`; tests/test_launch_table.py validates the
+committed file):
+
+    {"schema": 1,
+     "about": "<free text>",
+     "row_buckets": [2048],          # must equal _common.ROW_BUCKETS, else the table is ignored
+     "archs": {"sm_90": {"entries": [ENTRY, ...]}, ...}}
+
+    ENTRY = {"op": "rms_norm" | "layer_norm", "pass": "fwd" | "bwd", "dtype": "bf16" | "fp16" | "fp32",
+             "hidden": 4096,           # a power of two: the entry serves hidden sizes in (hidden/2, hidden]
+             "rows": ">2048",          # a row-count bucket label (bucket_labels): never an exact count
+             "tile": {"block_m": 2, "block_n": 4096, "num_warps": 8, "num_stages": 1},
+             "measured": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-23", "torch": "2.x",
+                          "triton": "3.x", "commit": "<git sha the tuner ran at>",
+                          "us": {"4096": 11.2, "32768": 85.0},          # the winner, per row count timed
+                          "static": {"tile": {...}, "us": {...}},         # the heuristic's choice, same rows
+                          "runner_up": {"tile": {...}, "us": {...}} | null}}
+
+A tile whose block_n is smaller than the hidden size splits each row into ceil(hidden / block_n)
+chunks, one program each (block_m is then 1); otherwise block_n is the hidden bucket itself and a
+program holds block_m whole rows. Variants of one op and pass (with or without weight, bias,
+residual) share an entry: the tuner measures the plain variant (rms with weight, layer_norm with
+weight and bias) and accepts only tiles that also pass the static check with the residual.
+
+The committed table holds only measured entries; a key without one uses the static heuristics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from pathlib import Path
+
+from normswap.dtypes import RUN_DTYPES
+
+SCHEMA = 1
+PATH = Path(__file__).with_name("launch_table.json")
+OPS = ("rms_norm", "layer_norm")
+PASSES = ("fwd", "bwd")
+DTYPES = RUN_DTYPES  # normswap.dtypes' short names
+TILE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+MEASURED_FIELDS = ("device", "date", "torch", "triton", "commit", "us", "static", "runner_up")
+ARCH_RE = re.compile(r"^sm_\d+$")
+KEY_FIELDS = ("op", "pass", "dtype", "hidden", "rows")
+
+
+def bucket_labels(row_buckets) -> list[str]:
+    """Labels of the row-count buckets, in bucket order: (2048,) -> ["<=2048", ">2048"]."""
+    bounds = list(row_buckets)
+    return [f"<={b}" for b in bounds] + [f">{bounds[-1]}" if bounds else "all"]
+
+
+def hidden_bucket(n: int) -> int:
+    """The power of two at or above n: the table's hidden key (whole-row tiles are that wide)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
+def tile_problems(tile, hidden: int) -> list[str]:
+    """What is wrong with one tile for a hidden bucket (empty when nothing)."""
+    if not isinstance(tile, dict) or set(tile) != set(TILE_FIELDS):
+        return [f"tile must have exactly the fields {', '.join(TILE_FIELDS)}"]
+    out = []
+    for f in ("block_m", "block_n", "num_warps"):
+        if not _pow2(tile[f]):
+            out.append(f"{f} must be a power of two >= 1, got {tile[f]!r}")
+    s = tile["num_stages"]
+    if not (isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 8):
+        out.append(f"num_stages must be an integer 1..8, got {s!r}")
+    if out:
+        return out
+    if tile["num_warps"] > 32:
+        out.append(f"num_warps {tile['num_warps']} > 32")
+    if tile["block_n"] > hidden:
+        out.append(f"block_n {tile['block_n']} is wider than the hidden bucket {hidden}")
+    if tile["block_n"] < hidden and tile["block_m"] != 1:
+        out.append("a split-row tile (block_n < hidden) must have block_m 1")
+    if tile["block_m"] > 256:
+        out.append(f"block_m {tile['block_m']} > 256")
+    return out
+
+
+def problems(doc, row_buckets) -> list[str]:
+    """Every schema violation of a launch-table document (empty when it is valid)."""
+    if not isinstance(doc, dict):
+        return ["the table must be a JSON object"]
+    out = []
+    if doc.get("schema") != SCHEMA:
+        out.append(f"schema must be {SCHEMA}, got {doc.get('schema')!r}")
+    if doc.get("row_buckets") != list(row_buckets):
+        out.append(f"row_buckets {doc.get('row_buckets')!r} differ from the library's {list(row_buckets)}")
+    archs = doc.get("archs")
+    if not isinstance(archs, dict):
+        return out + ["archs must be an object of architecture -> {entries: [...]}"]
+    labels = bucket_labels(row_buckets)
+    for arch, body in archs.items():
+        if not ARCH_RE.match(str(arch)):
+            out.append(f"architecture {arch!r} is not of the form sm_<major><minor>")
+        entries = body.get("entries") if isinstance(body, dict) else None
+        if not isinstance(entries, list):
+            out.append(f"{arch}: entries must be a list")
+            continue
+        seen = set()
+        for i, e in enumerate(entries):
+            where = f"{arch} entry {i}"
+            if not isinstance(e, dict):
+                out.append(f"{where}: not an object")
+                continue
+            missing = [f for f in (*KEY_FIELDS, "tile", "measured") if f not in e]
+            if missing:
+                out.append(f"{where}: missing {', '.join(missing)}")
+                continue
+            if e["op"] not in OPS or e["pass"] not in PASSES or e["dtype"] not in DTYPES:
+                out.append(f"{where}: op/pass/dtype must be among {OPS}/{PASSES}/{DTYPES}")
+            if not _pow2(e["hidden"]):
+                out.append(f"{where}: hidden must be a power of two (the bucket), got {e['hidden']!r}")
+                continue
+            if e["rows"] not in labels:
+                out.append(f"{where}: rows must be a bucket label {labels}, got {e['rows']!r}")
+            out += [f"{where}: {p}" for p in tile_problems(e["tile"], e["hidden"])]
+            m = e["measured"]
+            if not isinstance(m, dict) or any(f not in m for f in MEASURED_FIELDS):
+                out.append(f"{where}: measured must hold {', '.join(MEASURED_FIELDS)}")
+            elif not (isinstance(m["us"], dict) and m["us"]
+                      and all(isinstance(v, (int, float)) and v > 0 for v in m["us"].values())):
+                out.append(f"{where}: measured.us must map row counts to positive times")
+            key = tuple(e[f] for f in KEY_FIELDS)
+            if key in seen:
+                out.append(f"{where}: duplicate key {key}")
+            seen.add(key)
+    return out
+
+
+def index(doc) -> dict:
+    """{(arch, op, pass, dtype, hidden, rows): tile} of a valid document."""
+    return {(arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
+            for arch, body in doc["archs"].items() for e in body["entries"]}
+
+
+def empty(row_buckets, about: str = "") -> dict:
+    return {"schema": SCHEMA, "about": about, "row_buckets": list(row_buckets), "archs": {}}
+
+
+def read(path: Path = PATH) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# The active index and a counter that changes whenever it does (launch_config's cache key).
+_state = {"index": None, "generation": 0}
+
+
+def active(row_buckets) -> tuple[dict, int]:
+    """(index, generation) of the table in use: the package's file, loaded once. A file that fails
+    validation is ignored with one warning (the heuristics then answer): launches must never fail
+    over a table, and the CPU tests keep the committed file valid."""
+    if _state["index"] is None:
+        try:
+            doc = read(PATH)
+            bad = problems(doc, row_buckets)
+        except (OSError, ValueError) as e:
+            bad = [str(e)]
+        if bad:
+            warnings.warn(f"normswap: ignoring the launch table {PATH} ({bad[0]}); static launch heuristics used",
+                          stacklevel=3)
+            _state["index"] = {}
+        else:
+            _state["index"] = index(doc)
+        _state["generation"] += 1
+    return _state["index"], _state["generation"]
+
+
+@contextlib.contextmanager
+def using(doc, row_buckets):
+    """Run with `doc` as the launch table (tests' injected tables). Raises ValueError on an
+    invalid document."""
+    bad = problems(doc, row_buckets)
+    if bad:
+        raise ValueError("invalid launch table: " + "; ".join(bad[:3]))
+    with _installed(index(doc)):
+        yield
+
+
+@contextlib.contextmanager
+def forced(key: tuple, tile: dict, row_buckets):
+    """Run with `tile` answering for one key (arch, op, pass, dtype, hidden, rows) on top of the
+    table in use: how the tuner and the static check try a candidate before it has a measurement."""
+    bad = tile_problems(tile, key[4])
+    if bad:
+        raise ValueError(f"invalid tile {tile} for {key}: {bad[0]}")
+    base, _ = active(row_buckets)
+    with _installed({**base, tuple(key): dict(tile)}):
+        yield
+
+
+@contextlib.contextmanager
+def _installed(new_index: dict):
+    old = _state["index"]
+    _state["index"] = new_index
+    _state["generation"] += 1
+    try:
+        yield
+    finally:
+        _state["index"] = old
+        _state["generation"] += 1
+
+
+def write(path: Path, doc, row_buckets) -> None:
+    """Validate, then write atomically (a temporary file renamed into place)."""
+    bad = problems(doc, row_buckets)
+    if bad:
+        raise ValueError("refusing to write an invalid launch table: " + "; ".join(bad[:3]))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def merge(doc, arch: str, entries: list[dict]) -> dict:
+    """doc with `entries` added under `arch`, each replacing any entry of the same key."""
+    out = json.loads(json.dumps(doc))
+    body = out["archs"].setdefault(arch, {"entries": []})
+    fresh = {tuple(e[f] for f in KEY_FIELDS) for e in entries}
+    kept = [e for e in body["entries"] if tuple(e[f] for f in KEY_FIELDS) not in fresh]
+    order = lambda e: (OPS.index(e["op"]), PASSES.index(e["pass"]), DTYPES.index(e["dtype"]), e["hidden"],  # noqa: E731
+                       str(e["rows"]))
+    body["entries"] = sorted(kept + list(entries), key=order)
+    return out

@@ -1,0 +1,173 @@
+"""The measured launch table (normswap/kernels/launch_table.py): the committed file validates, an
+entry answers launch_config for its own key only (architecture, op, pass, dtype, hidden bucket,
+row bucket), every row count of a bucket gets one tile, a broken table is ignored with a warning
+instead of breaking launches, and the interpreter never reads it. No GPU: the key is the planning
+architecture (meta tensors) or a CUDA device whose capability is stubbed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+
+from normswap.kernels import _common
+from normswap.kernels import launch_table as T
+from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+BF16, FP32 = torch.bfloat16, torch.float32
+# Stand-ins for the compiled (non-interpreted) kernels: launch_config reads only their module.
+RMS = types.SimpleNamespace(__module__="normswap.kernels.rms_norm")
+LN = types.SimpleNamespace(__module__="normswap.kernels.layer_norm")
+MEASURED = {"device": "test fixture, not a measurement", "date": "2000-01-01", "torch": "-", "triton": "-",
+            "commit": "-", "us": {"32768": 1.0}, "static": None, "runner_up": None}
+
+
+def entry(op="rms_norm", pass_="fwd", dtype="bf16", hidden=4096, rows=">2048", **tile):
+    t = {"block_m": 1, "block_n": hidden, "num_warps": 4, "num_stages": 1}
+    t.update(tile)
+    return {"op": op, "pass": pass_, "dtype": dtype, "hidden": hidden, "rows": rows, "tile": t,
+            "measured": dict(MEASURED)}
+
+
+def table(*entries, arch="sm_90"):
+    return T.merge(T.empty(_common.ROW_BUCKETS, "test"), arch, list(entries))
+
+
+def test_committed_table_is_valid_and_holds_only_measurements():
+    doc = T.read(T.PATH)
+    assert T.problems(doc, _common.ROW_BUCKETS) == []
+    assert "No entries yet" in doc["about"] or any(b["entries"] for b in doc["archs"].values())
+    for arch, body in doc["archs"].items():
+        for e in body["entries"]:
+            m = e["measured"]
+            # Written by benchmarks/tune.py on a real device: a device name, a commit, the winner's times.
+            assert m["device"] and "fixture" not in m["device"] and "cpu" not in m["device"].lower(), (arch, e)
+            assert m["commit"] and m["us"], (arch, e)
+
+
+def test_entry_answers_its_key_only(monkeypatch):
+    doc = table(entry(block_m=2, num_warps=8), entry(pass_="bwd", block_m=4, num_warps=8, num_stages=2),
+                entry(hidden=65536, block_n=8192, num_warps=4))
+    static_fwd = _common.launch_config(32768, 4096, BF16, "fwd", RMS)
+    with T.using(doc, _common.ROW_BUCKETS):
+        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == _common.Tile(2, 4096, 1, 8, 1)
+        assert _common.launch_config(32768, 4096, BF16, "bwd", RMS) == _common.Tile(4, 4096, 1, 8, 2)
+        # Any hidden size of the bucket (2048, 4096] uses it; 4097 is the next bucket's.
+        assert _common.launch_config(32768, 3000, BF16, "fwd", RMS) == _common.Tile(2, 4096, 1, 8, 1)
+        assert _common.launch_config(32768, 4097, BF16, "fwd", RMS).block_n == 8192
+        # A split-row entry: chunks follow from the hidden size.
+        assert _common.launch_config(32768, 65536, BF16, "fwd", RMS) == _common.Tile(1, 8192, 8, 4, 1)
+        assert _common.launch_config(32768, 40000, BF16, "fwd", RMS) == _common.Tile(1, 8192, 5, 4, 1)
+        # Other op, dtype, row bucket: the heuristics.
+        for args in ((32768, 4096, BF16, "fwd", LN), (32768, 4096, FP32, "fwd", RMS),
+                     (32768, 4096, torch.float16, "fwd", RMS), (100, 4096, BF16, "fwd", RMS)):
+            with T.using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+                want = _common.launch_config(*args)
+            assert _common.launch_config(*args) == want, args
+        # Another architecture: a device whose capability is not the entry's.
+        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_80")
+        cuda0 = torch.device("cuda", 0)
+        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == static_fwd
+        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_90")
+        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == _common.Tile(2, 4096, 1, 8, 1)
+    # Leaving the table: the heuristics again (the cache never answers with the old table).
+    assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == static_fwd
+    with T.using(table(entry(block_m=2, num_warps=8), arch="sm_80"), _common.ROW_BUCKETS):
+        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == static_fwd  # planned for sm_90
+
+
+def test_one_tile_per_row_bucket_never_per_row_count():
+    doc = table(entry(block_m=2, num_warps=8), entry(rows="<=2048", block_m=1, num_warps=4))
+    few, many = (1, 3, 16, 511, 512, 2048), (2049, 3000, 4096, 32768, 1 << 20)
+    with T.using(doc, _common.ROW_BUCKETS):
+        for op in (RMS, LN):
+            for n in (1000, 4096, 70000):
+                for pass_ in ("fwd", "bwd"):
+                    for group in (few, many):
+                        tiles = {_common.launch_config(m, n, BF16, pass_, op) for m in group}
+                        assert len(tiles) == 1, (op, n, pass_, tiles)
+        assert _common.launch_config(7, 4096, BF16, "fwd", RMS) == _common.Tile(1, 4096, 1, 4, 1)
+        assert _common.launch_config(7000, 4096, BF16, "fwd", RMS) == _common.Tile(2, 4096, 1, 8, 1)
+
+
+def test_interpreter_never_reads_the_table():
+    if not _common.interpreting(_rms_fwd_kernel):
+        pytest.skip("the kernels are compiled here, not interpreted")
+    before = _common.launch_config(64, 4096, BF16, "fwd", _rms_fwd_kernel)
+    with T.using(table(entry(block_m=2, num_warps=8)), _common.ROW_BUCKETS):
+        assert _common.launch_config(64, 4096, BF16, "fwd", _rms_fwd_kernel) == before
+    assert before.block_m == 16  # the interpreter's own tiles: 64K elements, shrunk to the rows
+
+
+def _broken(change):
+    doc = table(entry(), entry(pass_="bwd", hidden=65536, block_n=4096, num_stages=3))
+    change(doc)
+    return doc
+
+
+BROKEN = {
+    "schema": lambda d: d.update(schema=2),
+    "row buckets": lambda d: d.update(row_buckets=[1024]),
+    "arch name": lambda d: d["archs"].update({"hopper": {"entries": []}}),
+    "hidden not a power of two": lambda d: d["archs"]["sm_90"]["entries"][0].update(hidden=4000),
+    "exact row count": lambda d: d["archs"]["sm_90"]["entries"][0].update(rows=4096),
+    "op": lambda d: d["archs"]["sm_90"]["entries"][0].update(op="group_norm"),
+    "split with block_m": lambda d: d["archs"]["sm_90"]["entries"][1]["tile"].update(block_m=2),
+    "warps": lambda d: d["archs"]["sm_90"]["entries"][0]["tile"].update(num_warps=6),
+    "wider than hidden": lambda d: d["archs"]["sm_90"]["entries"][0]["tile"].update(block_n=8192),
+    "extra tile field": lambda d: d["archs"]["sm_90"]["entries"][0]["tile"].update(chunks=2),
+    "no measurement": lambda d: d["archs"]["sm_90"]["entries"][0].pop("measured"),
+    "no times": lambda d: d["archs"]["sm_90"]["entries"][0]["measured"].update(us={}),
+    "no provenance": lambda d: d["archs"]["sm_90"]["entries"][0]["measured"].pop("commit"),
+    "duplicate": lambda d: d["archs"]["sm_90"]["entries"].append(copy.deepcopy(d["archs"]["sm_90"]["entries"][0])),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BROKEN))
+def test_schema_violations_are_named(what):
+    assert T.problems(table(entry()), _common.ROW_BUCKETS) == []
+    bad = T.problems(_broken(BROKEN[what]), _common.ROW_BUCKETS)
+    assert bad, what
+    with pytest.raises(ValueError):
+        T.write(T.PATH.with_name("never-written.json"), _broken(BROKEN[what]), _common.ROW_BUCKETS)
+    assert not T.PATH.with_name("never-written.json").exists()
+
+
+def test_broken_package_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
+    bad = tmp_path / "launch_table.json"
+    bad.write_text(json.dumps(_broken(BROKEN["split with block_m"])))
+    monkeypatch.setattr(T, "PATH", bad)
+    monkeypatch.setitem(T._state, "index", None)
+    with pytest.warns(UserWarning, match="ignoring the launch table"):
+        tile = _common.launch_config(32768, 4096, BF16, "fwd", RMS)
+    with T.using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+        assert tile == _common.launch_config(32768, 4096, BF16, "fwd", RMS)
+    bad.write_text("{not json")
+    monkeypatch.setitem(T._state, "index", None)
+    with pytest.warns(UserWarning, match="ignoring the launch table"):
+        _common.launch_config(32768, 4096, BF16, "fwd", RMS)
+
+
+def test_write_is_atomic_and_merge_replaces_one_key(tmp_path):
+    path = tmp_path / "t.json"
+    doc = table(entry(num_warps=4), entry(pass_="bwd"))
+    T.write(path, doc, _common.ROW_BUCKETS)
+    assert T.read(path) == doc and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+    newer = T.merge(doc, "sm_90", [entry(num_warps=8)])
+    tiles = {(e["pass"], e["tile"]["num_warps"]) for e in newer["archs"]["sm_90"]["entries"]}
+    assert tiles == {("fwd", 8), ("bwd", 4)}
+    assert doc["archs"]["sm_90"]["entries"][0]["tile"]["num_warps"] == 4  # merge copies
+
+
+def test_forced_tile_layers_on_the_table_and_is_checked():
+    key = ("sm_90", "rms_norm", "fwd", "bf16", 4096, ">2048")
+    with T.using(table(entry(pass_="bwd", block_m=4, num_warps=8, num_stages=2)), _common.ROW_BUCKETS):
+        with T.forced(key, {"block_m": 4, "block_n": 4096, "num_warps": 16, "num_stages": 1}, _common.ROW_BUCKETS):
+            assert _common.launch_config(9999, 4096, BF16, "fwd", RMS) == _common.Tile(4, 4096, 1, 16, 1)
+            assert _common.launch_config(9999, 4096, BF16, "bwd", RMS) == _common.Tile(4, 4096, 1, 8, 2)
+        with pytest.raises(ValueError, match="block_m"):
+            with T.forced(key, {"block_m": 2, "block_n": 1024, "num_warps": 4, "num_stages": 1}, _common.ROW_BUCKETS):
+                pass
