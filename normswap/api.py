@@ -232,11 +232,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if scoring else None
     forms = rms_forms(source.path) if rms and not source.gguf_file else {}
-    done = iter(range(1, n + 1))
-    step(progress, "patch", 0, n)
     try:
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
-                       progress=lambda _p: step(progress, "patch", next(done, n), n))
+                       progress=progress)
     except VerificationError as e:
         e.result = PatchResult(str(model), device or "cpu", e.report)
         raise
@@ -248,11 +246,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff)
     if target is not None:
-        stages = iter(range(1, 5))
-        step(progress, "save", 0, 4)
         result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
-                                       max_shard_size=max_shard_size,
-                                       progress=lambda _s: step(progress, "save", next(stages, 4), 4))
+                                       max_shard_size=max_shard_size, progress=progress)
     return result
 
 
@@ -362,10 +357,7 @@ def bench_checkpoint(
     config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json")
-    measured = iter(range(1, 1 << 30))
-    total = (1 + len(config.impls) * (2 if config.fuse_residual else 1)) * len(config.modes)
-    result = run_bench(config, progress=None if progress is None else
-                       lambda what: progress(what, next(measured), total))
+    result = run_bench(config, progress=progress)
     saved = write_result(result, out if out is not None else default_output(result, results_dir))
     return CheckpointBench(result, saved)
 

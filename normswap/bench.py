@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from normswap.errors import NormswapError
+from normswap.progress import ProgressFn
 
 MODES = ("train", "prefill", "decode")
 FORMAT = "normswap-bench/1"
@@ -278,9 +279,12 @@ def _measure(cfg, model, ids, mode, device) -> tuple[float, str, int | None]:
     return seconds, method, peak
 
 
-def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
+def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResult:
     """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
-    patched (an impl unavailable here, a failed verification) gets rows with its error."""
+    patched (an impl unavailable here, a failed verification) gets rows with its error.
+
+    progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
+    measurements finished), and ("<variant> <mode>", total, total) after the last one."""
     from normswap.backends import get_backend
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert
@@ -316,6 +320,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         if cfg.fuse_residual:
             variants.append((impl, True))
     baseline: dict[str, float] = {}
+    total, done = len(variants) * len(cfg.modes), 0
     for impl, fused in variants:
         name = "eager" if impl is None else impl + ("+fused" if fused else "")
         rows = [BenchRow(name, impl, fused, mode) for mode in cfg.modes]
@@ -326,7 +331,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                 fused_writers = len(report.fusion.pairs) if report.fusion is not None else None
             for row in rows:
                 if progress:
-                    progress(f"{name} {row.mode}")
+                    progress(f"{name} {row.mode}", done, total)
+                done += 1
                 seconds, row.method, row.peak_memory_bytes = _measure(cfg, model, ids, row.mode, device)
                 row.median_ms = seconds * 1e3
                 tokens = cfg.batch * (1 if row.mode == "decode" else cfg.seq)
@@ -345,7 +351,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                     row.error = why
         finally:
             revert(model)
+            done = len(result.rows) + len(rows)  # a failed variant's unmeasured rows count as done
         result.rows.extend(rows)
+    if progress:
+        progress(f"{name} {cfg.modes[-1]}", total, total)
     return result
 
 

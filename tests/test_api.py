@@ -185,3 +185,24 @@ def test_a_bug_is_outside_the_noise_floor():
     bad = diff_models(original, broken, tiny_tokenizer(), TEXT, **kwargs).noise_floor
     assert good.within and not bad.within
     assert bad.kl_ratio > 10 * NOISE_KL_FACTOR and "OUTSIDE the bfloat16 noise" in bad.verdict
+
+
+# -- progress: one callback shape everywhere -----------------------------------------------------
+
+
+def test_patch_save_and_load_call_progress_with_stage_done_total(tmp_path):
+    """The model-level calls take the same progress(stage, done, total) as the checkpoint-level
+    ones (normswap.progress.ProgressFn): no adapter between them."""
+    from normswap.checkpoint import save_patched
+
+    model = tiny_model("llama")
+    calls = []
+    report = normswap.patch(model, "torch", progress=lambda *a: calls.append(a))
+    n = len(report.patched)
+    assert n > 1 and calls == [("patch", i, n) for i in range(n + 1)]
+    calls.clear()
+    save_patched(model, report, tmp_path / "out", progress=lambda *a: calls.append(a))
+    assert calls == [("save", i, 4) for i in range(5)]
+    calls.clear()
+    loaded = normswap.load(tmp_path / "out", progress=lambda *a: calls.append(a))
+    assert len(loaded.normswap_report.patched) == n and calls == [("patch", i, n) for i in range(n + 1)]

@@ -179,10 +179,38 @@ def test_not_toml_and_missing_file(tmp_path):
 
 def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
     path = write_recipe(tmp_path / "r.toml", PRETRAIN)
-    for args in (["--set", "finetune.stepz=1"], ["--arms", "original,nonsense"], ["--set", "seed=x y"]):
+    for args in (["--set", "finetune.stepz=1"], ["--arms", "original,nonsense"], ["--set", "seed=x y"],
+                 ["--arms", " , "]):
         res = CliRunner().invoke(cli, ["experiment", str(path), *args])
         assert res.exit_code == 2, res.output
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("normswap: error:")
+        assert "--arms" in res.stderr or "--arms" not in args
+
+
+def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
+    """The arm selection is the library's: a list or "a,b" as a command line takes it, checked
+    before anything is written, the error naming the parameter (or the flag, option_names)."""
+    from normswap.experiment import select_arms
+
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    assert select_arms(recipe, " exact, approx+ft,") == ["exact", "approx+ft"] == select_arms(recipe, ["exact", "approx+ft"])
+    assert select_arms(recipe, None) == ALL_ARMS
+    out = tmp_path / "out"
+    for arms, message in ((",", "arms: no arm named"), ([], "arms: no arm named"),
+                          ("original,nonsense", "arms: unknown arm 'nonsense'")):
+        with pytest.raises(RecipeError, match=f"^{message}"):
+            run_experiment(recipe, out, arms, progress=False)
+    with pytest.raises(RecipeError, match="^--arms: unknown arm 'x'"):
+        run_experiment(recipe, out, "x", progress=False, option_names={"arms": "--arms"})
+    assert not out.exists()
+
+
+def test_the_default_out_folder_is_the_librarys(tmp_path, monkeypatch, pretrained_dir):
+    recipe = load_recipe(model_recipe(tmp_path, pretrained_dir, ["original"]))
+    assert recipe.default_out() == Path("runs") / "tiny"
+    monkeypatch.chdir(tmp_path)
+    result = run_experiment(recipe, arms="original", progress=False, plot=False)
+    assert result.out == tmp_path / "runs" / "tiny" and (result.out / "results.json").is_file()
 
 
 def test_committed_results_name_no_machine_paths():

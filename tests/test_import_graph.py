@@ -159,3 +159,31 @@ def test_the_cli_calls_only_public_library_names():
     (bench once called api._check_writable and wrote its results file)."""
     offenders = {name: _private_library_imports(path) for name, path in _modules().items() if _is_cli(name)}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _progress_parameters(path: Path) -> dict[str, str]:
+    """function -> the annotation of its `progress` parameter, for every function that has one."""
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args
+            for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                if a.arg == "progress":
+                    found[node.name] = ast.unparse(a.annotation) if a.annotation is not None else ""
+    return found
+
+
+def test_progress_callbacks_have_one_shape():
+    """Every library callback is normswap.progress.ProgressFn, progress(stage, done, total) (or a
+    plain bool: draw a bar or not); swap.patch, loading.load, save_patched and run_bench each took
+    progress(str) once, and api.py wrapped them in lambdas."""
+    allowed = {"ProgressFn | None", "bool | ProgressFn", "bool | ProgressFn | None", "ProgressFn", "bool"}
+    odd = {}
+    for name, path in _modules().items():
+        if _is_cli(name):
+            continue
+        for fn, annotation in _progress_parameters(path).items():
+            if annotation not in allowed and not (fn.startswith("_") and annotation == ""):
+                odd[f"{name}.{fn}"] = annotation
+    assert odd == {}
+    assert _progress_parameters(PACKAGE / "swap.py") == {"patch": "ProgressFn | None"}  # the check sees them

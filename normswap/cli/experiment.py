@@ -24,23 +24,14 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
     Rerunning the same command resumes where it stopped (Ctrl-C checkpoints first). Under
     `accelerate launch -m normswap experiment ...` the fine-tuning runs on several processes (DDP).
     """
-    from pathlib import Path
-
-    from normswap.experiment import Interrupted, StopFlag, load_recipe, parse_arm, run_experiment
+    from normswap.experiment import Interrupted, StopFlag, load_recipe, run_experiment
 
     loaded = load_recipe(recipe, overrides)
-    chosen = None
-    if arms is not None:
-        chosen = [a.strip() for a in arms.split(",") if a.strip()]
-        if not chosen:
-            raise click.BadParameter("no arm named", param_hint="--arms")
-        for a in chosen:
-            parse_arm(a)
-    out_dir = Path(out) if out else Path("runs") / loaded.name
     stop = StopFlag()
     try:
         with stop.on_sigint():
-            result = run_experiment(loaded, out_dir, chosen, progress=not no_progress, stop=stop)
+            result = run_experiment(loaded, out or None, arms, progress=not no_progress, stop=stop,
+                                    option_names={"arms": "--arms"})
     except Interrupted as e:
         click.echo(f"normswap: {e}", err=True)
         raise SystemExit(130) from None

@@ -131,8 +131,10 @@ class ProgressBars:
             if stage in self.announce:
                 click.echo(self.announce[stage], err=True)
             unit = self.units.get(stage, "step")
-            self.bar = tqdm(total=total, desc=self.labels.get(stage, stage), unit=unit, unit_scale=unit == "B",
-                            file=sys.stderr, dynamic_ncols=True, leave=False)
+            # initial: a stage may start part-way through a count (bench's "<variant> <mode>" stages
+            # share one count of measurements)
+            self.bar = tqdm(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
+                            unit_scale=unit == "B", file=sys.stderr, dynamic_ncols=True, leave=False)
             self.stage = stage
         self.bar.total = total
         self.bar.update(done - self.bar.n)

@@ -33,8 +33,8 @@ from normswap.loading import RUN_DTYPES
               help="Also fuse each residual add into the norm that reads the sum (one kernel call).")
 @click.option("--eval", "eval_path", default=None, metavar="PATH",
               help="After patching, diff the patched model against the original on this text (see `normswap diff`).")
-@click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context).")
-@click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text.")
+@click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context); needs --eval.")
+@click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text; needs --eval.")
 @json_option
 def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, force, max_shard_size, use_rms,
               fuse_residual, eval_path, eval_max_length, eval_max_tokens, as_json):
@@ -58,6 +58,11 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     from normswap.swap import VerificationError
 
     evaluation = None
+    window = {"--eval-max-length": eval_max_length, "--eval-max-tokens": eval_max_tokens}
+    given = [flag for flag, value in window.items() if value is not None]
+    if eval_path is None and given:
+        # they shape --eval's windows: alone they would be ignored, and a typo'd command run unchecked
+        raise click.UsageError(f"{given[0]} only applies to --eval PATH; add --eval or drop {given[0]}")
     if eval_path is not None:
         evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens,
                                   option_names={"max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"})

@@ -5,9 +5,9 @@
     result.summary        # one row per arm; result.files: results.json/.csv, summary.md, curves.png
 """
 
-from normswap.experiment.recipe import Recipe, RecipeError, load_recipe, parse_arm
+from normswap.experiment.recipe import Recipe, RecipeError, load_recipe, parse_arm, select_arms
 from normswap.experiment.runner import ExperimentResult, run_experiment
 from normswap.experiment.trainer import Interrupted, StopFlag
 
 __all__ = ["ExperimentResult", "Interrupted", "Recipe", "RecipeError", "StopFlag", "load_recipe", "parse_arm",
-           "run_experiment"]
+           "run_experiment", "select_arms"]

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,10 @@ class Recipe:
         d.pop("source")
         return d
 
+    def default_out(self) -> Path:
+        """Where a run writes when no folder is given: runs/<name>, under the working directory."""
+        return Path("runs") / self.name
+
     def fingerprint(self) -> str:
         """What decides the numbers of a run: everything but the arm selection, the description and
         the tracker, with each text file by its content (a moved checkout is the same recipe)."""
@@ -151,6 +156,23 @@ def parse_arm(name: str) -> tuple[str, str | None]:
         known = ", ".join(f"{t}[+{'|+'.join(TRAININGS)}]" for t in TRANSFORMS)
         raise RecipeError(f"unknown arm {name!r} (arms: {known})")
     return transform, training or None
+
+
+def select_arms(recipe: Recipe, arms: str | Sequence[str] | None, name: str = "arms") -> list[str]:
+    """The arms a run runs: `arms` as given (a list, or "a,b" as a command line takes it), else all of
+    the recipe's. RecipeError naming `name` (the parameter, or the flag it came from) when it
+    names no arm or an unknown one."""
+    if arms is None:
+        return list(recipe.arms)
+    chosen = [a.strip() for a in (arms.split(",") if isinstance(arms, str) else arms) if a.strip()]
+    if not chosen:
+        raise RecipeError(f"{name}: no arm named")
+    for arm in chosen:
+        try:
+            parse_arm(arm)
+        except RecipeError as e:
+            raise RecipeError(f"{name}: {e}") from None
+    return chosen
 
 
 def _type_name(t) -> str:

@@ -25,7 +25,7 @@ import json
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,7 +37,7 @@ from normswap.errors import NormswapError
 from normswap.experiment import report
 from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
-from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm
+from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.jsonsafe import finite_or_null
 
@@ -173,10 +173,13 @@ def judged(arms: dict[str, dict], floor: DiffResult | None, dtype: str) -> dict[
     return out
 
 
-def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = None, *, progress: bool = True,
-                   stop: StopFlag | None = None, accelerator=None, plot: bool = True,
-                   on_step: Callable[[str, int, float], None] | None = None) -> ExperimentResult:
-    """Run (or resume) every arm of `recipe` (or the `arms` subset), write the reports into `out`.
+def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Sequence[str] | None = None, *,
+                   progress: bool = True, stop: StopFlag | None = None, accelerator=None, plot: bool = True,
+                   on_step: Callable[[str, int, float], None] | None = None,
+                   option_names: Mapping[str, str] | None = None) -> ExperimentResult:
+    """Run (or resume) every arm of `recipe` (or the `arms` subset: a list or "a,b"), write the
+    reports into `out` (default: recipe.default_out(), runs/<name>).
+    option_names: what error messages call `arms` (e.g. the command line's {"arms": "--arms"}).
 
     stop: a StopFlag; once set (Ctrl-C, or a caller) the running arm checkpoints and Interrupted is
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
@@ -184,10 +187,8 @@ def run_experiment(recipe: Recipe, out: str | Path, arms: list[str] | None = Non
 
     from normswap.evaluate import HALF_DTYPES, diff_models
 
-    arms = list(arms or recipe.arms)
-    for a in arms:
-        parse_arm(a)
-    out = Path(out).expanduser().resolve()
+    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
     _check_out(out, recipe)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or make_accelerator(recipe, out)
