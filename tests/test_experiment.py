@@ -733,3 +733,24 @@ def test_float32_runs_have_no_noise_floor(every_arm):
     assert all(r["within_noise"] is None for r in every_arm.summary)
     assert "noise" not in (every_arm.out / "summary.md").read_text()
     assert "noise" not in (every_arm.out / "results.csv").read_text().splitlines()[0]
+
+
+def test_the_command_prints_the_noise_floor_in_text_and_json(bf16_run):
+    """`normswap experiment` on the finished bf16 run (every arm resumed): --json is results.json's
+    data with the floor and every judgement; the text output has the floor and one verdict per arm."""
+    source = json.loads((bf16_run.out / "recipe.json").read_text())["source"]
+    args = ["experiment", source, "--out", str(bf16_run.out), "--no-progress",
+            *(x for s in HALF_SETS for x in ("--set", s))]
+    printed = CliRunner().invoke(cli, [*args, "--json"])
+    assert printed.exit_code == 0, printed.output
+    doc = json.loads(printed.stdout)
+    saved = json.loads((bf16_run.out / "results.json").read_text())
+    assert doc["noise_floor"] == saved["noise_floor"] and doc["noise_floor"]["dtype"] == "bfloat16"
+    assert doc["arms"] == saved["arms"]
+    assert {r["arm"]: r["within_noise"] for r in doc["summary"]} == {
+        "original": True, "exact": saved["arms"]["exact"]["evals"][-1]["noise_floor"]["within"],
+        "approx": False, "approx+ft": False}
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0, text.output
+    assert saved["noise_floor"]["description"] in text.stdout
+    assert all(saved["arms"][a]["evals"][-1]["noise_floor"]["verdict"] in text.stdout for a in HALF_ARMS)
