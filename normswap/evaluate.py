@@ -92,6 +92,12 @@ class Distance:
     kl_max: float
     top1_agreement: float  # fraction of positions where the model's argmax is R's
 
+    @classmethod
+    def of(cls, diff: Mapping) -> Distance:
+        """The distance in diff_models(R, model)'s result (a DiffResult's dict, or any mapping
+        with these fields)."""
+        return cls(**{f: diff[f] for f in ("delta_ppl", "relative_delta", "kl_mean", "kl_max", "top1_agreement")})
+
 
 @dataclass(frozen=True)
 class NoiseFloor:
@@ -582,7 +588,8 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     d = ab.result(n)
     noise = None
     if reference is not None:
-        noise = _noise_floor(ra.result(n), rb.result(n), str(_dtype_of(model_a)).removeprefix("torch."))
+        r = ra.result(n)
+        noise = judge_noise(r, rb.result(n), str(_dtype_of(model_a)).removeprefix("torch."), r["ppl_a"])
     return DiffResult(**d, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride,
                       noise_floor=noise)
 
@@ -615,26 +622,32 @@ class _PairStats:
                     top1_agreement=self.agree / n, max_abs_logit_diff=self.max_abs)
 
 
-def _distance(d: dict) -> Distance:
-    return Distance(delta_ppl=d["delta_ppl"], relative_delta=d["relative_delta"], kl_mean=d["kl_mean"],
-                    kl_max=d["kl_max"], top1_agreement=d["top1_agreement"])
+def describe_distance(x: Distance) -> str:
+    return f"{100 * x.relative_delta:+.3g}% ppl, KL {x.kl_mean:.3g}, top-1 {100 * x.top1_agreement:.2f}%"
 
 
-def _noise_floor(ra: dict, rb: dict, dtype: str) -> NoiseFloor:
-    original, patched = _distance(ra), _distance(rb)
-    if original.kl_mean > 0:
-        ratio = patched.kl_mean / original.kl_mean
+def describe_floor(dtype: str, original: Distance) -> str:
+    """The noise floor itself, in the words every verdict starts with."""
+    return f"{dtype} noise floor: the original is {describe_distance(original)} from its float32 self"
+
+
+def judge_noise(original: Mapping, candidate: Mapping, dtype: str, ppl_reference: float,
+                name: str = "the patched model") -> NoiseFloor:
+    """Judge `candidate` against the `dtype` noise floor `original`. Both are distances from the
+    float32 reference R as diff_models(R, X) reports them (a DiffResult's dict, or any mapping with
+    Distance's fields); ppl_reference is R's perplexity on the same windows. The one judgement that
+    diff_models(reference=...) and the experiment's arms both use; `name` calls the candidate in
+    the verdict."""
+    original_d, candidate_d = Distance.of(original), Distance.of(candidate)
+    if original_d.kl_mean > 0:
+        ratio = candidate_d.kl_mean / original_d.kl_mean
     else:
-        ratio = 1.0 if patched.kl_mean == 0 else math.inf
+        ratio = 1.0 if candidate_d.kl_mean == 0 else math.inf
     within = ratio <= NOISE_KL_FACTOR
-
-    def show(x: Distance) -> str:
-        return f"{100 * x.relative_delta:+.3g}% ppl, KL {x.kl_mean:.3g}, top-1 {100 * x.top1_agreement:.2f}%"
-
-    verdict = (f"{dtype} noise floor: the original is {show(original)} from its float32 self, the patched model "
-               f"{show(patched)}: {'within' if within else 'OUTSIDE'} the {dtype} noise (KL to float32 "
+    verdict = (f"{describe_floor(dtype, original_d)}, {name} {describe_distance(candidate_d)}: "
+               f"{'within' if within else 'OUTSIDE'} the {dtype} noise (KL to float32 "
                f"{ratio:.3g}x the original's, limit {NOISE_KL_FACTOR:g}x)")
-    return NoiseFloor(dtype=dtype, ppl_reference=ra["ppl_a"], original=original, patched=patched,
+    return NoiseFloor(dtype=dtype, ppl_reference=ppl_reference, original=original_d, patched=candidate_d,
                       kl_ratio=ratio, limit=NOISE_KL_FACTOR, within=within, verdict=verdict)
 
 

@@ -613,3 +613,144 @@ def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# --------------------------------------------------------------------------- half-precision noise floor
+
+HALF_ARMS = ["original", "exact", "approx", "approx+ft"]
+HALF_SETS = ["finetune.dtype=bf16", "finetune.steps=2", "finetune.eval_every=2"]
+
+
+@pytest.fixture(scope="module")
+def bf16_run(pretrained_dir, tmp_path_factory):
+    """Four arms in bf16: the original (the floor itself), exact (faithful), approx (another model)."""
+    d = tmp_path_factory.mktemp("bf16")
+    recipe = load_recipe(model_recipe(d, pretrained_dir, HALF_ARMS), HALF_SETS)
+    return run_experiment(recipe, d / "out", progress=False)
+
+
+def test_half_precision_arms_are_judged_against_the_noise_floor(bf16_run):
+    data = json.loads((bf16_run.out / "results.json").read_text())
+    floor = data["noise_floor"]
+    assert floor["dtype"] == "bfloat16" and floor["limit"] == 2.0
+    assert math.isfinite(floor["ppl_reference"]) and floor["ppl_reference"] > 1
+    assert all(math.isfinite(v) for v in floor["original"].values())
+    # bf16 really is away from float32 on this model: there is a floor to judge against
+    assert floor["original"]["kl_mean"] > 0 and 0 < floor["original"]["top1_agreement"] <= 1
+    assert floor["description"].startswith("bfloat16 noise floor: the original is")
+    arms = data["arms"]
+    for name, arm in arms.items():
+        for e in arm["evals"]:
+            assert set(e["noise_floor"]) == {"kl_ratio", "within", "verdict"}, name
+            assert f"the {name} arm" in e["noise_floor"]["verdict"]
+    # The original arm is the floor's own model: zero distance from it, ratio exactly 1.
+    original = arms["original"]["evals"][0]
+    assert original["kl_mean"] == floor["original"]["kl_mean"]
+    assert original["noise_floor"]["kl_ratio"] == 1.0 and original["noise_floor"]["within"]
+    # approx is another model (no centering, no β): far outside the rounding.
+    approx = arms["approx"]["evals"][0]["noise_floor"]
+    assert not approx["within"] and approx["kl_ratio"] > 10 and "OUTSIDE the bfloat16 noise" in approx["verdict"]
+    rows = {r["arm"]: r for r in bf16_run.to_dict()["summary"]}  # what --json prints
+    assert rows["original"]["within_noise"] is True and rows["approx"]["within_noise"] is False
+    assert rows["approx+ft"]["noise_verdict"] == arms["approx+ft"]["evals"][-1]["noise_floor"]["verdict"]
+    summary = (bf16_run.out / "summary.md").read_text()
+    assert floor["description"] in summary and "vs bfloat16 noise" in summary
+    assert "| original | 0 |" in summary and summary.split("| original | 0 |")[1].split("\n")[0].endswith("within (1x) |")
+    assert summary.split("| approx | 0 |")[1].split("\n")[0].endswith(f"OUTSIDE ({approx['kl_ratio']:.3g}x) |")
+    assert all(f"- {rows[a]['noise_verdict']}" in summary for a in HALF_ARMS)
+    header, *lines = (bf16_run.out / "results.csv").read_text().splitlines()
+    assert header.endswith(",within_noise,noise_kl_ratio") and len(lines) == 3 + 2  # steps 0 and 2 of approx+ft
+    # The arms' own result.json hold measurements only: the judgement is made when the report is.
+    assert "noise_floor" not in (bf16_run.out / "arms" / "approx" / "result.json").read_text()
+
+
+def test_the_experiment_judges_as_diff_models_does(bf16_run, pretrained_dir):
+    """An untrained arm's judgement is the one diff_models(half original, arm, reference=float32
+    original) gives on the same windows: one noise-floor judgement, not two."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from normswap.evaluate import diff_models
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.pretrain import encode, read_text
+
+    recipe = load_recipe(Path(json.loads((bf16_run.out / "recipe.json").read_text())["source"]))
+    d = recipe.data
+    reference = AutoModelForCausalLM.from_pretrained(pretrained_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(pretrained_dir)
+    arms = bf16_run.data["arms"]
+    for name in ("approx", "exact"):
+        got = diff_models(build_arm(reference, "original", recipe.impl, "bf16"), build_arm(reference, name, recipe.impl, "bf16"),
+                          tokenizer, encode(tokenizer, read_text(d.eval)), max_length=d.eval_max_length,
+                          max_tokens=d.eval_max_tokens, batch_size=d.eval_batch_size, progress=False,
+                          reference=reference).noise_floor
+        judged = arms[name]["evals"][0]["noise_floor"]
+        assert judged["kl_ratio"] == pytest.approx(got.kl_ratio, rel=1e-9) and judged["within"] == got.within
+        assert judged["verdict"] == got.verdict.replace("the patched model", f"the {name} arm")
+    assert bf16_run.data["noise_floor"]["ppl_reference"] == pytest.approx(got.ppl_reference, rel=1e-12)
+
+
+def test_a_resumed_half_precision_run_reports_the_same_judgements(bf16_run):
+    """Arms finished by an earlier invocation are judged against this invocation's floor, like the rest."""
+    before = json.loads((bf16_run.out / "results.json").read_text())
+    recipe = load_recipe(Path(json.loads((bf16_run.out / "recipe.json").read_text())["source"]), HALF_SETS)
+    again = run_experiment(recipe, bf16_run.out, progress=False, plot=False)  # every arm done: none runs
+    assert again.data["noise_floor"] == before["noise_floor"]
+    resumed = json.loads((bf16_run.out / "results.json").read_text())
+    assert resumed["arms"] == before["arms"]  # every arm still judged, identically
+    assert resumed["arms"]["approx"]["evals"][0]["noise_floor"]["within"] is False
+
+
+def test_the_verdict_is_the_arm_kl_over_the_floor_kl():
+    """judged(): within while KL(float32 ‖ arm) <= 2x KL(float32 ‖ half original), whatever the
+    perplexity says; an arm moved far away is OUTSIDE."""
+    from normswap.evaluate import DiffResult
+    from normswap.experiment.runner import judged
+
+    floor = DiffResult(ppl_a=10.0, ppl_b=10.1, delta_ppl=0.1, relative_delta=0.01, nll_a=math.log(10),
+                       nll_b=math.log(10.1), kl_mean=1e-3, kl_max=1e-2, top1_agreement=0.99, max_abs_logit_diff=0.1,
+                       tokens=100, windows=1, max_length=100, stride=50)
+
+    def arm(kl):
+        return {"evals": [{"step": 0, "ppl": 10.05, "nll": math.log(10.05), "kl_mean": kl, "kl_max": 10 * kl,
+                           "top1_agreement": 0.98}]}
+
+    arms = {"near": arm(1.9e-3), "at": arm(2e-3), "far": arm(5e-2), "better": arm(1e-4)}
+    out = judged(arms, floor, "bf16")
+    got = {k: v["evals"][0]["noise_floor"] for k, v in out.items()}
+    assert {k: v["within"] for k, v in got.items()} == {"near": True, "at": True, "far": False, "better": True}
+    assert got["far"]["kl_ratio"] == pytest.approx(50) and got["near"]["kl_ratio"] == pytest.approx(1.9)
+    assert got["far"]["verdict"] == ("bfloat16 noise floor: the original is +1% ppl, KL 0.001, top-1 99.00% from its "
+                                     "float32 self, the far arm +0.5% ppl, KL 0.05, top-1 98.00%: OUTSIDE the "
+                                     "bfloat16 noise (KL to float32 50x the original's, limit 2x)")
+    assert "noise_floor" not in arms["far"]["evals"][0]  # the arms' own results are left alone
+    assert judged(arms, None, "fp32") is arms  # float32: nothing to judge
+
+
+def test_float32_runs_have_no_noise_floor(every_arm):
+    data = json.loads((every_arm.out / "results.json").read_text())
+    assert "noise_floor" in data and data["noise_floor"] is None
+    assert not any("noise_floor" in e for arm in data["arms"].values() for e in arm["evals"])
+    assert all(r["within_noise"] is None for r in every_arm.summary)
+    assert "noise" not in (every_arm.out / "summary.md").read_text()
+    assert "noise" not in (every_arm.out / "results.csv").read_text().splitlines()[0]
+
+
+def test_the_command_prints_the_noise_floor_in_text_and_json(bf16_run):
+    """`normswap experiment` on the finished bf16 run (every arm resumed): --json is results.json's
+    data with the floor and every judgement; the text output has the floor and one verdict per arm."""
+    source = json.loads((bf16_run.out / "recipe.json").read_text())["source"]
+    args = ["experiment", source, "--out", str(bf16_run.out), "--no-progress",
+            *(x for s in HALF_SETS for x in ("--set", s))]
+    printed = CliRunner().invoke(cli, [*args, "--json"])
+    assert printed.exit_code == 0, printed.output
+    doc = json.loads(printed.stdout)
+    saved = json.loads((bf16_run.out / "results.json").read_text())
+    assert doc["noise_floor"] == saved["noise_floor"] and doc["noise_floor"]["dtype"] == "bfloat16"
+    assert doc["arms"] == saved["arms"]
+    assert {r["arm"]: r["within_noise"] for r in doc["summary"]} == {
+        "original": True, "exact": saved["arms"]["exact"]["evals"][-1]["noise_floor"]["within"],
+        "approx": False, "approx+ft": False}
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 0, text.output
+    assert saved["noise_floor"]["description"] in text.stdout
+    assert all(saved["arms"][a]["evals"][-1]["noise_floor"]["verdict"] in text.stdout for a in HALF_ARMS)

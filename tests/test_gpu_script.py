@@ -183,3 +183,48 @@ def test_dry_run_writes_outcomes_as_they_happen(gpu, isolated, monkeypatch):
     assert "## tests-kernels: pytest exit 0" in text and "outcomes so far: 1 passed" in text
     assert os.path.basename(run.tests_path).startswith("cpu-dry-run-")
     assert "stash: the next call" not in (out / run.log_path.name.replace("-log-run", "-log-tests-kernels")).read_text()
+
+
+def test_tune_part_follows_the_tests_and_drives_tune_py_by_its_options(gpu, isolated, monkeypatch):
+    """The launch-table tuner runs right after the tests (its table then serves every benchmark
+    after it); its command line is one benchmarks/tune.py accepts; a dry run does not tune."""
+    assert gpu.PARTS[:3] == ("tests-gpu", "tests-kernels", "tune")
+    assert gpu.expand(["tests", "tune", "rms"]) == ["tests-gpu", "tests-kernels", "tune", "rms"]
+    seen = []
+    run = gpu.Run(isolated / "out", budget=100, dry_run=False, commit="abc", home=isolated / "machine")
+    monkeypatch.setattr(run, "stream", lambda cmd, cap, on_line=None: seen.append((cmd, cap)) or (0, 1.0))
+    gpu.part_tune(run, {})
+    (cmd, cap), = seen
+    assert cmd[1] == "benchmarks/tune.py" and cap <= 100
+    args = load_script("tune").parse_args(cmd[2:])
+    assert args.budget < cap and args.commit == "abc" and args.out.endswith("-launch-table.json")
+    run.dry_run = True
+    gpu.part_tune(run, {})
+    assert len(seen) == 1 and "tune: not run in a dry run" in run.log_path.read_text()
+
+
+def test_tuned_table_reaches_the_tree_copy_only_as_a_superset(gpu, tmp_path):
+    """A table tuned earlier on this (warm) machine replaces the tree copy's when it holds every
+    entry the tree's has; an older, smaller one never drops entries the session committed."""
+    import json
+
+    from normswap.kernels import launch_table as T
+
+    def doc(*hidden):
+        e = [{"op": "rms_norm", "pass": "fwd", "dtype": "bf16", "hidden": h, "rows": ">2048",
+              "tile": {"block_m": 1, "block_n": h, "num_warps": 8, "num_stages": 1},
+              "measured": {"device": "test fixture, not a measurement"}} for h in hidden]
+        return {"schema": T.SCHEMA, "about": "", "row_buckets": [2048], "archs": {"sm_90": {"entries": e}}}
+
+    home, tree = tmp_path / "machine", tmp_path / "launch_table.json"
+    home.mkdir()
+    lines = []
+    tree.write_text(json.dumps(doc(4096)))
+    gpu.install_tuned_table(lines.append, home, tree)  # nothing tuned on this machine yet
+    assert json.loads(tree.read_text()) == doc(4096) and lines == []
+    (home / "launch_table.json").write_text(json.dumps(doc(4096, 8192)))
+    gpu.install_tuned_table(lines.append, home, tree)
+    assert json.loads(tree.read_text()) == doc(4096, 8192) and "2 entries" in lines[-1]
+    tree.write_text(json.dumps(doc(1024, 4096)))  # the session committed an entry the machine lacks
+    gpu.install_tuned_table(lines.append, home, tree)
+    assert json.loads(tree.read_text()) == doc(1024, 4096) and len(lines) == 1

@@ -171,3 +171,14 @@ def test_forced_tile_layers_on_the_table_and_is_checked():
         with pytest.raises(ValueError, match="block_m"):
             with T.forced(key, {"block_m": 2, "block_n": 1024, "num_warps": 4, "num_stages": 1}, _common.ROW_BUCKETS):
                 pass
+
+
+def test_stamp_names_the_table_a_benchmark_ran_with(tmp_path):
+    path = tmp_path / "t.json"
+    T.write(path, table(entry(), entry(pass_="bwd")), _common.ROW_BUCKETS)
+    s = T.stamp("sm_90", path)
+    assert s["entries"] == 2 and len(s["sha256"]) == 12
+    assert T.stamp("sm_80", path)["entries"] == 0
+    T.write(path, table(entry()), _common.ROW_BUCKETS)
+    assert T.stamp("sm_90", path)["sha256"] != s["sha256"]
+    assert T.stamp("sm_90", tmp_path / "missing.json") == {"arch": "sm_90", "sha256": None, "entries": None}

@@ -28,7 +28,11 @@ def summary_rows(arms: dict[str, dict]) -> list[dict]:
     control's final nll, where the control is `original+ft` when it ran (fine-tuning alone moves
     the loss: comparing with the untouched original would credit the arm with what fine-tuning did
     to every model), else `original`. None where there is no gap to recover (the arm started no
-    worse than the original) or no original ran."""
+    worse than the original) or no original ran.
+
+    In half precision (results.json's `noise_floor`) each row also says whether the arm's final
+    evaluation lies within the dtype's noise floor (`within_noise`, `noise_kl_ratio`,
+    `noise_verdict`: normswap.evaluate.judge_noise's); None in float32."""
     base = arms.get("original")
     control = arms.get("original+ft")
     reference = control or base
@@ -41,13 +45,19 @@ def summary_rows(arms: dict[str, dict]) -> list[dict]:
                "kl_mean": last["kl_mean"], "top1_agreement": last["top1_agreement"],
                "delta_vs_original": last["ppl"] - _final(base)["ppl"] if base else None,
                "delta_vs_original_ft": last["ppl"] - _final(control)["ppl"] if control else None,
-               "recovered": None}
+               "recovered": None, **_noise_columns(last)}
         if training and transform.startswith("approx") and reference is not None:
             gap_start = first["nll"] - start
             gap_end = last["nll"] - _final(reference)["nll"]
             row["recovered"] = 1.0 - gap_end / gap_start if gap_start > 1e-9 else None
         rows.append(row)
     return rows
+
+
+def _noise_columns(evaluation: dict) -> dict:
+    noise = evaluation.get("noise_floor") or {}
+    return {"within_noise": noise.get("within"), "noise_kl_ratio": noise.get("kl_ratio"),
+            "noise_verdict": noise.get("verdict")}
 
 
 def _fmt(v, spec: str, signed: bool = False) -> str:
@@ -67,16 +77,30 @@ def summary_markdown(result: dict) -> str:
                   f"({pre['tokens_seen'] / 1e6:.2f} M tokens, {pre['train_seconds'] / 60:.1f} min); held-out "
                   f"perplexity {pre['heldout_ppl']:.2f} against a unigram baseline of {pre['unigram_ppl']:.1f}.", ""]
     ev = result["eval"]
+    floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "
-              "KL and top-1 are against the original model.", ""]
-    lines += ["| arm | steps | ppl at step 0 | final ppl | Δ vs original | Δ vs original+ft | KL(original‖arm) | top-1 | recovered |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"KL and top-1 are against the original model{' in float32' if floor else ''}.", ""]
+    if floor:
+        lines += [f"Every arm runs in {floor['dtype']}; {floor['description']} (float32 perplexity "
+                  f"{floor['ppl_reference']:.4f}). An arm is within the {floor['dtype']} noise while its KL to "
+                  f"float32 is at most {floor['limit']:g}x the original's.", ""]
+    noise_head, noise_rule = (f" vs {floor['dtype']} noise |", "---|") if floor else ("", "")
+    lines += ["| arm | steps | ppl at step 0 | final ppl | Δ vs original | Δ vs original+ft | KL(original‖arm) | top-1 | "
+              f"recovered |{noise_head}",
+              f"|---|---:|---:|---:|---:|---:|---:|---:|---:|{noise_rule}"]
     for r in rows:
+        noise = ""
+        if floor:
+            noise = (" – |" if r["within_noise"] is None else
+                     f" {'within' if r['within_noise'] else 'OUTSIDE'} ({_fmt(r['noise_kl_ratio'], '.3g')}x) |")
         lines.append(
             f"| {r['arm']} | {r['steps']} | {_fmt(r['ppl_start'], '.4f')} | {_fmt(r['ppl'], '.4f')} | "
             f"{_fmt(r['delta_vs_original'], '.4f', True)} | {_fmt(r['delta_vs_original_ft'], '.4f', True)} | "
             f"{_fmt(r['kl_mean'], '.2e')} | {_fmt(r['top1_agreement'], '.2%')} | "
-            f"{_fmt(r['recovered'], '.1%')} |")
+            f"{_fmt(r['recovered'], '.1%')} |{noise}")
+    if floor:
+        lines += ["", f"Final evaluation of each arm against the {floor['dtype']} noise floor:", ""]
+        lines += [f"- {r['noise_verdict'] or r['arm'] + ': not judged'}" for r in rows]
     lines += ["", "recovered (trained approximate arms): 1 − (final nll − final nll of original+ft) / (nll at step 0 "
               "− nll of original), the share of the approximation's loss gap that training took back, each model "
               "compared with the original trained the same way (100 %: as good as the fine-tuned control; over "
@@ -87,12 +111,15 @@ def summary_markdown(result: dict) -> str:
 def results_csv(result: dict) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["arm", "step", *METRICS, "train_loss"])
+    noise = bool(result.get("noise_floor"))  # half precision: each evaluation judged against it
+    w.writerow(["arm", "step", *METRICS, "train_loss", *(("within_noise", "noise_kl_ratio") if noise else ())])
     for name, arm in result["arms"].items():
         losses = arm.get("losses", [])
         for e in arm["evals"]:
             loss = losses[e["step"] - 1] if 0 < e["step"] <= len(losses) else ""
-            w.writerow([name, e["step"], *(e.get(m) for m in METRICS), loss])
+            judged = e.get("noise_floor") or {}
+            extra = (judged.get("within", ""), judged.get("kl_ratio", "")) if noise else ()
+            w.writerow([name, e["step"], *(e.get(m) for m in METRICS), loss, *extra])
     return buf.getvalue()
 
 
@@ -122,9 +149,21 @@ def plot_curves(result: dict, path: Path) -> None:
     plain = matplotlib.ticker.FuncFormatter(lambda v, _pos: f"{v:g}")  # 55.5, not 5.55×10¹
     ax_ppl.yaxis.set_major_formatter(plain)
     ax_ppl.yaxis.set_minor_formatter(plain)
-    ax_kl.set(xlabel="fine-tuning step", ylabel="mean KL(original ‖ arm), nats/token", yscale="symlog",
-              title="distance from the original")
-    ax_kl.set_yscale("symlog", linthresh=1e-3)
+    floor = result.get("noise_floor")
+    who = "float32 original" if floor else "original"
+    ax_kl.set(xlabel="fine-tuning step", ylabel=f"mean KL({who} ‖ arm), nats/token", title=f"distance from the {who}")
+    linthresh = 1e-3
+    if floor and floor["original"]["kl_mean"] > 0:
+        # The half-precision floor and its limit as lines, on a log scale reaching down to them.
+        kl = floor["original"]["kl_mean"]
+        linthresh = min(linthresh, 10.0 ** math.floor(math.log10(kl)))
+        ax_kl.axhline(kl, color="grey", linestyle=":", label=f"{floor['dtype']} noise floor")
+        ax_kl.axhline(floor["limit"] * kl, color="grey", linestyle="-.", linewidth=0.8,
+                      label=f"{floor['limit']:g}x the floor")
+        ax_kl.legend(fontsize=8)
+    ax_kl.set_yscale("symlog", linthresh=linthresh)
+    if floor:
+        ax_kl.set_ylim(bottom=0)  # a KL is never negative: no empty half below the floor
     ax_ppl.legend(fontsize=8)
     fig.suptitle(result["recipe"]["name"])
     fig.tight_layout()

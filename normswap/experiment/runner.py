@@ -6,6 +6,16 @@ Layout of OUT:
   arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it)
   logs/                    accelerate trackers (TensorBoard event files when installed)
   results.json results.csv summary.md curves.png
+
+The noise floor: when finetune.dtype is half precision every arm runs in it, and its KL from the
+float32 original mixes what the arm changed with what rounding does. The `original` arm's model in
+that dtype is scored against the float32 original once per invocation (its scores do not change over
+steps); results.json's `noise_floor` holds that distance, and every evaluation of every arm is judged
+against it by normswap.evaluate.judge_noise (the judgement `diff` and `patch --eval` print), as its
+own `noise_floor` (kl_ratio, within, verdict). Judging when the report is assembled, not when an arm
+is evaluated, keeps a resumed run's report consistent: arms finished by an earlier invocation are
+judged against the same floor as the others. In float32 results.json's `noise_floor` is null and the
+evaluations carry none.
 """
 
 from __future__ import annotations
@@ -16,8 +26,9 @@ import platform
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +40,9 @@ from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.jsonsafe import finite_or_null
+
+if TYPE_CHECKING:
+    from normswap.evaluate import DiffResult
 
 RESULT_FILE = "result.json"
 
@@ -120,6 +134,45 @@ def _load_model(path: str):
     return load_model(source, dtype=torch.float32), load_tokenizer(source)
 
 
+def _dtype_name(dtype: str) -> str:
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def _floor_section(floor: DiffResult | None, dtype: str) -> dict | None:
+    """results.json's `noise_floor`: the half original's distance from the float32 original."""
+    from normswap.evaluate import NOISE_KL_FACTOR, Distance, describe_floor
+
+    if floor is None:
+        return None
+    original = Distance.of(floor.to_dict())
+    return {"dtype": _dtype_name(dtype), "ppl_reference": floor.ppl_a, "original": asdict(original),
+            "limit": NOISE_KL_FACTOR, "description": describe_floor(_dtype_name(dtype), original)}
+
+
+def _eval_distance(e: dict, ppl_reference: float) -> dict:
+    """An evaluation (the arm's perplexity; KL and top-1 against the float32 original) as its
+    distance from the float32 original, in normswap.evaluate.Distance's fields."""
+    return {"delta_ppl": e["ppl"] - ppl_reference, "relative_delta": (e["ppl"] - ppl_reference) / ppl_reference,
+            "kl_mean": e["kl_mean"], "kl_max": e["kl_max"], "top1_agreement": e["top1_agreement"]}
+
+
+def judged(arms: dict[str, dict], floor: DiffResult | None, dtype: str) -> dict[str, dict]:
+    """`arms` with every evaluation judged against the half-precision noise floor (a copy; `arms`
+    itself, as each arm's result.json holds it, is left alone). Unchanged without a floor."""
+    from normswap.evaluate import judge_noise
+
+    if floor is None:
+        return arms
+    out = json.loads(json.dumps(arms))
+    original = floor.to_dict()
+    for name, arm in out.items():
+        for e in arm["evals"]:
+            noise = judge_noise(original, _eval_distance(e, floor.ppl_a), _dtype_name(dtype), floor.ppl_a,
+                                name=f"the {name} arm")
+            e["noise_floor"] = {"kl_ratio": noise.kl_ratio, "within": noise.within, "verdict": noise.verdict}
+    return out
+
+
 def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Sequence[str] | None = None, *,
                    progress: bool = True, stop: StopFlag | None = None, accelerator=None, plot: bool = True,
                    on_step: Callable[[str, int, float], None] | None = None,
@@ -132,7 +185,7 @@ def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Se
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
     from accelerate.utils import set_seed
 
-    from normswap.evaluate import diff_models
+    from normswap.evaluate import HALF_DTYPES, diff_models
 
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
     out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
@@ -163,10 +216,17 @@ def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Se
     eval_ids = encode(tokenizer, read_text(d.eval))
     train_ids = None
 
+    windows = {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
+               "batch_size": d.eval_batch_size}
+    floor = None
+    if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
+        # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
+        half_original = build_arm(original, "original", recipe.impl, ft.dtype)
+        floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)
+        del half_original
+
     def evaluate(model, step: int) -> dict:
-        r = diff_models(original, model, tokenizer, eval_ids, max_length=d.eval_max_length,
-                        stride=d.eval_stride or None, max_tokens=d.eval_max_tokens,
-                        batch_size=d.eval_batch_size, progress=False)
+        r = diff_models(original, model, tokenizer, eval_ids, progress=False, **windows)
         evaluate.window = {"tokens": r.tokens, "max_length": r.max_length, "stride": r.stride}
         return {"ppl": r.ppl_b, "nll": r.nll_b, "kl_mean": r.kl_mean, "kl_max": r.kl_max,
                 "top1_agreement": r.top1_agreement}
@@ -219,11 +279,12 @@ def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Se
             "model": model_path,
             "pretrain": pretrain_info,
             "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
-            "arms": results,
+            "noise_floor": _floor_section(floor, ft.dtype),
+            "arms": judged(results, floor, ft.dtype),
             "environment": {"torch": torch.__version__, "python": platform.python_version(),
                             "device": str(accelerator.device), "num_processes": accelerator.num_processes,
                             "mixed_precision": accelerator.mixed_precision,
-                            "dtype": str(parse_dtype(ft.dtype)).removeprefix("torch.")},
+                            "dtype": _dtype_name(ft.dtype)},
             "seconds_this_invocation": round(time.perf_counter() - started, 1),
         }
         data = portable_result(data, Path(recipe.source).parent if recipe.source else None)

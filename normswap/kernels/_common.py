@@ -401,6 +401,12 @@ def _gpu_launch_config(bucket: int, n: int, dtype: torch.dtype, pass_: str, op: 
     return Tile(t["block_m"], t["block_n"], 1, t["num_warps"], t["num_stages"])
 
 
+def heuristic_config(m: int, n: int, dtype: torch.dtype, pass_: str) -> Tile:
+    """The static heuristics' GPU tile for (m, n): what launches where the table has no entry (and
+    the baseline every tuned candidate is measured against)."""
+    return _launch_config(row_bucket(m), n, dtype.itemsize, pass_, False, MAX_BLOCK_N, INTERPRETER_TILE)
+
+
 def tile_fields(tile: Tile) -> dict:
     """A Tile as a launch-table entry's tile (chunks follow from block_n and the hidden size)."""
     return {"block_m": tile.block_m, "block_n": tile.block_n, "num_warps": tile.num_warps,

@@ -163,6 +163,20 @@ def read(path: Path = PATH) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def stamp(arch: str, path: Path | None = None) -> dict:
+    """Which table a measurement ran with (benchmark provenance: a tuned table may not be committed
+    yet when a GPU session benchmarks it): its sha256 (first 12) and entries for `arch`."""
+    import hashlib
+
+    path = Path(path or PATH)
+    try:
+        data = path.read_bytes()
+        entries = len(json.loads(data).get("archs", {}).get(arch, {}).get("entries", []))
+    except (OSError, ValueError, AttributeError):
+        return {"arch": arch, "sha256": None, "entries": None}
+    return {"arch": arch, "sha256": hashlib.sha256(data).hexdigest()[:12], "entries": entries}
+
+
 # The active index and a counter that changes whenever it does (launch_config's cache key).
 _state = {"index": None, "generation": 0}
 

@@ -1,0 +1,179 @@
+"""benchmarks/tune.py, the launch-table tuner, checked on CPU: the candidates it would time, the
+keys it walks (never an exact row count), and the whole selection and table writing with the GPU
+work injected (fake static verdicts, fake times, fake outputs), so that the choice rules are
+proven without a GPU. Nothing here measures anything."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from benchmark_scripts import load_script
+
+from normswap.kernels import _common as C
+from normswap.kernels import launch_table as T
+
+RMS = type("K", (), {"__module__": "normswap.kernels.rms_norm"})()
+
+
+@pytest.fixture(scope="module")
+def tune():
+    return load_script("tune")
+
+
+def test_candidates_start_with_the_heuristics_and_stay_valid(tune):
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    for pass_ in ("fwd", "bwd"):
+        for dtype, dt in dtypes.items():
+            for n in (1024, 4096, 8192, 16384, 32768, 262144):
+                for m in (512, 32768):
+                    tiles = tune.candidates(pass_, dtype, n, m)
+                    assert tiles[0] == C.tile_fields(C.heuristic_config(m, n, dt, pass_))
+                    assert 3 <= len(tiles) <= 12 and len({tuple(t.values()) for t in tiles}) == len(tiles)
+                    for t in tiles:
+                        assert T.tile_problems(t, n) == [], (pass_, dtype, n, t)
+                        # at least one 16-byte vector of the tile per thread
+                        assert t["block_m"] * t["block_n"] * dt.itemsize >= t["num_warps"] * 32 * 16
+                        if pass_ == "fwd":
+                            assert t["num_stages"] == 1  # the forward has no loop to pipeline
+    # At the whole-row limit both layouts are tried: whole rows and the row split over programs.
+    at_limit = tune.candidates("fwd", "bf16", C.MAX_BLOCK_N, 32768)
+    assert {t["block_n"] < C.MAX_BLOCK_N for t in at_limit} == {True, False}
+    past = tune.candidates("fwd", "bf16", 2 * C.MAX_BLOCK_N, 32768)
+    assert past[0]["block_n"] < 2 * C.MAX_BLOCK_N and any(t["block_n"] == 2 * C.MAX_BLOCK_N for t in past)
+    # The backward's pipelining depth is tuned around its default.
+    assert {t["num_stages"] for t in tune.candidates("bwd", "bf16", 4096, 32768)} == {
+        C.STAGES["bwd"] - 1, C.STAGES["bwd"], C.STAGES["bwd"] + 1}
+
+
+def test_grid_keys_are_buckets_in_priority_order(tune):
+    keys = tune.grid_keys(["rms_norm", "layer_norm"], ["fwd", "bwd"], ["bf16", "fp32"])
+    labels = T.bucket_labels(C.ROW_BUCKETS)
+    assert all(k["rows"] in labels for k in keys)
+    assert len({tuple(k[f] for f in T.KEY_FIELDS) for k in keys}) == len(keys)
+    # 9 hidden sizes in the bucket of many rows (4096 and 32768 both timed), 512 x 4096 in the other.
+    assert len(keys) == 2 * 2 * 2 * 10
+    first = keys[0]
+    assert (first["op"], first["pass"], first["dtype"], first["rows"]) == ("rms_norm", "fwd", "bf16", ">2048")
+    assert first["row_counts"] == [4096, 32768]
+    few = [k for k in keys if k["rows"] == "<=2048"]
+    assert {(k["hidden"], tuple(k["row_counts"])) for k in few} == {(4096, (512,))}
+    assert [k["dtype"] for k in keys].index("fp32") == len(keys) // 2  # every bf16 key first
+    assert tune.grid_keys(["rms_norm"], ["bwd"], ["bf16"], hidden=[65536]) == [
+        {"op": "rms_norm", "pass": "bwd", "dtype": "bf16", "hidden": 65536, "rows": ">2048", "row_counts": [4096, 32768]}]
+
+
+def _fake(tiles, times, rejected_static=(), disagree=(), broken=()):
+    """Injected GPU work: times[i] = us of tiles[i] at every row count (scaled by rows)."""
+    idx = {tuple(t.values()): i for i, t in enumerate(tiles)}
+
+    def static_check(ts):
+        return [["spills 8 bytes"] if idx[tuple(t.values())] in rejected_static else [] for t in ts]
+
+    def measure(tile, m):
+        i = idx[tuple(tile.values())]
+        if i in broken:
+            raise RuntimeError("launch failed\nsecond line")
+        return times[i] * m / 4096
+
+    def outputs(tile):
+        return ["off"] if idx[tuple(tile.values())] in disagree else ["same"]
+
+    def agree(outs, ref):
+        return None if outs == ref else "3 elements off by more than 2 ulp"
+    return static_check, measure, outputs, agree
+
+
+KEY = ("sm_90", "rms_norm", "fwd", "bf16", 4096, ">2048")
+
+
+def test_selection_takes_the_fastest_sound_candidate(tune):
+    tiles = tune.candidates("fwd", "bf16", 4096, 32768)
+    times = [10.0] + [11.0] * (len(tiles) - 1)
+    times[1], times[2], times[3], times[4] = 5.0, 6.0, 8.0, 9.0  # 1: spills, 2: wrong output, 3: fails
+    entry, trials = tune.tune_key(KEY, [4096, 32768], tiles, *_fake(tiles, times, {1}, {2}, {3}), log=lambda s: None)
+    assert entry["tile"] == tiles[4] and entry["static"]["tile"] == tiles[0]
+    assert entry["us"] == {"4096": 9.0, "32768": 72.0} and entry["static"]["us"] == {"4096": 10.0, "32768": 80.0}
+    assert entry["runner_up"]["tile"] == tiles[0]  # the next best sound candidate
+    why = [t["why"] or "" for t in trials]
+    assert why[1].startswith("static: spills") and "differs from the baseline" in why[2]
+    assert why[3] == "error: RuntimeError: launch failed" and not why[0] and not why[4]
+    assert not trials[1]["us"] and not trials[2]["us"]  # rejected before any timing
+
+
+def test_noise_never_moves_the_choice(tune):
+    tiles = tune.candidates("fwd", "bf16", 4096, 32768)
+    times = [10.0] + [10.5] * (len(tiles) - 1)
+    times[5] = 10.0 * (1 - tune.MIN_GAIN / 2)  # 1% faster: within noise
+    entry, _ = tune.tune_key(KEY, [4096], tiles, *_fake(tiles, times), log=lambda s: None)
+    assert entry["tile"] == tiles[0] and entry["runner_up"]["tile"] == tiles[5]
+    times[5] = 10.0 * (1 - 2 * tune.MIN_GAIN)
+    entry, _ = tune.tune_key(KEY, [4096], tiles, *_fake(tiles, times), log=lambda s: None)
+    assert entry["tile"] == tiles[5] and entry["runner_up"]["tile"] == tiles[0]
+    # Scored over every row count: faster at one, slower at the other, by the geometric mean.
+    assert math.isclose(tune.score({1: 8.0, 2: 12.5}, {1: 10.0, 2: 10.0}), 1.0)
+
+
+def test_no_baseline_no_entry(tune):
+    tiles = tune.candidates("fwd", "bf16", 4096, 32768)
+    entry, trials = tune.tune_key(KEY, [4096], tiles, *_fake(tiles, [1.0] * len(tiles), broken={0}),
+                                  log=lambda s: None)
+    assert entry is None and trials[0]["why"].startswith("error")
+    assert all(not t["us"] for t in trials)  # nothing is compared with a baseline that did not run
+    entry, trials = tune.tune_key(KEY, [4096], tiles, *_fake(tiles, [1.0] * len(tiles)), deadline=0.0,
+                                  log=lambda s: None)
+    assert entry is None and trials[0]["why"] == "not measured (time limit)"
+
+
+def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
+    """The whole loop with injected GPU work: the table validates after each key, launch_config
+    picks every winner for its key (any row count in the bucket), the report names winner and
+    static choice, and a second run skips what the table has."""
+    keys = tune.grid_keys(["rms_norm"], ["fwd", "bwd"], ["bf16"], hidden=[4096, 65536])
+    out, rep = tmp_path / "table.json", tmp_path / "tune.md"
+    meta = {"device": "injected (test)", "arch": "sm_90", "date": "2000-01-01", "torch": "-", "triton": "-",
+            "commit": "abc"}
+    picks: dict = {}
+    seen_files = []
+
+    def measure(key):
+        tiles = tune.candidates(key[2], key[3], key[4], 32768 if key[5] == ">2048" else 512)
+        fastest = len(tiles) - 1  # the last candidate is much faster than the rest
+        picks[key] = tiles[fastest]
+        seen_files.append(out.exists() and not T.problems(T.read(out), C.ROW_BUCKETS))
+        return lambda tile, m: (1.0 if tile == tiles[fastest] else 2.0) * m
+
+    done = tune.tune_keys(keys, T.empty(C.ROW_BUCKETS), meta, out, rep, retune=False, deadline=math.inf,
+                          fits=lambda k, m: m < 32768 or k["hidden"] < 65536,
+                          static_check=lambda key: lambda ts: [[] for _ in ts], measure=measure,
+                          outputs=lambda key, m: lambda tile: [0], agree=lambda dt: lambda a, b: None,
+                          log=lambda s: None)
+    assert len(done) == len(keys) == 6 and all(d["entry"] for d in done)
+    assert seen_files[0] is False and all(seen_files[1:])  # rewritten, valid, after every key
+    doc = T.read(out)
+    assert T.problems(doc, C.ROW_BUCKETS) == []
+    entries = doc["archs"]["sm_90"]["entries"]
+    assert len(entries) == 6 and all(e["measured"]["commit"] == "abc" for e in entries)
+    wide = next(e for e in entries if e["hidden"] == 65536 and e["pass"] == "fwd")
+    assert set(wide["measured"]["us"]) == {"4096"}  # 32768 rows did not fit: not timed
+    with T.using(doc, C.ROW_BUCKETS):
+        for key, tile in picks.items():
+            _, op, pass_, dtype, hidden, label = key
+            for m in ((512, 7, 2048) if label == "<=2048" else (2049, 4096, 32768, 100000)):
+                got = C.launch_config(m, hidden, torch.bfloat16, pass_, RMS)
+                assert C.tile_fields(got) == tile, (key, m)
+    text = rep.read_text()
+    assert "| rms_norm | fwd | bf16 | 4096 | >2048 |" in text and "+50.0%" in text
+    # Run again: every key is in the table, nothing is re-measured.
+    again = tune.tune_keys(keys, doc, meta, out, rep, retune=False, deadline=math.inf, fits=lambda k, m: True,
+                           static_check=None, measure=None, outputs=None, agree=None, log=lambda s: None)
+    assert again == []
+
+
+def test_without_cuda_one_line_and_exit_2(tune, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["benchmarks/tune.py: needs a CUDA device (it times kernel launches); nothing written"]
+    assert list(tmp_path.iterdir()) == []
