@@ -232,7 +232,9 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     assert bench.main(["--dry-run", "--impls", "reference,torch", "--rows", "4", "--hidden", "16",
                        "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"device", "torch", "triton", "commit", "versions", "copy_gbs", "l2_bytes", "rows"}
+    assert set(doc) == {"device", "torch", "triton", "commit", "versions", "copy_gbs", "l2_bytes", "launch_table",
+                        "rows"}
+    assert doc["launch_table"]["arch"] == "interpreter" and doc["launch_table"]["entries"] == 0
     assert doc["copy_gbs"] > 0
     assert set(doc["versions"]) == {"reference", "torch"} and doc["versions"]["torch"]
     assert len(doc["rows"]) == 2 * 2 * 2 * 2  # ops x passes x dtypes x impls, one shape

@@ -177,3 +177,25 @@ def test_without_cuda_one_line_and_exit_2(tune, monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["benchmarks/tune.py: needs a CUDA device (it times kernel launches); nothing written"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_agreement_rule_allows_rounding_and_catches_wrong_outputs(tune):
+    """gpu_agree is plain torch: a last-bit difference (another reduction order) passes, a wrong
+    element, a non-finite one or a parameter grad off by 5% does not (dW is rounded to the weight's dtype: a bf16 ulp is 0.8%)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        agree = tune.gpu_agree(dtype)
+        y = torch.randn(64, 256, generator=g).to(dt)
+        dx = torch.randn(64, 256, generator=g).to(dt)
+        dw = torch.randn(256, generator=g) * 100
+        one_ulp = torch.nextafter(y.float(), torch.full_like(y.float(), math.inf)).to(dt)
+        if dt == torch.bfloat16:  # nextafter in fp32 rounds back to y: step one bf16 ulp by hand
+            one_ulp = (y.float() * (1 + torch.finfo(dt).eps)).to(dt)
+        assert agree([one_ulp, dx, dw * (1 + 1e-6)], [y, dx, dw]) is None
+        wrong = y.clone()
+        wrong[3, 7] += 1.0
+        assert "1 elements off" in agree([wrong, dx, dw], [y, dx, dw])
+        nan = dx.clone()
+        nan[0, 0] = float("nan")
+        assert "non-finite" in agree([y, nan, dw], [y, dx, dw])
+        assert "parameter grad 0" in agree([y, dx, dw * 1.05], [y, dx, dw])
