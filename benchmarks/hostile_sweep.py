@@ -275,6 +275,7 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: --batch 0", ["bench", L, "--batch", "0", "--impl", "torch"], "batch", ci=True),
         Case("bench: --seq -1", ["bench", L, "--seq", "-1", "--impl", "torch"], "seq", ci=True),
         Case("bench: --mode nonsense", ["bench", L, "--mode", "nonsense", "--impl", "torch"], "nonsense", ci=True),
+        Case("bench: --mode ','", ["bench", L, "--mode", ",", "--impl", "torch"], "--mode names no workload", ci=True),
         Case("bench: --impl nope", ["bench", L, "--impl", "nope"], "nope", ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impl", "torch"], "repeats", ci=True),
         Case("bench: --load-weights, config one layer long", ["bench", fx["more"], "--load-weights", "--impl", "torch",

@@ -290,6 +290,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     from normswap.swap import patch, revert
 
     bad = [m for m in cfg.modes if m not in MODES]
+    if not cfg.modes:
+        raise NormswapError(f"--mode names no workload; expected {', '.join(MODES)}")
     if bad:
         raise NormswapError(f"unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
     if cfg.batch < 1 or cfg.seq < 2 or cfg.repeats < 1 or cfg.warmup < 0:

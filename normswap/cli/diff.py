@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
 from normswap.cli.ppl import describe_windows, eval_options
 
@@ -13,8 +14,8 @@ from normswap.cli.ppl import describe_windows, eval_options
 @cli.command()
 @click.argument("model_a", metavar="A")
 @click.argument("model_b", metavar="[B]", required=False)
-@click.option("--patched", "impl", metavar="IMPL", default=None,
-              help="Compare A with A patched in memory by this implementation (e.g. triton).")
+@click.option("--patched", "impl", type=click.Choice(BACKENDS), default=None,
+              help="Compare A with A patched in memory by this implementation.")
 @eval_options
 @json_option
 def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype,
