@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import types
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from normswap.kernels.rms_norm import _rms_fwd_kernel
 
 BF16, FP32 = torch.bfloat16, torch.float32
 # Stand-ins for the compiled (non-interpreted) kernels: launch_config reads only their module.
-RMS = types.SimpleNamespace(__module__="normswap.kernels.rms_norm")
-LN = types.SimpleNamespace(__module__="normswap.kernels.layer_norm")
+RMS = type("RmsKernel", (), {"__module__": "normswap.kernels.rms_norm"})()
+LN = type("LnKernel", (), {"__module__": "normswap.kernels.layer_norm"})()
 MEASURED = {"device": "test fixture, not a measurement", "date": "2000-01-01", "torch": "-", "triton": "-",
             "commit": "-", "us": {"32768": 1.0}, "static": None, "runner_up": None}
 
@@ -67,12 +66,11 @@ def test_entry_answers_its_key_only(monkeypatch):
             with T.using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
                 want = _common.launch_config(*args)
             assert _common.launch_config(*args) == want, args
-        # Another architecture: a device whose capability is not the entry's.
-        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_80")
-        cuda0 = torch.device("cuda", 0)
+        # Per device, by its capability: cuda:0 an sm_80 (no entry), cuda:1 an sm_90.
+        monkeypatch.setattr(_common, "_cuda_arch", lambda index: ("sm_80", "sm_90")[index])
+        cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == static_fwd
-        monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_90")
-        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == _common.Tile(2, 4096, 1, 8, 1)
+        assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda1) == _common.Tile(2, 4096, 1, 8, 1)
     # Leaving the table: the heuristics again (the cache never answers with the old table).
     assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == static_fwd
     with T.using(table(entry(block_m=2, num_warps=8), arch="sm_80"), _common.ROW_BUCKETS):

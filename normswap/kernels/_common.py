@@ -23,6 +23,7 @@ How rows are laid out over programs (see launch_config):
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -348,7 +349,7 @@ DTYPE_NAME = {DTYPES[name]: name for name in RUN_DTYPES}  # torch dtype -> the t
 
 def row_bucket(m: int) -> int:
     """The coarse row-count bucket of m rows (an index into launch_table.bucket_labels(ROW_BUCKETS))."""
-    return sum(m > b for b in ROW_BUCKETS)
+    return bisect.bisect_left(ROW_BUCKETS, m)  # how many bounds m exceeds
 
 
 def device_arch(device: torch.device | None) -> str:
@@ -380,16 +381,17 @@ def launch_config(m: int, n: int, dtype: torch.dtype, pass_: str, kernel, device
     if interpreting(kernel):
         return _launch_config(triton.next_power_of_2(max(m, 1)), n, elem_bytes, pass_, True, MAX_BLOCK_N,
                               INTERPRETER_TILE)
-    _, generation = launch_table.active(ROW_BUCKETS)
-    return _gpu_launch_config(row_bucket(m), n, dtype, pass_, kernel_op(kernel), device_arch(device), generation,
+    return _gpu_launch_config(row_bucket(m), n, dtype, pass_, kernel, device, launch_table.generation(ROW_BUCKETS),
                               MAX_BLOCK_N)
 
 
 @functools.lru_cache(maxsize=4096)
-def _gpu_launch_config(bucket: int, n: int, dtype: torch.dtype, pass_: str, op: str, arch: str, generation: int,
+def _gpu_launch_config(bucket: int, n: int, dtype: torch.dtype, pass_: str, kernel, device, generation: int,
                        max_block_n: int) -> Tile:
     """The table's tile where it has one (generation: which table, so that a new one is never
-    answered from the cache), else the heuristics'."""
+    answered from the cache), else the heuristics'. Keyed by the kernel and the device themselves
+    (the launchers pass a tensor's device, which names its index), so that a call costs one lookup."""
+    op, arch = kernel_op(kernel), device_arch(device)
     table, _ = launch_table.active(ROW_BUCKETS)
     hidden = launch_table.hidden_bucket(n)
     label = launch_table.bucket_labels(ROW_BUCKETS)[bucket]

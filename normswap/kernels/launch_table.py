@@ -201,6 +201,14 @@ def active(row_buckets) -> tuple[dict, int]:
     return _state["index"], _state["generation"]
 
 
+def generation(row_buckets) -> int:
+    """A number that changes whenever the table in use does (launch_config's cache key); loads the
+    package's table on first use."""
+    if _state["index"] is None:
+        active(row_buckets)
+    return _state["generation"]
+
+
 @contextlib.contextmanager
 def using(doc, row_buckets):
     """Run with `doc` as the launch table (tests' injected tables). Raises ValueError on an
