@@ -231,23 +231,24 @@ def fmt_tile(t: dict) -> str:
 # The GPU side: inputs, outputs, timing.
 
 
-def make_inputs(op: str, pass_: str, dtype: str, m: int, n: int, seed: int = 0):
+def make_inputs(op: str, pass_: str, dtype: str, m: int, n: int, seed: int = 0, device: str = "cuda"):
     import torch
 
     from normswap.dtypes import DTYPES
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     dt_ = DTYPES[dtype]
     grad = pass_ == "bwd"
-    x = torch.randn(m, n, device="cuda", generator=g).to(dt_).requires_grad_(grad)
-    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(dt_).requires_grad_(grad)
-    b = (0.1 * torch.randn(n, device="cuda", generator=g)).to(dt_).requires_grad_(grad) if op == "layer_norm" else None
-    dy = torch.randn(m, n, device="cuda", generator=g).to(dt_) if grad else None
+    x = torch.randn(m, n, device=device, generator=g).to(dt_).requires_grad_(grad)
+    w = (1 + 0.1 * torch.randn(n, device=device, generator=g)).to(dt_).requires_grad_(grad)
+    b = (0.1 * torch.randn(n, device=device, generator=g)).to(dt_).requires_grad_(grad) if op == "layer_norm" else None
+    dy = torch.randn(m, n, device=device, generator=g).to(dt_) if grad else None
     return x, w, b, dy
 
 
-def gpu_outputs(key: tuple, tile: dict, m: int) -> list:
-    """y (and dx, dweight, dbias for the backward) of the key's plain variant with `tile` forced."""
+def gpu_outputs(key: tuple, tile: dict, m: int, device: str = "cuda") -> list:
+    """y (and dx, dweight, dbias for the backward) of the key's plain variant with `tile` forced.
+    (device "cpu": the interpreter, which never reads the table; the CPU tests' plumbing check.)"""
     import torch
 
     from normswap.backends import get_backend
@@ -256,13 +257,14 @@ def gpu_outputs(key: tuple, tile: dict, m: int) -> list:
 
     arch, op, pass_, dtype, hidden, _ = key
     be = get_backend("triton")
-    x, w, b, dy = make_inputs(op, pass_, dtype, m, hidden)
+    x, w, b, dy = make_inputs(op, pass_, dtype, m, hidden, device=device)
     with T.forced(key, tile, C.ROW_BUCKETS):
         y = be.rms_norm(x, w, 1e-6, 0.0, "gemma") if op == "rms_norm" else be.layer_norm(x, w, b, 1e-5)
         outs = [y.detach()]
         if pass_ == "bwd":
             outs += list(torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy))
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return outs
 
 
@@ -293,8 +295,9 @@ def gpu_agree(dtype: str):
     return agree
 
 
-def gpu_measure(key: tuple, tile: dict, m: int, l2: int) -> float:
-    """µs of one case (kernels.py's make_case and time_us: CUDA graphs, rotating inputs)."""
+def gpu_measure(key: tuple, tile: dict, m: int, l2: int, device: str = "cuda") -> float:
+    """µs of one case (kernels.py's make_case and time_us: CUDA graphs, rotating inputs). (device
+    "cpu": host timing through the interpreter, for the CPU tests' plumbing check only.)"""
     import torch
 
     from normswap.backends import get_backend
@@ -304,16 +307,17 @@ def gpu_measure(key: tuple, tile: dict, m: int, l2: int) -> float:
 
     arch, op, pass_, dtype, hidden, _ = key
     bench_pass = "fwd" if pass_ == "fwd" else "fwd+bwd"
-    if not kernel_bench.fits(m, hidden, DTYPES[dtype], bench_pass, False, "cuda"):
+    if not kernel_bench.fits(m, hidden, DTYPES[dtype], bench_pass, False, device):
         raise MemoryError(f"{m} x {hidden} does not fit in device memory")
     with T.forced(key, tile, C.ROW_BUCKETS):
-        fn, _, sets = kernel_bench.make_case(op, bench_pass, get_backend("triton"), m, hidden, DTYPES[dtype], "cuda",
+        fn, _, sets = kernel_bench.make_case(op, bench_pass, get_backend("triton"), m, hidden, DTYPES[dtype], device,
                                              "gemma", False, l2)
         try:
-            return kernel_bench.time_us(fn, "cuda", "graph", 0) / sets
+            return kernel_bench.time_us(fn, device, "graph", 1) / sets
         finally:
             fn = None  # noqa: F841 - release the case's tensors
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def parallel_static(key: tuple, pool):

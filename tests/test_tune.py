@@ -199,3 +199,33 @@ def test_agreement_rule_allows_rounding_and_catches_wrong_outputs(tune):
         nan[0, 0] = float("nan")
         assert "non-finite" in agree([y, nan, dw], [y, dx, dw])
         assert "parameter grad 0" in agree([y, dx, dw * 1.05], [y, dx, dw])
+
+
+@pytest.mark.parametrize("op", ("rms_norm", "layer_norm"))
+def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
+    """The functions that do the GPU work (inputs, outputs under a forced tile, agreement,
+    kernels.py's case and timer) called exactly as main calls them, on CPU through the interpreter
+    (which never reads the table: this proves the plumbing, never a choice), so that an API slip
+    fails here and not on a GPU lease. Backward keys: y, dx and every parameter grad compared."""
+    from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+    if not C.interpreting(_rms_fwd_kernel):
+        pytest.skip("the CPU plumbing check runs through the interpreter")
+    keys = [{"op": op, "pass": p, "dtype": "bf16", "hidden": 64, "rows": ">2048", "row_counts": [8]}
+            for p in ("fwd", "bwd")]
+    meta = {"device": "cpu plumbing (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-",
+            "commit": "-"}
+    out = tmp_path / "table.json"
+    done = tune.tune_keys(
+        keys, T.empty(C.ROW_BUCKETS), meta, out, tmp_path / "r.md", retune=False, deadline=math.inf,
+        fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
+        measure=lambda key: lambda tile, m: tune.gpu_measure(key, tile, m, 1 << 20, device="cpu"),
+        outputs=lambda key, m: lambda tile: tune.gpu_outputs(key, tile, m, device="cpu"), agree=tune.gpu_agree,
+        log=lambda s: None)
+    assert [d["entry"] is not None for d in done] == [True, True]
+    for d in done:
+        assert not [t["why"] for t in d["trials"] if t["why"]]  # every candidate ran and agreed
+        assert all(t["us"][8] > 0 for t in d["trials"])
+    outs = tune.gpu_outputs(("sm_90", op, "bwd", "bf16", 64, ">2048"), done[1]["entry"]["tile"], 8, device="cpu")
+    assert len(outs) == (3 if op == "rms_norm" else 4) and outs[1].shape == (8, 64)
+    assert T.problems(T.read(out), C.ROW_BUCKETS) == []
