@@ -56,7 +56,8 @@ import kernels as kernel_bench  # noqa: E402  (benchmarks/kernels.py)
 # A candidate replaces the baseline only when faster by more than this (geometric mean over the
 # key's row counts): timing noise must not move a launch choice, and with it the output's bits.
 MIN_GAIN = 0.02
-# Keys are not started with less time left than this (a key takes ~10-40 s on an H100).
+# Keys are not started with less time left than this (a guess: no key has been timed on a GPU yet;
+# a key cut by the budget is simply not written).
 MIN_KEY_S = 25.0
 # Worker processes of the static check (compiles for sm_90 and ptxas runs; CPU only).
 STATIC_WORKERS = 8
@@ -213,8 +214,8 @@ def tune_key(key: tuple, row_counts: list[int], tiles: list[dict], static_check,
         if t is trials[0] and not t["us"]:
             break  # no baseline: nothing can be compared with it
     winner, runner_up = select(trials)
-    if winner is None:
-        return None, trials
+    if winner is None or any(t["why"] == "not measured (time limit)" for t in trials):
+        return None, trials  # a key cut short is left to a later run, never chosen from part of its candidates
     return {"tile": winner["tile"], "us": _us(winner), "static": {"tile": trials[0]["tile"], "us": _us(trials[0])},
             "runner_up": None if runner_up is None else {"tile": runner_up["tile"], "us": _us(runner_up)}}, trials
 

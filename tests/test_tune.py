@@ -126,6 +126,19 @@ def test_no_baseline_no_entry(tune):
     assert entry is None and trials[0]["why"] == "not measured (time limit)"
 
 
+def test_a_key_cut_by_the_budget_is_not_written(tune, monkeypatch):
+    """The budget runs out after three candidates: the key gets no entry (a later run tunes it
+    whole), although the baseline and two others were timed."""
+    tiles = tune.candidates("fwd", "bf16", 4096, 32768)
+    clock = iter(range(1000))
+    monkeypatch.setattr(tune.time, "monotonic", lambda: next(clock))
+    entry, trials = tune.tune_key(KEY, [4096], tiles, *_fake(tiles, [3.0, 1.0] + [2.0] * (len(tiles) - 2)),
+                                  deadline=2.5, log=lambda s: None)
+    assert entry is None
+    assert [bool(t["us"]) for t in trials[:4]] == [True, True, True, False]
+    assert trials[3]["why"] == "not measured (time limit)"
+
+
 def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     """The whole loop with injected GPU work: the table validates after each key, launch_config
     picks every winner for its key (any row count in the bucket), the report names winner and
