@@ -59,6 +59,18 @@ ARCH_RE = re.compile(r"^sm_\d+$")
 KEY_FIELDS = ("op", "pass", "dtype", "hidden", "rows")
 
 
+# The file's "about", with and without entries (benchmarks/tune.py switches it with the first one).
+ABOUT_EMPTY = ("Launch tiles measured on real GPUs by benchmarks/tune.py, per architecture (schema and why a committed "
+               "table instead of runtime autotuning: normswap/kernels/launch_table.py). No entries yet: no GPU has "
+               "tuned these kernels, and an entry is only ever written from a measurement. Until then every launch "
+               "uses the static heuristics of normswap/kernels/_common.py (chosen from the sm_90 static analysis, "
+               "benchmarks/kernel_static.py).")
+ABOUT_MEASURED = ("Launch tiles measured on real GPUs by benchmarks/tune.py, per architecture (schema and why a committed "
+                  "table instead of runtime autotuning: normswap/kernels/launch_table.py). Every entry was written from "
+                  "a measurement and carries its provenance (device, date, versions, commit, times); keys without an "
+                  "entry use the static heuristics of normswap/kernels/_common.py.")
+
+
 def bucket_labels(row_buckets) -> list[str]:
     """Labels of the row-count buckets, in bucket order: (2048,) -> ["<=2048", ">2048"]."""
     bounds = list(row_buckets)
@@ -155,8 +167,8 @@ def index(doc) -> dict:
             for arch, body in doc["archs"].items() for e in body["entries"]}
 
 
-def empty(row_buckets, about: str = "") -> dict:
-    return {"schema": SCHEMA, "about": about, "row_buckets": list(row_buckets), "archs": {}}
+def empty(row_buckets) -> dict:
+    return {"schema": SCHEMA, "about": ABOUT_EMPTY, "row_buckets": list(row_buckets), "archs": {}}
 
 
 def read(path: Path = PATH) -> dict:
@@ -265,4 +277,5 @@ def merge(doc, arch: str, entries: list[dict]) -> dict:
     order = lambda e: (OPS.index(e["op"]), PASSES.index(e["pass"]), DTYPES.index(e["dtype"]), e["hidden"],  # noqa: E731
                        str(e["rows"]))
     body["entries"] = sorted(kept + list(entries), key=order)
+    out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY
     return out
