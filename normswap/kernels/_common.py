@@ -336,7 +336,9 @@ class Tile:
 # Chosen from the sm_90 static analysis (benchmarks/kernel_static.py: no spills, 16-byte accesses,
 # >= 2 programs per SM where rows are split, so one program's wait overlaps another's loads). They
 # answer wherever the measured launch table (launch_table.json, filled by benchmarks/tune.py on a
-# GPU) has no entry for the device's architecture.
+# GPU) has no entry for the device's architecture. A committed table, not triton.autotune: a tile
+# fixes the reduction order, so a winner picked by run-time timing would let noise change the
+# output's last bit from one run to the next (launch_table.py says more).
 ROW_BUCKETS = (2048,)  # row counts <= 2048 are "few"
 TILE_ELEMS = {"fwd": (4096, 8192), "bwd": (4096, 4096)}
 SPLIT_WARPS = {"fwd": 8, "bwd": 8}
