@@ -622,13 +622,13 @@ class _PairStats:
                     top1_agreement=self.agree / n, max_abs_logit_diff=self.max_abs)
 
 
-def describe_distance(x: Distance) -> str:
+def _describe_distance(x: Distance) -> str:
     return f"{100 * x.relative_delta:+.3g}% ppl, KL {x.kl_mean:.3g}, top-1 {100 * x.top1_agreement:.2f}%"
 
 
 def describe_floor(dtype: str, original: Distance) -> str:
     """The noise floor itself, in the words every verdict starts with."""
-    return f"{dtype} noise floor: the original is {describe_distance(original)} from its float32 self"
+    return f"{dtype} noise floor: the original is {_describe_distance(original)} from its float32 self"
 
 
 def judge_noise(original: Mapping, candidate: Mapping, dtype: str, ppl_reference: float,
@@ -644,7 +644,7 @@ def judge_noise(original: Mapping, candidate: Mapping, dtype: str, ppl_reference
     else:
         ratio = 1.0 if candidate_d.kl_mean == 0 else math.inf
     within = ratio <= NOISE_KL_FACTOR
-    verdict = (f"{describe_floor(dtype, original_d)}, {name} {describe_distance(candidate_d)}: "
+    verdict = (f"{describe_floor(dtype, original_d)}, {name} {_describe_distance(candidate_d)}: "
                f"{'within' if within else 'OUTSIDE'} the {dtype} noise (KL to float32 "
                f"{ratio:.3g}x the original's, limit {NOISE_KL_FACTOR:g}x)")
     return NoiseFloor(dtype=dtype, ppl_reference=ppl_reference, original=original_d, patched=candidate_d,

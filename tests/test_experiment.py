@@ -701,10 +701,10 @@ def test_a_resumed_half_precision_run_reports_the_same_judgements(bf16_run):
 
 
 def test_the_verdict_is_the_arm_kl_over_the_floor_kl():
-    """judged(): within while KL(float32 ‖ arm) <= 2x KL(float32 ‖ half original), whatever the
+    """_judged(): within while KL(float32 ‖ arm) <= 2x KL(float32 ‖ half original), whatever the
     perplexity says; an arm moved far away is OUTSIDE."""
     from normswap.evaluate import DiffResult
-    from normswap.experiment.runner import judged
+    from normswap.experiment.runner import _judged
 
     floor = DiffResult(ppl_a=10.0, ppl_b=10.1, delta_ppl=0.1, relative_delta=0.01, nll_a=math.log(10),
                        nll_b=math.log(10.1), kl_mean=1e-3, kl_max=1e-2, top1_agreement=0.99, max_abs_logit_diff=0.1,
@@ -715,7 +715,7 @@ def test_the_verdict_is_the_arm_kl_over_the_floor_kl():
                            "top1_agreement": 0.98}]}
 
     arms = {"near": arm(1.9e-3), "at": arm(2e-3), "far": arm(5e-2), "better": arm(1e-4)}
-    out = judged(arms, floor, "bf16")
+    out = _judged(arms, floor, "bf16")
     got = {k: v["evals"][0]["noise_floor"] for k, v in out.items()}
     assert {k: v["within"] for k, v in got.items()} == {"near": True, "at": True, "far": False, "better": True}
     assert got["far"]["kl_ratio"] == pytest.approx(50) and got["near"]["kl_ratio"] == pytest.approx(1.9)
@@ -723,7 +723,7 @@ def test_the_verdict_is_the_arm_kl_over_the_floor_kl():
                                      "float32 self, the far arm +0.5% ppl, KL 0.05, top-1 98.00%: OUTSIDE the "
                                      "bfloat16 noise (KL to float32 50x the original's, limit 2x)")
     assert "noise_floor" not in arms["far"]["evals"][0]  # the arms' own results are left alone
-    assert judged(arms, None, "fp32") is arms  # float32: nothing to judge
+    assert _judged(arms, None, "fp32") is arms  # float32: nothing to judge
 
 
 def test_float32_runs_have_no_noise_floor(every_arm):

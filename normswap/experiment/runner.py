@@ -156,7 +156,7 @@ def _eval_distance(e: dict, ppl_reference: float) -> dict:
             "kl_mean": e["kl_mean"], "kl_max": e["kl_max"], "top1_agreement": e["top1_agreement"]}
 
 
-def judged(arms: dict[str, dict], floor: DiffResult | None, dtype: str) -> dict[str, dict]:
+def _judged(arms: dict[str, dict], floor: DiffResult | None, dtype: str) -> dict[str, dict]:
     """`arms` with every evaluation judged against the half-precision noise floor (a copy; `arms`
     itself, as each arm's result.json holds it, is left alone). Unchanged without a floor."""
     from normswap.evaluate import judge_noise
@@ -280,7 +280,7 @@ def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Se
             "pretrain": pretrain_info,
             "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
             "noise_floor": _floor_section(floor, ft.dtype),
-            "arms": judged(results, floor, ft.dtype),
+            "arms": _judged(results, floor, ft.dtype),
             "environment": {"torch": torch.__version__, "python": platform.python_version(),
                             "device": str(accelerator.device), "num_processes": accelerator.num_processes,
                             "mixed_precision": accelerator.mixed_precision,
