@@ -9,7 +9,7 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-from normswap.loading import RUN_DTYPES
+from normswap.dtypes import RUN_DTYPES
 
 
 @cli.command("bench")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-from normswap.loading import STORE_DTYPES
+from normswap.dtypes import STORE_DTYPES
 
 
 def _yes(flag: bool) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import click
 
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-from normswap.loading import RUN_DTYPES
+from normswap.dtypes import RUN_DTYPES
 
 
 def eval_options(f: Callable) -> Callable:
