@@ -69,7 +69,8 @@ class BenchRow:
     peak_memory_bytes: int | None = None
     speedup: float | None = None  # the unpatched model's median / this one (same mode)
     method: str | None = None  # cuda-graph | cuda-events | perf_counter
-    fused_writers: int | None = None  # writers whose add runs inside a norm kernel (+fused variants)
+    # writers whose residual add ran inside a norm kernel in one call of the mode, counted (+fused)
+    fused_writers: int | None = None
     error: str | None = None  # why this row has no numbers
 
 
@@ -254,29 +255,45 @@ def _device_info(device: torch.device) -> dict[str, Any]:
             "triton": "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "native"}
 
 
-def _measure(cfg, model, ids, mode, device) -> tuple[float, str, int | None]:
+def _workload(mode: str, run, ids) -> tuple[Callable[[], Any], bool]:
+    """The step that one timed call of `mode` runs, and whether it may be captured in a CUDA graph."""
+    if mode == "train":
+        return _train_step(run, ids), False
+    if mode == "prefill":
+        return _prefill(run, ids), False
+    return _decode(run, ids)
+
+
+def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tuple[float, str, int | None, int | None]:
+    """(median seconds, timing method, peak memory, fused writers). `pairs` (writer -> norm, from
+    patch) are only what *can* fuse: an active dropout between an add and its norm (GPT-2's
+    resid_pdrop in training) leaves that add unfused. So the writers whose add really ran inside
+    its norm's kernel are counted, on one extra eager call (a compiled graph runs no Python)."""
+    from normswap import fuse
+
     run = model
     if cfg.compile:
         torch._dynamo.reset()  # the patched modules are new code: no graph of another variant applies
         run = torch.compile(model, backend=cfg.compile_backend)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if mode == "train":
-        model.train()
-        try:
-            seconds, method = time_calls(_train_step(run, ids), device, cfg.warmup, cfg.repeats)
-        finally:
-            model.zero_grad(set_to_none=True)
-            model.eval()
-    elif mode == "prefill":
-        seconds, method = time_calls(_prefill(run, ids), device, cfg.warmup, cfg.repeats)
-    else:
-        step, static = _decode(run, ids)
+    model.train(mode == "train")
+    try:
+        fused = None
+        if pairs is not None:
+            step, _ = _workload(mode, model, ids)
+            with fuse.counting() as used:
+                step()
+            fused = sum(id(model.get_submodule(norm)) in used.norms for norm in pairs.values())
+        step, static = _workload(mode, run, ids)
         fn = _cuda_graph(step, device) if device.type == "cuda" and static else None
         seconds, method = time_calls(fn or step, device, cfg.warmup, cfg.repeats)
         method = "cuda-graph" if fn is not None else method
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return seconds, method, peak
+    return seconds, method, peak, fused
 
 
 def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResult:
@@ -326,20 +343,24 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     for impl, fused in variants:
         name = "eager" if impl is None else impl + ("+fused" if fused else "")
         rows = [BenchRow(name, impl, fused, mode) for mode in cfg.modes]
-        fused_writers = None
+        pairs = None
         try:
             if impl is not None:
                 report = patch(model, impl, fuse_residual=fused)
-                fused_writers = len(report.fusion.pairs) if report.fusion is not None else None
+                pairs = report.fusion.pairs if report.fusion is not None else None
             for row in rows:
                 if progress:
                     progress(f"{name} {row.mode}", done, total)
                 done += 1
-                seconds, row.method, row.peak_memory_bytes = _measure(cfg, model, ids, row.mode, device)
+                seconds, row.method, row.peak_memory_bytes, row.fused_writers = _measure(
+                    cfg, model, ids, row.mode, device, pairs)
                 row.median_ms = seconds * 1e3
                 tokens = cfg.batch * (1 if row.mode == "decode" else cfg.seq)
                 row.tokens_per_s = tokens / seconds
-                row.fused_writers = fused_writers
+                if pairs is not None and row.fused_writers < len(pairs):
+                    result.notes.append(f"{name} {row.mode}: {row.fused_writers} of the {len(pairs)} fused writers had "
+                                        "their residual add run inside a norm kernel (the others met an op between "
+                                        "the add and its norm, e.g. an active dropout)")
                 if impl is None:
                     baseline[row.mode] = seconds
                 elif row.mode in baseline:

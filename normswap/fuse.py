@@ -56,6 +56,26 @@ _SHAPE_OPS = (torch.Tensor.view, torch.Tensor.reshape)
 
 # The discovery recorder of the forward pass in progress (None: not discovering).
 _RECORDER: Recorder | None = None
+# The counter of `counting()` in progress (None: not counting).
+_USED: FusedCount | None = None
+
+
+@dataclass
+class FusedCount:
+    norms: set[int] = field(default_factory=set)  # id() of each norm that returned a fused add's value
+
+
+@contextmanager
+def counting() -> Iterator[FusedCount]:
+    """Count the norms that returned a fused add's precomputed value while the block runs (eager
+    forwards only: a compiled graph runs no Python). A pair patch found fuses only where nothing
+    comes between the add and the norm; this says how many did in a real call."""
+    global _USED
+    outer, _USED = _USED, FusedCount()
+    try:
+        yield _USED
+    finally:
+        _USED = outer
 
 
 class StreamTensor(torch.Tensor):
@@ -219,6 +239,8 @@ def precomputed(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
         # gradient upstream of this norm.
         if torch.is_grad_enabled() and x.requires_grad and not y.requires_grad:
             return None
+        if _USED is not None:
+            _USED.norms.add(id(norm))
     return y
 
 

@@ -143,3 +143,20 @@ def test_bench_checkpoint_refuses_an_unwritable_destination_before_measuring(tmp
         normswap.bench_checkpoint(model, "torch", modes="prefill", seq=4, out="/proc/normswap-bench.json",
                                   progress=lambda *a: calls.append(a))
     assert calls == []
+
+
+def test_fused_writers_are_counted_not_assumed(tmp_path):
+    """GPT-2 in training runs resid_dropout between each writer's output and the add: patch finds
+    the pairs, but no add can run inside a norm kernel there. The train row must say 0 (with a
+    note), while prefill and decode (eval mode: dropout is the identity) fuse every writer."""
+    cfg = tiny_config("gpt2")
+    cfg.architectures = [type(tiny_model("gpt2")).__name__]
+    cfg.resid_pdrop = 0.5
+    cfg.save_pretrained(tmp_path / "cfg")
+    result = bench.run_bench(bench.BenchConfig(str(tmp_path / "cfg"), impls=("torch",), fuse_residual=True, seq=8,
+                                               dtype="fp32", warmup=0, repeats=1))
+    fused = {row.mode: row.fused_writers for row in result.rows if row.fused}
+    assert fused == {"train": 0, "prefill": 4, "decode": 4}
+    assert [n for n in result.notes if "fused writers" in n] == [
+        "torch+fused train: 0 of the 4 fused writers had their residual add run inside a norm kernel (the others "
+        "met an op between the add and its norm, e.g. an active dropout)"]
