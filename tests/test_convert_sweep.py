@@ -270,11 +270,11 @@ def test_every_layer_norm_architecture_is_classified(sweep):
 def test_converted_architectures_are_exact(sweep, tmp_path):
     """Every architecture where something converts: float64 logits within 1e-12, zero-mean norm
     inputs, stock reload equal. At least 15 convert whole, with no architecture file."""
-    from normswap.archs import available
+    from tests.tiny_models import arch_files
 
     whole = [label for label, (r, *_) in sweep.items() if r == (CONVERTS,)]
     assert len(whole) >= 15, whole
-    assert {"gpt2", "opt", "gpt_neox", "phi", "falcon", "bloom"} <= set(whole) | set(available())
+    assert {"gpt2", "opt", "gpt_neox", "phi", "falcon", "bloom"} <= set(whole) | set(arch_files())
     problems = {}
     for label, (result, model_type, class_name, converting) in sweep.items():
         if CONVERTS in result:

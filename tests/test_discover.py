@@ -10,10 +10,9 @@ import pytest
 import torch
 import transformers
 
-from normswap.archs import available
 from normswap.discover import REFUSALS, discover
 from normswap.plan import plan_conversion
-from tests.tiny_models import ARCHS
+from tests.tiny_models import ARCHS, arch_files
 
 # Every file's tiny models: the default layout of each, and the layouts its config chooses.
 FILE_MODELS = [
@@ -57,7 +56,7 @@ def comparable(plan) -> dict:
 
 def test_every_file_has_tiny_models():
     covered = {getattr(transformers, ARCHS[a][0])().model_type for a, _ in FILE_MODELS}
-    assert covered >= set(available())
+    assert covered >= set(arch_files())
 
 
 @pytest.mark.parametrize("arch,overrides", FILE_MODELS, ids=[f"{a}-{'-'.join(o) or 'default'}" for a, o in FILE_MODELS])

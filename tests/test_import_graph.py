@@ -187,3 +187,40 @@ def test_progress_callbacks_have_one_shape():
                 odd[f"{name}.{fn}"] = annotation
     assert odd == {}
     assert _progress_parameters(PACKAGE / "swap.py") == {"patch": "ProgressFn | None"}  # the check sees them
+
+
+def _referenced(paths) -> set[str]:
+    """Every name the code at `paths` uses: names, attributes, imported names."""
+    out: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(Path(path).read_text(), str(path))):
+            if isinstance(node, ast.Name):
+                out.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                out.add(node.attr)
+            elif isinstance(node, ast.alias):
+                out.add(node.name.rpartition(".")[2])
+    return out
+
+
+# Reached without their name being written: the third-party adapters by getattr(adapters,
+# f"{name}_rms_norm") in backends.py, the click commands through the decorator that registers them.
+_REACHED_INDIRECTLY = {"liger_rms_norm", "liger_layer_norm", "quack_rms_norm", "quack_layer_norm", "patch_cmd",
+                       "bench_cmd"}
+
+
+def test_no_public_name_exists_only_for_tests():
+    """A public function or class of the package that no package module, benchmark or example uses
+    is either dead or public only for the tests (issue 10: make it private, or test it through
+    the public path)."""
+    library = list(PACKAGE.rglob("*.py"))
+    used = _referenced(library) | _referenced([*(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rglob("*.py")])
+    exported = (PACKAGE / "__init__.py").read_text()
+    unused = []
+    for path in library:
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if (isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_")
+                    and node.name not in used and f'"{node.name}"' not in exported
+                    and node.name not in _REACHED_INDIRECTLY):
+                unused.append(f"{_module_name(path)}.{node.name}")
+    assert unused == []

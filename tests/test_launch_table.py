@@ -54,7 +54,7 @@ def test_entry_answers_its_key_only(monkeypatch):
     doc = table(entry(block_m=2, num_warps=8), entry(pass_="bwd", block_m=4, num_warps=8, num_stages=2),
                 entry(hidden=65536, block_n=8192, num_warps=4))
     static_fwd = _common.launch_config(32768, 4096, BF16, "fwd", RMS)
-    with T.using(doc, _common.ROW_BUCKETS):
+    with T._using(doc, _common.ROW_BUCKETS):
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == _common.Tile(2, 4096, 1, 8, 1)
         assert _common.launch_config(32768, 4096, BF16, "bwd", RMS) == _common.Tile(4, 4096, 1, 8, 2)
         # Any hidden size of the bucket (2048, 4096] uses it; 4097 is the next bucket's.
@@ -66,7 +66,7 @@ def test_entry_answers_its_key_only(monkeypatch):
         # Other op, dtype, row bucket: the heuristics.
         for args in ((32768, 4096, BF16, "fwd", LN), (32768, 4096, FP32, "fwd", RMS),
                      (32768, 4096, torch.float16, "fwd", RMS), (100, 4096, BF16, "fwd", RMS)):
-            with T.using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+            with T._using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
                 want = _common.launch_config(*args)
             assert _common.launch_config(*args) == want, args
         # Per device, by its capability: cuda:0 an sm_80 (no entry), cuda:1 an sm_90.
@@ -76,14 +76,14 @@ def test_entry_answers_its_key_only(monkeypatch):
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda1) == _common.Tile(2, 4096, 1, 8, 1)
     # Leaving the table: the heuristics again (the cache never answers with the old table).
     assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == static_fwd
-    with T.using(table(entry(block_m=2, num_warps=8), arch="sm_80"), _common.ROW_BUCKETS):
+    with T._using(table(entry(block_m=2, num_warps=8), arch="sm_80"), _common.ROW_BUCKETS):
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS) == static_fwd  # planned for sm_90
 
 
 def test_one_tile_per_row_bucket_never_per_row_count():
     doc = table(entry(block_m=2, num_warps=8), entry(rows="<=2048", block_m=1, num_warps=4))
     few, many = (1, 3, 16, 511, 512, 2048), (2049, 3000, 4096, 32768, 1 << 20)
-    with T.using(doc, _common.ROW_BUCKETS):
+    with T._using(doc, _common.ROW_BUCKETS):
         for op in (RMS, LN):
             for n in (1000, 4096, 70000):
                 for pass_ in ("fwd", "bwd"):
@@ -98,7 +98,7 @@ def test_interpreter_never_reads_the_table():
     if not _common.interpreting(_rms_fwd_kernel):
         pytest.skip("the kernels are compiled here, not interpreted")
     before = _common.launch_config(64, 4096, BF16, "fwd", _rms_fwd_kernel)
-    with T.using(table(entry(block_m=2, num_warps=8)), _common.ROW_BUCKETS):
+    with T._using(table(entry(block_m=2, num_warps=8)), _common.ROW_BUCKETS):
         assert _common.launch_config(64, 4096, BF16, "fwd", _rms_fwd_kernel) == before
     assert before.block_m == 16  # the interpreter's own tiles: 64K elements, shrunk to the rows
 
@@ -144,7 +144,7 @@ def test_broken_package_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setitem(T._state, "index", None)
     with pytest.warns(UserWarning, match="ignoring the launch table"):
         tile = _common.launch_config(32768, 4096, BF16, "fwd", RMS)
-    with T.using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+    with T._using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
         assert tile == _common.launch_config(32768, 4096, BF16, "fwd", RMS)
     bad.write_text("{not json")
     monkeypatch.setitem(T._state, "index", None)
@@ -165,7 +165,7 @@ def test_write_is_atomic_and_merge_replaces_one_key(tmp_path):
 
 def test_forced_tile_layers_on_the_table_and_is_checked():
     key = ("sm_90", "rms_norm", "fwd", "bf16", 4096, ">2048")
-    with T.using(table(entry(pass_="bwd", block_m=4, num_warps=8, num_stages=2)), _common.ROW_BUCKETS):
+    with T._using(table(entry(pass_="bwd", block_m=4, num_warps=8, num_stages=2)), _common.ROW_BUCKETS):
         with T.forced(key, {"block_m": 4, "block_n": 4096, "num_warps": 16, "num_stages": 1}, _common.ROW_BUCKETS):
             assert _common.launch_config(9999, 4096, BF16, "fwd", RMS) == _common.Tile(4, 4096, 1, 16, 1)
             assert _common.launch_config(9999, 4096, BF16, "bwd", RMS) == _common.Tile(4, 4096, 1, 8, 2)

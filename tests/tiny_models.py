@@ -113,3 +113,8 @@ def save_tiny(arch: str, directory: str | Path, dtype: torch.dtype = torch.float
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return model
+
+
+def arch_files() -> list[str]:
+    """The model types normswap/archs/ holds a data file for."""
+    return sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "normswap" / "archs").glob("*.toml"))

@@ -84,12 +84,6 @@ def expand(pattern: str, i: str | None) -> str:
     return pattern if i is None else pattern.replace("{i}", i)
 
 
-def available() -> list[str]:
-    return sorted(
-        p.name[: -len(".toml")] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml")
-    )
-
-
 def load_arch(model_type: str) -> ArchData | None:
     """The data for `model_type`, or None when normswap has no file for it."""
     name = f"{model_type}.toml"

@@ -222,7 +222,7 @@ def generation(row_buckets) -> int:
 
 
 @contextlib.contextmanager
-def using(doc, row_buckets):
+def _using(doc, row_buckets):
     """Run with `doc` as the launch table (tests' injected tables). Raises ValueError on an
     invalid document."""
     bad = problems(doc, row_buckets)
