@@ -14,6 +14,9 @@ _LAZY = {
     "NormSpec": "normswap.specs",
     "RmsForm": "normswap.modules",
     "PatchConfig": "normswap.swap",
+    # what the calls below raise with their report attached (a NormswapError each)
+    "VerificationError": "normswap.swap",
+    "ConversionRefused": "normswap.api",
     "load": "normswap.loading",
     "patch": "normswap.swap",
     "revert": "normswap.swap",
