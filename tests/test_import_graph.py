@@ -224,3 +224,29 @@ def test_no_public_name_exists_only_for_tests():
                     and node.name not in _REACHED_INDIRECTLY):
                 unused.append(f"{_module_name(path)}.{node.name}")
     assert unused == []
+
+
+def test_the_cli_lists_come_from_their_registries():
+    """--impl, --dtype and bench's --mode offer what the defining registry holds (issue 10: the
+    command line kept an impl list of its own once)."""
+    import click
+
+    from normswap.backends import BACKENDS
+    from normswap.bench import MODES
+    from normswap.cli import cli
+    from normswap.dtypes import RUN_DTYPES, STORE_DTYPES
+
+    seen = set()
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if isinstance(param.type, click.Choice) and param.name in ("impl", "dtype"):
+                expected = BACKENDS if param.name == "impl" else (STORE_DTYPES if name == "convert" else RUN_DTYPES)
+                assert tuple(param.type.choices) == expected, (name, param.name)
+                seen.add(param.name)
+            if (name, param.name) in (("bench", "impls"), ("bench", "modes")):
+                listed = BACKENDS if param.name == "impls" else MODES
+                assert all(item in param.help for item in listed), (name, param.name)
+                seen.add(param.name)
+    modes = next(p for p in cli.commands["bench"].params if p.name == "modes")
+    assert modes.default == ",".join(MODES)
+    assert seen == {"impl", "dtype", "impls", "modes"}

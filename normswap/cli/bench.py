@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.backends import BACKENDS
+from normswap.bench import MODES
 from normswap.cli.main import ProgressBars, cli, emit, json_option
 from normswap.dtypes import RUN_DTYPES
 
@@ -17,8 +18,9 @@ from normswap.dtypes import RUN_DTYPES
 @click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
               help=f"Comma-separated impls to compare with the unpatched model ({', '.join(BACKENDS)}).")
 @click.option("--fuse-residual", is_flag=True, help="Also measure each impl with its residual adds fused into the norms.")
-@click.option("--mode", "modes", default="train,prefill,decode", show_default=True, metavar="LIST",
-              help="Comma-separated workloads: train (fwd+bwd step), prefill, decode (one step with a KV cache).")
+@click.option("--mode", "modes", default=",".join(MODES), show_default=True, metavar="LIST",
+              help=f"Comma-separated workloads ({', '.join(MODES)}): train is a fwd+bwd step, decode one step "
+                   "with a KV cache.")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
 @click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True)
