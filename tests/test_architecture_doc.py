@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from test_import_graph import _graph
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "normswap"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
@@ -40,3 +42,25 @@ def test_every_file_the_document_names_exists():
             missing.append(name)
     assert sorted(missing) == []
     assert "swap.py" in _named(DOC.read_text())  # the check sees the names
+
+
+def _entries() -> list[str]:
+    """The table's rows in order: "api.py", "cli/", ... (continuation lines belong to the row above)."""
+    return [line.split()[0] for line in _layer_table().strip("\n").splitlines() if line and not line[0].isspace()]
+
+
+def test_the_layer_table_is_a_layering():
+    """What the document says: every module imports only from its own row or the rows below it."""
+    rows = _entries()
+
+    def row(module: str) -> int | None:
+        top = module.split(".")[1] if "." in module else None
+        for i, entry in enumerate(rows):
+            if top is not None and entry in (f"{top}.py", f"{top}/"):
+                return i
+        return None  # errors, _env, _version: leaves every layer may import
+
+    upward = sorted((m, d) for m, deps in _graph().items() for d in deps
+                    if row(m) is not None and row(d) is not None and row(d) < row(m))
+    assert upward == []
+    assert row("normswap.cli.patch") == 0 and row("normswap.kernels.reference") is not None  # the check sees rows
