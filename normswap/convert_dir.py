@@ -130,7 +130,8 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
 
     config = loading.load_config(source) if config is None else config
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    conv_cfg = loading.load_config(loading.resolve(converted_dir))
+    converted_source = loading.resolve(converted_dir)
+    conv_cfg = loading.load_config(converted_source)
     conv_dtype = getattr(conv_cfg, "dtype", None) or stored
     if isinstance(conv_dtype, str):
         conv_dtype = getattr(torch, conv_dtype, torch.float32)
@@ -143,7 +144,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     ref = model_output(original, batch, raw=True)[1]
     check_reference_output("logits", ref, f"{source.ref} (the original)")
     del original
-    converted = loading.load_model(loading.resolve(converted_dir), dtype=run_dtype)
+    converted = loading.load_model(converted_source, dtype=run_dtype, config=conv_cfg)
     got = model_output(converted, batch, raw=True)[1]
     zero_mean = check_zero_mean(converted, manifest, batch, raise_on_failure=False,
                                 stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)

@@ -123,6 +123,30 @@ def test_convert_checkpoint_is_the_convert_command(root, tmp_path):
     assert read_manifest(tmp_path / "lib")["convert"] == as_json(result.section)
 
 
+def test_convert_checkpoint_reads_plans_and_writes_once(root, tmp_path, monkeypatch):
+    """Each config is read once (the source's, then the output's for its check), the plan built
+    once and the manifest written once: the convert command once did each two or three times."""
+    import collections
+
+    from normswap import loading, manifest, plan
+
+    calls = collections.Counter()
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            calls[name, str(getattr(args[0], "path", args[0]))] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+
+    for module, name in ((loading, "load_config"), (plan, "plan_conversion"), (manifest, "write_manifest")):
+        counted(module, name)
+    api.convert_checkpoint(root / "gpt2", tmp_path / "out")
+    assert sorted(n for n, _ in calls.elements()) == ["load_config", "load_config", "plan_conversion", "write_manifest"]
+    assert max(calls.values()) == 1, calls
+
+
 def test_convert_checkpoint_refusal_carries_the_report(tmp_path):
     save_tiny("bert", tmp_path / "bert")
     with pytest.raises(api.ConversionRefused) as e:
