@@ -28,7 +28,7 @@ import inspect
 import re
 import textwrap
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 
 import torch
 from torch import nn
@@ -281,13 +281,24 @@ def _size_from_attrs(m: nn.Module) -> tuple[int, ...] | None:
 
 def _cache_key(m: nn.Module) -> tuple:
     """What decides a class's arithmetic: the class, its parameter layout and its plain settings
-    (a data_format or a flag may switch the forward's branch; float values are eps, not branches)."""
+    (a data_format or a flag may switch the forward's branch; float values are eps, not branches).
+    A frozen dataclass setting counts too: normswap's own LayerNorm computes an RMS norm when its
+    rms_form is set, and one such module must not decide what every other one of the class is."""
     params = tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))
     settings = tuple(sorted(
         (k, v) for k, v in vars(m).items()
-        if not k.startswith("_") and isinstance(v, (str, bool, int)) and k != "training"
+        if not k.startswith("_") and k != "training" and (
+            isinstance(v, (str, bool, int)) or (is_dataclass(v) and not isinstance(v, type) and _hashable(v)))
     ))
     return (type(m), params, settings)
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _dtype_name(t: torch.Tensor | None) -> str | None:

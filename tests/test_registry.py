@@ -213,3 +213,22 @@ def test_unsupported_entries_have_reasons():
 def test_spec_round_trips_json():
     spec = registry.recognise(_norm_classes_of("gemma")["GemmaRMSNorm"]).spec
     assert NormSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_a_layer_norm_run_as_rms_does_not_decide_for_its_class():
+    """The per-class verdict cache once ignored NormswapLayerNorm.rms_form: after one converted
+    model's zero-mean LayerNorms (which compute RMS norms) were looked at, every patched LayerNorm
+    of the same shape in the process was taken for an RMS norm (convert_model then refused a
+    plain patched GPT-2 with 'nothing to convert')."""
+    import normswap
+    from normswap.discover import is_layer_norm
+    from normswap.manifest import rms_forms
+
+    converted = tiny_model("gpt2")
+    section = normswap.convert_model(converted)
+    normswap.patch(converted, "torch", rms_forms=rms_forms(section), verify=False)
+    assert not is_layer_norm(converted.transformer.h[0].ln_1)  # it computes an RMS norm now
+    plain = tiny_model("gpt2")
+    normswap.patch(plain, "torch", verify=False)
+    assert is_layer_norm(plain.transformer.h[0].ln_1)
+    assert normswap.convert_model(plain)["summary"]["converted"] > 0
