@@ -170,7 +170,7 @@ def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     assert len(entries) == 6 and all(e["measured"]["commit"] == "abc" for e in entries)
     wide = next(e for e in entries if e["hidden"] == 65536 and e["pass"] == "fwd")
     assert set(wide["measured"]["us"]) == {"4096"}  # 32768 rows did not fit: not timed
-    with T.using(doc, C.ROW_BUCKETS):
+    with T._using(doc, C.ROW_BUCKETS):
         for key, tile in picks.items():
             _, op, pass_, dtype, hidden, label = key
             for m in ((512, 7, 2048) if label == "<=2048" else (2049, 4096, 32768, 100000)):
