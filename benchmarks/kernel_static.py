@@ -334,6 +334,19 @@ def analyse(launch: Launch, workdir: Path) -> dict:
         "local": sum(1 for o in mem if o["op"] in ("LDL", "STL")),
         "narrow_row_ops": [f"{o['op']}.{o['bits']}: {o['source']}" for o in row_ops if o["bits"] < 128],
         "wait": split_row_wait(k.asm["ptx"]),
+        "ptx": ptx_facts(k.asm["ptx"]),
+    }
+
+
+def ptx_facts(ptx: str) -> dict:
+    """What the PTX says about rounding and caching: `int_round` counts the 0x7FFF (32767) that
+    round_to's integer bf16 rounding adds (the interpreter's path: on a GPU the conversion must be
+    the hardware's cvt.rn, so 0 there); evict_first / evict_last count the L2 eviction policies
+    created for the streamed rows and the parameters."""
+    return {
+        "int_round": len(re.findall(r"\b32767\b", ptx)),
+        "evict_first": len(re.findall(r"createpolicy\.\S*L2::evict_first", ptx)),
+        "evict_last": len(re.findall(r"createpolicy\.\S*L2::evict_last", ptx)),
     }
 
 

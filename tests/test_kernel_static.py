@@ -62,6 +62,10 @@ def test_representative_kernels_are_spill_free_and_16_byte_wide(tmp_path):
         assert r["row_loads"] and set(r["row_loads"]) | set(r["cp_async_widths"]) <= {"128"}, r
         assert set(r["row_stores"]) == {"128"}, r
         assert 1 <= r["programs_per_sm"], r
+        # bf16 is rounded by the hardware conversion (cvt.rn), never by the interpreter's integer
+        # code; streamed rows are marked evict_first and the parameters evict_last.
+        assert r["ptx"]["int_round"] == 0, r
+        assert r["ptx"]["evict_first"] >= 1 and r["ptx"]["evict_last"] >= 1, r
         chunks = r["tile"]["CHUNKS"]
         if r["N"] == 65536:
             # Wider than one program's registers: the row is split over co-resident programs (read
