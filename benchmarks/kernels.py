@@ -14,8 +14,8 @@ timed another way. Inside the timed region the case rotates over several input s
 
 GB/s counts the bytes each pass moves as separate kernels must move them (quack's convention):
     fwd      x (+ residual) and weight (+ bias) read; y (+ h) written
-    bwd      the saved input (x, or h) and dy (+ dh) and weight read; dx (+ dresidual), dweight
-             (+ dbias) written
+    bwd      the saved input (x, or h) and dy (+ dh) and weight read; dx, dweight (+ dbias) written
+             (x and the residual get one gradient, written once)
     fwd+bwd  fwd + bwd: x is counted twice (read by the forward and again by the backward)
 Saved statistics (rstd, mean) and fp32 partial sums are not counted. Shapes that do not fit in
 device memory are rows with skip "oom (skipped)"; combinations a backend refuses are skip "n/a:
@@ -160,8 +160,9 @@ def pass_bytes(op: str, pass_: str, m: int, n: int, e: int, residual: bool) -> i
     if pass_ == "fwd":
         return fwd
     # saved input + dy (+ dh) and the weight read (never the bias: its grad needs none of it),
-    # dx (+ dr) and every parameter's grad written
-    bwd = (5 if residual else 3) * rows + (1 + params) * n * e
+    # dx and every parameter's grad written. With a residual, x and residual get the same gradient
+    # (h = x + residual): one tensor, written once; a second copy is traffic no kernel must move.
+    bwd = (4 if residual else 3) * rows + (1 + params) * n * e
     return fwd + bwd
 
 

@@ -64,7 +64,7 @@ STATIC_WORKERS = 8
 # The agreement rule's bound on y and dx, in units in the last place of the dtype: a different
 # reduction order moves a result by an ulp or so; a wrong tile (rows skipped, columns mixed) by O(1).
 AGREE_ULPS = 4
-# Row counts the agreement check runs at (the smallest of the key's, at most this).
+# Row counts the agreement check runs at (at most this, within the key's bucket: agree_rows).
 AGREE_ROWS = 512
 
 
@@ -97,6 +97,17 @@ def grid_keys(ops, passes, dtypes, hidden=None) -> list[dict]:
                             out.append({"op": op, "pass": pass_, "dtype": dtype, "hidden": T.hidden_bucket(n),
                                         "rows": label, "row_counts": ms})
     return out
+
+
+def agree_rows(row_counts) -> int:
+    """Rows the agreement check runs at: few (at most AGREE_ROWS) but inside the bucket of the key's
+    row counts. A forced tile answers only for row counts in its own bucket; checked at a count of
+    another bucket, both runs would use the heuristics' tile and any candidate would agree."""
+    from normswap.kernels import _common as C
+
+    smallest = min(row_counts)
+    b = C.row_bucket(smallest)
+    return max(min(smallest, AGREE_ROWS), C.ROW_BUCKETS[b - 1] + 1 if b > 0 else 1)
 
 
 def candidates(pass_: str, dtype: str, hidden: int, m: int) -> list[dict]:
@@ -476,7 +487,7 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
             continue
         tiles = candidates(k["pass"], k["dtype"], k["hidden"], rows[0])
         entry, trials = tune_key(key, rows, tiles, static_check(key), measure(key),
-                                 outputs(key, min(min(rows), AGREE_ROWS)), agree(k["dtype"]), deadline, log)
+                                 outputs(key, agree_rows(rows)), agree(k["dtype"]), deadline, log)
         done.append({"key": key, "entry": entry, "trials": trials})
         if entry is not None:
             measured = {f: meta[f] for f in ("device", "date", "torch", "triton", "commit")}

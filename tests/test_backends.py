@@ -225,6 +225,16 @@ def test_benchmark_without_cuda_is_one_clear_line(capsys):
                    "(use --dry-run for a CPU plumbing check)"]
 
 
+def _separate_kernel_bytes(r) -> int:
+    """Bytes as separate kernels move them, for a dry-run row of 4 rows x 16: fwd+bwd reads x twice;
+    with a residual, x and residual share one gradient (h = x + residual), written once."""
+    e = 4 if r["dtype"] == "fp32" else 2
+    params = 1 if r["op"] == "rms_norm" else 2
+    fwd = (4 if r["residual"] else 2) * 4 * 16 * e + params * 16 * e  # x (+ r), w (+ b) read; y (+ h) written
+    bwd = (4 if r["residual"] else 3) * 4 * 16 * e + (1 + params) * 16 * e  # x or h, dy (+ dh), w read; dx, dw (+ db)
+    return fwd if r["pass"] == "fwd" else fwd + bwd
+
+
 def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     """Plumbing only (tiny CPU shapes, reference and torch backends): table and JSON schema."""
     import json
@@ -246,12 +256,7 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
         assert r["op"] in ("rms_norm", "layer_norm") and r["pass"] in ("fwd", "fwd+bwd")
         assert r["us"] > 0 and r["gbs"] > 0 and r["sets"] >= 2
         assert r["casting"] == ("gemma" if r["op"] == "rms_norm" else None)
-        # Bytes as separate kernels move them: fwd+bwd reads x twice (4 x 16 fp32/bf16 rows of 16).
-        e = 4 if r["dtype"] == "fp32" else 2
-        params = 1 if r["op"] == "rms_norm" else 2
-        fwd = (4 if r["residual"] else 2) * 4 * 16 * e + params * 16 * e
-        bwd = (5 if r["residual"] else 3) * 4 * 16 * e + (1 + params) * 16 * e  # w read; dw (+ db) written
-        assert r["bytes"] == (fwd if r["pass"] == "fwd" else fwd + bwd)
+        assert r["bytes"] == _separate_kernel_bytes(r)
     table = capsys.readouterr().out
     assert "copy bandwidth" in table and "reference" in table and "torch" in table
     # A second run of a part merges into the same file instead of dropping the rest.
@@ -263,6 +268,7 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
                        "--dtypes", "fp32", "--rows", "4", "--hidden", "16", "--residual", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 18 and sum(r["residual"] for r in rows) == 2
+    assert all(r["bytes"] == _separate_kernel_bytes(r) for r in rows if r["residual"])
     # CUDA-only backends are refused in a dry run whether or not they import (they would crash on CPU tensors).
     for name in ("liger", "quack"):
         assert bench.main(["--dry-run", "--impls", name]) == 2

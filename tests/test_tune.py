@@ -184,6 +184,32 @@ def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     assert again == []
 
 
+def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
+    """A forced tile answers only for row counts in its own bucket: the agreement check must run
+    at such a count, or the candidate is never launched there and every candidate 'agrees' (the
+    heuristics' tile compared with itself). Asked of tune_keys with the GPU work injected, and
+    checked against launch_config under the forced tile."""
+    keys = tune.grid_keys(["rms_norm"], ["fwd"], ["bf16"], hidden=[4096])
+    meta = {"device": "injected (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-", "commit": "-"}
+    asked = []
+
+    def outputs(key, m):
+        asked.append((key, m))
+        return lambda tile: [0]
+
+    tune.tune_keys(keys, T.empty(C.ROW_BUCKETS), meta, tmp_path / "t.json", tmp_path / "t.md", retune=False,
+                   deadline=math.inf, fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
+                   measure=lambda key: lambda tile, m: 1.0, outputs=outputs, agree=lambda dt: lambda a, b: None,
+                   log=lambda s: None)
+    assert sorted(key[5] for key, _ in asked) == sorted(T.bucket_labels(C.ROW_BUCKETS))
+    for key, m in asked:
+        assert m <= max(tune.AGREE_ROWS, C.ROW_BUCKETS[-1] + 1)  # few rows: the check stays cheap
+        tile = tune.candidates("fwd", "bf16", 4096, m)[-1]
+        assert tile != C.tile_fields(C.heuristic_config(m, 4096, torch.bfloat16, "fwd"))
+        with T.forced(key, tile, C.ROW_BUCKETS):
+            assert C.tile_fields(C.launch_config(m, 4096, torch.bfloat16, "fwd", RMS)) == tile, (key, m)
+
+
 def test_without_cuda_one_line_and_exit_2(tune, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
