@@ -24,11 +24,8 @@ from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.verify import ProbeConfig, check_weights, model_output, probe_batch
 
 
-def convert_model(
-    model: torch.nn.Module, keep_gain: bool = False, partial: bool = False, return_plan: bool = False,
-    check: bool = True,
-):
-    """Convert `model` in place (same class, same outputs); return the manifest (or the plan).
+def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool = False, check: bool = True):
+    """Convert `model` in place (same class, same outputs); return the manifest.
 
     check=True runs one short probe batch and measures, at every RMS-eligible norm, how far its
     input is from zero-mean (the manifest's zero_mean_check); a failure raises NormswapError. The
@@ -36,6 +33,16 @@ def convert_model(
     architecture data missed a writer, so no norm may run as an RMSNorm."""
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
+    apply_plan(model, plan)
+    manifest = build_manifest(plan, model.config, partial=partial)
+    if check and not any(p.is_meta for p in model.parameters()):
+        manifest["zero_mean_check"] = check_zero_mean(model, manifest, probe_batch(model, ProbeConfig(batch=1, seq_len=16)))
+    return manifest
+
+
+def apply_plan(model: torch.nn.Module, plan) -> None:
+    """Fold and center `model`'s weights in place as `plan` says (a plan of this model, or of its
+    meta-device twin: it names tensors, never holds them), recording each tensor's info in it."""
     if not any(p.is_meta for p in model.parameters()):
         check_weights(model)  # folding a NaN spreads it into every reader: name it here instead
     state = model.state_dict()
@@ -58,12 +65,6 @@ def convert_model(
             untie_config(model)
         for name, t in results.items():
             model.get_parameter(name).data.copy_(t)
-    if return_plan:
-        return plan
-    manifest = build_manifest(plan, model.config, partial=partial)
-    if check and not any(p.is_meta for p in model.parameters()):
-        manifest["zero_mean_check"] = check_zero_mean(model, manifest, probe_batch(model, ProbeConfig(batch=1, seq_len=16)))
-    return manifest
 
 
 def zero_mean_tolerance(dtype: torch.dtype) -> float:

@@ -12,7 +12,7 @@ import torch
 
 from normswap import streaming as st
 from normswap.archs import load_arch
-from normswap.convert import check_zero_mean, convert_model
+from normswap.convert import apply_plan, check_zero_mean
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
@@ -87,7 +87,7 @@ def convert_directory(
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
         model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config)
-        plan = convert_model(model, keep_gain=keep_gain, partial=partial, return_plan=True)
+        apply_plan(model, plan)  # the plan built above from the meta model: it names tensors only
         if dtype is not None:
             model.to(dtype)
         model.save_pretrained(out)

@@ -123,6 +123,28 @@ def test_dtype_cast_happens_once_for_pickled_weights(tmp_path):
         assert torch.equal(tensors[name], want[name].to(torch.bfloat16)), name
 
 
+def test_pickled_weights_are_planned_once(tmp_path, monkeypatch):
+    """The in-memory path (pickled weights, GGUF) applies the plan convert_checkpoint built from
+    the meta model; it planned a second time on the loaded model before."""
+    import normswap
+    from normswap import convert, convert_dir, plan
+
+    model = save_tiny("gpt2", tmp_path / "src")
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "src" / "pytorch_model.bin")
+    (tmp_path / "src" / "model.safetensors").unlink()
+    plans = []
+    real = plan.plan_conversion
+    for module in (plan, convert, convert_dir):  # every binding of the name
+        monkeypatch.setattr(module, "plan_conversion", lambda *a, **k: plans.append(a[0]) or real(*a, **k))
+    result = normswap.convert_checkpoint(tmp_path / "src", tmp_path / "out")
+    assert len(plans) == 1 and result.section["verification"]["passed"]
+    reference = tiny_model("gpt2", dtype=torch.float32)
+    convert_model(reference)
+    got = read_dir(tmp_path / "out")
+    for name, want in reference.state_dict().items():
+        assert torch.equal(got[name], want), name
+
+
 def test_checkpoint_without_the_model_prefix(tmp_path):
     """Hub GPT-2 checkpoints name tensors 'h.0...' (base model); the converter maps them."""
     model = save_tiny("gpt2", tmp_path / "src")
