@@ -279,13 +279,15 @@ def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tup
         torch.cuda.reset_peak_memory_stats(device)
     model.train(mode == "train")
     try:
+        step, static = _workload(mode, run, ids)
         fused = None
         if pairs is not None:
-            step, _ = _workload(mode, model, ids)
+            # uncompiled, the timed step itself is counted (one more warm-up call, not a second
+            # set-up: a decode workload's prefill runs once)
+            eager = step if run is model else _workload(mode, model, ids)[0]
             with fuse.counting() as used:
-                step()
+                eager()
             fused = sum(id(model.get_submodule(norm)) in used.norms for norm in pairs.values())
-        step, static = _workload(mode, run, ids)
         fn = _cuda_graph(step, device) if device.type == "cuda" and static else None
         seconds, method = time_calls(fn or step, device, cfg.warmup, cfg.repeats)
         method = "cuda-graph" if fn is not None else method
