@@ -67,6 +67,25 @@ class EvalSettings:
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
 
 
+# What `normswap demo` scores: the embedded text (Genesis, KJV), in windows of at most this many
+# tokens (short enough for the CPU interpreter).
+DEMO_TEXT = Path(__file__).resolve().parent / "data" / "genesis-kjv.txt"
+DEMO_WINDOW = 256
+
+
+def demo_evaluation(max_tokens: int, *, option_names: Mapping[str, str] | None = None) -> EvalSettings:
+    """The evaluation `normswap demo` passes to patch_checkpoint: the first max_tokens tokens of
+    DEMO_TEXT in windows of min(DEMO_WINDOW, max_tokens). A max_tokens that cannot be scored
+    raises BadInputError naming it as option_names says (the demo's {"max_tokens": "--max-tokens"}),
+    before anything is loaded: the window is derived from it, so it is checked first (else the
+    message would name a window length the user never gave)."""
+    from normswap.evaluate import check_window_options
+
+    check_window_options(None, None, max_tokens, names=option_names)
+    return EvalSettings(DEMO_TEXT, max_length=min(DEMO_WINDOW, max_tokens), max_tokens=max_tokens,
+                        option_names=option_names)
+
+
 @dataclass(frozen=True)
 class CheckpointPerplexity:
     """`normswap ppl`: the perplexity of one checkpoint."""

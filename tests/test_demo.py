@@ -61,3 +61,45 @@ def test_demo_impl_is_a_registry_choice(monkeypatch):
     assert "--impl" in line and "'nope'" in line
     help_text = CliRunner().invoke(cli, ["demo", "--help"]).stdout
     assert all(name in help_text for name in BACKENDS)
+
+
+def test_the_library_checks_the_demo_max_tokens_before_anything_loads():
+    """The demo's evaluation is the library's: a --max-tokens it cannot score is a BadInputError
+    named as the caller says (the parameter by default), and the window follows from it."""
+    from normswap import api
+    from normswap.errors import BadInputError
+
+    for bad in (1, 0, -5):
+        with pytest.raises(BadInputError, match=rf"^--max-tokens {bad}: at least 2 tokens"):
+            api.demo_evaluation(bad, option_names={"max_tokens": "--max-tokens"})
+        with pytest.raises(BadInputError, match=rf"^max_tokens {bad}: "):
+            api.demo_evaluation(bad)
+    with pytest.raises(BadInputError, match="^max_tokens must be a whole number"):
+        api.demo_evaluation("12")
+    short, long = api.demo_evaluation(100), api.demo_evaluation(4096)
+    assert (short.max_length, short.max_tokens) == (100, 100) and (long.max_length, long.max_tokens) == (256, 4096)
+    assert short.data == api.DEMO_TEXT and api.DEMO_TEXT.is_file()
+
+
+def test_the_demo_cli_leaves_the_max_tokens_check_to_the_library(monkeypatch):
+    """The command renders what the library refuses (one line, exit 2) and runs nothing after it;
+    it checks nothing itself (a refusal only the library knows still stops it)."""
+    from normswap import api, scan
+    from normswap.errors import BadInputError
+
+    calls = []
+    monkeypatch.setattr(scan, "scan", lambda *a, **kw: calls.append("scan"))
+    monkeypatch.setattr(api, "patch_checkpoint", lambda *a, **kw: calls.append("patch"))
+    result = CliRunner().invoke(cli, ["demo", "--max-tokens", "1"])
+    assert result.exit_code == 2 and calls == []
+    assert result.stderr.strip().splitlines() == ["normswap: error: --max-tokens 1: at least 2 tokens are needed "
+                                                  "to score one"]
+
+    def refuse(max_tokens, *, option_names=None):
+        calls.append(("check", max_tokens, dict(option_names)))
+        raise BadInputError(f"{option_names['max_tokens']} {max_tokens}: refused by the library")
+
+    monkeypatch.setattr(api, "demo_evaluation", refuse)
+    result = CliRunner().invoke(cli, ["demo", "--max-tokens", "300"])
+    assert result.exit_code == 2 and calls == [("check", 300, {"max_tokens": "--max-tokens"})]
+    assert result.stderr.strip() == "normswap: error: --max-tokens 300: refused by the library"

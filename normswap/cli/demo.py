@@ -6,14 +6,10 @@ GPU), verify every module, and diff the perplexity of the original and the patch
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-
-DEMO_TEXT = Path(__file__).resolve().parent.parent / "data" / "genesis-kjv.txt"
 
 
 @cli.command()
@@ -28,20 +24,17 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     from normswap.cli.patch import render as render_patch
     from normswap.cli.scan import render as render_scan
     from normswap.cli.scan import warn_unknown
-    from normswap.evaluate import check_window_options
     from normswap.loading import DEFAULT_MODEL
 
-    # the demo's own option, named as the user typed it (it feeds patch's --eval-max-* options)
-    check_window_options(None, None, max_tokens, names={"max_tokens": "--max-tokens"})
-    window = min(256, max_tokens)
+    # Before the scan: a --max-tokens the library refuses is one line naming the flag as typed.
+    evaluation = api.demo_evaluation(max_tokens, option_names={"max_tokens": "--max-tokens"})
     click.echo(f"\n$ normswap scan {DEFAULT_MODEL}", err=True)
     doc = scanning.scan(DEFAULT_MODEL, warn=False)
     warn_unknown(doc)
     if not as_json:
         render_scan(doc)
-    click.echo(f"\n$ normswap patch {DEFAULT_MODEL} --impl {impl} --eval {DEMO_TEXT} --eval-max-length {window} "
-               f"--eval-max-tokens {max_tokens}", err=True)
-    evaluation = api.EvalSettings(DEMO_TEXT, max_length=window, max_tokens=max_tokens)
+    click.echo(f"\n$ normswap patch {DEFAULT_MODEL} --impl {impl} --eval {evaluation.data} "
+               f"--eval-max-length {evaluation.max_length} --eval-max-tokens {evaluation.max_tokens}", err=True)
     with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
         result = api.patch_checkpoint(DEFAULT_MODEL, impl, evaluation=evaluation, progress=bars)
     if as_json:
