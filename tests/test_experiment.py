@@ -205,6 +205,44 @@ def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
     assert not out.exists()
 
 
+def test_run_experiment_reads_a_recipe_path_with_its_overrides(tmp_path, monkeypatch, pretrained_dir):
+    """One call does what the command does: a recipe path and its `--set` overrides are read by
+    run_experiment itself (load_recipe), checked the same way, and the run is that recipe's."""
+    path = model_recipe(tmp_path, pretrained_dir, ["original"])
+    out = tmp_path / "out"
+    with pytest.raises(RecipeError, match=f"^{path}: .*stepz"):
+        run_experiment(path, out, overrides=["finetune.stepz=1"], progress=False)
+    with pytest.raises(RecipeError, match="^--arms: unknown arm 'x'"):
+        run_experiment(str(path), out, "x", overrides=["seed=3"], progress=False, option_names={"arms": "--arms"})
+    with pytest.raises(TypeError, match="overrides apply to a recipe file"):
+        run_experiment(load_recipe(path), out, overrides=["seed=3"], progress=False)
+    assert not out.exists()
+    result = run_experiment(path, out, overrides=["seed=3"], progress=False, plot=False)
+    written = json.loads((out / "recipe.json").read_text())
+    assert written["fingerprint"] == load_recipe(path, ["seed=3"]).fingerprint() != load_recipe(path).fingerprint()
+    assert written["recipe"]["seed"] == 3 and list(result.data["arms"]) == ["original"]
+
+
+def test_the_command_is_one_library_call(tmp_path, monkeypatch):
+    """`normswap experiment` hands the recipe path and its --set overrides to run_experiment; it
+    reads no recipe itself."""
+    import normswap.experiment as experiment
+    from normswap.experiment import ExperimentResult
+
+    calls = []
+    monkeypatch.setattr(experiment, "load_recipe", lambda *a, **kw: calls.append("load_recipe"))
+    monkeypatch.setattr(experiment, "run_experiment", lambda *a, **kw: calls.append((a, kw)) or
+                        ExperimentResult(tmp_path, {}, {}))
+    path = str(tmp_path / "r.toml")
+    res = CliRunner().invoke(cli, ["experiment", path, "--set", "seed=3", "--set", "finetune.steps=2",
+                                   "--arms", "original", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    ((args, kwargs),) = calls
+    assert args == (path, str(tmp_path / "o"), "original")
+    assert kwargs["overrides"] == ("seed=3", "finetune.steps=2") and kwargs["progress"] is False
+    assert kwargs["option_names"] == {"arms": "--arms"}
+
+
 def test_the_default_out_folder_is_the_librarys(tmp_path, monkeypatch, pretrained_dir):
     recipe = load_recipe(model_recipe(tmp_path, pretrained_dir, ["original"]))
     assert recipe.default_out() == Path("runs") / "tiny"

@@ -24,14 +24,13 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
     Rerunning the same command resumes where it stopped (Ctrl-C checkpoints first). Under
     `accelerate launch -m normswap experiment ...` the fine-tuning runs on several processes (DDP).
     """
-    from normswap.experiment import Interrupted, StopFlag, load_recipe, run_experiment
+    from normswap.experiment import Interrupted, StopFlag, run_experiment
 
-    loaded = load_recipe(recipe, overrides)
     stop = StopFlag()
     try:
         with stop.on_sigint():
-            result = run_experiment(loaded, out or None, arms, progress=not no_progress, stop=stop,
-                                    option_names={"arms": "--arms"})
+            result = run_experiment(recipe, out or None, arms, overrides=overrides, progress=not no_progress,
+                                    stop=stop, option_names={"arms": "--arms"})
     except Interrupted as e:
         click.echo(f"normswap: {e}", err=True)
         raise SystemExit(130) from None

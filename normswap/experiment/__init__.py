@@ -1,7 +1,7 @@
 """LayerNorm -> RMSNorm comparison experiments: a recipe (TOML) in, a table and a plot out.
 
-    from normswap.experiment import load_recipe, run_experiment
-    result = run_experiment(load_recipe("recipes/ln2rms-kjv-gpt2.toml"), "runs/kjv")
+    from normswap.experiment import run_experiment
+    result = run_experiment("recipes/ln2rms-kjv-gpt2.toml", "runs/kjv", overrides=["finetune.steps=50"])
     result.summary        # one row per arm; result.files: results.json/.csv, summary.md, curves.png
 """
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import time
@@ -37,7 +38,7 @@ from normswap.errors import NormswapError
 from normswap.experiment import report
 from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
-from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, parse_arm, select_arms
+from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.jsonsafe import finite_or_null
 
@@ -173,16 +174,24 @@ def _judged(arms: dict[str, dict], floor: DiffResult | None, dtype: str) -> dict
     return out
 
 
-def run_experiment(recipe: Recipe, out: str | Path | None = None, arms: str | Sequence[str] | None = None, *,
+def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = None,
+                   arms: str | Sequence[str] | None = None, *, overrides: Sequence[str] = (),
                    progress: bool = True, stop: StopFlag | None = None, accelerator=None, plot: bool = True,
                    on_step: Callable[[str, int, float], None] | None = None,
                    option_names: Mapping[str, str] | None = None) -> ExperimentResult:
     """Run (or resume) every arm of `recipe` (or the `arms` subset: a list or "a,b"), write the
     reports into `out` (default: recipe.default_out(), runs/<name>).
+    recipe: a validated Recipe, or the path of a TOML recipe, read with load_recipe(recipe,
+    overrides) (`key=value`, dotted: what `--set` gives); overrides need a path (a Recipe is
+    already validated: dataclasses.replace it).
     option_names: what error messages call `arms` (e.g. the command line's {"arms": "--arms"}).
 
     stop: a StopFlag; once set (Ctrl-C, or a caller) the running arm checkpoints and Interrupted is
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
+    if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
+        recipe = load_recipe(recipe, overrides)
+    elif overrides:
+        raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
