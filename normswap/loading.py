@@ -350,17 +350,11 @@ def load_tokenizer(source: ModelSource):
 
 
 def _recorded_config(section: dict):
-    """The PatchConfig of a manifest's patch section. One written before the config was recorded
-    whole names no paths: its patched modules (and their RMS forms) are the paths."""
+    """The PatchConfig of a manifest's patch section (read_manifest gives old sections the
+    current shape: paths and rms_forms)."""
     from normswap.swap import PatchConfig
 
-    config = PatchConfig.from_dict(section)
-    if "paths" in section:
-        return config
-    modules = section["modules"]
-    return PatchConfig(config.impl, paths=tuple(m["path"] for m in modules),
-                       rms_forms={m["path"]: m["rms_form"] for m in modules if m.get("rms_form")},
-                       fuse_residual=config.fuse_residual)
+    return PatchConfig.from_dict(section)
 
 
 def _same_family(a, b) -> bool:

@@ -8,10 +8,21 @@ loads them as they are. What normswap did lives only here, one section per comma
       "normswap_version": "0.1.0",
       "updated": "2026-11-21T09:30:00Z",
       "convert": {...},   # normswap convert: which norms now read a zero-mean stream, and what
-                          # was folded (γ, β) -- they may run as RMS norms; absent if not converted
+                          # was folded or kept (γ, β) -- they may run as RMS norms; absent if not
+                          # converted
       "patch": {...}      # normswap patch: its PatchConfig (impl, paths, rms_forms, strict) and
-                          # per-module spec, RMS form and proof; absent if not patched
+                          # per-module spec and proof; absent if not patched
     }
+
+"Runs as RMS" is held once. A patch section's "rms_forms" (path -> RmsForm) says which norms the
+patch runs as RMS norms and how; nothing else in the file spells an RmsForm. A convert section
+records facts of the conversion (per norm "rms": its input is zero-mean; "kept_gain", "kept_bias",
+"baked"): rms_forms() derives from them the forms a patch may use (`normswap patch --no-rms` uses
+none, so "may" and "does" are different facts). Manifests written before this held the form also
+as the convert section's "rms_weight"/"rms_bias" and per patched module ("rms_form", earlier
+"as_rms"), and the oldest patch sections had no "paths"/"rms_forms": read_manifest brings such a
+file to this shape (_upgrade), so every reader, and a patch that carries a convert section over,
+sees one place.
 
 Composition rules (the convert -> patch speedup path):
 - `normswap patch` on a converted directory keeps its "convert" section verbatim and adds (or
@@ -64,8 +75,8 @@ def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict
 def patch_section(report, source: str | None = None) -> dict[str, Any]:
     """What `normswap patch` did: its PatchConfig (impl, paths, rms_forms, strict, and
     "fuse_residual" writer -> norm of each residual add fused into its norm, absent when the patch
-    did not fuse: what normswap.load applies again), and per patched module its spec, RMS form and
-    proof."""
+    did not fuse: what normswap.load applies again), and per patched module its spec and proof
+    (its RMS form is the config's rms_forms[path]: held once)."""
     return {
         **report.config.to_dict(),
         "created": _now(),
@@ -74,7 +85,6 @@ def patch_section(report, source: str | None = None) -> dict[str, Any]:
         "verified": report.verified,
         "modules": [
             {"path": m.path, "class": m.module_class, "spec": m.spec.to_dict(),
-             "rms_form": m.rms_form.to_dict() if m.rms_form else None,
              "verification": m.check.to_dict() if m.check else None}
             for m in report.patched
         ],
@@ -120,7 +130,7 @@ def read_manifest(where: str | os.PathLike) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise NormswapError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
-    return _validate(data, path)
+    return _upgrade(_validate(data, path))
 
 
 def read_manifest_if_any(directory: str | os.PathLike) -> dict[str, Any] | None:
@@ -141,6 +151,8 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
         if "convert" in data:
             for n in data["convert"]["norms"]:
                 str(n["path"]), bool(n["rms"])
+                if n["rms"]:  # what rms_forms() reads
+                    bool(n["kept_gain"]), bool(n["baked"]), bool(n["kept_bias"])
         if "patch" in data:
             from normswap.swap import PatchConfig
 
@@ -159,13 +171,36 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
     return data
 
 
+# What older writers stored besides the one place (module doc): the convert section's spelling of
+# the form (derived from kept_gain/baked and kept_bias, so dropping it loses nothing) and the
+# per-module copies of the patch section's rms_forms.
+_OLD_NORM_KEYS = ("rms_weight", "rms_bias")
+_OLD_MODULE_KEYS = ("rms_form", "as_rms")
+
+
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A validated manifest in the current shape, "runs as RMS" in one place (changed in place)."""
+    for n in data.get("convert", {}).get("norms", ()):
+        for key in _OLD_NORM_KEYS:
+            n.pop(key, None)
+    p = data.get("patch")
+    if p is not None:
+        if "paths" not in p:  # the oldest patch sections: the patched modules were the config
+            p["paths"] = [m["path"] for m in p["modules"]]
+            p["rms_forms"] = {m["path"]: RmsForm.coerce(m["rms_form"]).to_dict()
+                              for m in p["modules"] if m.get("rms_form") is not None}
+        for m in p["modules"]:
+            for key in _OLD_MODULE_KEYS:
+                m.pop(key, None)
+    return data
+
+
 def conversion_section(where: str | os.PathLike | dict) -> dict[str, Any] | None:
     """The "convert" section of a manifest, given a directory, a whole manifest, or the section
     itself (what convert_model returns); None when nothing was converted."""
     if isinstance(where, dict):
         if "format" in where:
-            _validate(where, Path("<manifest>"))
-            return where.get("convert")
+            return _upgrade(_validate(where, Path("<manifest>"))).get("convert")
         return where  # a bare convert section
     data = read_manifest_if_any(where)
     return None if data is None else data.get("convert")
@@ -180,5 +215,7 @@ def rms_forms(where: str | os.PathLike | dict) -> dict[str, RmsForm]:
     section = conversion_section(where)
     if section is None:
         return {}
-    return {n["path"]: RmsForm(weight=n.get("rms_weight") == "weight", bias=bool(n.get("rms_bias")))
+    # γ applies where it was kept, or baked (BLOOM's embedding norm: its weight is s·1); where it
+    # was folded the weight is ones. β applies where it was kept; else it was folded (zeros).
+    return {n["path"]: RmsForm(weight=bool(n["kept_gain"] or n["baked"]), bias=bool(n["kept_bias"]))
             for n in section["norms"] if n["rms"]}

@@ -147,8 +147,9 @@ class NormswapRMSNorm(NormswapNorm):
 @dataclass(frozen=True)
 class RmsForm:
     """How a LayerNorm with a zero-mean input runs as an RMS norm (the speedup path). The one
-    name of that concept: patch(rms_forms=...), NormswapLayerNorm.rms_form, the manifest's
-    per-module "rms_form", and normswap.manifest.rms_forms (the reader of a convert section).
+    name of that concept: patch(rms_forms=...), NormswapLayerNorm.rms_form, the manifest's patch
+    section "rms_forms" (its one place there), and normswap.manifest.rms_forms (the reader of a
+    convert section).
 
     LN(x) = RMS(x)·γ + β when mean(x) = 0. After `normswap convert` folded γ (β) into the layers
     that read the norm, the stored weight is ones (bias zeros): multiplying (adding) them changes

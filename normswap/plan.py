@@ -44,12 +44,6 @@ class NormDecision:
     baked: bool = False  # embedding norm baked into its token table (BLOOM)
     bake_scale: float | None = None  # the gain s of a baked norm (its weight is s·1)
 
-    @property
-    def rms_weight(self) -> str:
-        """How an RMSNorm replacing this norm uses its weight: 'none' (γ folded, weight is ones)
-        or 'weight' (the module's own weight, kept γ or a baked s·1)."""
-        return "weight" if (self.kept_gain or self.baked) else "none"
-
 
 @dataclass
 class Job:
@@ -426,13 +420,9 @@ def check_refusals(plan: Plan, partial: bool) -> None:
 
 def build_manifest(plan: Plan, config, partial: bool = False, extra: dict | None = None) -> dict:
     """The "convert" section of normswap.json (normswap.manifest.new_manifest(convert=...) makes
-    the file): per norm what was folded or kept, and whether it may run as an RMS norm."""
-    norms = []
-    for d in plan.norms:
-        rec = asdict(d)
-        rec["rms_weight"] = d.rms_weight if d.rms else None
-        rec["rms_bias"] = d.kept_bias if d.rms else None
-        norms.append(rec)
+    the file): per norm what was folded or kept, and whether it may run as an RMS norm (the form
+    it may run in is derived from these facts by normswap.manifest.rms_forms, not stored)."""
+    norms = [asdict(d) for d in plan.norms]
     manifest = {
         "to": "rms",
         "arch": plan.model_type,

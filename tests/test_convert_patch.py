@@ -3,7 +3,9 @@
 recording both steps, and normswap.load runs the converted LayerNorms as RMS norms (weightless
 where γ was folded) with the original logits."""
 
+import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def test_convert_then_patch_triton(arch, tmp_path):
     assert manifest["convert"] == convert_section
     p = manifest["patch"]
     assert p["impl"] == "triton" and p["verified"] and p["model_check"]["passed"]
-    recorded = {m["path"]: RmsForm.coerce(m["rms_form"]) for m in p["modules"] if m["rms_form"]}
+    recorded = {path: RmsForm.coerce(f) for path, f in p["rms_forms"].items()}
     assert recorded == forms
 
     # stock transformers: the original model's logits
@@ -118,3 +120,85 @@ def test_converting_a_patched_checkpoint_drops_the_patch_section(tmp_path):
     assert "not carried" in r.stderr
     manifest = read_manifest(conv)
     assert "patch" not in manifest and manifest["convert"]["summary"]["converted"] == 5
+
+
+def _old_format(manifest: dict, oldest: bool = False) -> dict:
+    """`manifest` as the writers before "runs as RMS is held once" wrote it: the convert section
+    also spelled each form as rms_weight ('weight'/'none') and rms_bias, and each patched module
+    carried its rms_form. The oldest (before PatchConfig) also had as_rms per module, and no
+    paths, rms_forms or strict: the per-module forms were the only record of the patch's."""
+    old = copy.deepcopy(manifest)
+    for n in old["convert"]["norms"]:
+        n["rms_weight"] = ("weight" if n["kept_gain"] or n["baked"] else "none") if n["rms"] else None
+        n["rms_bias"] = n["kept_bias"] if n["rms"] else None
+    p = old.get("patch")
+    if p is not None:
+        for m in p["modules"]:
+            m["rms_form"] = p["rms_forms"].get(m["path"])
+            if oldest:
+                m["as_rms"] = m["rms_form"] is not None
+        if oldest:
+            for key in ("paths", "rms_forms", "strict"):
+                del p[key]
+    return old
+
+
+def _raw(directory) -> dict:
+    return json.loads((directory / "normswap.json").read_text())
+
+
+def _with_manifest(directory, into, manifest: dict):
+    shutil.copytree(directory, into)
+    (into / "normswap.json").write_text(json.dumps(manifest, indent=2))
+    return into
+
+
+def _same_model(a, b) -> None:
+    def norms(model):
+        return {p: (type(m), m.impl, m.rms_form) for p, m in model.named_modules() if isinstance(m, NormswapLayerNorm)}
+
+    assert norms(a) == norms(b) and len(norms(a)) == 5
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(logits(a), logits(b))
+
+
+def test_runs_as_rms_is_held_once_and_old_manifests_load_the_same(tmp_path):
+    """A convert -> patch manifest holds each RMS form once, in the patch section's rms_forms (the
+    convert section keeps the facts it follows from: zero-mean input, γ/β kept or baked). Manifests
+    in the older shapes, the form also in the convert section and per module, or only per module,
+    load as the same model; patching an old converted directory writes the new shape."""
+    src, conv, new = tmp_path / "src", tmp_path / "conv", tmp_path / "new"
+    save_tiny("gpt2", src)
+    ref = stock_logits(src)
+    assert run("convert", src, "--to", "rms", "--out", conv).exit_code == 0
+    r = run("patch", conv, "--impl", "torch", "--out", new)
+    assert r.exit_code == 0, r.output
+
+    written = _raw(new)
+    forms = expected_forms(written["convert"])
+    assert written["patch"]["rms_forms"] == {p: f.to_dict() for p, f in forms.items()} and len(forms) == 5
+    assert not any(k in n for n in written["convert"]["norms"] for k in ("rms_weight", "rms_bias"))
+    assert not any(k in m for m in written["patch"]["modules"] for k in ("rms_form", "as_rms"))
+    assert _raw(conv)["convert"] == written["convert"]  # carried verbatim
+
+    loaded = normswap.load(new)
+    assert rel_err(logits(loaded), ref) <= 1e-5
+    config = normswap.PatchConfig.from_dict(read_manifest(new)["patch"])
+    for oldest in (False, True):
+        old = _with_manifest(new, tmp_path / f"old-{oldest}", _old_format(written, oldest))
+        assert ("rms_forms" in _raw(old)["patch"]) is not oldest
+        _same_model(normswap.load(old), loaded)
+        upgraded = read_manifest(old)
+        assert upgraded["convert"] == read_manifest(new)["convert"]
+        assert normswap.PatchConfig.from_dict(upgraded["patch"]) == config
+
+    # a converted-only directory in the old shape: the same RMS norms, and a patch of it writes the new shape
+    old_conv = _with_manifest(conv, tmp_path / "old-conv", _old_format(_raw(conv)))
+    assert "rms_weight" in _raw(old_conv)["convert"]["norms"][0]
+    _same_model(normswap.load(old_conv), normswap.load(conv))
+    r = run("patch", old_conv, "--impl", "torch", "--out", tmp_path / "from-old")
+    assert r.exit_code == 0, r.output
+    again = _raw(tmp_path / "from-old")
+    assert again["convert"] == written["convert"] and again["patch"]["rms_forms"] == written["patch"]["rms_forms"]
+    _same_model(normswap.load(tmp_path / "from-old"), loaded)

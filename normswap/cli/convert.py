@@ -16,6 +16,8 @@ def _render(data: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from normswap.manifest import rms_forms
+
     # Reasons are sentences: give them room when stdout is not a terminal (pipes default to 80).
     # A refusal's table explains the error: it goes to stderr with it (stdout stays empty, as for
     # every bad input; see README, the error contract).
@@ -24,11 +26,13 @@ def _render(data: dict) -> None:
     t = Table(title=f"normswap convert --to rms: {data['model']} ({data['arch']})", show_lines=False)
     for col in ("norm", "folded γ", "folded β", "kept β (why)", "RMS (why not)"):
         t.add_column(col, overflow="fold")
+    forms = rms_forms(data)
     for n in data["norms"]:
         kept = f"yes: {n['kept_bias_why']}" if n["kept_bias"] else "-"
         if n["baked"]:
             kept = f"baked into the token table (s = {n['bake_scale']:.4g})" if n["bake_scale"] else "baked"
-        rms = ("yes" + (" (weight kept)" if n["rms_weight"] == "weight" else "")) if n["rms"] else f"no ({n['category']}): {n['why_not']}"
+        form = forms.get(n["path"])
+        rms = ("yes" + (" (weight kept)" if form.weight else "")) if form else f"no ({n['category']}): {n['why_not']}"
         t.add_row(n["path"], _yes(n["folded_gain"]), _yes(n["folded_bias"]), kept, rms)
     console.print(t)
     console.print("layout: " + (f"normswap/archs/{data['arch_file']}" if data.get("arch_file") else
