@@ -543,10 +543,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
         if out is None:
             raise BadInputError(f"{T.USER_ENV}=off: no user launch table to write; give an output path")
     out = Path(out)
-    why = _environment_problem()
-    if why:
-        raise NormswapError(why)
-    start = out if out.is_file() else (Path(base) if base else None)
+    start = out if out.exists() else (Path(base) if base else None)
     try:
         doc = T.read(start) if start else T.empty(C.ROW_BUCKETS)
         bad = T.problems(doc, C.ROW_BUCKETS)
@@ -554,6 +551,9 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
         bad = [str(e)]
     if bad:
         raise BadInputError(f"{start} is not a valid launch table ({bad[0]}); move it away or write elsewhere")
+    why = _environment_problem()
+    if why:
+        raise NormswapError(why)
     here = _this_device()
     meta = {**{k: here[k] for k in ("device", "arch", "torch", "triton")},
             "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}",
