@@ -365,6 +365,7 @@ def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypa
     assert tile(32768) == winners[">2048"] != heuristic[32768] and tile(4096) == winners[">2048"]
     assert tile(512) == winners["<=2048"] != heuristic[512] and tile(1) == winners["<=2048"]
     doc = T.read(user_cache)
+    assert doc["about"] == T.ABOUT_USER
     assert {e["measured"]["device"] for e in doc["archs"]["sm_90"]["entries"]} == {FAKE}
     assert {e["measured"]["hidden_timed"] for e in doc["archs"]["sm_90"]["entries"]} == {5000}
     # Another device name (an H200 beside the H100 that tuned): the heuristics.

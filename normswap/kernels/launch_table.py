@@ -1,15 +1,22 @@
-"""The measured launch table: per GPU architecture, the tile each kernel pass launches with, as
-measured by benchmarks/tune.py on a real device. `_common.launch_config` consults it first and falls
-back to its static heuristics where it has no entry (and the CPU interpreter never reads it).
+"""The measured launch tables: the tile each kernel pass launches with, as measured by the tuner
+(tune.py) on a real device. Two files of one schema: the committed launch_table.json beside this
+module (per GPU architecture, measured by benchmarks/tune.py on the project's GPUs), and the user
+table `normswap tune` writes on a user's machine (user_path(): $NORMSWAP_LAUNCH_TABLE, `off` for
+none, else $XDG_CACHE_HOME or ~/.cache, /normswap/launch_table.json), whose entries override the
+committed ones key by key but only on a device whose name is their measured.device (another GPU
+model of the same architecture has other bandwidths and SM counts). `_common.launch_config`
+consults them first and falls back to its static heuristics where neither has an entry (and the
+CPU interpreter never reads them). Both are read once per process (reload() reads them again).
 
-Why a committed table and not runtime autotuning (triton.autotune): a different tile or warp count
+Why measured tables and not runtime autotuning (triton.autotune): a different tile or warp count
 changes the order in which a row's sum of squares (and the backward's dW partial sums) are added,
 so the output can differ in the last bit. An autotuner picks the fastest candidate by timing at
 run time, so which candidate wins, and therefore the bits of the output, would depend on timing
 noise, differ between two processes on one machine, and change with load. A table measured once,
 reviewed and committed makes the choice a pure function of (GPU architecture, op, pass, dtype,
 hidden-size bucket, row-count bucket): the same bits on every run on the same kind of GPU. It also
-costs no tuning time at the first call and never specialises on the exact row count.
+costs no tuning time at the first call and never specialises on the exact row count. A user table
+is the same idea per machine: timed once, explicitly, then only read.
 
 Schema of launch_table.json (checked by `problems`; tests/test_launch_table.py validates the
 committed file):
@@ -70,6 +77,11 @@ ABOUT_MEASURED = ("Launch tiles measured on real GPUs by benchmarks/tune.py, per
                   "table instead of runtime autotuning: normswap/kernels/launch_table.py). Every entry was written from "
                   "a measurement and carries its provenance (device, date, versions, commit, times); keys without an "
                   "entry use the static heuristics of normswap/kernels/_common.py.")
+
+# A user table's (normswap tune's).
+ABOUT_USER = ("Launch tiles measured on this machine by `normswap tune` (schema: normswap/kernels/launch_table.py). "
+              "Each entry applies only on a GPU whose name is its measured.device, over the committed table; "
+              "delete the file to go back to the committed table and the static heuristics.")
 
 
 def bucket_labels(row_buckets) -> list[str]:
@@ -351,5 +363,6 @@ def merge(doc, arch: str, entries: list[dict]) -> dict:
     order = lambda e: (OPS.index(e["op"]), PASSES.index(e["pass"]), DTYPES.index(e["dtype"]), e["hidden"],  # noqa: E731
                        str(e["rows"]))
     body["entries"] = sorted(kept + list(entries), key=order)
-    out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY
+    if out.get("about") in (ABOUT_EMPTY, ABOUT_MEASURED):  # the committed file's: it says whether it has entries
+        out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY
     return out

@@ -545,7 +545,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     out = Path(out)
     start = out if out.exists() else (Path(base) if base else None)
     try:
-        doc = T.read(start) if start else T.empty(C.ROW_BUCKETS)
+        doc = T.read(start) if start else dict(T.empty(C.ROW_BUCKETS), about=T.ABOUT_USER)
         bad = T.problems(doc, C.ROW_BUCKETS)
     except (OSError, ValueError) as e:
         bad = [str(e)]
