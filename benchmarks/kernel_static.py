@@ -8,20 +8,14 @@
 
 For every kernel launch the library's launch table and heuristics pick on the benchmark grid (hidden
 1,024 ... 262,144; bf16 / fp32; with and without weight, bias, residual; forward and backward),
-this compiles the kernel for sm_90 exactly as the launcher would (same constexprs, warps and
-options, the launcher's argument types and 16-byte alignment specialisations), then reads:
-- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton ships),
-- programs per SM, from registers, warps and shared memory against an H100's limits,
-- every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
-  source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
-  bias) are told from those of per-row statistics and fp32 scratch (rstd, mean, partial sums,
-  arrival counters) by the names on that source line.
-
-How the launches are found and analysed is the library's static check
-(normswap/kernels/static_check.py, which `normswap tune` holds every candidate tile to): the
-library's own launchers run on `meta` tensors (no data, no device) with kernel launches
-intercepted, so what is compiled is what the heuristics chose, never a copy of them. SM count for
-the plan: an H100 SXM's 132. This script is the report over the grid and the launch table.
+this runs the library's static check (normswap/kernels/static_check.py, which `normswap tune`
+holds every candidate tile to): the launch compiled for sm_90 exactly as the launcher would make
+it, found by running the library's own launchers on `meta` tensors with launches intercepted (what
+is compiled is what the heuristics chose, never a copy of them; SM count for the plan: an H100
+SXM's 132), and read back for registers, spills, stack, shared memory, programs per SM, and the
+width and source line of every global memory instruction (row elements told from per-row
+statistics and scratch by the names on that line). This script is the report over the grid and
+the launch table.
 
 It must run without TRITON_INTERPRET (the interpreter compiles nothing); it sets that itself when
 run as a script. Exit status 1 when a variant spills registers or moves row elements in accesses
