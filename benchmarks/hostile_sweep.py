@@ -140,6 +140,21 @@ def _deny(path: Path):
     return _denied(path)
 
 
+@contextlib.contextmanager
+def _cuda(available: bool, interpreting: bool = False):
+    """`normswap tune` as on a machine with (or without) a CUDA device, whatever this one has: the
+    no-GPU cases must not start tuning on a GPU machine."""
+    from unittest import mock
+
+    import torch
+
+    from normswap.kernels import _common
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: available), \
+            mock.patch.object(_common, "interpreting", lambda kernel: interpreting):
+        yield
+
+
 def fixtures_stub() -> dict:
     """Placeholder paths: enough to list the cases (names, count) without building any model."""
     import collections
@@ -290,6 +305,21 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
         Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
              ci=True),
+        # ---- tune (--out inside out/: the sweep fails a case that writes there)
+        Case("tune: no CUDA device", ["tune", "--out", out / "t.json"], "tuning needs a CUDA device", ci=True,
+             setup=lambda: _cuda(False)),
+        Case("tune: TRITON_INTERPRET on a GPU machine", ["tune", "--out", out / "t.json"], "TRITON_INTERPRET is set",
+             ci=True, setup=lambda: _cuda(True, interpreting=True)),
+        Case("tune: --ops nope", ["tune", "--ops", "rms_norm,nope", "--out", out / "t.json"], "ops: unknown 'nope'",
+             ci=True, setup=lambda: _cuda(False)),
+        Case("tune: --hidden x", ["tune", "--hidden", "4096,x", "--out", out / "t.json"], "hidden: 'x'", ci=True),
+        Case("tune: --hidden 0", ["tune", "--hidden", "0", "--out", out / "t.json"], "hidden: 0 is outside", ci=True),
+        Case("tune: --budget -1", ["tune", "--budget", "-1", "--out", out / "t.json"], "budget must be a positive",
+             ci=True),
+        Case("tune: --dtypes fp64", ["tune", "--dtypes", "fp64", "--out", out / "t.json"], "dtypes: unknown 'fp64'",
+             ci=True),
+        Case("tune: --out is not a launch table", ["tune", "--out", T], "is not a valid launch table", ci=True),
+        Case("tune: --out is a directory", ["tune", "--out", fx["root"] / "llama"], "is a directory", ci=True),
         Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
     ]
     return c

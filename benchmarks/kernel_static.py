@@ -8,18 +8,14 @@
 
 For every kernel launch the library's launch table and heuristics pick on the benchmark grid (hidden
 1,024 ... 262,144; bf16 / fp32; with and without weight, bias, residual; forward and backward),
-this compiles the kernel for sm_90 exactly as the launcher would (same constexprs, warps and
-options, the launcher's argument types and 16-byte alignment specialisations), then reads:
-- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton ships),
-- programs per SM, from registers, warps and shared memory against an H100's limits,
-- every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
-  source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
-  bias) are told from those of per-row statistics and fp32 scratch (rstd, mean, partial sums,
-  arrival counters) by the names on that source line.
-
-How the launches are found: the library's own launchers run on `meta` tensors (no data, no
-device) with kernel launches intercepted, so what is compiled is what the heuristics chose, never
-a copy of them. SM count for the plan: an H100 SXM's 132.
+this runs the library's static check (normswap/kernels/static_check.py, which `normswap tune`
+holds every candidate tile to): the launch compiled for sm_90 exactly as the launcher would make
+it, found by running the library's own launchers on `meta` tensors with launches intercepted (what
+is compiled is what the heuristics chose, never a copy of them; SM count for the plan: an H100
+SXM's 132), and read back for registers, spills, stack, shared memory, programs per SM, and the
+width and source line of every global memory instruction (row elements told from per-row
+statistics and scratch by the names on that line). This script is the report over the grid and
+the launch table.
 
 It must run without TRITON_INTERPRET (the interpreter compiles nothing); it sets that itself when
 run as a script. Exit status 1 when a variant spills registers or moves row elements in accesses
@@ -30,19 +26,33 @@ arguments or when ptxas is missing.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# The static check itself lives in the library (the tuner needs it); it imports no triton at
+# module level, so the interpreter can still be turned off below, before anything compiles.
+from normswap.dtypes import RUN_DTYPES  # noqa: E402
+from normswap.kernels.static_check import (  # noqa: E402, F401 - re-exported for callers of this script
+    ROWS,
+    TABLE_VARIANTS,
+    analyse,
+    bucket_rows,
+    cases,
+    check_tile,
+    plan,
+    problems,
+    run,
+    tools_missing,
+)
+
 HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-ROWS = 32768
 # The grid's variants: (op, weight, bias, residual).
 VARIANTS = (
     ("rms_norm", True, False, False), ("rms_norm", True, False, True),
@@ -57,404 +67,6 @@ CI_SUBSET = {
     "dtypes": ("bf16", "fp32"),
     "variants": (("rms_norm", True, False, True), ("layer_norm", True, True, False)),
 }
-H100_SMS = 132
-# The variants a launch-table entry is checked in (--table, and the tuner's candidates): the one
-# benchmarks/tune.py times and the same with the fused residual (more registers). One entry serves
-# every variant of its op and pass.
-TABLE_VARIANTS = {"rms_norm": (("rms_norm", True, False, False), ("rms_norm", True, False, True)),
-                  "layer_norm": (("layer_norm", True, True, False), ("layer_norm", True, True, True))}
-# Source-line names of per-row statistics and scratch buffers: their accesses are exempt from the
-# 16-byte rule (one fp32 per row, or a program's partial-sum row).
-SCRATCH_NAMES = ("RSTD", "MEAN", "STAT", "PART", "DWP", "DBP", "SYNC", "COUNT")
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def triton_bin(tool: str) -> Path:
-    import triton
-
-    base = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    # ptxas-blackwell is the newer ptxas; triton uses it for sm_90 and later.
-    if tool == "ptxas" and (base / "ptxas-blackwell").exists():
-        return base / "ptxas-blackwell"
-    return base / tool
-
-
-def tools_missing() -> str | None:
-    for tool in ("ptxas", "nvdisasm"):
-        if not triton_bin(tool).exists():
-            return f"{triton_bin(tool)} not found (this triton ships no {tool})"
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# Finding the launches: run the library's launchers on meta tensors with launches recorded.
-
-
-@dataclasses.dataclass
-class Launch:
-    kernel: object
-    grid: tuple
-    args: tuple
-    kwargs: dict
-
-
-_RESIDENT: dict = {}
-
-
-@contextlib.contextmanager
-def recorded_launches(sms: int):
-    """Launches are recorded instead of run; the device the launchers size persistent grids for is
-    an H100 (its SM count, and programs per SM from the compiled kernel's registers and shared
-    memory, computed by the library's own rule)."""
-    from triton.runtime.jit import KernelInterface
-
-    from normswap.kernels import _common as C
-
-    seen: list[Launch] = []
-    old_getitem = KernelInterface.__getitem__
-    old_sms = C.sm_count
-    old_resident = getattr(C, "resident_programs", None)
-
-    def getitem(self, grid):
-        def launch(*args, **kwargs):
-            seen.append(Launch(self, tuple(grid) if not callable(grid) else grid, args, kwargs))
-        return launch
-
-    def resident(kernel, args, kwargs, device):
-        launch = Launch(kernel, (1,), tuple(args), dict(kwargs))
-        key = _variant_key(launch)
-        if key not in _RESIDENT:
-            k = compile_launch(launch)
-            with tempfile.TemporaryDirectory() as tmp:
-                rep = ptxas_report(k.asm["ptx"], Path(tmp))
-            smem = max(rep["smem"], int(getattr(k.metadata, "shared", 0) or 0))
-            _RESIDENT[key] = sms * programs_per_sm(rep["regs"], kwargs.get("num_warps", 4), smem)
-        return _RESIDENT[key]
-
-    KernelInterface.__getitem__ = getitem
-    C.sm_count = lambda device: sms if device.type in ("meta", "cuda") else old_sms(device)
-    if old_resident is not None:
-        C.resident_programs = resident
-    try:
-        yield seen
-    finally:
-        KernelInterface.__getitem__ = old_getitem
-        C.sm_count = old_sms
-        if old_resident is not None:
-            C.resident_programs = old_resident
-
-
-def _variant_key(launch: Launch):
-    return (launch.kernel.__name__, tuple(sorted((k, str(v)) for k, v in launch.kwargs.items())),
-            tuple(_arg_type(a) for a in launch.args))
-
-
-def plan(op: str, pass_: str, dtype: str, m: int, n: int, weight: bool, bias: bool, residual: bool,
-         sms: int = H100_SMS) -> list[Launch]:
-    """The kernel launches the library makes for one case (forward, or the backward alone)."""
-    import torch
-
-    from normswap.kernels import layer_norm as L
-    from normswap.kernels import rms_norm as R
-
-    dt = getattr(torch, DTYPE_NAMES[dtype])
-    meta = dict(device="meta", dtype=dt)
-    x = torch.empty(m, n, **meta)
-    w = torch.empty(n, **meta) if weight else None
-    b = torch.empty(n, **meta) if bias else None
-    r = torch.empty(m, n, **meta) if residual else None
-    stat = dict(device="meta", dtype=torch.float32)
-    with recorded_launches(sms) as seen:
-        if op == "rms_norm" and pass_ == "fwd":
-            R._rms_forward(x, w, r, 1e-6, 0.0, "llama", None, False)
-        elif op == "rms_norm":
-            R._rms_backward(x, x if residual else None, x, w, torch.empty(m, **stat), 0.0, "llama", dt,
-                            dt if residual else None)
-        elif pass_ == "fwd":
-            L._ln_forward(x, w, b, r, 1e-5, 0.0, None, False)
-        else:
-            L._ln_backward(x, x if residual else None, x, w, b, torch.empty(m, **stat), torch.empty(m, **stat),
-                           0.0, dt, dt if residual else None)
-    return seen
-
-
-# ----------------------------------------------------------------------------------------------
-# Compiling one launch as the JIT would, and reading the result.
-
-OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "launch_cooperative_grid", "maxnreg")
-
-
-def _arg_type(v) -> tuple[str, bool]:
-    """(triton signature type, divisible by 16) of one runtime argument, as the JIT specialises it."""
-    import torch
-
-    if isinstance(v, torch.Tensor):
-        name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}[v.dtype]
-        return "*" + name, True  # torch allocations are 256-byte aligned
-    if isinstance(v, bool):
-        return "i1", False
-    if isinstance(v, int):
-        return ("i32" if -(2**31) <= v < 2**31 else "i64"), v % 16 == 0
-    if isinstance(v, float):
-        return "fp32", False
-    raise TypeError(f"unexpected kernel argument {type(v).__name__}")
-
-
-def compile_launch(launch: Launch):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = launch.kernel
-    names = fn.arg_names
-    consts = {k: v for k, v in launch.kwargs.items() if k not in OPTION_KEYS}
-    options = {k: v for k, v in launch.kwargs.items() if k in OPTION_KEYS}
-    sig, attrs = {}, {}
-    positional = iter(launch.args)
-    for i, (name, param) in enumerate(zip(names, fn.params, strict=True)):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        v = next(positional)
-        ty, div16 = _arg_type(v)
-        sig[name] = ty
-        if div16 and not param.do_not_specialize and not param.do_not_specialize_on_alignment:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-
-
-_PTXAS_RE = {
-    "regs": re.compile(r"Used (\d+) registers"),
-    "stack": re.compile(r"(\d+) bytes stack frame"),
-    "spill_st": re.compile(r"(\d+) bytes spill stores"),
-    "spill_ld": re.compile(r"(\d+) bytes spill loads"),
-    "smem": re.compile(r"(\d+) bytes smem"),
-}
-# The opcode must end at a dot or a space: LDGDEPBAR (a cp.async fence) is no load.
-_MEM_RE = re.compile(r"\b(LDGSTS|LDG|STG|LDL|STL|ATOMG|REDG|RED|ATOM)((?:\.[A-Z0-9_]+)*)(?=\s)")
-_LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
-
-
-def ptxas_report(ptx: str, workdir: Path) -> dict:
-    src = workdir / "k.ptx"
-    src.write_text(ptx)
-    out = subprocess.run([str(triton_bin("ptxas")), "-lineinfo", "--regAllocOptLevel=2", "-v", "--gpu-name=sm_90a",
-                          str(src), "-o", str(workdir / "k.o")], capture_output=True, text=True, check=True)
-    rep = {}
-    for key, rx in _PTXAS_RE.items():
-        hit = rx.search(out.stderr)
-        rep[key] = int(hit.group(1)) if hit else 0
-    return rep
-
-
-def _width_bits(suffixes: str) -> int:
-    """Access width from a SASS memory op's suffixes (.128, .64, .U16, .U8 ...; none means 32)."""
-    for s in suffixes.split("."):
-        if s in ("128", "64", "32"):
-            return int(s)
-        if s in ("U16", "S16"):
-            return 16
-        if s in ("U8", "S8"):
-            return 8
-    return 32
-
-
-def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
-    """Every global/local memory instruction: {op, bits, line text}."""
-    path = workdir / "k.cubin"
-    path.write_bytes(cubin)
-    out = subprocess.run([str(triton_bin("nvdisasm")), "-g", "-c", str(path)], capture_output=True, text=True,
-                         check=True).stdout
-    ops, where = [], None
-    sources: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        loc = _LINE_RE.search(line)
-        if loc:
-            where = (loc.group(1), int(loc.group(2)))
-            continue
-        hit = _MEM_RE.search(line)
-        if not hit:
-            continue
-        text = ""
-        if where is not None:
-            if where[0] not in sources:
-                try:
-                    sources[where[0]] = Path(where[0]).read_text().splitlines()
-                except OSError:
-                    sources[where[0]] = []
-            lines = sources[where[0]]
-            text = lines[where[1] - 1].strip() if 0 < where[1] <= len(lines) else ""
-        op = hit.group(1)
-        ops.append({"op": op, "bits": _width_bits(hit.group(2)) if op != "LDGSTS" else _ldgsts_bits(hit.group(2)),
-                    "source": text})
-    return ops
-
-
-def _ldgsts_bits(suffixes: str) -> int:
-    return _width_bits(suffixes)
-
-
-def is_scratch(source: str) -> bool:
-    return any(name in source for name in SCRATCH_NAMES)
-
-
-def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
-    """Programs one H100 SM holds at once (the library's own occupancy rule)."""
-    from normswap.kernels import _common as C
-
-    return C.programs_per_sm(regs, num_warps, smem, C.H100_LIMITS)
-
-
-def analyse(launch: Launch, workdir: Path) -> dict:
-    k = compile_launch(launch)
-    rep = ptxas_report(k.asm["ptx"], workdir)
-    shared = max(rep["smem"], int(getattr(k.metadata, "shared", 0) or 0))
-    mem = sass_memory_ops(k.asm["cubin"], workdir)
-    row_ops = [o for o in mem if o["op"] in ("LDG", "STG", "LDGSTS") and not is_scratch(o["source"])]
-    warps = launch.kwargs.get("num_warps", 4)
-    consts = {k2: v for k2, v in launch.kwargs.items() if k2 in ("BLOCK_M", "BLOCK_N", "CHUNKS", "SINGLE")}
-    grid = launch.grid if isinstance(launch.grid, tuple) else ()
-    return {
-        "kernel": launch.kernel.__name__,
-        "grid": list(grid),
-        "tile": consts,
-        "num_warps": warps,
-        "num_stages": launch.kwargs.get("num_stages"),
-        "cooperative": bool(launch.kwargs.get("launch_cooperative_grid", False)),
-        "regs": rep["regs"],
-        "spill_bytes": rep["spill_st"] + rep["spill_ld"],
-        "stack": rep["stack"],
-        "smem": shared,
-        "programs_per_sm": programs_per_sm(rep["regs"], warps, shared),
-        "row_loads": _widths(row_ops, ("LDG",)),
-        "row_stores": _widths(row_ops, ("STG",)),
-        "cp_async": sum(1 for o in mem if o["op"] == "LDGSTS"),
-        "cp_async_widths": _widths(row_ops, ("LDGSTS",)),
-        "local": sum(1 for o in mem if o["op"] in ("LDL", "STL")),
-        "narrow_row_ops": [f"{o['op']}.{o['bits']}: {o['source']}" for o in row_ops if o["bits"] < 128],
-        "wait": split_row_wait(k.asm["ptx"]),
-        "ptx": ptx_facts(k.asm["ptx"]),
-    }
-
-
-def ptx_facts(ptx: str) -> dict:
-    """What the PTX says about rounding and caching: `int_round` counts the 0x7FFF (32767) that
-    round_to's integer bf16 rounding adds (the interpreter's path: on a GPU the conversion must be
-    the hardware's cvt.rn, so 0 there); evict_first / evict_last count the L2 eviction policies
-    created for the streamed rows and the parameters."""
-    return {
-        "int_round": len(re.findall(r"\b32767\b", ptx)),
-        "evict_first": len(re.findall(r"createpolicy\.\S*L2::evict_first", ptx)),
-        "evict_last": len(re.findall(r"createpolicy\.\S*L2::evict_last", ptx)),
-    }
-
-
-def split_row_wait(ptx: str) -> dict:
-    """How a split-row kernel's programs wait for each other, read from the PTX: the arrival is a
-    release and the poll an acquire, both at GPU scope (the chunks of a row run on different SMs;
-    CTA scope would order nothing between them), and the poll loop is bounded (a trap ends it)."""
-    return {
-        "release_gpu": len(re.findall(r"\b(?:red|atom)\.global\.gpu\.release\b", ptx)),
-        "acquire_gpu": len(re.findall(r"\b(?:ld|atom)\.global\.gpu\.acquire\b", ptx)),
-        "trap": len(re.findall(r"^\s*trap;", ptx, re.M)),
-    }
-
-
-def _widths(ops, kinds) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for o in ops:
-        if o["op"] in kinds:
-            out[o["bits"]] = out.get(o["bits"], 0) + 1
-    return dict(sorted(out.items(), reverse=True))
-
-
-def problems(case: dict, res: dict) -> list[str]:
-    """The CPU test's rules: no spills, and 16-byte row accesses wherever the hidden size allows."""
-    out = []
-    if res["spill_bytes"] or res["local"]:
-        out.append(f"spills {res['spill_bytes']} bytes ({res['local']} local-memory instructions)")
-    if case["N"] % 16 == 0 and res["narrow_row_ops"]:
-        out.append("row accesses narrower than 16 bytes: " + "; ".join(sorted(set(res["narrow_row_ops"]))))
-    if res["tile"].get("CHUNKS", 1) > 1:
-        # Split rows wait for each other: co-resident only under a cooperative launch, their
-        # partials published and read with GPU-scope release/acquire, the wait bounded, and no
-        # cp.async prefetch (it could read a row's partials ahead of that row's wait).
-        w = res["wait"]
-        if not res["cooperative"]:
-            out.append("split rows launched without launch_cooperative_grid")
-        if not (w["release_gpu"] and w["acquire_gpu"] and w["trap"]):
-            out.append(f"split-row wait is not a bounded GPU-scope release/acquire: {w}")
-        if res["cp_async"]:
-            out.append(f"split-row loop is software-pipelined ({res['cp_async']} cp.async)")
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def cases(hidden, dtypes, variants, passes, rows):
-    for n in hidden:
-        for dtype in dtypes:
-            for op, w, b, r in variants:
-                for p in passes:
-                    yield {"op": op, "pass": p, "dtype": dtype, "M": rows, "N": n, "weight": w, "bias": b,
-                           "residual": r}
-
-
-def run(case_list, workdir: Path, progress=None, cache: dict | None = None) -> list[dict]:
-    results = []
-    cache = {} if cache is None else cache
-    for i, case in enumerate(case_list, 1):
-        launches = plan(case["op"], case["pass"], case["dtype"], case["M"], case["N"], case["weight"],
-                        case["bias"], case["residual"])
-        for j, launch in enumerate(launches):
-            key = _variant_key(launch)
-            if key not in cache:
-                cache[key] = analyse(launch, workdir)
-            res = dict(cache[key], grid=list(launch.grid) if isinstance(launch.grid, tuple) else [])
-            row = dict(case, launch=j, **res)
-            row["problems"] = problems(case, res)
-            results.append(row)
-        if progress:
-            progress(i, len(case_list), case)
-    return results
-
-
-def bucket_rows(label: str) -> int:
-    """A row count inside a launch-table row bucket ("<=2048" -> 2048, ">2048" -> 32768): any count
-    in the bucket plans the same launch."""
-    bound = int(label.lstrip("<=>"))
-    return bound if label.startswith("<=") else max(ROWS, bound + 1)
-
-
-def check_tile(key: tuple, tile: dict, workdir: Path, cache: dict | None = None, variants=None) -> list[dict]:
-    """The static check of one launch-table tile: `key` = (arch, op, pass, dtype, hidden, rows label)
-    is planned with `tile` forced for it (launch_table.forced), in each of TABLE_VARIANTS[op], and
-    analysed like the grid. Each result row's problems also name a launch that did not use the
-    tile (the table was not what the launcher read) or a split row too wide to be co-resident."""
-    from normswap.errors import NormswapError
-    from normswap.kernels import _common as C
-    from normswap.kernels import launch_table as T
-
-    arch, op, pass_, dtype, hidden, label = key
-    out = []
-    with T.forced(key, tile, C.ROW_BUCKETS):
-        for variant in variants or TABLE_VARIANTS[op]:
-            case = next(cases((hidden,), (dtype,), (variant,), (pass_,), bucket_rows(label)))
-            try:
-                rows = run([case], workdir, cache=cache)
-            except NormswapError as e:
-                out.append(dict(case, launch=0, tile={}, problems=[f"cannot launch: {e}"]))
-                continue
-            for r in rows:
-                used = (r["tile"].get("BLOCK_N"), r["num_warps"]) == (tile["block_n"], tile["num_warps"]) and (
-                    r["tile"].get("CHUNKS", 1) > 1 or r["tile"].get("BLOCK_M") == tile["block_m"])
-                if r["launch"] == 0 and not used:
-                    r["problems"].append(f"the launch used {r['tile']} with {r['num_warps']} warps, not the table's "
-                                         f"{tile}")
-                out.append(r)
-    return out
 
 
 def table_check(path: Path, workdir: Path, progress=None, ci: bool = False) -> tuple[list[dict], list[str]]:
@@ -583,8 +195,8 @@ def main(argv=None) -> int:
         else:
             hidden = [int(v) for v in args.hidden.split(",")] if args.hidden else HIDDEN
             dtypes = [d for d in args.dtypes.split(",") if d]
-            if any(d not in DTYPE_NAMES for d in dtypes):
-                raise ValueError(f"dtypes must be among {', '.join(DTYPE_NAMES)}")
+            if any(d not in RUN_DTYPES for d in dtypes):
+                raise ValueError(f"dtypes must be among {', '.join(RUN_DTYPES)}")
             ops = set(args.ops.split(","))
             variants = [v for v in VARIANTS if v[0] in ops]
     except ValueError as e:
@@ -627,5 +239,4 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "0"  # compile for real; normswap would turn the interpreter on
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

@@ -30,6 +30,9 @@ _LAZY = {
     "diff_checkpoints": "normswap.api",
     "bench_checkpoint": "normswap.api",
     "EvalSettings": "normswap.api",
+    # launch tiles measured on this machine's GPU (normswap tune, normswap tune --show)
+    "tune_launches": "normswap.kernels.tune",
+    "launch_table_status": "normswap.kernels.tune",
 }
 
 __all__ = ["BadInputError", "NormswapError", "__version__", *_LAZY]

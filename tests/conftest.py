@@ -9,6 +9,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# No user launch table (normswap tune's, in ~/.cache): the tests run on the committed table and the
+# heuristics wherever they run; tests/test_launch_table.py sets it where it tests the user table.
+os.environ.setdefault("NORMSWAP_LAUNCH_TABLE", "off")
 
 import pytest  # noqa: E402
 

@@ -71,6 +71,7 @@ def test_entry_answers_its_key_only(monkeypatch):
             assert _common.launch_config(*args) == want, args
         # Per device, by its capability: cuda:0 an sm_80 (no entry), cuda:1 an sm_90.
         monkeypatch.setattr(_common, "_cuda_arch", lambda index: ("sm_80", "sm_90")[index])
+        monkeypatch.setattr(_common, "_cuda_name", lambda index: ("Fake A100", "Fake H100")[index])
         cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == static_fwd
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda1) == _common.Tile(2, 4096, 1, 8, 1)
@@ -141,14 +142,14 @@ def test_broken_package_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     bad = tmp_path / "launch_table.json"
     bad.write_text(json.dumps(_broken(BROKEN["split with block_m"])))
     monkeypatch.setattr(T, "PATH", bad)
-    monkeypatch.setitem(T._state, "index", None)
-    with pytest.warns(UserWarning, match="ignoring the launch table"):
+    T.reload()
+    with pytest.warns(UserWarning, match="ignoring the package launch table"):
         tile = _common.launch_config(32768, 4096, BF16, "fwd", RMS)
     with T._using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
         assert tile == _common.launch_config(32768, 4096, BF16, "fwd", RMS)
     bad.write_text("{not json")
-    monkeypatch.setitem(T._state, "index", None)
-    with pytest.warns(UserWarning, match="ignoring the launch table"):
+    T.reload()
+    with pytest.warns(UserWarning, match="ignoring the package launch table"):
         _common.launch_config(32768, 4096, BF16, "fwd", RMS)
 
 
@@ -183,3 +184,103 @@ def test_stamp_names_the_table_a_benchmark_ran_with(tmp_path):
     T.write(path, table(entry()), _common.ROW_BUCKETS)
     assert T.stamp("sm_90", path)["sha256"] != s["sha256"]
     assert T.stamp("sm_90", tmp_path / "missing.json") == {"arch": "sm_90", "sha256": None, "entries": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# The user table (normswap tune's, per machine): on top of the committed one, per device name.
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def test_user_table_path(monkeypatch, tmp_path):
+    monkeypatch.delenv(T.USER_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert T.user_path() == tmp_path / "home" / ".cache" / "normswap" / "launch_table.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert T.user_path() == tmp_path / "xdg" / "normswap" / "launch_table.json"
+    monkeypatch.setenv(T.USER_ENV, str(tmp_path / "mine.json"))
+    assert T.user_path() == tmp_path / "mine.json"
+    monkeypatch.setenv(T.USER_ENV, "off")
+    assert T.user_path() is None
+
+
+@pytest.fixture
+def tables(monkeypatch, tmp_path):
+    """A committed table with one sm_90 entry and a user table (at $NORMSWAP_LAUNCH_TABLE) with an
+    entry for the same key and one for a key the committed table lacks, both measured on an H100;
+    cuda:0 is an sm_90 whose name the test sets."""
+    committed, user = tmp_path / "committed.json", tmp_path / "user.json"
+    T.write(committed, table(entry(block_m=2, num_warps=8)), _common.ROW_BUCKETS)
+    mine = [entry(block_m=4, num_warps=16), entry(pass_="bwd", block_m=1, num_warps=4, num_stages=2)]
+    for e in mine:
+        e["measured"]["device"] = H100
+    T.write(user, table(*mine), _common.ROW_BUCKETS)
+    monkeypatch.setattr(T, "PATH", committed)
+    monkeypatch.setenv(T.USER_ENV, str(user))
+    monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_90")
+    name = {"now": H100}
+    monkeypatch.setattr(_common, "_cuda_name", lambda index: name["now"])
+    T.reload()
+
+    def tiles(device_name):
+        name["now"] = device_name
+        _common._gpu_launch_config.cache_clear()  # a real device index keeps its name for the process
+        cuda = torch.device("cuda", 0)
+        return (_common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda),
+                _common.launch_config(32768, 4096, BF16, "bwd", RMS, cuda))
+    yield user, tiles
+    T.reload()
+
+
+def test_user_entry_wins_on_the_device_it_was_measured_on(tables):
+    user, tiles = tables
+    with T._using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+        static_bwd = _common.launch_config(32768, 4096, BF16, "bwd", RMS)
+    assert tiles(H100) == (_common.Tile(4, 4096, 1, 16, 1), _common.Tile(1, 4096, 1, 4, 2))
+    # Same architecture, another GPU model: the committed entry, the heuristics for the rest.
+    assert tiles(H200) == (_common.Tile(2, 4096, 1, 8, 1), static_bwd)
+    # Meta tensors (the static analysis' plan) have no device name: the committed table.
+    assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, torch.device("meta")) == _common.Tile(2, 4096, 1, 8, 1)
+    s = T.status(_common.ROW_BUCKETS, "sm_90", H200)
+    assert s["user"]["state"] == "loaded" and (s["user"]["entries"], s["user"]["apply"]) == (2, 0)
+    assert s["user"]["other_devices"] == [H100] and s["committed"]["apply"] == 1
+    assert T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"]["apply"] == 2
+
+
+def test_user_table_off_and_reload(tables, monkeypatch):
+    user, tiles = tables
+    assert tiles(H100)[0] == _common.Tile(4, 4096, 1, 16, 1)
+    monkeypatch.setenv(T.USER_ENV, "off")
+    assert tiles(H100)[0] == _common.Tile(4, 4096, 1, 16, 1)  # read once per process: still the user's
+    T.reload()  # the next launch reads the tables again: the committed entry
+    assert tiles(H100)[0] == _common.Tile(2, 4096, 1, 8, 1)
+    assert T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"] == {"path": None, "state": "off", "entries": 0,
+                                                                     "apply": 0, "other_devices": []}
+    # A table rewritten on disk (normswap tune in this process reloads): the new tile, not a cached one.
+    monkeypatch.setenv(T.USER_ENV, str(user))
+    doc = T.read(user)
+    doc["archs"]["sm_90"]["entries"][0]["tile"]["num_warps"] = 32
+    T.write(user, doc, _common.ROW_BUCKETS)
+    gen = T.generation(_common.ROW_BUCKETS)
+    T.reload()
+    assert T.generation(_common.ROW_BUCKETS) != gen
+    assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, torch.device("cuda", 0)) == _common.Tile(4, 4096, 1, 32, 1)
+
+
+def test_invalid_user_table_warns_once_and_is_ignored(tables):
+    import warnings
+
+    user, tiles = tables
+    for broken in ("{not json", json.dumps(_broken(BROKEN["split with block_m"]))):
+        user.write_text(broken)
+        T.reload()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert tiles(H100)[0] == _common.Tile(2, 4096, 1, 8, 1)  # the committed entry answers
+            tiles(H200)
+            _common.launch_config(100, 1000, FP32, "bwd", LN, torch.device("cuda", 0))
+        assert [str(w.message) for w in seen if "launch table" in str(w.message)] == [
+            next(str(w.message) for w in seen)]
+        assert "ignoring the user launch table" in str(seen[0].message) and str(user) in str(seen[0].message)
+        assert T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"]["state"] == "invalid"

@@ -22,6 +22,9 @@ TEXT = "In the beginning God created the heaven and the earth. And the earth was
 EDITS = [
     ('"smollm2-135m"', '"llama-dir"', "the embedded model: a tiny llama stands in"),
     ("seq=2048", "seq=16, modes='prefill', warmup=0, repeats=1", "a bench of a few ms, not minutes"),
+    ('normswap.tune_launches(hidden=[2048], dtypes="bf16", budget=300)',
+     '__import__("inspect").signature(normswap.tune_launches).bind(hidden=[2048], dtypes="bf16", budget=300)',
+     "it needs a CUDA device: checked against its signature only (tests/test_tune.py runs it on a fake GPU)"),
 ]
 
 

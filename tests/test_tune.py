@@ -1,7 +1,8 @@
-"""benchmarks/tune.py, the launch-table tuner, checked on CPU: the candidates it would time, the
-keys it walks (never an exact row count), and the whole selection and table writing with the GPU
-work injected (fake static verdicts, fake times, fake outputs), so that the choice rules are
-proven without a GPU. Nothing here measures anything."""
+"""The launch-table tuner (normswap/kernels/tune.py, run by `normswap tune` and
+benchmarks/tune.py), checked on CPU: the candidates it would time, the keys it walks (never an
+exact row count), and the whole selection and table writing with the GPU work injected (fake
+static verdicts, fake times, fake outputs), so that the choice rules are proven without a GPU.
+Nothing here measures anything."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import math
 
 import pytest
 import torch
-from benchmark_scripts import load_script
 
 from normswap.kernels import _common as C
 from normswap.kernels import launch_table as T
@@ -19,7 +19,9 @@ RMS = type("K", (), {"__module__": "normswap.kernels.rms_norm"})()
 
 @pytest.fixture(scope="module")
 def tune():
-    return load_script("tune")
+    from normswap.kernels import tune
+
+    return tune
 
 
 def test_candidates_start_with_the_heuristics_and_stay_valid(tune):
@@ -60,8 +62,21 @@ def test_grid_keys_are_buckets_in_priority_order(tune):
     few = [k for k in keys if k["rows"] == "<=2048"]
     assert {(k["hidden"], tuple(k["row_counts"])) for k in few} == {(4096, (512,))}
     assert [k["dtype"] for k in keys].index("fp32") == len(keys) // 2  # every bf16 key first
-    assert tune.grid_keys(["rms_norm"], ["bwd"], ["bf16"], hidden=[65536]) == [
-        {"op": "rms_norm", "pass": "bwd", "dtype": "bf16", "hidden": 65536, "rows": ">2048", "row_counts": [4096, 32768]}]
+    assert all(k["n"] == k["hidden"] for k in keys)  # the grid's widths are their own buckets
+
+
+def test_user_hidden_sizes_are_tuned_in_their_buckets_at_their_own_width(tune):
+    """--hidden: a model's widths (any size), each at many rows and at 512 (decode-sized batches),
+    keyed by its power-of-two bucket; two widths of one bucket make one key, timed at the wider."""
+    keys = tune.grid_keys(["rms_norm"], ["bwd"], ["bf16"], hidden=[65536])
+    assert keys == [
+        {"op": "rms_norm", "pass": "bwd", "dtype": "bf16", "hidden": 65536, "rows": ">2048", "row_counts": [4096, 32768],
+         "n": 65536},
+        {"op": "rms_norm", "pass": "bwd", "dtype": "bf16", "hidden": 65536, "rows": "<=2048", "row_counts": [512],
+         "n": 65536}]
+    keys = tune.grid_keys(["rms_norm"], ["fwd"], ["bf16"], hidden=[2560, 3072, 5120])
+    assert [(k["hidden"], k["rows"], k["n"]) for k in keys] == [
+        (4096, ">2048", 3072), (8192, ">2048", 5120), (4096, "<=2048", 3072), (8192, "<=2048", 5120)]
 
 
 def _fake(tiles, times, rejected_static=(), disagree=(), broken=()):
@@ -143,14 +158,15 @@ def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     """The whole loop with injected GPU work: the table validates after each key, launch_config
     picks every winner for its key (any row count in the bucket), the report names winner and
     static choice, and a second run skips what the table has."""
-    keys = tune.grid_keys(["rms_norm"], ["fwd", "bwd"], ["bf16"], hidden=[4096, 65536])
+    keys = [k for k in tune.grid_keys(["rms_norm"], ["fwd", "bwd"], ["bf16"]) if k["hidden"] in (4096, 65536)]
     out, rep = tmp_path / "table.json", tmp_path / "tune.md"
     meta = {"device": "injected (test)", "arch": "sm_90", "date": "2000-01-01", "torch": "-", "triton": "-",
             "commit": "abc"}
     picks: dict = {}
     seen_files = []
 
-    def measure(key):
+    def measure(key, n):
+        assert n == key[4]  # the grid's widths are their buckets
         tiles = tune.candidates(key[2], key[3], key[4], 32768 if key[5] == ">2048" else 512)
         fastest = len(tiles) - 1  # the last candidate is much faster than the rest
         picks[key] = tiles[fastest]
@@ -160,7 +176,7 @@ def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     done = tune.tune_keys(keys, T.empty(C.ROW_BUCKETS), meta, out, rep, retune=False, deadline=math.inf,
                           fits=lambda k, m: m < 32768 or k["hidden"] < 65536,
                           static_check=lambda key: lambda ts: [[] for _ in ts], measure=measure,
-                          outputs=lambda key, m: lambda tile: [0], agree=lambda dt: lambda a, b: None,
+                          outputs=lambda key, n, m: lambda tile: [0], agree=lambda dt: lambda a, b: None,
                           log=lambda s: None)
     assert len(done) == len(keys) == 6 and all(d["entry"] for d in done)
     assert seen_files[0] is False and all(seen_files[1:])  # rewritten, valid, after every key
@@ -189,17 +205,17 @@ def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
     at such a count, or the candidate is never launched there and every candidate 'agrees' (the
     heuristics' tile compared with itself). Asked of tune_keys with the GPU work injected, and
     checked against launch_config under the forced tile."""
-    keys = tune.grid_keys(["rms_norm"], ["fwd"], ["bf16"], hidden=[4096])
+    keys = [k for k in tune.grid_keys(["rms_norm"], ["fwd"], ["bf16"]) if k["hidden"] == 4096]
     meta = {"device": "injected (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-", "commit": "-"}
     asked = []
 
-    def outputs(key, m):
+    def outputs(key, n, m):
         asked.append((key, m))
         return lambda tile: [0]
 
     tune.tune_keys(keys, T.empty(C.ROW_BUCKETS), meta, tmp_path / "t.json", tmp_path / "t.md", retune=False,
                    deadline=math.inf, fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
-                   measure=lambda key: lambda tile, m: 1.0, outputs=outputs, agree=lambda dt: lambda a, b: None,
+                   measure=lambda key, n: lambda tile, m: 1.0, outputs=outputs, agree=lambda dt: lambda a, b: None,
                    log=lambda s: None)
     assert sorted(key[5] for key, _ in asked) == sorted(T.bucket_labels(C.ROW_BUCKETS))
     for key, m in asked:
@@ -210,11 +226,24 @@ def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
             assert C.tile_fields(C.launch_config(m, 4096, torch.bfloat16, "fwd", RMS)) == tile, (key, m)
 
 
-def test_without_cuda_one_line_and_exit_2(tune, monkeypatch, capsys, tmp_path):
+def test_without_cuda_nothing_is_written(tune, monkeypatch, capsys, tmp_path):
+    """The library raises one NormswapError before touching the table; benchmarks/tune.py (the GPU
+    runbook's entry) turns it into one line and exit 2."""
+    from benchmark_scripts import load_script
+
+    from normswap.errors import NormswapError
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tune.main(["--out", str(tmp_path / "t.json")]) == 2
+    with pytest.raises(NormswapError, match="^tuning needs a CUDA device"):
+        tune.tune_launches(out=tmp_path / "t.json")
+    assert load_script("tune").main(["--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["benchmarks/tune.py: needs a CUDA device (it times kernel launches); nothing written"]
+    assert err == ["benchmarks/tune.py: tuning needs a CUDA device (it times kernel launches on it); nothing written"]
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, but the interpreter on
+    monkeypatch.setattr(C, "interpreting", lambda kernel: True)
+    with pytest.raises(NormswapError, match="TRITON_INTERPRET is set"):
+        tune.tune_launches(out=tmp_path / "t.json")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -250,7 +279,7 @@ def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
 
     if not C.interpreting(_rms_fwd_kernel):
         pytest.skip("the CPU plumbing check runs through the interpreter")
-    keys = [{"op": op, "pass": p, "dtype": "bf16", "hidden": 64, "rows": ">2048", "row_counts": [8]}
+    keys = [{"op": op, "pass": p, "dtype": "bf16", "hidden": 64, "rows": ">2048", "row_counts": [8], "n": 48}
             for p in ("fwd", "bwd")]
     meta = {"device": "cpu plumbing (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-",
             "commit": "-"}
@@ -258,13 +287,170 @@ def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
     done = tune.tune_keys(
         keys, T.empty(C.ROW_BUCKETS), meta, out, tmp_path / "r.md", retune=False, deadline=math.inf,
         fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
-        measure=lambda key: lambda tile, m: tune.gpu_measure(key, tile, m, 1 << 20, device="cpu"),
-        outputs=lambda key, m: lambda tile: tune.gpu_outputs(key, tile, m, device="cpu"), agree=tune.gpu_agree,
+        measure=lambda key, n: lambda tile, m: tune.gpu_measure(key, tile, m, 1 << 20, n, device="cpu"),
+        outputs=lambda key, n, m: lambda tile: tune.gpu_outputs(key, tile, m, n, device="cpu"), agree=tune.gpu_agree,
         log=lambda s: None)
     assert [d["entry"] is not None for d in done] == [True, True]
     for d in done:
         assert not [t["why"] for t in d["trials"] if t["why"]]  # every candidate ran and agreed
         assert all(t["us"][8] > 0 for t in d["trials"])
-    outs = tune.gpu_outputs(("sm_90", op, "bwd", "bf16", 64, ">2048"), done[1]["entry"]["tile"], 8, device="cpu")
-    assert len(outs) == (3 if op == "rms_norm" else 4) and outs[1].shape == (8, 64)
-    assert T.problems(T.read(out), C.ROW_BUCKETS) == []
+    outs = tune.gpu_outputs(("sm_90", op, "bwd", "bf16", 64, ">2048"), done[1]["entry"]["tile"], 8, 48, device="cpu")
+    assert len(outs) == (3 if op == "rms_norm" else 4) and outs[1].shape == (8, 48)
+    doc = T.read(out)
+    assert T.problems(doc, C.ROW_BUCKETS) == []
+    assert {e["measured"]["hidden_timed"] for e in doc["archs"]["sm_90"]["entries"]} == {48}
+
+
+# ----------------------------------------------------------------------------------------------
+# tune_launches and `normswap tune` end to end, with a fake GPU: the environment check passes,
+# the device is named, and the GPU work (static check, outputs, times) is injected; the last
+# candidate of every key is the fastest.
+
+FAKE = "Fake GPU 80GB (test)"
+
+
+def _fake_gpu(monkeypatch, tune, name=FAKE):
+    import contextlib
+
+    monkeypatch.setattr(tune, "_environment_problem", lambda: None)
+    monkeypatch.setattr(tune, "_this_device", lambda: {"device": name, "arch": "sm_90", "l2": 1 << 20,
+                                                       "torch": "-", "triton": "-"})
+    measured = []
+
+    @contextlib.contextmanager
+    def work(l2):
+        def measure(key, n):
+            tiles = tune.candidates(key[2], key[3], key[4], 32768 if key[5] == ">2048" else 512)
+            measured.append((key, n))
+            return lambda tile, m: (1.0 if tile == tiles[-1] else 2.0) * m
+        yield {"fits": lambda k, m: True, "static_check": lambda key: lambda ts: [[] for _ in ts],
+               "measure": measure, "outputs": lambda key, n, m: lambda tile: [0], "agree": lambda dt: lambda a, b: None}
+    monkeypatch.setattr(tune, "_gpu_work", work)
+    return measured
+
+
+def _on(monkeypatch, name):
+    """launch_config's view of cuda:0 as an sm_90 device called `name` (no CUDA here)."""
+    monkeypatch.setattr(C, "_cuda_arch", lambda index: "sm_90")
+    monkeypatch.setattr(C, "_cuda_name", lambda index: name)
+    C._gpu_launch_config.cache_clear()  # a real device index keeps its name for the whole process
+    return lambda m: C.tile_fields(C.launch_config(m, 5000, torch.bfloat16, "fwd", RMS, torch.device("cuda", 0)))
+
+
+@pytest.fixture
+def user_cache(monkeypatch, tmp_path):
+    """The default user table under $XDG_CACHE_HOME (the test suite runs with the user table off)."""
+    monkeypatch.delenv(T.USER_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    T.reload()
+    yield tmp_path / "cache" / "normswap" / "launch_table.json"
+    T.reload()
+
+
+def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypatch, user_cache):
+    """tune_launches writes the user table at its default path; the launches that follow in the
+    same process (no restart: the cached tile of the old table is not reused) take the winners on
+    the device they were measured on, and only there; a second run measures nothing again, a run
+    on another GPU of the same architecture measures its own."""
+    measured = _fake_gpu(monkeypatch, tune)
+    tile = _on(monkeypatch, FAKE)
+    heuristic = {m: tile(m) for m in (512, 32768)}
+    result = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes=["bf16"], hidden=[5000, 4500])
+    assert result["out"] == str(user_cache) and user_cache.is_file() and user_cache.with_suffix(".md").is_file()
+    assert (result["keys"], result["already"], len(result["tuned"]), result["not_tuned"], result["not_attempted"]) == (
+        2, 0, 2, [], 0)
+    assert {(k[5], n) for k, n in measured} == {(">2048", 5000), ("<=2048", 5000)}  # the wider width timed
+    winners = {e["rows"]: e["tile"] for e in result["tuned"]}
+    assert all(e["static_tile"] != e["tile"] for e in result["tuned"])
+    assert tile(32768) == winners[">2048"] != heuristic[32768] and tile(4096) == winners[">2048"]
+    assert tile(512) == winners["<=2048"] != heuristic[512] and tile(1) == winners["<=2048"]
+    doc = T.read(user_cache)
+    assert doc["about"] == T.ABOUT_USER
+    assert {e["measured"]["device"] for e in doc["archs"]["sm_90"]["entries"]} == {FAKE}
+    assert {e["measured"]["hidden_timed"] for e in doc["archs"]["sm_90"]["entries"]} == {5000}
+    # Another device name (an H200 beside the H100 that tuned): the heuristics.
+    assert _on(monkeypatch, "Another GPU")(32768) == heuristic[32768]
+    # Again on the same device: nothing measured, the table unchanged.
+    measured.clear()
+    again = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden="5000")
+    assert (again["already"], again["tuned"], measured) == (2, [], [])
+    assert T.read(user_cache) == doc
+    # On another GPU model of the same architecture: measured there, its entries replace these.
+    _fake_gpu(monkeypatch, tune, name="Another GPU")
+    other = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden="5000")
+    assert (other["already"], len(other["tuned"])) == (0, 2)
+    assert {e["measured"]["device"] for e in T.read(user_cache)["archs"]["sm_90"]["entries"]} == {"Another GPU"}
+    assert _on(monkeypatch, "Another GPU")(32768) == winners[">2048"]
+    assert _on(monkeypatch, FAKE)(32768) == heuristic[32768]
+
+
+def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, monkeypatch, tmp_path):
+    from normswap.errors import BadInputError
+
+    measured = _fake_gpu(monkeypatch, tune)
+    for kwargs, says in (({"ops": "rms_norm,group_norm"}, "ops: unknown 'group_norm'"),
+                         ({"passes": ""}, "passes: empty list"), ({"dtypes": "fp64"}, "dtypes: unknown 'fp64'"),
+                         ({"hidden": "4096,big"}, "hidden: 'big' is not a whole number"),
+                         ({"hidden": [0]}, "hidden: 0 is outside"), ({"budget": -1}, "budget must be a positive"),
+                         ({"budget": math.nan}, "budget must be a positive")):
+        with pytest.raises(BadInputError, match=says):
+            tune.tune_launches(out=tmp_path / "t.json", **kwargs)
+    monkeypatch.setenv(T.USER_ENV, "off")
+    with pytest.raises(BadInputError, match="NORMSWAP_LAUNCH_TABLE=off"):
+        tune.tune_launches()
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"schema": 1}')
+    with pytest.raises(BadInputError, match="is not a valid launch table"):
+        tune.tune_launches(out=broken, hidden=[4096])
+    assert broken.read_text() == '{"schema": 1}' and measured == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
+
+
+def test_cli_tune_json_and_show(tune, monkeypatch, user_cache):
+    """`normswap tune --json`: one document (progress went to stderr); `--show --json` then names
+    the user table with its entries for this device."""
+    import json
+
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    _fake_gpu(monkeypatch, tune)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _on(monkeypatch, FAKE)
+    r = CliRunner().invoke(cli, ["tune", "--ops", "layer_norm", "--passes", "bwd", "--dtypes", "fp32",
+                                 "--hidden", "1024", "--budget", "100", "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"out", "report", "device", "arch", "keys", "already", "tuned", "not_tuned", "not_attempted"}
+    assert doc["device"] == FAKE and doc["out"] == str(user_cache) and len(doc["tuned"]) == 2
+    assert set(doc["tuned"][0]) == {"op", "pass", "dtype", "hidden", "rows", "tile", "static_tile", "us", "static_us"}
+    assert "[1/2] layer_norm bwd fp32 1024 >2048" in r.stderr
+    r = CliRunner().invoke(cli, ["tune", "--show", "--json"])
+    assert r.exit_code == 0, r.stderr
+    shown = json.loads(r.stdout)
+    assert (shown["device"], shown["arch"]) == (FAKE, "sm_90")
+    assert shown["user"] == {"path": str(user_cache), "state": "loaded", "entries": 2, "apply": 2, "other_devices": []}
+    assert shown["committed"]["state"] == "loaded"
+    r = CliRunner().invoke(cli, ["tune", "--show"])
+    assert f"user table: {user_cache}: loaded, 2 entries, 2 for this device" in r.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "tuning needs a CUDA device"),
+    (["--ops", "bogus"], "ops: unknown 'bogus'"),
+    (["--hidden", "4096,-5"], "hidden: -5 is outside"),
+    (["--budget", "-1"], "budget must be a positive number of seconds"),
+    (["--json"], "tuning needs a CUDA device"),
+])
+def test_cli_tune_bad_input_is_one_line_exit_2(args, says, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(cli, ["tune", "--out", str(tmp_path / "t.json"), *args])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("normswap: error: ")
+    assert says in r.stderr and list(tmp_path.iterdir()) == []

@@ -43,7 +43,7 @@ def main() -> None:
 
 def _register_commands() -> None:
     # Each import registers its command on the group.
-    from normswap.cli import bench, convert, demo, diff, experiment, patch, ppl, scan  # noqa: F401
+    from normswap.cli import bench, convert, demo, diff, experiment, patch, ppl, scan, tune  # noqa: F401
 
 
 def __getattr__(name: str):

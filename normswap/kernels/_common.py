@@ -335,10 +335,10 @@ class Tile:
 # of a split-row program, and the software-pipelining depth of the backward's loop over rows.
 # Chosen from the sm_90 static analysis (benchmarks/kernel_static.py: no spills, 16-byte accesses,
 # >= 2 programs per SM where rows are split, so one program's wait overlaps another's loads). They
-# answer wherever the measured launch table (launch_table.json, filled by benchmarks/tune.py on a
-# GPU) has no entry for the device's architecture. A committed table, not triton.autotune: a tile
-# fixes the reduction order, so a winner picked by run-time timing would let noise change the
-# output's last bit from one run to the next (launch_table.py says more).
+# answer wherever the measured launch tables (the committed launch_table.json per architecture, and
+# the user table `normswap tune` writes per machine) have no entry. Measured tables, not
+# triton.autotune: a tile fixes the reduction order, so a winner picked by run-time timing would let
+# noise change the output's last bit from one run to the next (launch_table.py says more).
 ROW_BUCKETS = (2048,)  # row counts <= 2048 are "few"
 TILE_ELEMS = {"fwd": (4096, 8192), "bwd": (4096, 4096)}
 SPLIT_WARPS = {"fwd": 8, "bwd": 8}
@@ -367,6 +367,19 @@ def _cuda_arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+def device_name(device: torch.device | None) -> str | None:
+    """torch.cuda.get_device_name of a CUDA device (the key of user-table entries); None for
+    anything else. Asked once per device index per process."""
+    if device is not None and device.type == "cuda":
+        return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+    return None
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def kernel_op(kernel) -> str:
     """The op a kernel belongs to, from its module (normswap.kernels.rms_norm -> rms_norm)."""
     return str(getattr(kernel, "__module__", "")).rpartition(".")[2]
@@ -374,10 +387,11 @@ def kernel_op(kernel) -> str:
 
 def launch_config(m: int, n: int, dtype: torch.dtype, pass_: str, kernel, device=None) -> Tile:
     """The tile for an (m, n) problem of `dtype` elements, pass "fwd" or "bwd", on `device`. On GPUs
-    the measured launch table (launch_table.py) answers for the device's architecture where it has
-    an entry, the static heuristics elsewhere; both see the row count only through a coarse bucket,
-    so batch sizes never compile anew. On the interpreter, tiles shrink to the row count (it pays
-    for masked-off rows) and the table is never read. Cached: this runs on every call, and host
+    the measured launch tables (launch_table.py: the committed one for the device's architecture,
+    the user's for the device itself) answer where they have an entry, the static heuristics
+    elsewhere; all see the row count only through a coarse bucket, so batch sizes never compile
+    anew. On the interpreter, tiles shrink to the row count (it pays for masked-off rows) and no
+    table is read. Cached: this runs on every call, and host
     time is what small shapes are made of."""
     elem_bytes = dtype.itemsize
     if interpreting(kernel):
@@ -394,7 +408,7 @@ def _gpu_launch_config(bucket: int, n: int, dtype: torch.dtype, pass_: str, kern
     answered from the cache), else the heuristics'. Keyed by the kernel and the device themselves
     (the launchers pass a tensor's device, which names its index), so that a call costs one lookup."""
     op, arch = kernel_op(kernel), device_arch(device)
-    table, _ = launch_table.active(ROW_BUCKETS)
+    table, _ = launch_table.active(ROW_BUCKETS, device_name(device))
     hidden = launch_table.hidden_bucket(n)
     label = launch_table.bucket_labels(ROW_BUCKETS)[bucket]
     t = table.get((arch, op, pass_, DTYPE_NAME.get(dtype), hidden, label))

@@ -1,15 +1,22 @@
-"""The measured launch table: per GPU architecture, the tile each kernel pass launches with, as
-measured by benchmarks/tune.py on a real device. `_common.launch_config` consults it first and falls
-back to its static heuristics where it has no entry (and the CPU interpreter never reads it).
+"""The measured launch tables: the tile each kernel pass launches with, as measured by the tuner
+(tune.py) on a real device. Two files of one schema: the committed launch_table.json beside this
+module (per GPU architecture, measured by benchmarks/tune.py on the project's GPUs), and the user
+table `normswap tune` writes on a user's machine (user_path(): $NORMSWAP_LAUNCH_TABLE, `off` for
+none, else $XDG_CACHE_HOME or ~/.cache, /normswap/launch_table.json), whose entries override the
+committed ones key by key but only on a device whose name is their measured.device (another GPU
+model of the same architecture has other bandwidths and SM counts). `_common.launch_config`
+consults them first and falls back to its static heuristics where neither has an entry (and the
+CPU interpreter never reads them). Both are read once per process (reload() reads them again).
 
-Why a committed table and not runtime autotuning (triton.autotune): a different tile or warp count
+Why measured tables and not runtime autotuning (triton.autotune): a different tile or warp count
 changes the order in which a row's sum of squares (and the backward's dW partial sums) are added,
 so the output can differ in the last bit. An autotuner picks the fastest candidate by timing at
 run time, so which candidate wins, and therefore the bits of the output, would depend on timing
 noise, differ between two processes on one machine, and change with load. A table measured once,
 reviewed and committed makes the choice a pure function of (GPU architecture, op, pass, dtype,
 hidden-size bucket, row-count bucket): the same bits on every run on the same kind of GPU. It also
-costs no tuning time at the first call and never specialises on the exact row count.
+costs no tuning time at the first call and never specialises on the exact row count. A user table
+is the same idea per machine: timed once, explicitly, then only read.
 
 Schema of launch_table.json (checked by `problems`; tests/test_launch_table.py validates the
 committed file):
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -69,6 +77,11 @@ ABOUT_MEASURED = ("Launch tiles measured on real GPUs by benchmarks/tune.py, per
                   "table instead of runtime autotuning: normswap/kernels/launch_table.py). Every entry was written from "
                   "a measurement and carries its provenance (device, date, versions, commit, times); keys without an "
                   "entry use the static heuristics of normswap/kernels/_common.py.")
+
+# A user table's (normswap tune's).
+ABOUT_USER = ("Launch tiles measured on this machine by `normswap tune` (schema: normswap/kernels/launch_table.py). "
+              "Each entry applies only on a GPU whose name is its measured.device, over the committed table; "
+              "delete the file to go back to the committed table and the static heuristics.")
 
 
 def bucket_labels(row_buckets) -> list[str]:
@@ -189,70 +202,143 @@ def stamp(arch: str, path: Path | None = None) -> dict:
     return {"arch": arch, "sha256": hashlib.sha256(data).hexdigest()[:12], "entries": entries}
 
 
-# The active index and a counter that changes whenever it does (launch_config's cache key).
-_state = {"index": None, "generation": 0}
+# The user table: what `normswap tune` writes by default, one per machine (per user).
+USER_ENV = "NORMSWAP_LAUNCH_TABLE"
 
 
-def active(row_buckets) -> tuple[dict, int]:
-    """(index, generation) of the table in use: the package's file, loaded once. A file that fails
-    validation is ignored with one warning (the heuristics then answer): launches must never fail
-    over a table, and the CPU tests keep the committed file valid."""
-    if _state["index"] is None:
-        try:
-            doc = read(PATH)
-            bad = problems(doc, row_buckets)
-        except (OSError, ValueError) as e:
-            bad = [str(e)]
-        if bad:
-            warnings.warn(f"normswap: ignoring the launch table {PATH} ({bad[0]}); static launch heuristics used",
-                          stacklevel=3)
-            _state["index"] = {}
-        else:
-            _state["index"] = index(doc)
-        _state["generation"] += 1
-    return _state["index"], _state["generation"]
+def user_path() -> Path | None:
+    """Where the user table is read from: $NORMSWAP_LAUNCH_TABLE (a path, or `off` for none), else
+    $XDG_CACHE_HOME/normswap/launch_table.json, else ~/.cache/normswap/launch_table.json."""
+    env = os.environ.get(USER_ENV, "").strip()
+    if env.lower() == "off":
+        return None
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(cache) if cache else Path.home() / ".cache") / "normswap" / "launch_table.json"
+
+
+# What is loaded, per process: the committed index {(arch, op, pass, dtype, hidden, rows): tile},
+# the user table's {(device name, arch, ...): tile}, tiles forced on top (the tuner's candidates),
+# each file's status, the merged view per device name, and a counter that changes whenever any of
+# it does (launch_config's cache key).
+_state = {"committed": None, "user": None, "forced": {}, "status": {}, "views": {}, "generation": 0}
+
+
+def _load_file(path: Path | None, row_buckets, what: str) -> tuple[dict | None, dict]:
+    """(valid document or None, status). A missing user table is normal (nothing tuned yet); a
+    file that fails validation is ignored with one warning: launches never fail over a table."""
+    status = {"path": None if path is None else str(path), "state": "off", "entries": 0}
+    if path is None:
+        return None, status
+    if what == "user" and not path.exists():
+        return None, dict(status, state="missing")
+    try:
+        doc = read(path)
+        bad = problems(doc, row_buckets)
+    except (OSError, ValueError) as e:
+        bad = [str(e)]
+    if bad:
+        warnings.warn(f"normswap: ignoring the {what} launch table {path} ({bad[0]}); static launch heuristics "
+                      "used where no other table has an entry", stacklevel=4)
+        return None, dict(status, state="invalid", problem=bad[0])
+    return doc, dict(status, state="loaded", entries=sum(len(b["entries"]) for b in doc["archs"].values()))
+
+
+def _ensure_loaded(row_buckets) -> None:
+    if _state["committed"] is not None:
+        return
+    doc, committed = _load_file(PATH, row_buckets, "package")
+    _state["committed"] = index(doc) if doc else {}
+    doc, user = _load_file(user_path(), row_buckets, "user")
+    # A user entry is keyed by the device it was measured on: another GPU model of the same
+    # architecture (an H200 beside an H100, a 4090 beside an L40) has other bandwidths and SMs.
+    _state["user"] = {} if doc is None else {
+        (e["measured"]["device"], arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
+        for arch, body in doc["archs"].items() for e in body["entries"]}
+    _state["status"] = {"committed": committed, "user": user}
+    _state["views"] = {}
+    _state["generation"] += 1
+
+
+def active(row_buckets, device_name: str | None = None) -> tuple[dict, int]:
+    """(index, generation) of the tiles in use on a device named `device_name` (as
+    torch.cuda.get_device_name says; None: no device, e.g. meta tensors): the package's committed
+    table, overridden key by key by the user table's entries measured on a device of that name,
+    and by forced tiles. Loaded once per process, so the choice never changes during a run."""
+    _ensure_loaded(row_buckets)
+    view = _state["views"].get(device_name)
+    if view is None:
+        mine = {k[1:]: t for k, t in _state["user"].items() if k[0] == device_name}
+        view = _state["views"][device_name] = {**_state["committed"], **mine, **_state["forced"]}
+    return view, _state["generation"]
 
 
 def generation(row_buckets) -> int:
-    """A number that changes whenever the table in use does (launch_config's cache key); loads the
-    package's table on first use."""
-    if _state["index"] is None:
-        active(row_buckets)
+    """A number that changes whenever the tables in use do (launch_config's cache key); loads them
+    on first use."""
+    _ensure_loaded(row_buckets)
     return _state["generation"]
+
+
+def reload() -> None:
+    """Read the committed and user tables again at the next launch (after `normswap tune` wrote the
+    user table in this process, or NORMSWAP_LAUNCH_TABLE changed)."""
+    _state.update(committed=None, user=None, views={}, status={})
+    _state["generation"] += 1
+
+
+def status(row_buckets, arch: str | None, device_name: str | None) -> dict:
+    """Which tables are in effect and what they hold for one device (`arch` and `device_name` of a
+    CUDA device; None for none): per file its path, state (loaded, missing, invalid, off) and
+    entries, and how many keys it answers on this device."""
+    _ensure_loaded(row_buckets)
+    out = {"device": device_name, "arch": arch, "user_env": os.environ.get(USER_ENV)}
+    for what in ("committed", "user"):
+        s = dict(_state["status"][what])
+        if what == "committed":
+            s["apply"] = sum(1 for k in _state["committed"] if k[0] == arch) if arch else 0
+        else:
+            s["apply"] = sum(1 for k in _state["user"] if k[:2] == (device_name, arch)) if arch else 0
+            s["other_devices"] = sorted({k[0] for k in _state["user"] if k[0] != device_name})
+        out[what] = s
+    return out
 
 
 @contextlib.contextmanager
 def _using(doc, row_buckets):
-    """Run with `doc` as the launch table (tests' injected tables). Raises ValueError on an
-    invalid document."""
+    """Run with `doc` as the only launch table (tests' injected tables: no user table). Raises
+    ValueError on an invalid document."""
     bad = problems(doc, row_buckets)
     if bad:
         raise ValueError("invalid launch table: " + "; ".join(bad[:3]))
-    with _installed(index(doc)):
+    _ensure_loaded(row_buckets)
+    with _installed(committed=index(doc), user={}, forced={}):
         yield
 
 
 @contextlib.contextmanager
 def forced(key: tuple, tile: dict, row_buckets):
-    """Run with `tile` answering for one key (arch, op, pass, dtype, hidden, rows) on top of the
-    table in use: how the tuner and the static check try a candidate before it has a measurement."""
+    """Run with `tile` answering for one key (arch, op, pass, dtype, hidden, rows) on every device
+    of that architecture, on top of the tables in use: how the tuner and the static check try a
+    candidate before it has a measurement."""
     bad = tile_problems(tile, key[4])
     if bad:
         raise ValueError(f"invalid tile {tile} for {key}: {bad[0]}")
-    base, _ = active(row_buckets)
-    with _installed({**base, tuple(key): dict(tile)}):
+    _ensure_loaded(row_buckets)
+    with _installed(forced={**_state["forced"], tuple(key): dict(tile)}):
         yield
 
 
 @contextlib.contextmanager
-def _installed(new_index: dict):
-    old = _state["index"]
-    _state["index"] = new_index
+def _installed(**layers):
+    old = {k: _state[k] for k in layers}
+    _state.update(layers, views={})
     _state["generation"] += 1
     try:
         yield
     finally:
-        _state["index"] = old
+        _state.update(old, views={})
         _state["generation"] += 1
 
 
@@ -277,5 +363,6 @@ def merge(doc, arch: str, entries: list[dict]) -> dict:
     order = lambda e: (OPS.index(e["op"]), PASSES.index(e["pass"]), DTYPES.index(e["dtype"]), e["hidden"],  # noqa: E731
                        str(e["rows"]))
     body["entries"] = sorted(kept + list(entries), key=order)
-    out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY
+    if out.get("about") in (ABOUT_EMPTY, ABOUT_MEASURED):  # the committed file's: it says whether it has entries
+        out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY
     return out
