@@ -435,6 +435,15 @@ def test_cli_tune_json_and_show(tune, monkeypatch, user_cache):
     assert shown["committed"]["state"] == "loaded"
     r = CliRunner().invoke(cli, ["tune", "--show"])
     assert f"user table: {user_cache}: loaded, 2 entries, 2 for this device" in r.stdout
+    # Without --json: what was tuned, against which static tile; again without --retune: nothing.
+    r = CliRunner().invoke(cli, ["tune", "--ops", "layer_norm", "--passes", "bwd", "--dtypes", "fp32",
+                                 "--hidden", "1024", "--retune"])
+    assert r.exit_code == 0, r.stderr
+    assert f"{FAKE} (sm_90): 2 of 2 keys tuned, 0 already in the table" in r.stdout
+    assert r.stdout.count(" instead of ") == 2 and f"table {user_cache}" in r.stdout
+    r = CliRunner().invoke(cli, ["tune", "--ops", "layer_norm", "--passes", "bwd", "--dtypes", "fp32",
+                                 "--hidden", "1024"])
+    assert f"{FAKE} (sm_90): 0 of 2 keys tuned, 2 already in the table" in r.stdout
 
 
 @pytest.mark.parametrize("args, says", [
