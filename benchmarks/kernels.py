@@ -249,9 +249,12 @@ def main(argv=None) -> int:
 
     # The interpreter never reads the table (its own tiles).
     arch = _common.device_arch(torch.device("cuda", torch.cuda.current_device())) if device == "cuda" else "interpreter"
+    user_table = launch_table.user_path()
     meta = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
             "commit": git_commit(), "versions": package_versions(impls), "copy_gbs": copy_gbs,
-            "l2_bytes": l2, "launch_table": launch_table.stamp(arch)}
+            "l2_bytes": l2, "launch_table": launch_table.stamp(arch),
+            # normswap tune's table on this machine, if any: its entries measured on this device win
+            "user_launch_table": None if user_table is None else launch_table.stamp(arch, user_table)}
     print(f"{device_name}: copy bandwidth {copy_gbs:.0f} GB/s", file=sys.stderr)
     if args.out:
         out = Path(args.out)

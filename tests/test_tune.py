@@ -435,6 +435,15 @@ def test_cli_tune_json_and_show(tune, monkeypatch, user_cache):
     assert shown["committed"]["state"] == "loaded"
     r = CliRunner().invoke(cli, ["tune", "--show"])
     assert f"user table: {user_cache}: loaded, 2 entries, 2 for this device" in r.stdout
+    # Without --json: what was tuned, against which static tile; again without --retune: nothing.
+    r = CliRunner().invoke(cli, ["tune", "--ops", "layer_norm", "--passes", "bwd", "--dtypes", "fp32",
+                                 "--hidden", "1024", "--retune"])
+    assert r.exit_code == 0, r.stderr
+    assert f"{FAKE} (sm_90): 2 of 2 keys tuned, 0 already in the table" in r.stdout
+    assert r.stdout.count(" instead of ") == 2 and f"table {user_cache}" in r.stdout
+    r = CliRunner().invoke(cli, ["tune", "--ops", "layer_norm", "--passes", "bwd", "--dtypes", "fp32",
+                                 "--hidden", "1024"])
+    assert f"{FAKE} (sm_90): 0 of 2 keys tuned, 2 already in the table" in r.stdout
 
 
 @pytest.mark.parametrize("args, says", [
@@ -454,3 +463,47 @@ def test_cli_tune_bad_input_is_one_line_exit_2(args, says, monkeypatch, tmp_path
     assert r.exit_code == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("normswap: error: ")
     assert says in r.stderr and list(tmp_path.iterdir()) == []
+
+
+STATIC_SCRIPT = '''
+import json
+
+from normswap.kernels import tune
+
+KEY = ("sm_90", "rms_norm", "fwd", "bf16", 4096, ">2048")
+TILES = [tune.candidates("fwd", "bf16", 4096, 32768)[0],
+         {"block_m": 2, "block_n": 4096, "num_warps": 1, "num_stages": 1}]  # 256 elements a thread
+
+if __name__ == "__main__":
+    with tune._gpu_work(l2=1 << 20) as work:
+        print(json.dumps(work["static_check"](KEY)(TILES)))
+'''
+
+
+def test_static_check_runs_in_spawned_workers(tmp_path):
+    """The static check exactly as tune_launches runs it (its _gpu_work factory: spawned worker
+    processes compiling for sm_90; no GPU needed for this part): the heuristics' tile passes, a tile
+    with 256 elements per thread is rejected for its spills, in both variants it is checked in
+    (plain and with the fused residual). Skipped only where triton ships no ptxas / nvdisasm."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from normswap.kernels.static_check import tools_missing
+
+    why = tools_missing()
+    if why:
+        pytest.skip(why)
+    script = tmp_path / "static.py"
+    script.write_text(STATIC_SCRIPT)
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ok, spilling = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ok == []
+    assert len(spilling) == 2 and all(p.startswith("spills ") for p in spilling), spilling
