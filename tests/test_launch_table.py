@@ -284,3 +284,64 @@ def test_invalid_user_table_warns_once_and_is_ignored(tables):
             next(str(w.message) for w in seen)]
         assert "ignoring the user launch table" in str(seen[0].message) and str(user) in str(seen[0].message)
         assert T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"]["state"] == "invalid"
+
+
+UPDATER = '''
+import sys
+from pathlib import Path
+
+from normswap.kernels import _common as C
+from normswap.kernels import launch_table as T
+
+path, which, count = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+# Start together (both past their imports), so that the writes interleave.
+(path.parent / ("ready-" + which)).touch()
+while len(list(path.parent.glob("ready-*"))) < 2:
+    pass
+for i in range(count):
+    e = {"op": "rms_norm", "pass": "fwd", "dtype": "bf16", "hidden": 2 ** (i % 20),
+         "rows": ">2048" if which == "a" else "<=2048", "tile": {"block_m": 1, "block_n": 2 ** (i % 20),
+         "num_warps": 1, "num_stages": 1}, "measured": {"device": "writer " + which, "date": "-", "torch": "-",
+         "triton": "-", "commit": "-", "us": {"1": 1.0 + i}, "static": None, "runner_up": None}}
+    T.update(path, "sm_%d" % (80 + i // 20), [e], C.ROW_BUCKETS)
+'''
+
+
+def test_two_writers_of_one_table_keep_each_others_entries(tmp_path):
+    """Two processes updating one table at once (two `normswap tune` on one user table), each
+    adding 60 entries of its own keys one by one: every entry of both is in the file at the end,
+    no writer failed and no temporary file is left. Without the lock around the read-merge-write
+    (each merging into the copy it read before the other wrote) entries are lost; with a shared
+    temporary name one writer renames the other's file away and fails."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "updater.py"
+    script.write_text(UPDATER)
+    table_path = tmp_path / "user.json"
+    root = Path(__file__).resolve().parent.parent
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(table_path), w, "100"], env=env,
+                              stderr=subprocess.PIPE, text=True) for w in ("a", "b")]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    doc = T.read(table_path)
+    assert T.problems(doc, _common.ROW_BUCKETS) == []
+    got = {(arch, e["rows"], e["hidden"], e["measured"]["device"]) for arch, b in doc["archs"].items()
+           for e in b["entries"]}
+    assert len(got) == 200 and {d for *_, d in got} == {"writer a", "writer b"}
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("user.json.lock", "ready-a", "ready-b"))
+    assert left == ["updater.py", "user.json"]
+
+
+def test_update_refuses_a_table_broken_on_disk(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError):
+        T.update(path, "sm_90", [entry()], _common.ROW_BUCKETS)
+    assert path.read_text() == "{not json"
+    fresh = tmp_path / "new.json"
+    doc = T.update(fresh, "sm_90", [entry()], _common.ROW_BUCKETS, base=table(entry(pass_="bwd")))
+    assert T.read(fresh) == doc and len(doc["archs"]["sm_90"]["entries"]) == 2
+    assert oct(fresh.stat().st_mode & 0o777) == oct(0o644)  # not mkstemp's 0600

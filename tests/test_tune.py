@@ -200,6 +200,32 @@ def test_tuned_table_is_written_after_every_key_and_read_back(tune, tmp_path):
     assert again == []
 
 
+def test_a_table_written_meanwhile_by_another_tuner_keeps_its_entries(tune, tmp_path):
+    """While this run times a key, another tuner (another `normswap tune` on the same user table)
+    writes an entry of its own: this run's write merges into the file as it is then, so both
+    entries are in it (written from this run's copy, read before, the other's would be lost)."""
+    keys = [k for k in tune.grid_keys(["rms_norm"], ["fwd"], ["bf16"]) if k["hidden"] == 4096 and k["rows"] == ">2048"]
+    out, rep = tmp_path / "table.json", tmp_path / "tune.md"
+    meta = {"device": "injected (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-", "commit": "-"}
+    other = {"op": "layer_norm", "pass": "bwd", "dtype": "fp32", "hidden": 1024, "rows": "<=2048",
+             "tile": {"block_m": 4, "block_n": 1024, "num_warps": 4, "num_stages": 2},
+             "measured": dict(meta, device="the other tuner's GPU", us={"512": 3.0}, static=None, runner_up=None)}
+
+    def measure(key, n):
+        def timed(tile, m):
+            if not out.exists():  # the other tuner finishes its key first
+                T.write(out, T.merge(T.empty(C.ROW_BUCKETS), "sm_90", [other]), C.ROW_BUCKETS)
+            return 1.0
+        return timed
+
+    tune.tune_keys(keys, T.empty(C.ROW_BUCKETS), meta, out, rep, retune=False, deadline=math.inf,
+                   fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts], measure=measure,
+                   outputs=lambda key, n, m: lambda tile: [0], agree=lambda dt: lambda a, b: None, log=lambda s: None)
+    entries = T.read(out)["archs"]["sm_90"]["entries"]
+    assert {(e["op"], e["measured"]["device"]) for e in entries} == {("rms_norm", "injected (test)"),
+                                                                       ("layer_norm", "the other tuner's GPU")}
+
+
 def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
     """A forced tile answers only for row counts in its own bucket: the agreement check must run
     at such a count, or the candidate is never launched there and every candidate 'agrees' (the

@@ -51,6 +51,8 @@ import contextlib
 import json
 import os
 import re
+import stat
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -347,11 +349,50 @@ def write(path: Path, doc, row_buckets) -> None:
     bad = problems(doc, row_buckets)
     if bad:
         raise ValueError("refusing to write an invalid launch table: " + "; ".join(bad[:3]))
+    write_text_atomic(Path(path), json.dumps(doc, indent=1) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file of its own in the same folder, renamed into
+    place. Its own: two writers of one path (two `normswap tune` on one user table) must never
+    share a temporary name, or one renames the other's half-written file into place and then finds
+    its own gone. Keeps the file's permissions (a new one gets 0644, not mkstemp's 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict | None = None) -> dict:
+    """Merge `entries` (under `arch`) into the table at `path` and write it back, holding an
+    exclusive lock on it (`path` + ".lock") from the read to the rename: the file is read again
+    inside the lock, so entries another writer added since (a second `normswap tune` on the same
+    table, another machine sharing the home folder) are kept, never overwritten by a stale copy.
+    `base`: the document to start from where `path` does not exist yet (default: an empty table).
+    Returns the document written. ValueError when the file on disk is not a valid table."""
+    from filelock import FileLock
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            doc = read(path)
+            bad = problems(doc, row_buckets)
+            if bad:
+                raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
+        else:
+            doc = base if base is not None else empty(row_buckets)
+        doc = merge(doc, arch, entries)
+        write(path, doc, row_buckets)
+    return doc
 
 
 def merge(doc, arch: str, entries: list[dict]) -> dict:

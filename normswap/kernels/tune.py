@@ -20,7 +20,8 @@ before fp32, rms_norm before layer_norm, forward before backward, hidden sizes i
    only when it beats the baseline by more than MIN_GAIN (so noise never moves a choice); the
    runner-up is kept in the entry.
 
-The table is rewritten (atomically) after every key, as is a markdown report of winners against
+The table is rewritten (atomically, merged into the file as it is then under a lock on it, so two
+tuners of one table keep each other's entries) after every key, as is a markdown report of winners against
 the static choice, so a run stopped by its budget keeps every key it finished; keys the table
 already has for this device are skipped (`retune` measures them again). The timing happens here,
 once; launches only ever read the written file (launch_table.py: why no timing at launch time).
@@ -380,10 +381,7 @@ def report(path: Path, meta: dict, done: list[dict]) -> None:
         for t in d["trials"]:
             if t["why"]:
                 lines.append(f"- {' '.join(map(str, d['key'][1:]))} {fmt_tile(t['tile'])}: {t['why'][:300]}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    T.write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline, fits, static_check, measure,
@@ -424,8 +422,13 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
             measured.update(us=entry["us"], static=entry["static"], runner_up=entry["runner_up"])
             if n != k["hidden"]:
                 measured["hidden_timed"] = n  # the user's own width: the entry serves its whole bucket
-            doc = T.merge(doc, arch, [dict(zip(T.KEY_FIELDS, kt, strict=True), tile=entry["tile"], measured=measured)])
-            T.write(out, doc, C.ROW_BUCKETS)
+            # Merged into the file as it is now (read again under its lock), not written from this
+            # run's copy: another tuner writing the same table meanwhile keeps its entries.
+            try:
+                doc = T.update(out, arch, [dict(zip(T.KEY_FIELDS, kt, strict=True), tile=entry["tile"],
+                                                measured=measured)], C.ROW_BUCKETS, base=doc)
+            except ValueError as e:
+                raise NormswapError(f"{e}; the key just tuned is not written") from None
         report(report_path, meta, done)
     return done
 
