@@ -335,16 +335,22 @@ def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
 FAKE = "Fake GPU 80GB (test)"
 
 
-def _fake_gpu(monkeypatch, tune, name=FAKE):
+def _fake_gpu(monkeypatch, tune, name=FAKE, static_targets=None):
+    """static_targets: a list that receives the static check's target of every run."""
     import contextlib
+
+    from normswap.kernels.static_check import h100
 
     monkeypatch.setattr(tune, "_environment_problem", lambda: None)
     monkeypatch.setattr(tune, "_this_device", lambda: {"device": name, "arch": "sm_90", "l2": 1 << 20,
-                                                       "torch": "-", "triton": "-"})
+                                                       "target": h100(), "torch": "-", "triton": "-"})
     measured = []
 
     @contextlib.contextmanager
-    def work(l2):
+    def work(l2, target=None):
+        if static_targets is not None:
+            static_targets.append(target)
+
         def measure(key, n):
             tiles = tune.candidates(key[2], key[3], key[4], 32768 if key[5] == ">2048" else 512)
             measured.append((key, n))
@@ -408,6 +414,38 @@ def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypa
     assert {e["measured"]["device"] for e in T.read(user_cache)["archs"]["sm_90"]["entries"]} == {"Another GPU"}
     assert _on(monkeypatch, "Another GPU")(32768) == winners[">2048"]
     assert _on(monkeypatch, FAKE)(32768) == heuristic[32768]
+
+
+def test_the_static_check_targets_the_timing_gpu(tune, monkeypatch, tmp_path):
+    """tune_launches hands the static check the device's own target (device_target: its compute
+    capability, SM count and per-SM limits as torch reports them), not an H100's."""
+    from normswap.kernels import static_check as S
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 9))
+    monkeypatch.setattr(C, "_cuda_props", lambda index: {"sms": 128, "regs": 65536, "threads": 1536,
+                                                         "smem": 100 * 1024})
+    ada = S.device_target(0)
+    assert ada == S.Target(89, 128, 65536, 1536, 100 * 1024) and ada.ptxas_arch == "sm_89"
+    assert S.h100().ptxas_arch == "sm_90a" and S.h100().limits == C.H100_LIMITS
+    seen = []
+    _fake_gpu(monkeypatch, tune, static_targets=seen)
+    monkeypatch.setattr(tune, "_this_device", lambda: {"device": FAKE, "arch": "sm_89", "l2": 1 << 20,
+                                                       "target": ada, "torch": "-", "triton": "-"})
+    lines = []
+    tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden=[4096], out=tmp_path / "t.json",
+                       log=lines.append)
+    assert seen == [ada]
+    assert "static check compiled for sm_89, 128 SMs (65536 registers, 1536 threads, 100 KiB" in lines[0]
+
+
+def test_a_candidate_the_static_check_cannot_compile_is_rejected_not_fatal(tune, monkeypatch):
+    from normswap.kernels import static_check as S
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX .target sm_35 is not supported\nmore")
+    monkeypatch.setattr(S, "check_tile", broken)
+    assert tune.static_problems(KEY, tune.candidates("fwd", "bf16", 4096, 32768)[0]) == [
+        "static check failed: RuntimeError: PTX .target sm_35 is not supported"]
 
 
 def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, monkeypatch, tmp_path):
@@ -493,24 +531,53 @@ def test_cli_tune_bad_input_is_one_line_exit_2(args, says, monkeypatch, tmp_path
 
 STATIC_SCRIPT = '''
 import json
+import os
+import tempfile
+from pathlib import Path
 
+from normswap.kernels import _common as C
 from normswap.kernels import tune
+from normswap.kernels.static_check import Target, check_tile
 
 KEY = ("sm_90", "rms_norm", "fwd", "bf16", 4096, ">2048")
 TILES = [tune.candidates("fwd", "bf16", 4096, 32768)[0],
          {"block_m": 2, "block_n": 4096, "num_warps": 1, "num_stages": 1}]  # 256 elements a thread
+SPLIT = ("sm_90", "rms_norm", "fwd", "bf16", 65536, ">2048")  # the heuristics split it in 16 chunks
+A100 = Target(80, sms=108, regs=65536, threads=2048, smem=164 * 1024)
+ONE_SM = Target(90, sms=1, regs=65536, threads=2048, smem=228 * 1024)
 
 if __name__ == "__main__":
-    with tune._gpu_work(l2=1 << 20) as work:
-        print(json.dumps(work["static_check"](KEY)(TILES)))
+    out = {}
+    with tune._gpu_work(l2=1 << 20) as work:  # the default target: an H100
+        out["h100"] = work["static_check"](KEY)(TILES)
+        out["split"] = work["static_check"](SPLIT)(tune.candidates("fwd", "bf16", 65536, 32768)[:1])
+    with tune._gpu_work(l2=1 << 20, target=A100) as work:
+        out["a100"] = work["static_check"](KEY)(TILES)
+    with tune._gpu_work(l2=1 << 20, target=ONE_SM) as work:
+        out["split_one_sm"] = work["static_check"](SPLIT)(tune.candidates("fwd", "bf16", 65536, 32768)[:1])
+    # One launch analysed here, for a target with a quarter of the threads per SM: what it was
+    # compiled for, and programs per SM by that target's limits.
+    os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"  # (this process compiles too; only workers are under test)
+    few = Target(80, sms=108, regs=65536, threads=512, smem=164 * 1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        row = check_tile(KEY, TILES[0], Path(tmp), variants=[("rms_norm", True, False, False)], target=few)[0]
+    out["row"] = {"target": row["target"], "programs_per_sm": row["programs_per_sm"],
+                  "h100": C.programs_per_sm(row["regs"], row["num_warps"], row["smem"], C.H100_LIMITS),
+                  "rule": C.programs_per_sm(row["regs"], row["num_warps"], row["smem"], few.limits)}
+    print(json.dumps(out))
 '''
 
 
-def test_static_check_runs_in_spawned_workers(tmp_path):
+def test_static_check_runs_in_spawned_workers_for_the_timing_gpu(tmp_path):
     """The static check exactly as tune_launches runs it (its _gpu_work factory: spawned worker
-    processes compiling for sm_90; no GPU needed for this part): the heuristics' tile passes, a tile
+    processes; no GPU needed for this part), in a process where TRITON_DEFAULT_FP_FUSION is unset:
+    no worker prints triton's FP-fusion warning (they compile with the tuning process's default).
+    For an H100 (the default) and an A100 (sm_80) target: the heuristics' tile passes, a tile
     with 256 elements per thread is rejected for its spills, in both variants it is checked in
-    (plain and with the fused residual). Skipped only where triton ships no ptxas / nvdisasm."""
+    (plain and with the fused residual). The target's SM count decides whether a split row's 16
+    chunks are co-resident (an H100: yes; one SM: rejected), its capability what is compiled
+    (the PTX's .target) and its limits the programs per SM. Skipped only where triton ships no
+    ptxas / nvdisasm."""
     import json
     import os
     import subprocess
@@ -525,11 +592,19 @@ def test_static_check_runs_in_spawned_workers(tmp_path):
     script = tmp_path / "static.py"
     script.write_text(STATIC_SCRIPT)
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_DEFAULT_FP_FUSION="1",
-               PYTHONPATH=str(root))
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    env.pop("TRITON_DEFAULT_FP_FUSION", None)
     out = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    ok, spilling = json.loads(out.stdout.strip().splitlines()[-1])
-    assert ok == []
-    assert len(spilling) == 2 and all(p.startswith("spills ") for p in spilling), spilling
+    assert "TRITON_DEFAULT_FP_FUSION is unset" not in out.stderr, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for target in ("h100", "a100"):
+        ok, spilling = got[target]
+        assert ok == [], target
+        assert len(spilling) == 2 and all(p.startswith("spills ") for p in spilling), (target, spilling)
+    assert got["split"] == [[]]
+    assert len(got["split_one_sm"][0]) == 2 and all(
+        p.startswith("cannot launch: rows of 16 chunks need 16 programs") for p in got["split_one_sm"][0])
+    row = got["row"]
+    assert row["target"] == "sm_80" and row["programs_per_sm"] == row["rule"] < row["h100"]

@@ -3,16 +3,21 @@ tile to, and what benchmarks/kernel_static.py reports for the whole benchmark gr
 
 A launch is found by running the library's own launchers on `meta` tensors with kernel launches
 intercepted (so what is compiled is what the launch table and heuristics chose, never a copy of
-them), compiled for sm_90 exactly as the JIT would (same constexprs, warps and options, the
+them), compiled for a target GPU exactly as the JIT would (same constexprs, warps and options, the
 launcher's argument types and 16-byte alignment specialisations), and read back:
 - registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton ships),
-- programs per SM, from registers, warps and shared memory against an H100's limits,
+- programs per SM, from registers, warps and shared memory against the target's per-SM limits,
 - every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
   source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
   bias) are told from those of per-row statistics and fp32 scratch (rstd, mean, partial sums,
   arrival counters) by the names on that source line.
 `problems` is the rule: no spills, 16-byte row accesses wherever the hidden size is a multiple of
 16, split rows launched cooperatively with a bounded GPU-scope wait.
+
+The target (`Target`) is a compute capability with its SM count and per-SM limits: an H100 (sm_90)
+by default, the analysis benchmarks/kernel_static.py reports; the CUDA device at hand
+(`device_target`) when `normswap tune` checks the candidates it is about to time there, so that an
+A100's (sm_80) or a 4090's (sm_89) registers, spills and co-residency are what is judged.
 
 It compiles for real, so it needs a process without TRITON_INTERPRET. Nothing here imports triton
 or the kernels at module level: benchmarks/kernel_static.py imports this module before it turns
@@ -29,9 +34,8 @@ import tempfile
 from pathlib import Path
 
 # The row count a launch is planned for where only a bucket is given (any count of a bucket plans
-# the same launch), and the SM count of the plan: an H100 SXM's.
+# the same launch).
 ROWS = 32768
-H100_SMS = 132
 # The variants a launch-table entry is checked in (--table, and the tuner's candidates): the one
 # the tuner times and the same with the fused residual (more registers). One entry serves
 # every variant of its op and pass.
@@ -42,12 +46,56 @@ TABLE_VARIANTS = {"rms_norm": (("rms_norm", True, False, False), ("rms_norm", Tr
 SCRATCH_NAMES = ("RSTD", "MEAN", "STAT", "PART", "DWP", "DBP", "SYNC", "COUNT")
 
 
-def triton_bin(tool: str) -> Path:
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a static check compiles for and plans with: a compute capability (90 for sm_90) and
+    the device's SM count and per-SM limits (registers, threads, shared memory: _common's
+    occupancy rule)."""
+
+    capability: int
+    sms: int
+    regs: int
+    threads: int
+    smem: int
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.capability}"
+
+    @property
+    def ptxas_arch(self) -> str:
+        """The --gpu-name triton's JIT gives ptxas (sm_90a from Hopper on: the arch-specific set)."""
+        return f"sm_{self.capability}" + ("a" if self.capability >= 90 else "")
+
+    @property
+    def limits(self) -> dict:
+        return {"sms": self.sms, "regs": self.regs, "threads": self.threads, "smem": self.smem}
+
+
+def h100() -> Target:
+    """The default target: sm_90 with an H100 SXM's limits (_common.H100_LIMITS)."""
+    from normswap.kernels import _common as C
+
+    return Target(90, **C.H100_LIMITS)
+
+
+def device_target(index: int) -> Target:
+    """The CUDA device `index` as a target: its compute capability, SM count and per-SM limits
+    (what the launchers size persistent and split-row grids with on it)."""
+    import torch
+
+    from normswap.kernels import _common as C
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return Target(10 * major + minor, **C._cuda_props(index))
+
+
+def triton_bin(tool: str, capability: int = 90) -> Path:
     import triton
 
     base = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    # ptxas-blackwell is the newer ptxas; triton uses it for sm_90 and later.
-    if tool == "ptxas" and (base / "ptxas-blackwell").exists():
+    # ptxas-blackwell is the newer ptxas; triton uses it for sm_90 and later, the other below.
+    if tool == "ptxas" and capability >= 90 and (base / "ptxas-blackwell").exists():
         return base / "ptxas-blackwell"
     return base / tool
 
@@ -75,10 +123,10 @@ _RESIDENT: dict = {}
 
 
 @contextlib.contextmanager
-def recorded_launches(sms: int):
+def recorded_launches(target: Target):
     """Launches are recorded instead of run; the device the launchers size persistent grids for is
-    an H100 (its SM count, and programs per SM from the compiled kernel's registers and shared
-    memory, computed by the library's own rule)."""
+    the target (its SM count, and programs per SM from the kernel compiled for it: registers and
+    shared memory against its limits, by the library's own rule)."""
     from triton.runtime.jit import KernelInterface
 
     from normswap.kernels import _common as C
@@ -95,17 +143,17 @@ def recorded_launches(sms: int):
 
     def resident(kernel, args, kwargs, device):
         launch = Launch(kernel, (1,), tuple(args), dict(kwargs))
-        key = _variant_key(launch)
+        key = _variant_key(launch, target)
         if key not in _RESIDENT:
-            k = compile_launch(launch)
+            k = compile_launch(launch, target)
             with tempfile.TemporaryDirectory() as tmp:
-                rep = ptxas_report(k.asm["ptx"], Path(tmp))
+                rep = ptxas_report(k.asm["ptx"], Path(tmp), target)
             smem = max(rep["smem"], int(getattr(k.metadata, "shared", 0) or 0))
-            _RESIDENT[key] = sms * programs_per_sm(rep["regs"], kwargs.get("num_warps", 4), smem)
+            _RESIDENT[key] = target.sms * programs_per_sm(rep["regs"], kwargs.get("num_warps", 4), smem, target)
         return _RESIDENT[key]
 
     KernelInterface.__getitem__ = getitem
-    C.sm_count = lambda device: sms if device.type in ("meta", "cuda") else old_sms(device)
+    C.sm_count = lambda device: target.sms if device.type in ("meta", "cuda") else old_sms(device)
     if old_resident is not None:
         C.resident_programs = resident
     try:
@@ -117,14 +165,15 @@ def recorded_launches(sms: int):
             C.resident_programs = old_resident
 
 
-def _variant_key(launch: Launch):
-    return (launch.kernel.__name__, tuple(sorted((k, str(v)) for k, v in launch.kwargs.items())),
+def _variant_key(launch: Launch, target: Target):
+    return (target, launch.kernel.__name__, tuple(sorted((k, str(v)) for k, v in launch.kwargs.items())),
             tuple(_arg_type(a) for a in launch.args))
 
 
 def plan(op: str, pass_: str, dtype: str, m: int, n: int, weight: bool, bias: bool, residual: bool,
-         sms: int = H100_SMS) -> list[Launch]:
-    """The kernel launches the library makes for one case (forward, or the backward alone)."""
+         target: Target | None = None) -> list[Launch]:
+    """The kernel launches the library makes for one case (forward, or the backward alone) on the
+    target (default: an H100)."""
     import torch
 
     from normswap.dtypes import DTYPES
@@ -138,7 +187,7 @@ def plan(op: str, pass_: str, dtype: str, m: int, n: int, weight: bool, bias: bo
     b = torch.empty(n, **meta) if bias else None
     r = torch.empty(m, n, **meta) if residual else None
     stat = dict(device="meta", dtype=torch.float32)
-    with recorded_launches(sms) as seen:
+    with recorded_launches(target or h100()) as seen:
         if op == "rms_norm" and pass_ == "fwd":
             R._rms_forward(x, w, r, 1e-6, 0.0, "llama", None, False)
         elif op == "rms_norm":
@@ -175,7 +224,7 @@ def _arg_type(v) -> tuple[str, bool]:
     raise TypeError(f"unexpected kernel argument {type(v).__name__}")
 
 
-def compile_launch(launch: Launch):
+def compile_launch(launch: Launch, target: Target | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -195,7 +244,8 @@ def compile_launch(launch: Launch):
         sig[name] = ty
         if div16 and not param.do_not_specialize and not param.do_not_specialize_on_alignment:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    capability = (target or h100()).capability
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", capability, 32), options=options)
 
 
 _PTXAS_RE = {
@@ -210,11 +260,13 @@ _MEM_RE = re.compile(r"\b(LDGSTS|LDG|STG|LDL|STL|ATOMG|REDG|RED|ATOM)((?:\.[A-Z0
 _LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
-def ptxas_report(ptx: str, workdir: Path) -> dict:
+def ptxas_report(ptx: str, workdir: Path, target: Target | None = None) -> dict:
+    target = target or h100()
     src = workdir / "k.ptx"
     src.write_text(ptx)
-    out = subprocess.run([str(triton_bin("ptxas")), "-lineinfo", "--regAllocOptLevel=2", "-v", "--gpu-name=sm_90a",
-                          str(src), "-o", str(workdir / "k.o")], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(triton_bin("ptxas", target.capability)), "-lineinfo", "--regAllocOptLevel=2", "-v",
+                          f"--gpu-name={target.ptxas_arch}", str(src), "-o", str(workdir / "k.o")],
+                         capture_output=True, text=True, check=True)
     rep = {}
     for key, rx in _PTXAS_RE.items():
         hit = rx.search(out.stderr)
@@ -273,24 +325,31 @@ def is_scratch(source: str) -> bool:
     return any(name in source for name in SCRATCH_NAMES)
 
 
-def programs_per_sm(regs: int, num_warps: int, smem: int) -> int:
-    """Programs one H100 SM holds at once (the library's own occupancy rule)."""
+def programs_per_sm(regs: int, num_warps: int, smem: int, target: Target | None = None) -> int:
+    """Programs one SM of the target (default: an H100) holds at once (the library's own
+    occupancy rule)."""
     from normswap.kernels import _common as C
 
-    return C.programs_per_sm(regs, num_warps, smem, C.H100_LIMITS)
+    return C.programs_per_sm(regs, num_warps, smem, (target or h100()).limits)
 
 
-def analyse(launch: Launch, workdir: Path) -> dict:
-    k = compile_launch(launch)
-    rep = ptxas_report(k.asm["ptx"], workdir)
+_PTX_TARGET_RE = re.compile(r"^\s*\.target\s+(sm_\w+)", re.M)
+
+
+def analyse(launch: Launch, workdir: Path, target: Target | None = None) -> dict:
+    target = target or h100()
+    k = compile_launch(launch, target)
+    rep = ptxas_report(k.asm["ptx"], workdir, target)
     shared = max(rep["smem"], int(getattr(k.metadata, "shared", 0) or 0))
     mem = sass_memory_ops(k.asm["cubin"], workdir)
     row_ops = [o for o in mem if o["op"] in ("LDG", "STG", "LDGSTS") and not is_scratch(o["source"])]
     warps = launch.kwargs.get("num_warps", 4)
     consts = {k2: v for k2, v in launch.kwargs.items() if k2 in ("BLOCK_M", "BLOCK_N", "CHUNKS", "SINGLE")}
     grid = launch.grid if isinstance(launch.grid, tuple) else ()
+    ptx_target = _PTX_TARGET_RE.search(k.asm["ptx"])
     return {
         "kernel": launch.kernel.__name__,
+        "target": ptx_target.group(1) if ptx_target else None,  # what the PTX was generated for
         "grid": list(grid),
         "tile": consts,
         "num_warps": warps,
@@ -300,7 +359,7 @@ def analyse(launch: Launch, workdir: Path) -> dict:
         "spill_bytes": rep["spill_st"] + rep["spill_ld"],
         "stack": rep["stack"],
         "smem": shared,
-        "programs_per_sm": programs_per_sm(rep["regs"], warps, shared),
+        "programs_per_sm": programs_per_sm(rep["regs"], warps, shared, target),
         "row_loads": _widths(row_ops, ("LDG",)),
         "row_stores": _widths(row_ops, ("STG",)),
         "cp_async": sum(1 for o in mem if o["op"] == "LDGSTS"),
@@ -376,17 +435,20 @@ def cases(hidden, dtypes, variants, passes, rows):
                            "residual": r}
 
 
-def run(case_list, workdir: Path, on_case=None, cache: dict | None = None) -> list[dict]:
-    """Analyse every launch of each case (a dict of `cases`); on_case(i, total, case) after each."""
+def run(case_list, workdir: Path, on_case=None, cache: dict | None = None,
+        target: Target | None = None) -> list[dict]:
+    """Analyse every launch of each case (a dict of `cases`) for the target (default: an H100);
+    on_case(i, total, case) after each."""
     results = []
     cache = {} if cache is None else cache
+    target = target or h100()
     for i, case in enumerate(case_list, 1):
         launches = plan(case["op"], case["pass"], case["dtype"], case["M"], case["N"], case["weight"],
-                        case["bias"], case["residual"])
+                        case["bias"], case["residual"], target)
         for j, launch in enumerate(launches):
-            key = _variant_key(launch)
+            key = _variant_key(launch, target)
             if key not in cache:
-                cache[key] = analyse(launch, workdir)
+                cache[key] = analyse(launch, workdir, target)
             res = dict(cache[key], grid=list(launch.grid) if isinstance(launch.grid, tuple) else [])
             row = dict(case, launch=j, **res)
             row["problems"] = problems(case, res)
@@ -403,11 +465,14 @@ def bucket_rows(label: str) -> int:
     return bound if label.startswith("<=") else max(ROWS, bound + 1)
 
 
-def check_tile(key: tuple, tile: dict, workdir: Path, cache: dict | None = None, variants=None) -> list[dict]:
+def check_tile(key: tuple, tile: dict, workdir: Path, cache: dict | None = None, variants=None,
+               target: Target | None = None) -> list[dict]:
     """The static check of one launch-table tile: `key` = (arch, op, pass, dtype, hidden, rows label)
     is planned with `tile` forced for it (launch_table.forced), in each of TABLE_VARIANTS[op], and
-    analysed like the grid. Each result row's problems also name a launch that did not use the
-    tile (the table was not what the launcher read) or a split row too wide to be co-resident."""
+    analysed like the grid, for the target (default: an H100; the key's arch is the plan's lookup
+    key, _common.PLAN_ARCH for meta tensors). Each result row's problems also name a launch that
+    did not use the tile (the table was not what the launcher read) or a split row too wide to be
+    co-resident on the target."""
     from normswap.errors import NormswapError
     from normswap.kernels import _common as C
     from normswap.kernels import launch_table as T
@@ -418,7 +483,7 @@ def check_tile(key: tuple, tile: dict, workdir: Path, cache: dict | None = None,
         for variant in variants or TABLE_VARIANTS[op]:
             case = next(cases((hidden,), (dtype,), (variant,), (pass_,), bucket_rows(label)))
             try:
-                rows = run([case], workdir, cache=cache)
+                rows = run([case], workdir, cache=cache, target=target)
             except NormswapError as e:
                 out.append(dict(case, launch=0, tile={}, problems=[f"cannot launch: {e}"]))
                 continue

@@ -7,9 +7,10 @@ before fp32, rms_norm before layer_norm, forward before backward, hidden sizes i
 1. candidates: the static heuristics' tile first (the baseline), then its neighbours: half and
    twice the tile, half and twice the warps, the backward's pipelining depth one less and one
    more, and across the whole-row / split-row boundary the other layout (`candidates`);
-2. the static check (static_check.check_tile, planned for sm_90 whatever GPU is timing: the timed
-   variant and the same with the fused residual; no spills, 16-byte row accesses, split rows
-   co-resident); compiles run in parallel worker processes;
+2. the static check (static_check.check_tile, compiled for the timing GPU's compute capability and
+   planned with its SM count and per-SM limits: the timed variant and the same with the fused
+   residual; no spills, 16-byte row accesses, split rows co-resident); compiles run in parallel
+   worker processes;
 3. agreement: its outputs (y; for the backward dx, dweight, dbias) on random inputs equal the
    baseline's within AGREE_ULPS units in the last place of the dtype (a different tile changes the
    reduction order, never the result beyond rounding);
@@ -50,7 +51,7 @@ MIN_GAIN = 0.02
 # Keys are not started with less time left than this (a guess: no key has been timed on a GPU yet;
 # a key cut by the budget is simply not written).
 MIN_KEY_S = 25.0
-# Worker processes of the static check (compiles for sm_90 and ptxas runs; CPU only).
+# Worker processes of the static check (compiles and ptxas runs; CPU only).
 STATIC_WORKERS = 8
 # The agreement rule's bound on y and dx, in units in the last place of the dtype: a different
 # reduction order moves a result by an ulp or so; a wrong tile (rows skipped, columns mixed) by O(1).
@@ -158,14 +159,20 @@ def candidates(pass_: str, dtype: str, hidden: int, m: int) -> list[dict]:
     return out
 
 
-def static_problems(key: tuple, tile: dict) -> list[str]:
-    """The static check's verdict on one candidate (planned for sm_90, where the static analysis
-    compiles, whatever GPU is timing): the distinct problems over its variants and launches."""
+def static_problems(key: tuple, tile: dict, target=None) -> list[str]:
+    """The static check's verdict on one candidate, compiled for `target` (static_check.Target: the
+    timing GPU's; default an H100): the distinct problems over its variants and launches. A check
+    that fails (the compiler or ptxas refusing the tile) rejects the candidate, never the run."""
     from normswap.kernels import _common as C
     from normswap.kernels.static_check import check_tile
+    from normswap.kernels.timing import first_line
 
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = check_tile((C.PLAN_ARCH, *key[1:]), tile, Path(tmp))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            # Planned on meta tensors, whose launch-table key is PLAN_ARCH whatever the target.
+            rows = check_tile((C.PLAN_ARCH, *key[1:]), tile, Path(tmp), target=target)
+    except Exception as e:  # noqa: BLE001 - one candidate failing to compile must not end the run
+        return [f"static check failed: {first_line(e)}"]
     return sorted({p for r in rows for p in r["problems"]})
 
 
@@ -343,9 +350,9 @@ def gpu_measure(key: tuple, tile: dict, m: int, l2: int, n: int | None = None, d
                 torch.cuda.empty_cache()
 
 
-def parallel_static(key: tuple, pool):
+def parallel_static(key: tuple, pool, target=None):
     def check(tiles):
-        return list(pool.map(static_problems, [key] * len(tiles), tiles))
+        return list(pool.map(static_problems, [key] * len(tiles), tiles, [target] * len(tiles)))
     return check
 
 
@@ -478,23 +485,47 @@ def _environment_problem() -> str | None:
 
 
 def _this_device() -> dict:
-    """Name, architecture and L2 size of the current CUDA device, and the versions an entry records."""
+    """Name, architecture and L2 size of the current CUDA device, the static check's target for it
+    (its capability and limits), and the versions an entry records."""
     import torch
     import triton
 
     from normswap.kernels import _common as C
+    from normswap.kernels.static_check import device_target
     from normswap.kernels.timing import l2_bytes
 
     device = torch.device("cuda", torch.cuda.current_device())
     return {"device": C.device_name(device), "arch": C.device_arch(device), "l2": l2_bytes("cuda"),
-            "torch": torch.__version__, "triton": triton.__version__}
+            "target": device_target(device.index), "torch": torch.__version__, "triton": triton.__version__}
+
+
+def _static_worker_env(fp_fusion: str | None) -> None:
+    """A static-check worker compiles as the tuning process's own launches do: triton's FP-fusion
+    default, which triton warns about once per process where TRITON_DEFAULT_FP_FUSION is unset, is
+    set to the value the tuning process runs with (so each worker neither warns nor differs)."""
+    if fp_fusion is not None:
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", fp_fusion)
+
+
+def _fp_fusion_default() -> str | None:
+    """TRITON_DEFAULT_FP_FUSION as this process's compiles take it where the variable is unset
+    (None where it is set: workers inherit it; or where this triton has no such knob)."""
+    if "TRITON_DEFAULT_FP_FUSION" in os.environ:
+        return None
+    try:
+        from triton import knobs
+    except ImportError:  # an older triton: no knob, no warning
+        return None
+    default = getattr(getattr(knobs, "language", None), "default_fp_fusion", None)
+    return None if default is None else ("1" if default else "0")
 
 
 @contextlib.contextmanager
-def _gpu_work(l2: int):
-    """The factories tune_keys takes, timing on the current CUDA device; the static check runs in
-    worker processes (spawned: never fork a process that holds CUDA; and its compiles intercept
-    launches process-wide)."""
+def _gpu_work(l2: int, target=None):
+    """The factories tune_keys takes, timing on the current CUDA device; the static check, for
+    `target` (static_check.Target: the device's; default an H100), runs in worker processes
+    (spawned: never fork a process that holds CUDA; and its compiles intercept launches
+    process-wide), set up to compile as this process does (_static_worker_env)."""
     from normswap.dtypes import DTYPES
     from normswap.kernels.timing import fits
 
@@ -503,8 +534,10 @@ def _gpu_work(l2: int):
                     False, "cuda")
 
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(STATIC_WORKERS, os.cpu_count() or 1), mp_context=ctx) as pool:
-        yield {"fits": fits_key, "static_check": lambda key: parallel_static(key, pool),
+    with concurrent.futures.ProcessPoolExecutor(min(STATIC_WORKERS, os.cpu_count() or 1), mp_context=ctx,
+                                                initializer=_static_worker_env,
+                                                initargs=(_fp_fusion_default(),)) as pool:
+        yield {"fits": fits_key, "static_check": lambda key: parallel_static(key, pool, target),
                "measure": lambda key, n: lambda tile, m: gpu_measure(key, tile, m, l2, n),
                "outputs": lambda key, n, m: lambda tile: gpu_outputs(key, tile, m, n), "agree": gpu_agree}
 
@@ -564,8 +597,10 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     report_path = Path(report_path) if report_path else out.with_suffix(".md")
     keys = grid_keys(ops, passes, dtypes, hidden)
     log = log or (lambda s: None)
-    log(f"{meta['device']} ({meta['arch']}): {len(keys)} keys; tuning into {out}")
-    with _gpu_work(here["l2"]) as work:
+    t = here["target"]
+    log(f"{meta['device']} ({meta['arch']}): {len(keys)} keys; tuning into {out}; static check compiled for "
+        f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory each)")
+    with _gpu_work(here["l2"], t) as work:
         done = tune_keys(keys, doc, meta, out, report_path, retune=retune, deadline=t0 + budget,
                          same_device_only=same_device_only, log=log, **work)
     report(report_path, meta, done)
