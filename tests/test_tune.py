@@ -466,6 +466,13 @@ def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, m
     broken.write_text('{"schema": 1}')
     with pytest.raises(BadInputError, match="is not a valid launch table"):
         tune.tune_launches(out=broken, hidden=[4096])
+    # Paths that cannot be written are refused up front, not after the first key's timing.
+    for kwargs, says in (({"out": broken / "t.json"}, f"cannot write the launch table {broken}/t.json: {broken} is not"),
+                         ({"out": tmp_path}, f"cannot write the launch table {tmp_path}: it is a folder"),
+                         ({"out": tmp_path / "t.json", "report_path": broken / "sub" / "r.md"},
+                          "cannot write the report")):
+        with pytest.raises(BadInputError, match=says):
+            tune.tune_launches(hidden=[4096], **kwargs)
     assert broken.read_text() == '{"schema": 1}' and measured == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
 

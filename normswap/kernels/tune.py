@@ -467,6 +467,23 @@ def _split(value, what: str, allowed=None, cast=str) -> list:
     return list(dict.fromkeys(out))
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written (None when it can): a folder in its place, or no writable folder
+    to create it in (the table's lock and temporary files go beside it)."""
+    if path.is_dir():
+        return "it is a folder"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "it is not writable"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable"
+    return None
+
+
 def _environment_problem() -> str | None:
     """Why this process cannot tune (None when it can): a CUDA device to time on, compiled (not
     interpreted) kernels, and the ptxas / nvdisasm the static check runs."""
@@ -579,6 +596,11 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
         if out is None:
             raise BadInputError(f"{T.USER_ENV}=off: no user launch table to write; give an output path")
     out = Path(out)
+    report_path = Path(report_path) if report_path else out.with_suffix(".md")
+    for path, what in ((out, "launch table"), (report_path, "report")):
+        why = _unwritable(path)
+        if why:  # found now, not after the first key's minutes of timing
+            raise BadInputError(f"cannot write the {what} {path}: {why}; nothing written")
     start = out if out.exists() else (Path(base) if base else None)
     try:
         doc = T.read(start) if start else dict(T.empty(C.ROW_BUCKETS), about=T.ABOUT_USER)
@@ -594,7 +616,6 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     meta = {**{k: here[k] for k in ("device", "arch", "torch", "triton")},
             "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}",
             "commit": commit or git_commit() or f"normswap {__version__}"}
-    report_path = Path(report_path) if report_path else out.with_suffix(".md")
     keys = grid_keys(ops, passes, dtypes, hidden)
     log = log or (lambda s: None)
     t = here["target"]
