@@ -214,7 +214,7 @@ def tables(monkeypatch, tmp_path):
     T.write(committed, table(entry(block_m=2, num_warps=8)), _common.ROW_BUCKETS)
     mine = [entry(block_m=4, num_warps=16), entry(pass_="bwd", block_m=1, num_warps=4, num_stages=2)]
     for e in mine:
-        e["measured"]["device"] = H100
+        e["measured"].update(device=H100, kernel_build=T.kernel_build())
     T.write(user, table(*mine), _common.ROW_BUCKETS)
     monkeypatch.setattr(T, "PATH", committed)
     monkeypatch.setenv(T.USER_ENV, str(user))
@@ -345,3 +345,30 @@ def test_update_refuses_a_table_broken_on_disk(tmp_path):
     doc = T.update(fresh, "sm_90", [entry()], _common.ROW_BUCKETS, base=table(entry(pass_="bwd")))
     assert T.read(fresh) == doc and len(doc["archs"]["sm_90"]["entries"]) == 2
     assert oct(fresh.stat().st_mode & 0o777) == oct(0o644)  # not mkstemp's 0600
+
+
+def test_user_entry_of_other_kernels_is_stale(tables, capsys):
+    """A user entry measured with other kernels (another triton, another normswap: its kernel_build
+    differs, or it has none) is never launched: the committed entry and the heuristics answer, and
+    status counts it as stale. The build is a fingerprint of the triton version and the sources."""
+    user, tiles = tables
+    with T._using(T.empty(_common.ROW_BUCKETS), _common.ROW_BUCKETS):
+        static_bwd = _common.launch_config(32768, 4096, BF16, "bwd", RMS)
+    assert len(T.kernel_build()) == 12 and T.kernel_build() == T.kernel_build()
+    doc = T.read(user)
+    doc["archs"]["sm_90"]["entries"][0]["measured"]["kernel_build"] = "0123456789ab"  # the fwd entry
+    del doc["archs"]["sm_90"]["entries"][1]["measured"]["kernel_build"]
+    T.write(user, doc, _common.ROW_BUCKETS)
+    T.reload()
+    assert tiles(H100) == (_common.Tile(2, 4096, 1, 8, 1), static_bwd)
+    s = T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"]
+    assert (s["state"], s["entries"], s["stale"], s["apply"]) == ("loaded", 2, 2, 0)
+    doc["archs"]["sm_90"]["entries"][0]["measured"]["kernel_build"] = T.kernel_build()
+    T.write(user, doc, _common.ROW_BUCKETS)
+    T.reload()
+    assert tiles(H100) == (_common.Tile(4, 4096, 1, 16, 1), static_bwd)
+    assert T.status(_common.ROW_BUCKETS, "sm_90", H100)["user"]["stale"] == 1
+    from normswap.cli.tune import render_status
+
+    render_status(T.status(_common.ROW_BUCKETS, "sm_90", H100))
+    assert ", 1 for this device, 1 stale (measured with other kernels" in capsys.readouterr().out

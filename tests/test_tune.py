@@ -416,6 +416,32 @@ def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypa
     assert _on(monkeypatch, FAKE)(32768) == heuristic[32768]
 
 
+def test_stale_user_entries_are_measured_again(tune, monkeypatch, user_cache):
+    """Entries record the kernel build they were measured with; after an upgrade (another build)
+    launches ignore them, and the next `normswap tune` on the device measures those keys again
+    instead of counting them as already tuned."""
+    measured = _fake_gpu(monkeypatch, tune)
+    tile = _on(monkeypatch, FAKE)
+    heuristic = tile(32768)
+    first = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden=[5000])
+    assert {e["measured"]["kernel_build"] for e in T.read(user_cache)["archs"]["sm_90"]["entries"]} == {
+        T.kernel_build()}
+    winner = {e["rows"]: e["tile"] for e in first["tuned"]}[">2048"]
+    assert tile(32768) == winner != heuristic
+    doc = T.read(user_cache)
+    for e in doc["archs"]["sm_90"]["entries"]:
+        if e["rows"] == ">2048":
+            e["measured"]["kernel_build"] = "0123456789ab"  # measured with other kernels
+    T.write(user_cache, doc, C.ROW_BUCKETS)
+    T.reload()
+    assert _on(monkeypatch, FAKE)(32768) == heuristic  # not launched
+    measured.clear()
+    again = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden=[5000])
+    assert (again["already"], [e["rows"] for e in again["tuned"]]) == (1, [">2048"])
+    assert [k[5] for k, _ in measured] == [">2048"]
+    assert _on(monkeypatch, FAKE)(32768) == winner
+
+
 def test_the_static_check_targets_the_timing_gpu(tune, monkeypatch, tmp_path):
     """tune_launches hands the static check the device's own target (device_target: its compute
     capability, SM count and per-SM limits as torch reports them), not an H100's."""
@@ -502,7 +528,8 @@ def test_cli_tune_json_and_show(tune, monkeypatch, user_cache):
     assert r.exit_code == 0, r.stderr
     shown = json.loads(r.stdout)
     assert (shown["device"], shown["arch"]) == (FAKE, "sm_90")
-    assert shown["user"] == {"path": str(user_cache), "state": "loaded", "entries": 2, "apply": 2, "other_devices": []}
+    assert shown["user"] == {"path": str(user_cache), "state": "loaded", "entries": 2, "apply": 2, "stale": 0,
+                             "other_devices": []}
     assert shown["committed"]["state"] == "loaded"
     r = CliRunner().invoke(cli, ["tune", "--show"])
     assert f"user table: {user_cache}: loaded, 2 entries, 2 for this device" in r.stdout

@@ -65,6 +65,8 @@ def render_status(d: dict) -> None:
         line = f"{what} table: {s['path'] or '-'}: {s['state']}"
         if s["state"] == "loaded":
             line += f", {s['entries']} entries, {s['apply']} for this device"
+        if s.get("stale"):
+            line += f", {s['stale']} stale (measured with other kernels: not used; normswap tune measures them again)"
         if s.get("problem"):
             line += f" ({s['problem']})"
         if s.get("other_devices"):

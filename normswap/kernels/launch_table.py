@@ -7,6 +7,11 @@ committed ones key by key but only on a device whose name is their measured.devi
 model of the same architecture has other bandwidths and SM counts). `_common.launch_config`
 consults them first and falls back to its static heuristics where neither has an entry (and the
 CPU interpreter never reads them). Both are read once per process (reload() reads them again).
+A user entry also applies only to the kernels it was measured with: its measured.kernel_build
+(kernel_build(): the triton version and the kernel sources) must be this process's, so that an
+upgraded normswap or triton (other code, other registers, other co-residency) never launches a
+tile that was checked and timed against other kernels; `normswap tune` measures such keys again.
+The committed table is reviewed with the kernels it ships with and checked statically in CI.
 
 Why measured tables and not runtime autotuning (triton.autotune): a different tile or warp count
 changes the order in which a row's sum of squares (and the backward's dW partial sums) are added,
@@ -206,6 +211,26 @@ def stamp(arch: str, path: Path | None = None) -> dict:
 
 # The user table: what `normswap tune` writes by default, one per machine (per user).
 USER_ENV = "NORMSWAP_LAUNCH_TABLE"
+# The files whose code a tuned tile was checked and timed against (kernel_build).
+KERNEL_SOURCES = ("_common.py", "rms_norm.py", "layer_norm.py")
+
+
+def kernel_build() -> str:
+    """What a tuned tile is only valid for: the first 12 hex of a sha256 over the triton version
+    and the kernel sources (a user entry measured with another is stale: not applied)."""
+    if "kernel_build" not in _build:
+        import hashlib
+
+        import triton
+
+        h = hashlib.sha256(f"triton {triton.__version__}".encode())
+        for name in KERNEL_SOURCES:
+            h.update(b"\0" + Path(__file__).with_name(name).read_bytes())
+        _build["kernel_build"] = h.hexdigest()[:12]
+    return _build["kernel_build"]
+
+
+_build: dict = {}
 
 
 def user_path() -> Path | None:
@@ -254,10 +279,14 @@ def _ensure_loaded(row_buckets) -> None:
     _state["committed"] = index(doc) if doc else {}
     doc, user = _load_file(user_path(), row_buckets, "user")
     # A user entry is keyed by the device it was measured on: another GPU model of the same
-    # architecture (an H200 beside an H100, a 4090 beside an L40) has other bandwidths and SMs.
-    _state["user"] = {} if doc is None else {
-        (e["measured"]["device"], arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
-        for arch, body in doc["archs"].items() for e in body["entries"]}
+    # architecture (an H200 beside an H100, a 4090 beside an L40) has other bandwidths and SMs;
+    # and it applies only to the kernels it was measured with (kernel_build).
+    entries = [] if doc is None else [(arch, e) for arch, body in doc["archs"].items() for e in body["entries"]]
+    fresh = [(arch, e) for arch, e in entries if e["measured"].get("kernel_build") == kernel_build()]
+    _state["user"] = {(e["measured"]["device"], arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
+                      for arch, e in fresh}
+    if doc is not None:
+        user["stale"] = len(entries) - len(fresh)
     _state["status"] = {"committed": committed, "user": user}
     _state["views"] = {}
     _state["generation"] += 1
@@ -293,7 +322,8 @@ def reload() -> None:
 def status(row_buckets, arch: str | None, device_name: str | None) -> dict:
     """Which tables are in effect and what they hold for one device (`arch` and `device_name` of a
     CUDA device; None for none): per file its path, state (loaded, missing, invalid, off) and
-    entries, and how many keys it answers on this device."""
+    entries, and how many keys it answers on this device; for a loaded user table also how many
+    entries are stale (measured with other kernels: never applied)."""
     _ensure_loaded(row_buckets)
     out = {"device": device_name, "arch": arch, "user_env": os.environ.get(USER_ENV)}
     for what in ("committed", "user"):

@@ -425,7 +425,8 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
                                  outputs(key, n, agree_rows(rows)), agree(k["dtype"]), deadline, log)
         done.append({"key": key, "entry": entry, "trials": trials})
         if entry is not None:
-            measured = {f: meta[f] for f in ("device", "date", "torch", "triton", "commit")}
+            measured = {f: meta[f] for f in ("device", "date", "torch", "triton", "commit", "kernel_build")
+                        if f in meta}
             measured.update(us=entry["us"], static=entry["static"], runner_up=entry["runner_up"])
             if n != k["hidden"]:
                 measured["hidden_timed"] = n  # the user's own width: the entry serves its whole bucket
@@ -441,9 +442,12 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
 
 
 def _have(doc, meta, same_device_only: bool) -> set:
-    """Keys (op, pass, dtype, hidden, rows) the table has for meta's architecture (and device)."""
+    """Keys (op, pass, dtype, hidden, rows) the table has for meta's architecture; with
+    `same_device_only` (a user table) only those measured on meta's device with this process's
+    kernels (an entry of other kernels is stale: launches ignore it, so it is measured again)."""
     return {tuple(e[f] for f in T.KEY_FIELDS) for e in doc["archs"].get(meta["arch"], {}).get("entries", [])
-            if not same_device_only or e["measured"]["device"] == meta["device"]}
+            if not same_device_only or (e["measured"]["device"] == meta["device"]
+                                        and e["measured"].get("kernel_build") == meta.get("kernel_build"))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,7 +619,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     here = _this_device()
     meta = {**{k: here[k] for k in ("device", "arch", "torch", "triton")},
             "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}",
-            "commit": commit or git_commit() or f"normswap {__version__}"}
+            "commit": commit or git_commit() or f"normswap {__version__}", "kernel_build": T.kernel_build()}
     keys = grid_keys(ops, passes, dtypes, hidden)
     log = log or (lambda s: None)
     t = here["target"]
