@@ -383,7 +383,7 @@ def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypa
     """tune_launches writes the user table at its default path; the launches that follow in the
     same process (no restart: the cached tile of the old table is not reused) take the winners on
     the device they were measured on, and only there; a second run measures nothing again, a run
-    on another GPU of the same architecture measures its own."""
+    on another GPU of the same architecture measures its own, kept beside the first's."""
     measured = _fake_gpu(monkeypatch, tune)
     tile = _on(monkeypatch, FAKE)
     heuristic = {m: tile(m) for m in (512, 32768)}
@@ -407,13 +407,24 @@ def test_tuned_user_table_serves_this_device_from_the_next_launch(tune, monkeypa
     again = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden="5000")
     assert (again["already"], again["tuned"], measured) == (2, [], [])
     assert T.read(user_cache) == doc
-    # On another GPU model of the same architecture: measured there, its entries replace these.
+    # On another GPU model of the same architecture sharing the table (one home folder, two
+    # machines): measured there, kept beside the first device's entries; each device launches its own.
     _fake_gpu(monkeypatch, tune, name="Another GPU")
     other = tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden="5000")
     assert (other["already"], len(other["tuned"])) == (0, 2)
-    assert {e["measured"]["device"] for e in T.read(user_cache)["archs"]["sm_90"]["entries"]} == {"Another GPU"}
+    both = T.read(user_cache)
+    assert T.problems(both, C.ROW_BUCKETS, per_device=True) == []
+    assert T.problems(both, C.ROW_BUCKETS) != []  # as a committed table: one key twice
+    assert sorted(e["measured"]["device"] for e in both["archs"]["sm_90"]["entries"]) == [
+        "Another GPU", "Another GPU", FAKE, FAKE]
     assert _on(monkeypatch, "Another GPU")(32768) == winners[">2048"]
-    assert _on(monkeypatch, FAKE)(32768) == heuristic[32768]
+    assert _on(monkeypatch, FAKE)(32768) == winners[">2048"]
+    T.reload()
+    assert _on(monkeypatch, FAKE)(32768) == winners[">2048"] != _on(monkeypatch, "A third GPU")(32768)
+    # And the first device, asked again, finds its own entries: nothing measured.
+    measured = _fake_gpu(monkeypatch, tune)
+    assert tune.tune_launches(ops="rms_norm", passes="fwd", dtypes="bf16", hidden="5000")["already"] == 2
+    assert measured == []
 
 
 def test_stale_user_entries_are_measured_again(tune, monkeypatch, user_cache):

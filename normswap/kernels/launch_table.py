@@ -41,6 +41,9 @@ committed file):
                           "static": {"tile": {...}, "us": {...}},         # the heuristic's choice, same rows
                           "runner_up": {"tile": {...}, "us": {...}} | null}}
 
+A key appears once per architecture in the committed table; in a user table once per architecture
+and measuring device (problems(..., per_device=True)).
+
 A tile whose block_n is smaller than the hidden size splits each row into ceil(hidden / block_n)
 chunks, one program each (block_m is then 1); otherwise block_n is the hidden bucket itself and a
 program holds block_m whole rows. Variants of one op and pass (with or without weight, bias,
@@ -130,8 +133,20 @@ def tile_problems(tile, hidden: int) -> list[str]:
     return out
 
 
-def problems(doc, row_buckets) -> list[str]:
-    """Every schema violation of a launch-table document (empty when it is valid)."""
+def entry_key(e: dict, per_device: bool = False) -> tuple:
+    """(op, pass, dtype, hidden, rows) of an entry; with `per_device` (a user table, whose entries
+    apply per device name) also its measured.device: one table then holds an entry per GPU model
+    for one key (a home folder shared by an H100 and an H200 machine)."""
+    key = tuple(e[f] for f in KEY_FIELDS)
+    if per_device:
+        m = e.get("measured")
+        key += (m.get("device") if isinstance(m, dict) else None,)
+    return key
+
+
+def problems(doc, row_buckets, per_device: bool = False) -> list[str]:
+    """Every schema violation of a launch-table document (empty when it is valid); `per_device`:
+    a user table (a key may appear once per measuring device)."""
     if not isinstance(doc, dict):
         return ["the table must be a JSON object"]
     out = []
@@ -174,7 +189,7 @@ def problems(doc, row_buckets) -> list[str]:
             elif not (isinstance(m["us"], dict) and m["us"]
                       and all(isinstance(v, (int, float)) and v > 0 for v in m["us"].values())):
                 out.append(f"{where}: measured.us must map row counts to positive times")
-            key = tuple(e[f] for f in KEY_FIELDS)
+            key = entry_key(e, per_device)
             if key in seen:
                 out.append(f"{where}: duplicate key {key}")
             seen.add(key)
@@ -262,7 +277,7 @@ def _load_file(path: Path | None, row_buckets, what: str) -> tuple[dict | None, 
         return None, dict(status, state="missing")
     try:
         doc = read(path)
-        bad = problems(doc, row_buckets)
+        bad = problems(doc, row_buckets, per_device=what == "user")
     except (OSError, ValueError) as e:
         bad = [str(e)]
     if bad:
@@ -374,9 +389,9 @@ def _installed(**layers):
         _state["generation"] += 1
 
 
-def write(path: Path, doc, row_buckets) -> None:
+def write(path: Path, doc, row_buckets, per_device: bool = False) -> None:
     """Validate, then write atomically (a temporary file renamed into place)."""
-    bad = problems(doc, row_buckets)
+    bad = problems(doc, row_buckets, per_device)
     if bad:
         raise ValueError("refusing to write an invalid launch table: " + "; ".join(bad[:3]))
     write_text_atomic(Path(path), json.dumps(doc, indent=1) + "\n")
@@ -401,12 +416,14 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict | None = None) -> dict:
+def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict | None = None,
+           per_device: bool = False) -> dict:
     """Merge `entries` (under `arch`) into the table at `path` and write it back, holding an
     exclusive lock on it (`path` + ".lock") from the read to the rename: the file is read again
     inside the lock, so entries another writer added since (a second `normswap tune` on the same
     table, another machine sharing the home folder) are kept, never overwritten by a stale copy.
-    `base`: the document to start from where `path` does not exist yet (default: an empty table).
+    `base`: the document to start from where `path` does not exist yet (default: an empty table);
+    `per_device`: a user table (entries replace only those of their key measured on their device).
     Returns the document written. ValueError when the file on disk is not a valid table."""
     from filelock import FileLock
 
@@ -415,24 +432,25 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     with FileLock(str(path) + ".lock"):
         if path.exists():
             doc = read(path)
-            bad = problems(doc, row_buckets)
+            bad = problems(doc, row_buckets, per_device)
             if bad:
                 raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
         else:
             doc = base if base is not None else empty(row_buckets)
-        doc = merge(doc, arch, entries)
-        write(path, doc, row_buckets)
+        doc = merge(doc, arch, entries, per_device)
+        write(path, doc, row_buckets, per_device)
     return doc
 
 
-def merge(doc, arch: str, entries: list[dict]) -> dict:
-    """doc with `entries` added under `arch`, each replacing any entry of the same key."""
+def merge(doc, arch: str, entries: list[dict], per_device: bool = False) -> dict:
+    """doc with `entries` added under `arch`, each replacing any entry of the same key (with
+    `per_device`: of the same key and measuring device)."""
     out = json.loads(json.dumps(doc))
     body = out["archs"].setdefault(arch, {"entries": []})
-    fresh = {tuple(e[f] for f in KEY_FIELDS) for e in entries}
-    kept = [e for e in body["entries"] if tuple(e[f] for f in KEY_FIELDS) not in fresh]
+    fresh = {entry_key(e, per_device) for e in entries}
+    kept = [e for e in body["entries"] if entry_key(e, per_device) not in fresh]
     order = lambda e: (OPS.index(e["op"]), PASSES.index(e["pass"]), DTYPES.index(e["dtype"]), e["hidden"],  # noqa: E731
-                       str(e["rows"]))
+                       str(e["rows"]), str(e["measured"].get("device")))
     body["entries"] = sorted(kept + list(entries), key=order)
     if out.get("about") in (ABOUT_EMPTY, ABOUT_MEASURED):  # the committed file's: it says whether it has entries
         out["about"] = ABOUT_MEASURED if any(b["entries"] for b in out["archs"].values()) else ABOUT_EMPTY

@@ -397,8 +397,9 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
     and the report after every key. The GPU work comes in as factories (see tune_key):
     static_check(key), measure(key, n), outputs(key, n, rows), agree(dtype); fits(k, m) says
     whether m rows of the key fit in memory. A key the table already has is skipped unless
-    `retune`; with `same_device_only` only where its entry was measured on meta["device"] (a user
-    table moved to another GPU of the same architecture is measured again). Returns what the
+    `retune`; with `same_device_only` (a user table) only where its entry was measured on
+    meta["device"] with this process's kernels, and entries are kept per device (another GPU of the
+    same architecture sharing the table measures and keeps its own beside them). Returns what the
     report shows, one record per key attempted."""
     from normswap.kernels import _common as C
 
@@ -434,7 +435,8 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
             # run's copy: another tuner writing the same table meanwhile keeps its entries.
             try:
                 doc = T.update(out, arch, [dict(zip(T.KEY_FIELDS, kt, strict=True), tile=entry["tile"],
-                                                measured=measured)], C.ROW_BUCKETS, base=doc)
+                                                measured=measured)], C.ROW_BUCKETS, base=doc,
+                               per_device=same_device_only)
             except ValueError as e:
                 raise NormswapError(f"{e}; the key just tuned is not written") from None
         report(report_path, meta, done)
@@ -608,7 +610,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     start = out if out.exists() else (Path(base) if base else None)
     try:
         doc = T.read(start) if start else dict(T.empty(C.ROW_BUCKETS), about=T.ABOUT_USER)
-        bad = T.problems(doc, C.ROW_BUCKETS)
+        bad = T.problems(doc, C.ROW_BUCKETS, per_device=same_device_only)
     except (OSError, ValueError) as e:
         bad = [str(e)]
     if bad:
