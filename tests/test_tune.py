@@ -24,6 +24,14 @@ def tune():
     return tune
 
 
+@pytest.fixture(autouse=True)
+def _own_tempdir(monkeypatch, tmp_path_factory):
+    """The per-GPU timing locks (tune.timing_lock_path) go in a temporary folder of the test's own."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("locks")))
+
+
 def test_candidates_start_with_the_heuristics_and_stay_valid(tune):
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for pass_ in ("fwd", "bwd"):
@@ -473,6 +481,26 @@ def test_the_static_check_targets_the_timing_gpu(tune, monkeypatch, tmp_path):
                        log=lines.append)
     assert seen == [ada]
     assert "static check compiled for sm_89, 128 SMs (65536 registers, 1536 threads, 100 KiB" in lines[0]
+
+
+def test_a_second_tuner_on_one_gpu_is_refused(tune, monkeypatch, tmp_path):
+    """While one tuner times on a GPU (it holds the GPU's lock), a second one on the same GPU is
+    refused at once, before any timing, with nothing written; another GPU is not held by it."""
+    from filelock import FileLock
+
+    from normswap.errors import NormswapError
+
+    measured = _fake_gpu(monkeypatch, tune)
+    first = FileLock(str(tune.timing_lock_path(tune._this_device())))
+    kwargs = dict(ops="rms_norm", passes="fwd", dtypes="bf16", hidden=[4096], out=tmp_path / "t.json")
+    with first:
+        with pytest.raises(NormswapError, match=r"^another normswap tune is timing on this GPU \(Fake GPU"):
+            tune.tune_launches(**kwargs)
+        assert measured == [] and list(tmp_path.iterdir()) == []
+        _fake_gpu(monkeypatch, tune, name="Another GPU")
+        assert len(tune.tune_launches(**kwargs)["tuned"]) == 2
+    measured = _fake_gpu(monkeypatch, tune)
+    assert len(tune.tune_launches(**kwargs)["tuned"]) == 2 and measured
 
 
 def test_a_candidate_the_static_check_cannot_compile_is_rejected_not_fatal(tune, monkeypatch):

@@ -36,6 +36,7 @@ import datetime as dt
 import math
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 import types
@@ -518,8 +519,34 @@ def _this_device() -> dict:
     from normswap.kernels.timing import l2_bytes
 
     device = torch.device("cuda", torch.cuda.current_device())
+    uuid = getattr(torch.cuda.get_device_properties(device.index), "uuid", None)
     return {"device": C.device_name(device), "arch": C.device_arch(device), "l2": l2_bytes("cuda"),
-            "target": device_target(device.index), "torch": torch.__version__, "triton": triton.__version__}
+            "target": device_target(device.index), "uuid": f"{uuid}" if uuid else f"{C.device_name(device)} {device.index}",
+            "torch": torch.__version__, "triton": triton.__version__}
+
+
+def timing_lock_path(here: dict) -> Path:
+    """The lock one tuner holds on a GPU while it times (in the temporary folder: per machine)."""
+    ident = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(here.get("uuid") or here["device"]))
+    return Path(tempfile.gettempdir()) / f"normswap-tune-{ident}.lock"
+
+
+@contextlib.contextmanager
+def _timing_lock(here: dict):
+    """One tuner per GPU at a time: a second one would time its candidates against the first's
+    kernels (both would pick tiles from contended times). Refused at once, nothing written."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(timing_lock_path(here)), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise NormswapError(f"another normswap tune is timing on this GPU ({here['device']}); run one at a time "
+                            "(their timings would include each other's kernels); nothing written") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _static_worker_env(fp_fusion: str | None) -> None:
@@ -627,10 +654,10 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     t = here["target"]
     log(f"{meta['device']} ({meta['arch']}): {len(keys)} keys; tuning into {out}; static check compiled for "
         f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory each)")
-    with _gpu_work(here["l2"], t) as work:
+    with _timing_lock(here), _gpu_work(here["l2"], t) as work:
         done = tune_keys(keys, doc, meta, out, report_path, retune=retune, deadline=t0 + budget,
                          same_device_only=same_device_only, log=log, **work)
-    report(report_path, meta, done)
+        report(report_path, meta, done)
     T.reload()  # launches in this process from now on read what was written
     return _summary(keys, done, meta, out, report_path, set() if retune else _have(doc, meta, same_device_only))
 
