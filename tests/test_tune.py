@@ -583,6 +583,29 @@ def test_cli_tune_json_and_show(tune, monkeypatch, user_cache):
     assert f"{FAKE} (sm_90): 0 of 2 keys tuned, 2 already in the table" in r.stdout
 
 
+def test_cli_tune_show_names_an_invalid_user_table_once(monkeypatch, tmp_path):
+    """--show reports an invalid user table in its own output (state and problem), without the
+    launch-time warning on stderr beside it."""
+    import warnings
+
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    bad = tmp_path / "user.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(T.USER_ENV, str(bad))
+    T.reload()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            r = CliRunner().invoke(cli, ["tune", "--show"])
+    finally:
+        T.reload()
+    assert r.exit_code == 0 and f"user table: {bad}: invalid (" in r.stdout
+    assert r.stderr == "" and not [w for w in seen if "launch table" in str(w.message)]
+
+
 @pytest.mark.parametrize("args, says", [
     ([], "tuning needs a CUDA device"),
     (["--ops", "bogus"], "ops: unknown 'bogus'"),
