@@ -608,9 +608,12 @@ def test_cli_tune_show_names_an_invalid_user_table_once(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     ([], "tuning needs a CUDA device"),
-    (["--ops", "bogus"], "ops: unknown 'bogus'"),
-    (["--hidden", "4096,-5"], "hidden: -5 is outside"),
-    (["--budget", "-1"], "budget must be a positive number of seconds"),
+    (["--ops", "bogus"], "--ops: unknown 'bogus'"),
+    (["--passes", ","], "--passes: empty list"),
+    (["--dtypes", "fp64"], "--dtypes: unknown 'fp64'"),
+    (["--hidden", "4096,-5"], "--hidden: -5 is outside"),
+    (["--hidden", "4k"], "--hidden: '4k' is not a whole number"),
+    (["--budget", "-1"], "--budget must be a positive number of seconds"),
     (["--json"], "tuning needs a CUDA device"),
 ])
 def test_cli_tune_bad_input_is_one_line_exit_2(args, says, monkeypatch, tmp_path):

@@ -38,7 +38,8 @@ def tune(budget, ops, dtypes, passes, hidden, out, retune, show, as_json) -> Non
         click.echo(line, err=True)
 
     given = {k: v for k, v in dict(ops=ops, passes=passes, dtypes=dtypes, budget=budget).items() if v is not None}
-    result = tuner.tune_launches(hidden=hidden, out=out, retune=retune, log=log, **given)
+    names = {k: f"--{k}" for k in ("ops", "passes", "dtypes", "hidden", "budget")}
+    result = tuner.tune_launches(hidden=hidden, out=out, retune=retune, log=log, option_names=names, **given)
     emit(result, as_json, render_result)
 
 

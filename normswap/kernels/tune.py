@@ -40,7 +40,7 @@ import re
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
@@ -595,7 +595,8 @@ def _gpu_work(l2: int, target=None):
 def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=None,
                   budget: float = DEFAULT_BUDGET_S, out: str | Path | None = None, retune: bool = False,
                   report_path: str | Path | None = None, base: str | Path | None = None, commit: str | None = None,
-                  same_device_only: bool = True, log: Callable[[str], None] | None = None) -> dict:
+                  same_device_only: bool = True, log: Callable[[str], None] | None = None,
+                  option_names: Mapping[str, str] | None = None) -> dict:
     """Tune launch tiles on the current CUDA device into the launch table `out` (default: the user
     table, launch_table.user_path()), which then serves every launch on this device. ops, passes,
     dtypes: lists or comma strings; hidden: only these hidden sizes (any widths: each tunes its
@@ -604,7 +605,8 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     the next run goes on from there); retune: measure keys the table already has again;
     base: the table to start from when `out` does not exist yet (default: an empty one); commit:
     the provenance an entry records (default: the git commit, else the normswap version);
-    log(line): progress, one line per key and candidate.
+    log(line): progress, one line per key and candidate; option_names: what bad-input messages
+    call ops, passes, dtypes, hidden and budget (the CLI's {"hidden": "--hidden", ...}).
 
     Returns {"out", "report", "device", "arch", "keys", "already" (in the table: not measured again),
     "tuned": [per key its tile, the static tile and both times], "not_tuned": [per key why],
@@ -614,16 +616,17 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     from normswap.kernels import _common as C
 
     t0 = time.monotonic()
-    ops = _split(ops, "ops", T.OPS)
-    passes = _split(passes, "passes", T.PASSES)
-    dtypes = _split(dtypes, "dtypes", T.DTYPES)
+    name = {k: k for k in ("ops", "passes", "dtypes", "hidden", "budget")} | dict(option_names or {})
+    ops = _split(ops, name["ops"], T.OPS)
+    passes = _split(passes, name["passes"], T.PASSES)
+    dtypes = _split(dtypes, name["dtypes"], T.DTYPES)
     if hidden is not None:
-        hidden = _split(hidden, "hidden", cast=int)
+        hidden = _split(hidden, name["hidden"], cast=int)
         bad = [n for n in hidden if not 1 <= n <= MAX_HIDDEN]
         if bad:
-            raise BadInputError(f"hidden: {bad[0]} is outside 1..{MAX_HIDDEN}")
+            raise BadInputError(f"{name['hidden']}: {bad[0]} is outside 1..{MAX_HIDDEN}")
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise BadInputError(f"budget must be a positive number of seconds, got {budget!r}")
+        raise BadInputError(f"{name['budget']} must be a positive number of seconds, got {budget!r}")
     if out is None:
         out = T.user_path()
         if out is None:
