@@ -156,3 +156,15 @@ def test_table_check_fails_a_spilling_entry_and_passes_a_sound_one(tmp_path):
     assert rc == 1 and doc, err[-3000:]
     assert sorted((r["N"], r["residual"]) for r in doc["results"]) == [(4096, True), (8192, True)]
     assert doc["not_checked"] == ["sm_90 rms_norm fwd bf16 1024 >2048 (the heuristics' tile)"]
+
+
+def test_the_committed_table_holds_only_architectures_the_static_check_plans():
+    """kernel_static.py --table (and the test above) compiles only entries of the architecture it
+    plans with (sm_90, an H100's limits); entries of another architecture would reach every launch
+    on such GPUs unchecked. So committing, say, an A100's tuned entries must come with a target for
+    sm_80 in that check (SM count and per-SM limits, static_check.Target) and this test widened."""
+    from normswap.kernels import _common as C
+    from normswap.kernels import launch_table as T
+
+    unchecked = sorted(set(T.read(T.PATH)["archs"]) - {C.PLAN_ARCH})
+    assert not unchecked, f"launch_table.json has entries for {unchecked}, which the static check does not compile"
