@@ -44,6 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from normswap.fileio import write_text_atomic  # noqa: E402
+
 # The case, the timer and the grid are the library's (the launch tuner times with them too).
 from normswap.kernels.timing import (  # noqa: E402, F401 - re-exported for callers of this script
     HIDDEN,
@@ -180,10 +182,7 @@ def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
             fresh = {key(r) for r in keep}
             keep = [r for r in old.get("rows", []) if key(r) not in fresh] + keep
     doc = dict(meta, rows=sorted(keep, key=lambda r: tuple(str(v) for v in key(r))))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -395,14 +395,10 @@ def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/re
 
 def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
     """Write the result as strict JSON, atomically (a temporary file renamed into place)."""
+    from normswap.fileio import write_text_atomic
     from normswap.jsonsafe import finite_or_null
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(finite_or_null(result.to_dict()), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(finite_or_null(result.to_dict()), indent=2, allow_nan=False) + "\n")
 
 
 def parse_list(value: str | Sequence[str]) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
+from normswap.fileio import umask
 from normswap.progress import ProgressFn, step
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
@@ -296,7 +297,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
         try:
             # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
             # (or the replaced directory's own mode)
-            os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~_umask())
+            os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~umask())
             yield tmp
             _normalise_file_modes(tmp)
             _kill_point("before-publish")
@@ -336,15 +337,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _normalise_file_modes(directory: Path) -> None:
     """Files written through temporary files come out 0600; give them the usual mode."""
-    mode = 0o666 & ~_umask()
+    mode = 0o666 & ~umask()
     for p in directory.iterdir():
         # a hard link is a user's own file carried over by --in-place: its mode is theirs
         if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) == 0o600 and p.stat().st_nlink == 1:

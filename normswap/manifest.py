@@ -46,6 +46,7 @@ from typing import Any
 
 from normswap._version import __version__
 from normswap.errors import NormswapError
+from normswap.fileio import write_text_atomic
 from normswap.modules import RmsForm
 from normswap.specs import NormSpec
 
@@ -98,10 +99,7 @@ def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
     path = Path(directory) / MANIFEST_NAME
     text = json.dumps(manifest, indent=2, default=_json_default) + "\n"
     _validate(json.loads(text), path)  # never write a file that read_manifest would refuse
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text)
 
 
 def _now() -> str:

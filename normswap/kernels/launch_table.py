@@ -59,12 +59,11 @@ import contextlib
 import json
 import os
 import re
-import stat
-import tempfile
 import warnings
 from pathlib import Path
 
 from normswap.dtypes import RUN_DTYPES
+from normswap.fileio import write_text_atomic
 
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
@@ -397,25 +396,6 @@ def write(path: Path, doc, row_buckets, per_device: bool = False) -> None:
     if bad:
         raise ValueError("refusing to write an invalid launch table: " + "; ".join(bad[:3]))
     write_text_atomic(Path(path), json.dumps(doc, indent=1) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file of its own in the same folder, renamed into
-    place. Its own: two writers of one path (two `normswap tune` on one user table) must never
-    share a temporary name, or one renames the other's half-written file into place and then finds
-    its own gone. Keeps the file's permissions (a new one gets 0644, not mkstemp's 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict | None = None,

@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
+from normswap.fileio import write_text_atomic
 from normswap.kernels import launch_table as T
 
 # A candidate replaces the baseline only when faster by more than this (geometric mean over the
@@ -389,7 +390,7 @@ def report(path: Path, meta: dict, done: list[dict]) -> None:
         for t in d["trials"]:
             if t["why"]:
                 lines.append(f"- {' '.join(map(str, d['key'][1:]))} {fmt_tile(t['tile'])}: {t['why'][:300]}")
-    T.write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline, fits, static_check, measure,
