@@ -89,7 +89,7 @@ def table_check(path: Path, workdir: Path, progress=None, ci: bool = False) -> t
         if arch != C.PLAN_ARCH:
             others.append(f"{arch} {e['op']} {e['pass']} {e['dtype']} {e['hidden']} {e['rows']}")
             continue
-        key = (arch, *(e[f] for f in T.KEY_FIELDS))
+        key = (arch, *T.entry_key(e))
         variants = None
         if ci:
             static = C.heuristic_config(bucket_rows(e["rows"]), e["hidden"], DTYPES[e["dtype"]], e["pass"])

@@ -349,14 +349,6 @@ def load_tokenizer(source: ModelSource):
 # ---------------------------------------------------------------------------------------------
 
 
-def _recorded_config(section: dict):
-    """The PatchConfig of a manifest's patch section (read_manifest gives old sections the
-    current shape: paths and rms_forms)."""
-    from normswap.swap import PatchConfig
-
-    return PatchConfig.from_dict(section)
-
-
 def _same_family(a, b) -> bool:
     """Equal apart from the parameter dtype (a checkpoint may be loaded in another dtype)."""
     da, db = a.to_dict(), b.to_dict()
@@ -392,7 +384,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
         config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
         model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
-    config = _recorded_config(section)
+    config = PatchConfig.from_dict(section)  # read_manifest gave an old section the current shape
     if impl is not None:
         config = dataclasses.replace(config, impl=impl)
     report = patch(model, config, verify=verify, progress=progress)

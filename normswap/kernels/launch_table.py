@@ -56,6 +56,7 @@ The committed table holds only measured entries; a key without one uses the stat
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -197,7 +198,7 @@ def problems(doc, row_buckets, per_device: bool = False) -> list[str]:
 
 def index(doc) -> dict:
     """{(arch, op, pass, dtype, hidden, rows): tile} of a valid document."""
-    return {(arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
+    return {(arch, *entry_key(e)): dict(e["tile"])
             for arch, body in doc["archs"].items() for e in body["entries"]}
 
 
@@ -229,22 +230,19 @@ USER_ENV = "NORMSWAP_LAUNCH_TABLE"
 KERNEL_SOURCES = ("_common.py", "rms_norm.py", "layer_norm.py")
 
 
+@functools.cache
 def kernel_build() -> str:
     """What a tuned tile is only valid for: the first 12 hex of a sha256 over the triton version
-    and the kernel sources (a user entry measured with another is stale: not applied)."""
-    if "kernel_build" not in _build:
-        import hashlib
+    and the kernel sources (a user entry measured with another is stale: not applied). Once per
+    process: the sources a process runs do not change under it."""
+    import hashlib
 
-        import triton
+    import triton
 
-        h = hashlib.sha256(f"triton {triton.__version__}".encode())
-        for name in KERNEL_SOURCES:
-            h.update(b"\0" + Path(__file__).with_name(name).read_bytes())
-        _build["kernel_build"] = h.hexdigest()[:12]
-    return _build["kernel_build"]
-
-
-_build: dict = {}
+    h = hashlib.sha256(f"triton {triton.__version__}".encode())
+    for name in KERNEL_SOURCES:
+        h.update(b"\0" + Path(__file__).with_name(name).read_bytes())
+    return h.hexdigest()[:12]
 
 
 def user_path() -> Path | None:
@@ -297,7 +295,7 @@ def _ensure_loaded(row_buckets) -> None:
     # and it applies only to the kernels it was measured with (kernel_build).
     entries = [] if doc is None else [(arch, e) for arch, body in doc["archs"].items() for e in body["entries"]]
     fresh = [(arch, e) for arch, e in entries if e["measured"].get("kernel_build") == kernel_build()]
-    _state["user"] = {(e["measured"]["device"], arch, *(e[f] for f in KEY_FIELDS)): dict(e["tile"])
+    _state["user"] = {(e["measured"]["device"], arch, *entry_key(e)): dict(e["tile"])
                       for arch, e in fresh}
     if doc is not None:
         user["stale"] = len(entries) - len(fresh)

@@ -396,7 +396,7 @@ def report(path: Path, meta: dict, done: list[dict]) -> None:
 def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline, fits, static_check, measure,
               outputs, agree, same_device_only: bool = True, log: Callable[[str], None] | None = None) -> list[dict]:
     """Tune `keys` (grid_keys) in order into `doc` for meta["arch"], rewriting the table `out`
-    and the report after every key. The GPU work comes in as factories (see tune_key):
+    and the report after every key (the report also when no key is attempted). The GPU work comes in as factories (see tune_key):
     static_check(key), measure(key, n), outputs(key, n, rows), agree(dtype); fits(k, m) says
     whether m rows of the key fit in memory. A key the table already has is skipped unless
     `retune`; with `same_device_only` (a user table) only where its entry was measured on
@@ -410,7 +410,7 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
     have = _have(doc, meta, same_device_only)
     done: list[dict] = []
     for i, k in enumerate(keys, 1):
-        kt = tuple(k[f] for f in T.KEY_FIELDS)
+        kt = T.entry_key(k)
         if kt in have and not retune:
             continue
         if deadline - time.monotonic() < MIN_KEY_S:
@@ -442,6 +442,8 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
             except ValueError as e:
                 raise NormswapError(f"{e}; the key just tuned is not written") from None
         report(report_path, meta, done)
+    if not done:  # nothing attempted (all tuned already, or no time): the report says so too
+        report(report_path, meta, done)
     return done
 
 
@@ -449,7 +451,7 @@ def _have(doc, meta, same_device_only: bool) -> set:
     """Keys (op, pass, dtype, hidden, rows) the table has for meta's architecture; with
     `same_device_only` (a user table) only those measured on meta's device with this process's
     kernels (an entry of other kernels is stale: launches ignore it, so it is measured again)."""
-    return {tuple(e[f] for f in T.KEY_FIELDS) for e in doc["archs"].get(meta["arch"], {}).get("entries", [])
+    return {T.entry_key(e) for e in doc["archs"].get(meta["arch"], {}).get("entries", [])
             if not same_device_only or (e["measured"]["device"] == meta["device"]
                                         and e["measured"].get("kernel_build") == meta.get("kernel_build"))}
 
@@ -661,7 +663,6 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     with _timing_lock(here), _gpu_work(here["l2"], t) as work:
         done = tune_keys(keys, doc, meta, out, report_path, retune=retune, deadline=t0 + budget,
                          same_device_only=same_device_only, log=log, **work)
-        report(report_path, meta, done)
     T.reload()  # launches in this process from now on read what was written
     return _summary(keys, done, meta, out, report_path, set() if retune else _have(doc, meta, same_device_only))
 
@@ -674,7 +675,7 @@ def _summary(keys, done, meta, out: Path, report_path: Path, had: set) -> dict:
     not_tuned = [{**dict(zip(T.KEY_FIELDS, d["key"][1:], strict=True)),
                   "why": next((t["why"] for t in d["trials"] if t["why"]), "no candidate")}
                  for d in done if d["entry"] is None]
-    kts = [tuple(k[f] for f in T.KEY_FIELDS) for k in keys]
+    kts = [T.entry_key(k) for k in keys]
     return {"out": str(out), "report": str(report_path), "device": meta["device"], "arch": meta["arch"],
             "keys": len(keys), "already": sum(kt in had for kt in kts), "tuned": tuned, "not_tuned": not_tuned,
             # the budget ran out before them, or none of their row counts fits in memory: a later run goes on
