@@ -128,20 +128,23 @@ def test_convert_checkpoint_reads_plans_and_writes_once(root, tmp_path, monkeypa
     once and the manifest written once: the convert command once did each two or three times."""
     import collections
 
-    from normswap import loading, manifest, plan
+    from normswap import convert, convert_dir, loading, manifest, plan
 
     calls = collections.Counter()
 
-    def counted(module, name):
-        real = getattr(module, name)
+    def counted(name, *modules):
+        """Count calls of `name` through every binding of it (modules that import it by name too)."""
+        real = getattr(modules[0], name)
 
         def call(*args, **kwargs):
             calls[name, str(getattr(args[0], "path", args[0]))] += 1
             return real(*args, **kwargs)
-        monkeypatch.setattr(module, name, call)
+        for module in modules:
+            monkeypatch.setattr(module, name, call)
 
-    for module, name in ((loading, "load_config"), (plan, "plan_conversion"), (manifest, "write_manifest")):
-        counted(module, name)
+    counted("load_config", loading)
+    counted("plan_conversion", plan, convert, convert_dir)
+    counted("write_manifest", manifest, convert_dir)
     api.convert_checkpoint(root / "gpt2", tmp_path / "out")
     assert sorted(n for n, _ in calls.elements()) == ["load_config", "load_config", "plan_conversion", "write_manifest"]
     assert max(calls.values()) == 1, calls
