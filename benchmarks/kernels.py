@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 from normswap.fileio import write_text_atomic  # noqa: E402
 
 # The case, the timer and the grid are the library's (the launch tuner times with them too).
-from normswap.kernels.timing import (  # noqa: E402, F401 - re-exported for callers of this script
+from normswap.kernels.timing import (  # noqa: E402
     HIDDEN,
     ROWS,
     SMALL_SHAPE,
@@ -55,7 +55,6 @@ from normswap.kernels.timing import (  # noqa: E402, F401 - re-exported for call
     fits,
     l2_bytes,
     make_case,
-    pass_bytes,
     time_us,
 )
 
@@ -243,7 +242,7 @@ def main(argv=None) -> int:
     timing = args.timing if device == "cuda" else "host"
     copy_gbs = copy_bandwidth(device, args.timing)
     l2 = l2_bytes(device)
-    from normswap._version import git_commit  # here: __main__ puts the checkout on sys.path first
+    from normswap._version import git_commit
     from normswap.kernels import _common, launch_table
 
     # The interpreter never reads the table (its own tiles).
@@ -307,5 +306,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import normswap  # noqa: F401 - decides TRITON_INTERPRET before anything imports triton
     raise SystemExit(main())
