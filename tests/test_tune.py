@@ -306,9 +306,10 @@ def test_agreement_rule_allows_rounding_and_catches_wrong_outputs(tune):
 @pytest.mark.parametrize("op", ("rms_norm", "layer_norm"))
 def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
     """The functions that do the GPU work (inputs, outputs under a forced tile, agreement,
-    kernels.py's case and timer) called exactly as main calls them, on CPU through the interpreter
-    (which never reads the table: this proves the plumbing, never a choice), so that an API slip
-    fails here and not on a GPU lease. Backward keys: y, dx and every parameter grad compared."""
+    timing.py's case and timer), wired by the same _factories tune_launches uses, on CPU through
+    the interpreter (which never reads the table: this proves the plumbing, never a choice), so
+    that an API slip fails here and not on a GPU lease. Backward keys: y, dx and every parameter
+    grad compared."""
     from normswap.kernels.rms_norm import _rms_fwd_kernel
 
     if not C.interpreting(_rms_fwd_kernel):
@@ -320,10 +321,7 @@ def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
     out = tmp_path / "table.json"
     done = tune.tune_keys(
         keys, T.empty(C.ROW_BUCKETS), meta, out, tmp_path / "r.md", retune=False, deadline=math.inf,
-        fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
-        measure=lambda key, n: lambda tile, m: tune.gpu_measure(key, tile, m, 1 << 20, n, device="cpu"),
-        outputs=lambda key, n, m: lambda tile: tune.gpu_outputs(key, tile, m, n, device="cpu"), agree=tune.gpu_agree,
-        log=lambda s: None)
+        log=lambda s: None, **tune._factories(1 << 20, lambda key: lambda ts: [[] for _ in ts], device="cpu"))
     assert [d["entry"] is not None for d in done] == [True, True]
     for d in done:
         assert not [t["why"] for t in d["trials"] if t["why"]]  # every candidate ran and agreed

@@ -579,20 +579,27 @@ def _gpu_work(l2: int, target=None):
     `target` (static_check.Target: the device's; default an H100), runs in worker processes
     (spawned: never fork a process that holds CUDA; and its compiles intercept launches
     process-wide), set up to compile as this process does (_static_worker_env)."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(min(STATIC_WORKERS, os.cpu_count() or 1), mp_context=ctx,
+                                                initializer=_static_worker_env,
+                                                initargs=(_fp_fusion_default(),)) as pool:
+        yield _factories(l2, lambda key: parallel_static(key, pool, target))
+
+
+def _factories(l2: int, static_check, device: str = "cuda") -> dict:
+    """tune_keys' GPU work (see tune_key) on `device`, around a given static check: memory fits,
+    timing (the kernel benchmark's case and timer, rotating past `l2` bytes), outputs under a
+    forced tile, agreement. device "cpu": the same wiring through the interpreter (the CPU test)."""
     from normswap.dtypes import DTYPES
     from normswap.kernels.timing import fits
 
     def fits_key(k, m):
         return fits(m, k.get("n", k["hidden"]), DTYPES[k["dtype"]], "fwd" if k["pass"] == "fwd" else "fwd+bwd",
-                    False, "cuda")
+                    False, device)
 
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(STATIC_WORKERS, os.cpu_count() or 1), mp_context=ctx,
-                                                initializer=_static_worker_env,
-                                                initargs=(_fp_fusion_default(),)) as pool:
-        yield {"fits": fits_key, "static_check": lambda key: parallel_static(key, pool, target),
-               "measure": lambda key, n: lambda tile, m: gpu_measure(key, tile, m, l2, n),
-               "outputs": lambda key, n, m: lambda tile: gpu_outputs(key, tile, m, n), "agree": gpu_agree}
+    return {"fits": fits_key, "static_check": static_check,
+            "measure": lambda key, n: lambda tile, m: gpu_measure(key, tile, m, l2, n, device=device),
+            "outputs": lambda key, n, m: lambda tile: gpu_outputs(key, tile, m, n, device=device), "agree": gpu_agree}
 
 
 def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=None,
