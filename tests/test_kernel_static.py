@@ -98,12 +98,6 @@ def test_narrow_accesses_are_seen_and_exempt_only_off_multiples_of_16(tmp_path):
     assert all(not r["problems"] for r in doc["results"])
 
 
-def _entries(doc: dict, arch: str = "sm_90") -> list[tuple]:
-    from normswap.kernels import launch_table as T
-
-    return [(arch, *(e[f] for f in T.KEY_FIELDS)) for e in doc["archs"].get(arch, {}).get("entries", [])]
-
-
 def test_every_committed_launch_table_entry_passes_the_static_check(tmp_path):
     """The measured table (normswap/kernels/launch_table.json) is held to the heuristics' rule: each
     sm_90 entry whose tile is not the heuristics' own (those are checked with the grid), planned as
@@ -113,13 +107,13 @@ def test_every_committed_launch_table_entry_passes_the_static_check(tmp_path):
     from normswap.dtypes import DTYPES
     from normswap.kernels import _common as C
     from normswap.kernels import launch_table as T
+    from normswap.kernels.static_check import bucket_rows
 
     rc, doc, err = _run(tmp_path, "--table", "--subset", "ci")
     assert rc == 0 and "results" in doc, err[-3000:]
-    table = T.read(T.PATH)
-    tuned = {k for k, e in zip(_entries(table), table["archs"].get("sm_90", {}).get("entries", []), strict=True)
-             if e["tile"] != C.tile_fields(C.heuristic_config(2048 if e["rows"].startswith("<=") else 32768,
-                                                               e["hidden"], DTYPES[e["dtype"]], e["pass"]))}
+    tuned = {("sm_90", *T.entry_key(e)) for e in T.read(T.PATH)["archs"].get("sm_90", {}).get("entries", [])
+             if e["tile"] != C.tile_fields(C.heuristic_config(bucket_rows(e["rows"]), e["hidden"], DTYPES[e["dtype"]],
+                                                               e["pass"]))}
     assert {tuple(r["entry"]) for r in doc["results"]} == tuned
     assert all(r["residual"] for r in doc["results"])
     assert not [r for r in doc["results"] if r["problems"]]

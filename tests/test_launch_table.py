@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -321,7 +322,7 @@ def test_two_writers_of_one_table_keep_each_others_entries(tmp_path):
     script.write_text(UPDATER)
     table_path = tmp_path / "user.json"
     root = Path(__file__).resolve().parent.parent
-    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     procs = [subprocess.Popen([sys.executable, str(script), str(table_path), w, "100"], env=env,
                               stderr=subprocess.PIPE, text=True) for w in ("a", "b")]
     errs = [p.communicate(timeout=300)[1] for p in procs]

@@ -312,13 +312,8 @@ def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
             lines = sources[where[0]]
             text = lines[where[1] - 1].strip() if 0 < where[1] <= len(lines) else ""
         op = hit.group(1)
-        ops.append({"op": op, "bits": _width_bits(hit.group(2)) if op != "LDGSTS" else _ldgsts_bits(hit.group(2)),
-                    "source": text})
+        ops.append({"op": op, "bits": _width_bits(hit.group(2)), "source": text})
     return ops
-
-
-def _ldgsts_bits(suffixes: str) -> int:
-    return _width_bits(suffixes)
 
 
 def is_scratch(source: str) -> bool:
