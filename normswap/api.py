@@ -215,7 +215,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
     from normswap.loading import load_config, load_model, parse_device, resolve
-    from normswap.manifest import rms_forms
+    from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
     if out is not None and in_place:
@@ -227,6 +227,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     torch_dtype = _dtype(dtype)
     source = resolve(model)
     config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
+    # layout, is refused before any work.
+    converted = None if source.gguf_file else conversion_section(source.path)
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
@@ -250,7 +253,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if n == 0 and filter_fn is not None:
         raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if scoring else None
-    forms = rms_forms(source.path) if rms and not source.gguf_file else {}
+    forms = rms_forms(converted) if rms and converted is not None else {}
     try:
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
                        progress=progress)

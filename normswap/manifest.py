@@ -4,7 +4,7 @@ The weights beside it are stock (original classes, original keys, stock config):
 loads them as they are. What normswap did lives only here, one section per command:
 
     {
-      "format": "normswap/1",
+      "format": "normswap/2",
       "normswap_version": "0.1.0",
       "updated": "2026-11-21T09:30:00Z",
       "convert": {...},   # normswap convert: which norms now read a zero-mean stream, and what
@@ -18,11 +18,17 @@ loads them as they are. What normswap did lives only here, one section per comma
 patch runs as RMS norms and how; nothing else in the file spells an RmsForm. A convert section
 records facts of the conversion (per norm "rms": its input is zero-mean; "kept_gain", "kept_bias",
 "baked"): rms_forms() derives from them the forms a patch may use (`normswap patch --no-rms` uses
-none, so "may" and "does" are different facts). Manifests written before this held the form also
-as the convert section's "rms_weight"/"rms_bias" and per patched module ("rms_form", earlier
+none, so "may" and "does" are different facts). Manifests of format normswap/1 held the form
+also as the convert section's "rms_weight"/"rms_bias" and per patched module ("rms_form", earlier
 "as_rms"), and the oldest patch sections had no "paths"/"rms_forms": read_manifest brings such a
 file to this shape (_upgrade), so every reader, and a patch that carries a convert section over,
 sees one place.
+
+Why the format number changed with that layout: a normswap/1 reader derives a converted norm's
+form from "rms_weight"/"rms_bias" and takes their absence for "no gain, no bias", so it would load
+a normswap/2 converted-only directory as a silently different model. Under the new number it
+refuses the file instead. This version refuses a format newer than its own the same way, with one
+line that says so ("written by a newer normswap"), before any weight is loaded.
 
 Composition rules (the convert -> patch speedup path):
 - `normswap patch` on a converted directory keeps its "convert" section verbatim and adds (or
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +58,9 @@ from normswap.modules import RmsForm
 from normswap.specs import NormSpec
 
 MANIFEST_NAME = "normswap.json"
-FORMAT = "normswap/1"
+FORMAT = "normswap/2"  # what this version writes
+# What it reads: FORMAT, and the older formats _upgrade brings to FORMAT's shape.
+READ_FORMATS = ("normswap/1", FORMAT)
 SECTIONS = ("convert", "patch")
 
 
@@ -139,10 +148,21 @@ def read_manifest_if_any(directory: str | os.PathLike) -> dict[str, Any] | None:
     return read_manifest(directory)
 
 
+def _format_number(fmt: Any) -> int | None:
+    """N of a "normswap/N" format string; None for anything else."""
+    hit = re.fullmatch(r"normswap/(\d+)", fmt) if isinstance(fmt, str) else None
+    return int(hit.group(1)) if hit else None
+
+
 def _validate(data: Any, path: Path) -> dict[str, Any]:
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise NormswapError(f"{path}: not a {FORMAT} manifest (format {found!r})")
+    found = data.get("format") if isinstance(data, dict) else type(data).__name__
+    if found not in READ_FORMATS:
+        number = _format_number(found)
+        if number is not None and number > _format_number(FORMAT):
+            raise NormswapError(f"{path}: written by a newer normswap (manifest format {found!r}; normswap "
+                                f"{__version__} reads up to {FORMAT}): upgrade normswap to load it")
+        raise NormswapError(f"{path}: not a normswap manifest (format {found!r}; normswap {__version__} reads "
+                            f"{' and '.join(READ_FORMATS)})")
     if not any(name in data for name in SECTIONS):
         raise NormswapError(f"{path}: malformed manifest (neither a convert nor a patch section)")
     try:
@@ -177,7 +197,11 @@ _OLD_MODULE_KEYS = ("rms_form", "as_rms")
 
 
 def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """A validated manifest in the current shape, "runs as RMS" in one place (changed in place)."""
+    """A validated manifest in the current shape (FORMAT's), "runs as RMS" in one place (changed in
+    place)."""
+    if data["format"] == FORMAT:
+        return data
+    data["format"] = FORMAT
     for n in data.get("convert", {}).get("norms", ()):
         for key in _OLD_NORM_KEYS:
             n.pop(key, None)

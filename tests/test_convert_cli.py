@@ -38,7 +38,7 @@ def test_convert_gpt2_json(gpt2_dir, tmp_path):
     assert data["summary"] == {"norms": 5, "converted": 5, "refused": 0, "folded_gain": 4, "folded_bias": 4,
                                "kept_bias": 1}
     written = json.loads((out / "normswap.json").read_text())
-    assert written["format"] == "normswap/1" and "patch" not in written
+    assert written["format"] == "normswap/2" and "patch" not in written
     assert written["convert"]["norms"] == data["norms"]
     ref, _ = logits(gpt2_dir)
     got, model = logits(out)

@@ -69,7 +69,7 @@ def test_convert_then_patch_triton(arch, tmp_path):
 
     # one manifest, both steps
     manifest = read_manifest(out)
-    assert manifest["format"] == "normswap/1"
+    assert manifest["format"] == "normswap/2"
     assert manifest["convert"] == convert_section
     p = manifest["patch"]
     assert p["impl"] == "triton" and p["verified"] and p["model_check"]["passed"]
@@ -128,6 +128,7 @@ def _old_format(manifest: dict, oldest: bool = False) -> dict:
     carried its rms_form. The oldest (before PatchConfig) also had as_rms per module, and no
     paths, rms_forms or strict: the per-module forms were the only record of the patch's."""
     old = copy.deepcopy(manifest)
+    old["format"] = "normswap/1"
     for n in old["convert"]["norms"]:
         n["rms_weight"] = ("weight" if n["kept_gain"] or n["baked"] else "none") if n["rms"] else None
         n["rms_bias"] = n["kept_bias"] if n["rms"] else None
@@ -202,3 +203,37 @@ def test_runs_as_rms_is_held_once_and_old_manifests_load_the_same(tmp_path):
     again = _raw(tmp_path / "from-old")
     assert again["convert"] == written["convert"] and again["patch"]["rms_forms"] == written["patch"]["rms_forms"]
     _same_model(normswap.load(tmp_path / "from-old"), loaded)
+
+
+def test_a_newer_normswaps_manifest_is_refused_in_one_line_before_any_load(tmp_path, monkeypatch):
+    """A manifest of a format newer than this version's (a later normswap's layout) is refused with
+    one line naming that, by read_manifest, normswap.load and the commands that read a source's
+    manifest (exit 2, nothing written), before any weight is loaded; a format that is no
+    normswap's at all is named as such."""
+    from normswap import loading
+    from normswap.errors import NormswapError
+
+    src = tmp_path / "src"
+    save_tiny("gpt2", src)
+    (src / "normswap.json").write_text(json.dumps({"format": "normswap/3", "convert": {"norms": [], "layout": 3}}))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the manifest was refused")
+    monkeypatch.setattr(loading, "load_model", no_load)
+    newer = (r"normswap\.json: written by a newer normswap \(manifest format 'normswap/3'; normswap \S+ reads up to "
+             r"normswap/2\): upgrade normswap to load it$")
+    with pytest.raises(NormswapError, match=newer):
+        read_manifest(src)
+    with pytest.raises(NormswapError, match=newer):
+        normswap.load(src)
+    for args in (("patch", src, "--impl", "torch", "--out", tmp_path / "out"),
+                 ("patch", src, "--impl", "torch", "--no-rms", "--out", tmp_path / "out", "--json"),
+                 ("convert", src, "--to", "rms", "--out", tmp_path / "out")):
+        r = run(*args)
+        assert r.exit_code == 2 and r.stdout == "", (args, r.output)
+        assert len(r.stderr.strip().splitlines()) == 1 and "written by a newer normswap" in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "out").exists()
+    (src / "normswap.json").write_text(json.dumps({"format": "normswap-bench/1", "convert": {"norms": []}}))
+    with pytest.raises(NormswapError, match=r"not a normswap manifest \(format 'normswap-bench/1'; normswap \S+ "
+                                            r"reads normswap/1 and normswap/2\)$"):
+        read_manifest(src)

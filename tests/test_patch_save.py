@@ -64,7 +64,7 @@ def test_save_stock_reload_and_normswap_load(arch, tmp_path):
     assert (out / "tokenizer.json").is_file()  # carried over from the source
 
     whole = read_manifest(out)
-    assert whole["format"] == "normswap/1" and whole["normswap_version"] and "convert" not in whole
+    assert whole["format"] == "normswap/2" and whole["normswap_version"] and "convert" not in whole
     m = whole["patch"]
     assert m["impl"] == "torch"
     assert [e["path"] for e in m["modules"]] == [e.path for e in report.patched]
@@ -221,7 +221,7 @@ def test_convert_section_is_kept_and_an_old_patch_section_replaced(tmp_path):
     model = load_model(source)
     out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
     m = read_manifest(out)
-    assert m["format"] == "normswap/1" and m["convert"] == convert_section and m["patch"]["impl"] == "torch"
+    assert m["format"] == "normswap/2" and m["convert"] == convert_section and m["patch"]["impl"] == "torch"
 
 
 def test_a_malformed_source_manifest_is_refused_before_writing(tmp_path):
@@ -230,7 +230,7 @@ def test_a_malformed_source_manifest_is_refused_before_writing(tmp_path):
     (src / MANIFEST_NAME).write_text(json.dumps({"format": "normswap.convert/1", "norms": []}))
     source = resolve(src)
     model = load_model(source)
-    with pytest.raises(NormswapError, match="not a normswap/1 manifest"):
+    with pytest.raises(NormswapError, match="not a normswap manifest"):
         checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 

@@ -465,7 +465,7 @@ def test_the_static_check_targets_the_timing_gpu(tune, monkeypatch, tmp_path):
     from normswap.kernels import static_check as S
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 9))
-    monkeypatch.setattr(C, "_cuda_props", lambda index: {"sms": 128, "regs": 65536, "threads": 1536,
+    monkeypatch.setattr(C, "_cuda_props", lambda index: {"sms": 128, "regs": 65536, "threads": 1536, "blocks": 24,
                                                          "smem": 100 * 1024})
     ada = S.device_target(0)
     assert ada == S.Target(89, 128, 65536, 1536, 100 * 1024) and ada.ptxas_arch == "sm_89"

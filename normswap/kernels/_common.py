@@ -269,28 +269,45 @@ def sm_count(device: torch.device) -> int:
     return 1
 
 
+# Resident blocks (programs) one SM holds at most, by compute capability (10 * major + minor),
+# from the CUDA C++ Programming Guide's per-capability table; torch does not report it. An
+# overestimate is the harmful error: a split-row launch asks for as many co-resident programs as
+# the rule allows, and the driver refuses a cooperative grid that does not fit (an RTX 4090, sm_89,
+# holds 24, not an H100's 32). So a capability the table does not know gets its smallest cap: an
+# underestimate only makes a persistent grid smaller than it could be.
+MAX_BLOCKS_PER_SM = {70: 32, 72: 32, 75: 16, 80: 32, 86: 16, 87: 16, 88: 16, 89: 24, 90: 32, 100: 32, 103: 32,
+                     110: 24, 120: 24, 121: 24}
+
+
+def max_blocks_per_sm(capability: int) -> int:
+    """Resident blocks per SM of compute capability `capability` (89 for sm_89)."""
+    return MAX_BLOCKS_PER_SM.get(capability, min(MAX_BLOCKS_PER_SM.values()))
+
+
 @functools.cache
 def _cuda_props(index: int) -> dict:
     p = torch.cuda.get_device_properties(index)
     return {"sms": p.multi_processor_count,
             "regs": getattr(p, "regs_per_multiprocessor", 65536),
             "threads": getattr(p, "max_threads_per_multi_processor", 2048),
-            "smem": getattr(p, "shared_memory_per_multiprocessor", 228 * 1024)}
+            "smem": getattr(p, "shared_memory_per_multiprocessor", 228 * 1024),
+            "blocks": max_blocks_per_sm(10 * p.major + p.minor)}
 
 
 # Hopper's per-SM limits: the planning target where no device answers (meta tensors, the static
 # analysis in benchmarks/kernel_static.py).
-H100_LIMITS = {"sms": 132, "regs": 65536, "threads": 2048, "smem": 228 * 1024}
+H100_LIMITS = {"sms": 132, "regs": 65536, "threads": 2048, "smem": 228 * 1024, "blocks": max_blocks_per_sm(90)}
 
 
 def programs_per_sm(regs: int, num_warps: int, smem: int, limits: dict) -> int:
     """How many programs of a kernel one SM holds at once (CUDA's occupancy rules: registers are
-    allocated per warp in units of 256, each program also reserves 1 KiB of shared memory)."""
+    allocated per warp in units of 256, each program also reserves 1 KiB of shared memory, and an
+    SM holds at most limits["blocks"] of them, whatever their size)."""
     per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
     by_regs = (limits["regs"] // per_warp) // num_warps
     by_threads = limits["threads"] // (32 * num_warps)
     by_smem = limits["smem"] // (smem + 1024)
-    return max(0, min(by_regs, by_threads, by_smem, 32))
+    return max(0, min(by_regs, by_threads, by_smem, limits["blocks"]))
 
 
 _RESIDENT: dict = {}

@@ -56,14 +56,21 @@ SCRATCH_NAMES = ("RSTD", "MEAN", "STAT", "PART", "DWP", "DBP", "SYNC", "COUNT")
 @dataclasses.dataclass(frozen=True)
 class Target:
     """What a static check compiles for and plans with: a compute capability (90 for sm_90) and
-    the device's SM count and per-SM limits (registers, threads, shared memory: _common's
-    occupancy rule)."""
+    the device's SM count and per-SM limits (registers, threads, shared memory, resident blocks:
+    _common's occupancy rule). The blocks limit follows from the capability where not given."""
 
     capability: int
     sms: int
     regs: int
     threads: int
     smem: int
+    blocks: int | None = None
+
+    def __post_init__(self):
+        if self.blocks is None:
+            from normswap.kernels import _common as C
+
+            object.__setattr__(self, "blocks", C.max_blocks_per_sm(self.capability))
 
     @property
     def arch(self) -> str:
@@ -76,7 +83,7 @@ class Target:
 
     @property
     def limits(self) -> dict:
-        return {"sms": self.sms, "regs": self.regs, "threads": self.threads, "smem": self.smem}
+        return {"sms": self.sms, "regs": self.regs, "threads": self.threads, "smem": self.smem, "blocks": self.blocks}
 
 
 def h100() -> Target:
