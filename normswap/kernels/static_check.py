@@ -184,7 +184,13 @@ def recorded_launches(target: Target, fit: int | None = None):
 
 def _variant_key(launch: Launch, target: Target):
     return (target, launch.kernel.__name__, tuple(sorted((k, str(v)) for k, v in launch.kwargs.items())),
-            tuple(_arg_type(a) for a in launch.args))
+            tuple("1" if _is_one(a) else _arg_type(a) for a in launch.args))
+
+
+def _is_one(v) -> bool:
+    """An integer argument of 1, which the JIT compiles as the constant 1 (unless the parameter is
+    do_not_specialize): w_rows of per-column parameters, every launch but per-head ones."""
+    return isinstance(v, int) and not isinstance(v, bool) and v == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +363,10 @@ def compile_launch(launch: Launch, target: Target | None = None):
             sig[name] = "constexpr"
             continue
         v = next(positional)
+        if _is_one(v) and not param.do_not_specialize:
+            sig[name] = "constexpr"
+            consts[name] = 1
+            continue
         ty, div16 = _arg_type(v)
         sig[name] = ty
         if div16 and not param.do_not_specialize and not param.do_not_specialize_on_alignment:
@@ -644,6 +654,9 @@ def signature(launch: Launch) -> dict:
     params = [p for p in launch.kernel.params if p.name not in consts]
     types = {}
     for param, v in zip(params, launch.args, strict=True):
+        if _is_one(v) and not param.do_not_specialize:
+            types[param.name] = "=1"
+            continue
         ty, div16 = _arg_type(v)
         special = div16 and ty[0] != "*" and not (param.do_not_specialize or param.do_not_specialize_on_alignment)
         types[param.name] = ty + (":16" if special else "")
