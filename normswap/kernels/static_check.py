@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import subprocess
 import tempfile
@@ -204,6 +205,7 @@ class Variant:
     means x's dtype (out_dtype None: the op's own choice)."""
 
     casting: str = "llama"
+    # Gemma's 1 + w: a runtime fp32 argument (do_not_specialize, like eps), so no variant of its own.
     offset: float = 0.0
     param_dtype: str | None = None
     heads: int = 0  # > 0: per-head (heads, N) parameters (PER_ROW_W), x's rows cycling over heads
@@ -387,11 +389,24 @@ _MEM_RE = re.compile(r"\b(LDGSTS|LDG|STG|LDL|STL|ATOMG|REDG|RED|ATOM)((?:\.[A-Z0
 _LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
+@functools.cache
+def _jit_ptxas_flags() -> tuple[str, ...]:
+    """The register-allocation flag triton's own JIT gives ptxas, where it gives one (3.9 adds
+    --regAllocOptLevel=2 to work around a ptxas bug; 3.6 gives none): registers and spills are read
+    as the JIT of the triton at hand gets them, not another version's."""
+    import inspect
+
+    from triton.backends.nvidia import compiler
+
+    flag = "--regAllocOptLevel=2"
+    return (flag,) if flag in inspect.getsource(compiler) else ()
+
+
 def ptxas_report(ptx: str, workdir: Path, target: Target | None = None) -> dict:
     target = target or h100()
     src = workdir / "k.ptx"
     src.write_text(ptx)
-    out = subprocess.run([str(triton_bin("ptxas", target.capability)), "-lineinfo", "--regAllocOptLevel=2", "-v",
+    out = subprocess.run([str(triton_bin("ptxas", target.capability)), "-lineinfo", *_jit_ptxas_flags(), "-v",
                           f"--gpu-name={target.ptxas_arch}", str(src), "-o", str(workdir / "k.o")],
                          capture_output=True, text=True, check=True)
     rep = {}
@@ -762,15 +777,6 @@ def representatives(case_list, covered=(), target: Target | None = None) -> tupl
         best = max(todo, key=lambda t: len(t[0]))  # the first of the largest
         picked.append(best[1])
         have |= best[0]
-
-
-def sweep_problems(row: dict) -> list[str]:
-    """What fails a variant of the sweep: it could not be planned or compiled, or it spills."""
-    if row["error"]:
-        return [row["error"]]
-    if row["spill_bytes"]:
-        return [f"spills {row['spill_bytes']} bytes"]
-    return []
 
 
 def cases(hidden, dtypes, variants, passes, rows):
