@@ -512,6 +512,8 @@ def test_a_candidate_the_static_check_cannot_compile_is_rejected_not_fatal(tune,
 
 
 def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, monkeypatch, tmp_path):
+    from pathlib import Path
+
     from normswap.errors import BadInputError
 
     measured = _fake_gpu(monkeypatch, tune)
@@ -532,6 +534,9 @@ def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, m
     # Paths that cannot be written are refused up front, not after the first key's timing.
     for kwargs, says in (({"out": broken / "t.json"}, f"cannot write the launch table {broken}/t.json: {broken} is not"),
                          ({"out": tmp_path}, f"cannot write the launch table {tmp_path}: it is a folder"),
+                         # permission bits let root write here; the filesystem does not
+                         ({"out": Path("/proc/normswap-t.json")}, "cannot write the launch table /proc/normswap-t.json: "
+                                                                  "/proc is not writable"),
                          ({"out": tmp_path / "t.json", "report_path": broken / "sub" / "r.md"},
                           "cannot write the report")):
         with pytest.raises(BadInputError, match=says):
