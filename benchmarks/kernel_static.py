@@ -5,6 +5,8 @@
     python benchmarks/kernel_static.py --hidden 4096 --dtypes bf16 --json
     python benchmarks/kernel_static.py --table               # every sm_90 entry of the launch table
     python benchmarks/kernel_static.py --table --subset ci   # what CI compiles of it
+    python benchmarks/kernel_static.py --variants api        # every kernel variant a GPU run can launch
+    python benchmarks/kernel_static.py --variants ci         # one of each variant class (CI)
 
 For every kernel launch the library's launch table and heuristics pick on the benchmark grid (hidden
 1,024 ... 262,144; bf16 / fp32; with and without weight, bias, residual; forward and backward),
@@ -16,6 +18,12 @@ SXM's 132), and read back for registers, spills, stack, shared memory, programs 
 width and source line of every global memory instruction (row elements told from per-row
 statistics and scratch by the names on that line). This script is the report over the grid and
 the launch table.
+
+`--variants` compiles kernel variants instead of tiles: every distinct constexpr and signature
+combination (static_check.variant_cases: casting families, parameter dtypes, per-head parameters,
+weight / bias / residual present or not, frozen parameters, dh absent, every row layout and row
+bucket; with `api` also residual dtypes, residual_in_fp32 and out_dtype), each compiled once with
+ptxas' registers and spills; exit 1 when one fails to plan or compile, or spills.
 
 It must run without TRITON_INTERPRET (the interpreter compiles nothing); it sets that itself when
 run as a script. Exit status 1 when a variant spills registers or moves row elements in accesses
@@ -41,12 +49,17 @@ if str(ROOT) not in sys.path:
 from normswap.dtypes import RUN_DTYPES  # noqa: E402
 from normswap.kernels.static_check import (  # noqa: E402
     ROWS,
+    SCOPES,
     TABLE_VARIANTS,
     bucket_rows,
     cases,
     check_tile,
+    representatives,
     run,
+    sweep,
+    sweep_problems,
     tools_missing,
+    variant_cases,
 )
 from normswap.kernels.timing import HIDDEN  # noqa: E402 - the benchmark grid's hidden sizes
 
@@ -99,6 +112,56 @@ def table_check(path: Path, workdir: Path, progress=None, ci: bool = False) -> t
         if progress:
             progress(i, len(todo), {"op": e["op"], "pass": e["pass"], "dtype": e["dtype"], "N": e["hidden"]})
     return results, others
+
+
+def ci_cases() -> list[dict]:
+    """The CI subset's cases (what test_kernel_static compiles with the full analysis)."""
+    return list(cases(CI_SUBSET["hidden"], CI_SUBSET["dtypes"], CI_SUBSET["variants"], ("fwd", "bwd"), ROWS))
+
+
+def variants_check(which: str, workdir: Path, progress=None) -> dict:
+    """Compile every kernel variant of a scope (static_check.variant_cases: "library", "api"), or
+    with "ci" one representative of each variant class of the "api" scope that the CI subset does
+    not compile already (static_check.representatives), for sm_90; ptxas' registers and spills and
+    any error per variant."""
+    import time
+
+    import triton
+
+    t0 = time.perf_counter()
+    every = variant_cases("api" if which == "ci" else which)
+    classes = None
+    if which == "ci":
+        picked, every_class = representatives(every, ci_cases())
+        classes = len(every_class)
+        every = picked
+    rows = sweep(every, workdir, on_case=progress)
+    return {"target": "sm_90 (H100 limits)", "triton": triton.__version__, "scope": which, "cases": len(every),
+            "classes": classes, "variants": len(rows), "seconds": round(time.perf_counter() - t0, 1),
+            "failed": sum(1 for r in rows if sweep_problems(r)), "results": rows}
+
+
+def variants_summary(doc: dict) -> str:
+    """One line per kernel (variants compiled, failures, spills, registers), then every failure."""
+    head = f"{'kernel':<16} {'variants':>8} {'failed':>6} {'spilled':>7} {'regs':>8}"
+    classes = f" (one of each of {doc['classes']} variant classes)" if doc["classes"] else ""
+    lines = [f"triton {doc['triton']}, {doc['target']}, scope {doc['scope']}: {doc['cases']} cases, "
+             f"{doc['variants']} distinct kernel variants{classes} in {doc['seconds']} s", head, "-" * len(head)]
+    by: dict = {}
+    for r in doc["results"]:
+        by.setdefault(r["kernel"] or "(planning)", []).append(r)
+    for k, rs in by.items():
+        regs = [r["regs"] for r in rs if r.get("regs") is not None]
+        lines.append(f"{k:<16} {len(rs):>8} {sum(1 for r in rs if r['error']):>6} "
+                     f"{sum(1 for r in rs if r.get('spill_bytes')):>7} "
+                     f"{(f'{min(regs)}-{max(regs)}' if regs else '-'):>8}")
+    for r in doc["results"]:
+        for p in sweep_problems(r):
+            c = r["case"]
+            lines.append(f"FAIL {r['kernel'] or '(planning)'} {c['op']} {c['pass']} {c['dtype']} N={c['N']} rows={c['M']} "
+                         f"w={int(c['weight'])} b={int(c['bias'])} res={int(c['residual'])} {c.get('variant')}: "
+                         + p.splitlines()[0][:300])
+    return "\n".join(lines)
 
 
 def variant_name(r: dict) -> str:
@@ -162,6 +225,10 @@ def parse_args(argv=None):
     p.add_argument("--render", metavar="JSON", default=None, help="print the tables of a saved --json run")
     p.add_argument("--table", nargs="?", const="", default=None, metavar="PATH",
                    help="check every sm_90 entry of a launch table (default: the package's) instead of the grid")
+    p.add_argument("--variants", choices=("ci", *SCOPES), default=None,
+                   help="compile every kernel variant a GPU run can launch instead of the grid (library: every "
+                        "launch of a patched model; api: also the functional API's options; ci: one of each "
+                        "variant class the ci subset leaves out); fails on a compile error or a spill")
     return p.parse_args(argv)
 
 
@@ -199,6 +266,15 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"kernel_static.py: {e}", file=sys.stderr)
         return 2
+    if args.variants:
+        def progress_v(i, total, case, rows):
+            if i == total or i % 200 == 0:
+                print(f"[{i}/{total} cases] {len(rows)} variants", file=sys.stderr)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            doc = variants_check(args.variants, Path(tmp), progress_v)
+        print(json.dumps(doc, indent=1, default=str) if args.json else variants_summary(doc))
+        return 1 if doc["failed"] else 0
     passes = [p for p in args.passes.split(",") if p]
     case_list = list(cases(hidden, dtypes, variants, passes, args.rows))
 

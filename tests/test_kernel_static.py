@@ -5,8 +5,10 @@ design's promises show in the machine code (split rows for wide rows, pipelined 
 
 CI compiles the representative subset (`--subset ci`: hidden 4,096 and 65,536, bf16 and fp32,
 rms with weight + residual and layer_norm with weight + bias, forward and backward); the whole grid
-is `python benchmarks/kernel_static.py`. Skipped only where the ptxas / nvdisasm that triton ships
-are missing. Runs in a subprocess: the interpreter decision is per process."""
+is `python benchmarks/kernel_static.py`. Beyond that subset, one representative of each kernel
+variant class (`--variants ci`: constexpr values, argument types and dtype pairs, in each row
+layout) must compile without a spill; every variant is `--variants api`. Skipped only where the
+ptxas / nvdisasm that triton ships are missing. Runs in a subprocess: the interpreter decision is per process."""
 
 from __future__ import annotations
 
@@ -162,3 +164,38 @@ def test_the_committed_table_holds_only_architectures_the_static_check_plans():
 
     unchecked = sorted(set(T.read(T.PATH)["archs"]) - {C.PLAN_ARCH})
     assert not unchecked, f"launch_table.json has entries for {unchecked}, which the static check does not compile"
+
+
+def test_one_of_each_kernel_variant_class_compiles_for_sm_90(tmp_path):
+    """Beyond the ci subset's few cases: one representative of each variant class of every launch
+    the library can make (static_check.variant_cases, scope "api"; a class is a constexpr value or an
+    argument type, alone and in each row layout) that the ci subset does not compile already,
+    compiled for sm_90 with no error and no spill. The whole enumeration is `--variants api` (and
+    `--variants library`), the pre-flight of a GPU session (benchmarks/README.md)."""
+    rc, doc, err = _run(tmp_path, "--variants", "ci")
+    assert doc, err[-3000:]
+    bad = [f"{r['kernel']} {r['case']}: {r['error'] or r.get('spill_bytes')}" for r in doc["results"]
+           if r["error"] or r.get("spill_bytes")]
+    assert rc == 0 and not bad and doc["failed"] == 0, "\n".join(bad) or err[-3000:]
+    rows = doc["results"]
+    assert doc["variants"] == len(rows) >= 8 and doc["classes"] > len(rows)
+
+    def some(kernel, **want):
+        return any(r["kernel"] == kernel and all(r["constexprs"].get(k, r["args"].get(k)) == v for k, v in want.items())
+                   for r in rows)
+
+    for k in ("_rms_fwd_kernel", "_rms_bwd_kernel", "_ln_fwd_kernel", "_ln_bwd_kernel"):
+        # per-head parameters in the split-row loop (their own code path there), no 16-divisible
+        # hidden size, and no weight at all
+        assert some(k, PER_ROW_W=True, CHUNKS=next(r["constexprs"]["CHUNKS"] for r in rows
+                                                   if r["kernel"] == k and r["constexprs"]["CHUNKS"] > 1)), k
+        assert some(k, N="i32") and some(k, HAS_W=False), k
+    for code in (0, 1, 2):  # every rounding the RMS families apply before the weight (none, fp16, bf16)
+        assert some("_rms_fwd_kernel", NORM_CODE=code) and some("_rms_bwd_kernel", NORM_CODE=code)
+    # what the functional API adds: h kept in fp32 on a half stream, an output dtype other than x's,
+    # and the backward's separate residual grad with dy in another dtype than the saved input
+    assert some("_rms_fwd_kernel", X="*bf16", H="*fp32") or some("_rms_fwd_kernel", X="*fp16", H="*fp32")
+    assert any(r["kernel"] == "_ln_fwd_kernel" and r["args"]["Y"] != r["args"]["X"] for r in rows)
+    assert some("_rms_bwd_kernel", HAS_DR=True) and some("_ln_bwd_kernel", HAS_DR=True)
+    assert any(r["kernel"].endswith("bwd_kernel") and r["args"]["DY"] != r["args"]["Z"] for r in rows)
+    assert some("_ln_bwd_kernel", HAS_DB=True, HAS_DW=False) and some("_rms_bwd_kernel", HAS_DW=False, HAS_W=True)

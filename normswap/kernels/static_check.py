@@ -14,6 +14,13 @@ launcher's argument types and 16-byte alignment specialisations), and read back:
 `problems` is the rule: no spills, 16-byte row accesses wherever the hidden size is a multiple of
 16, split rows launched cooperatively with a bounded GPU-scope wait.
 
+Beyond the grid's cases, `variant_cases` enumerates every way a caller reaches the kernels (from
+the library's own tables: casting families, run dtypes, parameter layouts, the launchers' row
+layouts; a `Variant` per case, which `plan` takes) and `sweep` compiles each distinct kernel
+variant once (registers, spills, or the compiler's error): what a GPU session checks before it
+spends device time (benchmarks/kernel_static.py --variants). `representatives` picks one case per
+variant class for CI.
+
 The target (`Target`) is a compute capability with its SM count and per-SM limits: an H100 (sm_90)
 by default, the analysis benchmarks/kernel_static.py reports; the CUDA device at hand
 (`device_target`) when `normswap tune` checks the candidates it is about to time there, so that an
@@ -130,10 +137,11 @@ _RESIDENT: dict = {}
 
 
 @contextlib.contextmanager
-def recorded_launches(target: Target):
+def recorded_launches(target: Target, fit: int | None = None):
     """Launches are recorded instead of run; the device the launchers size persistent grids for is
     the target (its SM count, and programs per SM from the kernel compiled for it: registers and
-    shared memory against its limits, by the library's own rule)."""
+    shared memory against its limits, by the library's own rule). `fit`: programs the target holds
+    of every kernel, assumed instead of compiled (only the grids depend on it, never a variant)."""
     from triton.runtime.jit import KernelInterface
 
     from normswap.kernels import _common as C
@@ -149,6 +157,8 @@ def recorded_launches(target: Target):
         return launch
 
     def resident(kernel, args, kwargs, device):
+        if fit is not None:
+            return fit
         launch = Launch(kernel, (1,), tuple(args), dict(kwargs))
         key = _variant_key(launch, target)
         if key not in _RESIDENT:
@@ -177,10 +187,106 @@ def _variant_key(launch: Launch, target: Target):
             tuple(_arg_type(a) for a in launch.args))
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How a caller reaches the kernels beyond (op, pass, dtype, shape, weight, bias, residual): the
+    casting family, the parameters' dtype and layout, the residual stream's dtype, the output dtype,
+    and which gradients the backward is asked for. A case planned with one runs the library's own
+    forward launcher, then for "bwd" its own autograd wiring (the op's setup_context and backward
+    formula: what it saves, which dtype dy and dh arrive in, which grads it skips), so the backward
+    launched is the one autograd would launch after that forward. Dtypes are RUN_DTYPES names; None
+    means x's dtype (out_dtype None: the op's own choice)."""
+
+    casting: str = "llama"
+    offset: float = 0.0
+    param_dtype: str | None = None
+    heads: int = 0  # > 0: per-head (heads, N) parameters (PER_ROW_W), x's rows cycling over heads
+    residual_dtype: str | None = None
+    residual_in_fp32: bool = False
+    out_dtype: str | None = None
+    grad_params: bool = True  # False: frozen weight and bias (no dW / dB partial sums)
+    grad_h: bool = True  # False: h = x + residual is not used downstream (no dh reaches the backward)
+
+    def label(self) -> str:
+        parts = [self.casting]
+        if self.param_dtype:
+            parts.append(f"p={self.param_dtype}")
+        if self.heads:
+            parts.append(f"heads={self.heads}")
+        if self.residual_dtype:
+            parts.append(f"r={self.residual_dtype}")
+        if self.residual_in_fp32:
+            parts.append("h=fp32")
+        if self.out_dtype:
+            parts.append(f"out={self.out_dtype}")
+        if not self.grad_params:
+            parts.append("frozen")
+        if not self.grad_h:
+            parts.append("no-dh")
+        return ",".join(parts)
+
+
+class _Ctx:
+    """Stands in for autograd's ctx when an op's setup_context and backward formula are run."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+def _plan_variant(op, pass_, x, weight, bias, residual, v: Variant, seen: list) -> None:
+    """The launches of one case with a Variant: the forward launcher, then (pass "bwd", forward
+    launches dropped) the op's autograd formula with its backward op run as the launcher."""
+    import torch
+
+    from normswap.dtypes import DTYPES
+    from normswap.kernels import layer_norm as L
+    from normswap.kernels import rms_norm as R
+
+    m, n = x.shape
+    pdt = DTYPES[v.param_dtype] if v.param_dtype else x.dtype
+    shape = (v.heads, n) if v.heads else (n,)
+    w = torch.empty(shape, device="meta", dtype=pdt) if weight else None
+    b = torch.empty(shape, device="meta", dtype=pdt) if bias else None
+    r = torch.empty(m, n, device="meta", dtype=DTYPES[v.residual_dtype] if v.residual_dtype else x.dtype) \
+        if residual else None
+    out = DTYPES[v.out_dtype] if v.out_dtype else None
+    if op == "rms_norm":
+        mod, bwd_op = R, "rms_norm_bwd"
+        inputs = (x, w, r, 1e-6, v.offset, v.casting, out, v.residual_in_fp32)
+        outputs = R._rms_forward(*inputs)
+        grads = (True, v.grad_params, True, False, False, False, False, False)
+    else:
+        mod, bwd_op = L, "layer_norm_bwd"
+        inputs = (x, w, b, r, 1e-5, v.offset, out, v.residual_in_fp32)
+        outputs = L._ln_forward(*inputs)
+        grads = (True, v.grad_params, v.grad_params, True, False, False, False, False)
+    if pass_ == "fwd":
+        return
+    seen.clear()
+    ctx = _Ctx(grads)
+    mod._setup_context(ctx, inputs, outputs)
+    dy = torch.empty_like(outputs[0])
+    dh = torch.empty_like(outputs[1]) if residual and v.grad_h else None
+    op_def = getattr(mod, bwd_op)
+    setattr(mod, bwd_op, op_def._init_fn)  # the op's own implementation: the launcher, launches recorded
+    try:
+        mod._backward(ctx, dy, dh, *(None,) * (len(outputs) - 2))
+    finally:
+        setattr(mod, bwd_op, op_def)
+
+
 def plan(op: str, pass_: str, dtype: str, m: int, n: int, weight: bool, bias: bool, residual: bool,
-         target: Target | None = None) -> list[Launch]:
+         target: Target | None = None, variant: Variant | None = None, fit: int | None = None) -> list[Launch]:
     """The kernel launches the library makes for one case (forward, or the backward alone) on the
-    target (default: an H100)."""
+    target (default: an H100). Without a `variant`: llama casting, parameters of x's dtype, and the
+    backward launcher called with every grad (dh and a separate residual grad included); with one:
+    see Variant. `fit`: as recorded_launches takes it."""
     import torch
 
     from normswap.dtypes import DTYPES
@@ -190,11 +296,15 @@ def plan(op: str, pass_: str, dtype: str, m: int, n: int, weight: bool, bias: bo
     dt = DTYPES[dtype]
     meta = dict(device="meta", dtype=dt)
     x = torch.empty(m, n, **meta)
+    if variant is not None:
+        with recorded_launches(target or h100(), fit) as seen:
+            _plan_variant(op, pass_, x, weight, bias, residual, variant, seen)
+        return seen
     w = torch.empty(n, **meta) if weight else None
     b = torch.empty(n, **meta) if bias else None
     r = torch.empty(m, n, **meta) if residual else None
     stat = dict(device="meta", dtype=torch.float32)
-    with recorded_launches(target or h100()) as seen:
+    with recorded_launches(target or h100(), fit) as seen:
         if op == "rms_norm" and pass_ == "fwd":
             R._rms_forward(x, w, r, 1e-6, 0.0, "llama", None, False)
         elif op == "rms_norm":
@@ -426,6 +536,228 @@ def problems(case: dict, res: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def regimes(op: str, pass_: str, dtype: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(row layout, row bucket) -> (rows, hidden) that the launcher lays out that way on the plan's
+    target: "rows" (several rows per program), "row" (one whole row), "split" (a row over several
+    programs), for every row bucket (few/many rows: other tiles), each at the first hidden size of
+    the benchmark grid that gives it, and "ragged" (the first, one column short: a hidden size that
+    is no multiple of 16, so no 16-byte divisibility on N and the strides). Read from the launch
+    table and heuristics the launcher itself reads (_common.launch_config), never a copy."""
+    import torch
+
+    from normswap.dtypes import DTYPES
+    from normswap.kernels import _common as C
+    from normswap.kernels import launch_table as T
+    from normswap.kernels import layer_norm as L
+    from normswap.kernels import rms_norm as R
+    from normswap.kernels.timing import HIDDEN
+
+    kernel = {("rms_norm", "fwd"): R._rms_fwd_kernel, ("rms_norm", "bwd"): R._rms_bwd_kernel,
+              ("layer_norm", "fwd"): L._ln_fwd_kernel, ("layer_norm", "bwd"): L._ln_bwd_kernel}[(op, pass_)]
+    out = {}
+    for label in T.bucket_labels(C.ROW_BUCKETS):
+        m = bucket_rows(label)
+        for n in HIDDEN:
+            tile = C.launch_config(m, n, DTYPES[dtype], pass_, kernel, torch.device("meta"))
+            layout = "split" if tile.chunks > 1 else "rows" if tile.block_m > 1 else "row"
+            out.setdefault((layout, label), (m, n))
+        first = min(n for (_, lab), (_, n) in out.items() if lab == label)
+        out[("ragged", label)] = (m, first - 1)
+    return out
+
+
+# What the enumeration covers ("library": every launch a patched model makes; "api": also what only
+# the functional API reaches): see variant_cases.
+SCOPES = ("library", "api")
+# Per-head parameters: heads of a (heads, N) weight (Cohere's q/k LayerNorm); one count that is a
+# multiple of 16 and one that is not (the JIT specialises integer arguments on 16-divisibility).
+HEADS = (8, 16)
+# The row layouts the functional API's own options are crossed with: one per code path of the
+# kernels (CHUNKS == 1, CHUNKS > 1); the tile shapes themselves are the library scope's.
+API_LAYOUTS = ("rows", "split")
+
+
+def variant_cases(scope: str = "library", ops=None, passes=None, dtypes=None, layouts=None) -> list[dict]:
+    """Every case (a dict of `cases`, with its Variant under "variant" and its row layout under
+    "layout") whose launches make up the kernel variants a GPU run can compile, from the library's
+    own tables: the ops and passes of the launch table, the run dtypes, the casting families
+    (specs.CASTINGS), parameters absent / per-column / per-head in every run dtype, residual absent
+    or present, frozen or trained parameters, dh present or absent, over every row layout
+    (`regimes`). scope "library": the residual in x's dtype, no out_dtype, h in the stream's dtype
+    (what normswap.fuse and the patched modules call); "api": also every residual dtype,
+    residual_in_fp32 and out_dtype the functional API accepts (in API_LAYOUTS). Distinct cases may share launches:
+    `sweep` compiles each kernel variant once (_variant_key)."""
+    import itertools
+
+    from normswap.dtypes import RUN_DTYPES
+    from normswap.kernels import _common as C
+    from normswap.kernels import launch_table as T
+    from normswap.specs import CASTINGS
+
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}")
+    out = []
+    for op in ops or T.OPS:
+        forms = ((False, False), (True, False)) if op == "rms_norm" else tuple(itertools.product((False, True),
+                                                                                                  repeat=2))
+        for pass_ in passes or T.PASSES:
+            for dtype in dtypes or RUN_DTYPES:
+                for (layout, label), (m, n) in regimes(op, pass_, dtype).items():
+                    if layouts and layout not in layouts:
+                        continue
+                    case = {"op": op, "pass": pass_, "dtype": dtype, "M": m, "N": n, "layout": layout,
+                            "rows_bucket": label}
+                    for (weight, bias), residual in itertools.product(forms, (False, True)):
+                        params = weight or bias
+                        castings = CASTINGS if op == "rms_norm" and weight else ("none",)
+                        grads = list(itertools.product((True, False) if pass_ == "bwd" and params else (True,),
+                                                       (True, False) if pass_ == "bwd" and residual else (True,)))
+                        form = dict(case, weight=weight, bias=bias, residual=residual)
+                        for casting, pdt, heads, (gp, gh) in itertools.product(
+                                castings, RUN_DTYPES if params else (None,), (0, *HEADS) if params else (0,), grads):
+                            out.append(dict(form, variant=Variant(casting=casting, param_dtype=pdt, heads=heads,
+                                                                  grad_params=gp, grad_h=gh)))
+                        if scope != "api" or label != T.bucket_labels(C.ROW_BUCKETS)[-1] or layout not in API_LAYOUTS:
+                            continue
+                        # What only the functional API reaches, in the many-rows layouts: every
+                        # residual dtype, h kept in fp32, every out_dtype, with parameters of x's
+                        # dtype per column (their own dimensions are the library's, above). With
+                        # those parameters the families differ only in whether h * rstd is rounded
+                        # to x's dtype before the weight (llama) or not (none).
+                        for casting, rdt, rif, odt, (gp, gh) in itertools.product(
+                                [c for c in castings if c in ("llama", "none")], RUN_DTYPES if residual else (None,), (False, True) if residual else (False,),
+                                (None, *RUN_DTYPES), grads):
+                            if (rdt in (None, dtype)) and not rif and odt is None:
+                                continue  # the library's own case
+                            out.append(dict(form, variant=Variant(casting=casting, residual_dtype=rdt,
+                                                                  residual_in_fp32=rif, out_dtype=odt,
+                                                                  grad_params=gp, grad_h=gh)))
+    return out
+
+
+def signature(launch: Launch) -> dict:
+    """A launch's kernel variant in words: its constexprs and launch options, and the type (with
+    ":16" where it is 16-divisible) of each runtime argument, by parameter name."""
+    consts = dict(launch.kwargs)
+    params = [p for p in launch.kernel.params if p.name not in consts]
+    types = {}
+    for param, v in zip(params, launch.args, strict=True):
+        ty, div16 = _arg_type(v)
+        special = div16 and ty[0] != "*" and not (param.do_not_specialize or param.do_not_specialize_on_alignment)
+        types[param.name] = ty + (":16" if special else "")
+    return {"kernel": launch.kernel.__name__, "constexprs": consts, "args": types}
+
+
+def sweep(case_list, workdir: Path, target: Target | None = None, on_case=None) -> list[dict]:
+    """Compile every distinct kernel variant (_variant_key) the cases launch, once, for the target
+    (default: an H100) and read ptxas' registers and spills: one row per variant, with the first case
+    that launched it and how many cases did, and its error where planning or compiling failed (a
+    case whose planning failed is a row of its own: the split-row launchers compile while they plan).
+    on_case(i, total, case, rows so far) after each case."""
+    import time
+
+    target = target or h100()
+    rows: dict = {}
+    out: list[dict] = []
+
+    def where(case):
+        return {k: (v.label() if isinstance(v, Variant) else v) for k, v in case.items()}
+
+    for i, case in enumerate(case_list, 1):
+        try:
+            launches = plan(case["op"], case["pass"], case["dtype"], case["M"], case["N"], case["weight"],
+                            case["bias"], case["residual"], target, case.get("variant"))
+        except Exception as e:  # noqa: BLE001 - a failure to plan is a finding, reported with its case
+            out.append({"case": where(case), "kernel": None, "error": f"planning failed: {type(e).__name__}: {e}"})
+            launches = []
+        for launch in launches:
+            key = _variant_key(launch, target)
+            if key in rows:
+                rows[key]["cases"] += 1
+                continue
+            row = {"case": where(case), **signature(launch), "cases": 1, "error": None}
+            t0 = time.perf_counter()
+            try:
+                k = compile_launch(launch, target)
+                rep = ptxas_report(k.asm["ptx"], workdir, target)
+                row.update(regs=rep["regs"], spill_bytes=rep["spill_st"] + rep["spill_ld"], stack=rep["stack"])
+            except Exception as e:  # noqa: BLE001 - any compiler error is the finding
+                row["error"] = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
+            row["seconds"] = round(time.perf_counter() - t0, 3)
+            rows[key] = row
+            out.append(row)
+        if on_case:
+            on_case(i, len(case_list), case, out)
+    return out
+
+
+# Constexprs that only size the tile: a variant class is its code path (the other constexprs, the
+# argument types, the row layout), whatever tile the layout gets.
+TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "CHUNKS", "CHUNKS_P2", "num_warps", "num_stages", "NUM_STAGES")
+
+
+def layout(launch: Launch) -> str:
+    """A launch's row layout: "split" (a row over several programs), "rows" (several rows per
+    program) or "row" (one whole row)."""
+    kw = launch.kwargs
+    return "split" if kw.get("CHUNKS", 1) > 1 else "rows" if kw.get("BLOCK_M", 1) > 1 else "row"
+
+
+def variant_classes(launch: Launch) -> set:
+    """The variant classes one launch belongs to: each of its kernel's constexpr values (tile sizes
+    aside) and argument types (with their 16-divisibility), each alone and in its row layout (a
+    code path can compile in one layout and not in another: the split-row loop is its own), and
+    each tensor's dtype with the rows' dtype."""
+    sig = signature(launch)
+    k = sig["kernel"]
+    where = layout(launch)
+    singles = {(k, name, str(v)) for name, v in sig["constexprs"].items() if name not in TILE_CONSTEXPRS}
+    singles |= {(k, name, ty) for name, ty in sig["args"].items()}
+    # Each tensor's dtype against the rows' own (x forward, the saved input backward): the
+    # conversions between them are code of their own (h kept in fp32 on a bf16 stream, dy in fp32
+    # for bf16 rows, an fp32 weight on fp16 rows).
+    rows = sig["args"]["X" if "X" in sig["args"] else "Z"]
+    pairs = {(k, "rows " + rows, name, ty) for name, ty in sig["args"].items() if ty.startswith("*")}
+    return {(k, "layout", where)} | singles | {(where, *f) for f in singles} | pairs
+
+
+def representatives(case_list, covered=(), target: Target | None = None) -> tuple[list[dict], set]:
+    """A few cases of case_list whose launches together belong to every variant class
+    (variant_classes) that the launches of case_list do, less those the `covered` cases' launches
+    already compile: picked greedily (most new classes first, ties to the earlier case), planned
+    without compiling (`fit`). Returns (the cases, every class of case_list)."""
+    target = target or h100()
+
+    def classes(case):
+        launches = plan(case["op"], case["pass"], case["dtype"], case["M"], case["N"], case["weight"], case["bias"],
+                        case["residual"], target, case.get("variant"), fit=target.sms)
+        return set().union(*(variant_classes(launch) for launch in launches))
+
+    firsts: dict = {}  # class set -> the first case with it
+    for case in case_list:
+        firsts.setdefault(frozenset(classes(case)), case)
+    every = set().union(*firsts)
+    have = set().union(*(classes(c) for c in covered)) if covered else set()
+    todo = list(firsts.items())
+    picked = []
+    while True:
+        todo = [(cl - have, case) for cl, case in todo if cl - have]
+        if not todo:
+            return picked, every
+        best = max(todo, key=lambda t: len(t[0]))  # the first of the largest
+        picked.append(best[1])
+        have |= best[0]
+
+
+def sweep_problems(row: dict) -> list[str]:
+    """What fails a variant of the sweep: it could not be planned or compiled, or it spills."""
+    if row["error"]:
+        return [row["error"]]
+    if row["spill_bytes"]:
+        return [f"spills {row['spill_bytes']} bytes"]
+    return []
 
 
 def cases(hidden, dtypes, variants, passes, rows):
