@@ -13,8 +13,7 @@ import torch
 
 from normswap.kernels import _common as C
 from normswap.kernels import launch_table as T
-
-RMS = type("K", (), {"__module__": "normswap.kernels.rms_norm"})()
+from tests.fake_device import RMS, cuda_devices
 
 
 @pytest.fixture(scope="module")
@@ -369,10 +368,8 @@ def _fake_gpu(monkeypatch, tune, name=FAKE, static_targets=None):
 
 def _on(monkeypatch, name):
     """launch_config's view of cuda:0 as an sm_90 device called `name` (no CUDA here)."""
-    monkeypatch.setattr(C, "_cuda_arch", lambda index: "sm_90")
-    monkeypatch.setattr(C, "_cuda_name", lambda index: name)
-    C._gpu_launch_config.cache_clear()  # a real device index keeps its name for the whole process
-    return lambda m: C.tile_fields(C.launch_config(m, 5000, torch.bfloat16, "fwd", RMS, torch.device("cuda", 0)))
+    cuda = cuda_devices(monkeypatch, "sm_90", name)
+    return lambda m: C.tile_fields(C.launch_config(m, 5000, torch.bfloat16, "fwd", RMS, cuda))
 
 
 @pytest.fixture

@@ -649,7 +649,8 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     log = log or (lambda s: None)
     t = here["target"]
     log(f"{meta['device']} ({meta['arch']}): {len(keys)} keys; tuning into {out}; static check compiled for "
-        f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory, {t.blocks} programs at most each)")
+        f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory, "
+        f"{t.blocks} programs at most each)")
     with _timing_lock(here), _gpu_work(here["l2"], t) as work:
         done = tune_keys(keys, doc, meta, out, report_path, retune=retune, deadline=t0 + budget,
                          same_device_only=same_device_only, log=log, **work)
