@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from normswap.kernels import _common
+
 # (forward, backward) tolerance on max|got - ref| / max|ref|, per dtype.
 TOL = {
     torch.float32: (2e-6, 2e-5),
@@ -60,21 +62,8 @@ def grads(outputs, upstream, inputs):
     return [None if t is None else next(got) for t in inputs]
 
 
-# Where the Triton kernels run: what the kernel test modules start with. Imported when called, so
-# that the modules needing only the tolerances above do not import triton.
-def needs_triton():
-    """The pytestmark of a module whose tests run the Triton kernels: skipped where they cannot run."""
-    from normswap.kernels import _common
-    from normswap.kernels.rms_norm import _rms_fwd_kernel
-
-    return pytest.mark.skipif(_common.triton_unavailable_reason(_rms_fwd_kernel) is not None,
-                              reason="triton kernels cannot run here (no CUDA, no TRITON_INTERPRET=1)")
-
-
-def kernel_device() -> str:
-    """The device of the kernels' tensors: "cpu" on the interpreter (TRITON_INTERPRET=1, decided for
-    every kernel when triton is imported), else "cuda"."""
-    from normswap.kernels import _common
-    from normswap.kernels.rms_norm import _rms_fwd_kernel
-
-    return "cpu" if _common.interpreting(_rms_fwd_kernel) else "cuda"
+def needs_triton(kernel):
+    """The skip mark of a kernel test file, saying why Triton kernels cannot run here (no CUDA and
+    no TRITON_INTERPRET, or an interpreter that cannot run them), never skipping where they can."""
+    why = _common.triton_unavailable_reason(kernel)
+    return pytest.mark.skipif(why is not None, reason=f"triton kernels cannot run here: {why}")

@@ -66,6 +66,35 @@ def test_triton_reason_without_interpreter():
     assert kind == "NormswapError"
 
 
+def test_an_interpreter_that_cannot_run_the_kernels_is_one_reason_not_a_traceback_per_launch(monkeypatch):
+    """Triton <= 3.6's interpreter with numpy >= 2.4 fails on the persistent kernels' loop bounds
+    (int() of a 1-element array). The triton backend then says so, once, as its reason."""
+    from normswap.kernels import _common
+    from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+    if not _common.interpreting(_rms_fwd_kernel):
+        pytest.skip("the probe runs only where the kernels are interpreted")
+    assert _common.triton_unavailable_reason(_rms_fwd_kernel) is None  # this interpreter runs them
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args):
+                raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+            return launch
+
+    monkeypatch.setattr(_common, "_strided_loop_probe", Broken())
+    _common._interpreter_problem.cache_clear()
+    try:
+        why = _common.triton_unavailable_reason(_rms_fwd_kernel)
+        assert why is not None and "cannot run normswap's kernels" in why and "triton >= 3.7" in why
+        assert available_backends()["triton"] == why
+        with pytest.raises(NormswapError, match="backend 'triton' is not available here") as err:
+            get_backend("triton")
+        assert "\n" not in str(err.value)
+    finally:
+        _common._interpreter_problem.cache_clear()
+
+
 def test_kernels_and_backends_never_import_transformers():
     # Liger and quack are blocked: what they import is theirs (Liger imports peft, which imports
     # transformers), and the test must not depend on whether they are installed.
