@@ -42,9 +42,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# This checkout's normswap, also where another copy is installed (a second clone, a worktree): a
+# script measures the kernels of the tree it is in.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The static check itself lives in the library (the tuner needs it); it imports no triton at
 # module level, so the interpreter can still be turned off below, before anything compiles.

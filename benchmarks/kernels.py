@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# This checkout's normswap, also where another copy is installed (a second clone, a worktree): a
+# script measures the kernels of the tree it is in.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from normswap.dtypes import DTYPES, RUN_DTYPES  # noqa: E402
 from normswap.fileio import write_text_atomic  # noqa: E402
 
 # The case, the timer and the grid are the library's (the launch tuner times with them too).
@@ -58,7 +59,6 @@ from normswap.kernels.timing import (  # noqa: E402
     time_us,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 RESULTS = Path(__file__).resolve().parent / "results"
 # Backends whose kernels only take CUDA tensors: never part of a CPU dry run.
 CUDA_ONLY = ("liger", "quack")
@@ -189,6 +189,14 @@ def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The short names only (RUN_DTYPES): rows are keyed by the name as given, and merge with the
+    # rows of earlier runs by it.
+    unknown = [d for d in csv(args.dtypes) if d not in RUN_DTYPES]
+    if unknown:
+        print(f"benchmarks/kernels.py: unknown dtype {unknown[0]!r}; choose from {', '.join(RUN_DTYPES)}",
+              file=sys.stderr)
+        return 2
+    dtypes = {d: DTYPES[d] for d in csv(args.dtypes)}
     if args.dry_run:
         device = "cpu"
         args.rows = args.rows or "4,8"
@@ -232,11 +240,6 @@ def main(argv=None) -> int:
         # previous shapes would time a generic kernel, and a static recompile per shape would run
         # into dynamo's recompile limit.
         dynamo.config.automatic_dynamic_shapes = False
-    try:
-        dtypes = {d: DTYPES[d] for d in csv(args.dtypes)}
-    except KeyError as e:
-        print(f"benchmarks/kernels.py: unknown dtype {e}; choose from {', '.join(DTYPES)}", file=sys.stderr)
-        return 2
 
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu-dry-run"
     timing = args.timing if device == "cuda" else "host"

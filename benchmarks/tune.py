@@ -18,9 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# This checkout's normswap, also where another copy is installed (a second clone, a worktree): a
+# script measures the kernels of the tree it is in.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):

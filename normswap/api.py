@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from normswap.bench import BenchResult
 from normswap.errors import NormswapError
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
+from normswap.fileio import unwritable
 from normswap.progress import ProgressFn, step
 from normswap.swap import PatchReport, VerificationError
 
@@ -241,7 +241,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
-        _check_writable(target)
+        _check_writable(target, folder=True)
     scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
 
     step(progress, "load", 0, 1)
@@ -287,16 +287,11 @@ def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
                             f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
 
 
-def _check_writable(target: Path) -> None:
-    """Fail before the (long) load when the destination's directory cannot take a new entry."""
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    try:
-        probe = tempfile.mkdtemp(prefix=f".{target.name}.normswap-probe-", dir=parent)
-        os.rmdir(probe)
-    except OSError as e:
-        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+def _check_writable(target: Path, folder: bool) -> None:
+    """Fail before the (long) load or measurement when the destination cannot be written."""
+    why = unwritable(target, folder=folder)
+    if why:
+        raise NormswapError(f"cannot write to {target}: {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +373,7 @@ def bench_checkpoint(
 
     config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
-    _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json")
+    _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     result = run_bench(config, progress=progress)
     saved = write_result(result, out if out is not None else default_output(result, results_dir))
     return CheckpointBench(result, saved)

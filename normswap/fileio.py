@@ -1,6 +1,7 @@
 """Writing a file so that no reader, and no other writer, ever sees it half-written: the one
-atomic text write every results file, manifest and launch table goes through, and the umask that
-files made through temporary names are given back."""
+atomic text write every results file, manifest and launch table goes through, the umask that
+files made through temporary names are given back, and the one check, made before any long work,
+that a destination can be written at all."""
 
 from __future__ import annotations
 
@@ -37,3 +38,30 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
+    """Why `path` (a file, or with folder=True a directory) cannot be written, None when it can;
+    asked before minutes of work whose result would otherwise be lost. A file must not have a
+    folder in its place, nor be one this user may not write (a read-only file is one not to
+    replace). Where it goes (its folder, or the nearest one that exists: missing ones are made on
+    the write) must be a folder that takes a new entry, which is probed by making and removing a
+    directory there: permission bits would pass root on a mount that refuses every write (/proc, a
+    read-only filesystem). Writes go through a temporary entry beside the path, renamed into place
+    (write_text_atomic, checkpoint.staged_dir), so that folder is what they need."""
+    path = Path(path)
+    if not folder:
+        if path.is_dir():
+            return "it is a folder"
+        if path.exists() and not os.access(path, os.W_OK):
+            return "it is not writable"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.normswap-probe-", dir=parent))
+    except OSError as e:
+        return f"{parent} is not writable ({e.strerror or e})"
+    return None

@@ -14,9 +14,13 @@ Recognition never needs a line per model. A module is classified in three steps,
 eps, weight and bias are found generically (attribute names that families use), and the probe
 checks that what was found is what the forward really uses.
 
-Classes that look like norms but are outside what a NormSpec can express (gated norms, norms
-conditioned on a second input, batch/group norms, blocks that merely contain norms) are listed in
-UNSUPPORTED with the reason; the registry sweep test keeps that list complete.
+A norm has one input. A class whose forward takes anything besides it (a gate, a conditioning
+input, an attention mask) is refused from its signature alone, whatever its name: called without
+the extra input such a class often computes a plain norm, so the probe would accept it, and the
+swapped module would then compute the wrong thing (or fail) where the model passes it. Other
+classes that look like norms but are outside what a NormSpec can express (batch/group norms,
+blocks that merely contain norms, arithmetic no family reproduces) are listed in UNSUPPORTED with
+the reason; the registry sweep test keeps that list complete.
 """
 
 from __future__ import annotations
@@ -59,19 +63,9 @@ _TORCH_OTHER_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResp
 # Norm-like classes normswap deliberately does not handle, with the reason. Keyed by class name
 # (transformers class names are unique across models). The registry sweep test fails when a new
 # norm-like class in transformers is neither recognised nor listed here.
-_GATED = "gated: multiplies by a second input (a gate) that a NormSpec cannot express"
 _CHANNELS_FIRST = "normalizes over dim 1 of channels-first maps, not over the last dimension"
 _BLOCK = "a block that holds norms among other modules, not a norm; its norms are found on their own"
-_CONDITIONED = "adaptive: its scale and shift come from a conditioning input"
 UNSUPPORTED: dict[str, str] = {
-    # gated RMS norms (Mamba-2 style and linear-attention output norms)
-    **dict.fromkeys((
-        "BailingHybridRMSNormGated", "BambaRMSNormGated", "FalconH1RMSNormGated",
-        "Glm5NextTextRMSNormGated", "GraniteMoeHybridRMSNormGated", "KimiLinearRMSNormGated",
-        "MambaRMSNormGated", "NemotronHRMSNormGated", "OlmoHybridRMSNormGated",
-        "Qwen3NextRMSNormGated", "Qwen3_5MoeRMSNormGated", "Qwen3_5RMSNormGated",
-        "Qwen4ExpTextRMSNormGated", "Zamba2RMSNormGated",
-    ), _GATED),
     "AXK2GatedRMSNorm": "an RMSNorm followed by a learned sigmoid gate (an MLP on its output); "
                         "its inner RMSNorm is found on its own",
     # channels-first (convolutional) layer norms
@@ -88,11 +82,7 @@ UNSUPPORTED: dict[str, str] = {
     ), _BLOCK),
     "MoonshineStreamingLayerNorm": "a parameter-free nn.LayerNorm followed by a (unit_offset + gamma) gain "
                                    "kept outside it; the inner LayerNorm is found on its own",
-    # conditioned norms
-    **dict.fromkeys((
-        "Qwen2_5_OmniAdaLayerNormZero", "Qwen2_5_OmniAdaLayerNormZero_Final", "EsmFold2AdaptiveLayerNorm",
-        "VoxtralRealtimeTextAdaRmsNorm", "VibeVoiceDiffusionHeadAdaLayerNorm", "Emu3VQVAESpatialNorm",
-    ), _CONDITIONED),
+    "VoxtralRealtimeTextAdaRmsNorm": "a small MLP computing the scale another norm applies, not a norm",
     # arithmetic no (kind, casting, offset) triple reproduces
     "DebertaLayerNorm": "rounds the normalized value to the input dtype before the affine (a casting "
                         "LayerNorm references do not have)",
@@ -107,7 +97,6 @@ UNSUPPORTED: dict[str, str] = {
     "ChameleonLayerNorm": "per-head gains over (heads, head_dim) applied in the input dtype after a "
                           "parameter-free LayerNorm with a hard-coded eps",
     "xLSTMMultiHeadLayerNorm": "a per-head norm over (batch, seq, heads, head_dim) inputs that flattens its output",
-    "ZayaQKNorm": "L2-normalizes queries and keys together (two inputs) with a learned per-head temperature",
     "NoNorm": "not a normalization: an elementwise affine map (MobileBERT)",
 }
 
@@ -181,6 +170,10 @@ def recognise(module: nn.Module) -> Recognition:
         return _from_torch_class(module)
     if next(iter(module.children()), None) is not None:
         return Recognition(None, "contains submodules (a block, not a norm)")
+    extra = _other_inputs(type(module))
+    if extra:
+        return Recognition(None, f"its forward takes {', '.join(extra)} besides the input (a gated or "
+                                 "conditioned norm): a norm has one input")
     parts = _find_parts(module)
     if isinstance(parts, str):
         return Recognition(None, parts)
@@ -193,6 +186,19 @@ def recognise(module: nn.Module) -> Recognition:
     if family is None:
         return Recognition(None, method)
     return Recognition(_make_spec(module, parts, family, eps), None, method, exact)
+
+
+def _other_inputs(cls: type) -> list[str]:
+    """What the class's forward takes besides its one input: parameter names, `*args`/`**kwargs`
+    spelled so."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):  # a forward inspect cannot read: judged by the probe alone
+        return []
+    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    if params and params[0].kind not in star:
+        params = params[1:]  # the input
+    return [star.get(p.kind, "") + p.name for p in params]
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ to x.dtype, then the product rounded again) and nothing more.
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from normswap.kernels import _common
 
 # (forward, backward) tolerance on max|got - ref| / max|ref|, per dtype.
 TOL = {
@@ -57,3 +60,10 @@ def grads(outputs, upstream, inputs):
     loss = sum((o.double() * g.double()).sum() for o, g in zip(outputs, upstream, strict=True))
     got = iter(torch.autograd.grad(loss, live))
     return [None if t is None else next(got) for t in inputs]
+
+
+def needs_triton(kernel):
+    """The skip mark of a kernel test file, saying why Triton kernels cannot run here (no CUDA and
+    no TRITON_INTERPRET, or an interpreter that cannot run them), never skipping where they can."""
+    why = _common.triton_unavailable_reason(kernel)
+    return pytest.mark.skipif(why is not None, reason=f"triton kernels cannot run here: {why}")

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from benchmark_scripts import load_script
 
 from normswap.backends import CASTING_SUPPORT, LAYER_NORM_SUPPORT, available_backends, get_backend
 from normswap.errors import NormswapError
@@ -64,6 +65,35 @@ def test_triton_reason_without_interpreter():
     reason, kind = out.stdout.strip().splitlines()
     assert reason.startswith("no CUDA device, and TRITON_INTERPRET=1 was not set before triton was imported")
     assert kind == "NormswapError"
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_one_reason_not_a_traceback_per_launch(monkeypatch):
+    """Triton <= 3.6's interpreter with numpy >= 2.4 fails on the persistent kernels' loop bounds
+    (int() of a 1-element array). The triton backend then says so, once, as its reason."""
+    from normswap.kernels import _common
+    from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+    if not _common.interpreting(_rms_fwd_kernel):
+        pytest.skip("the probe runs only where the kernels are interpreted")
+    assert _common.triton_unavailable_reason(_rms_fwd_kernel) is None  # this interpreter runs them
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args):
+                raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+            return launch
+
+    monkeypatch.setattr(_common, "_strided_loop_probe", Broken())
+    _common._interpreter_problem.cache_clear()
+    try:
+        why = _common.triton_unavailable_reason(_rms_fwd_kernel)
+        assert why is not None and "cannot run normswap's kernels" in why and "triton >= 3.7" in why
+        assert available_backends()["triton"] == why
+        with pytest.raises(NormswapError, match="backend 'triton' is not available here") as err:
+            get_backend("triton")
+        assert "\n" not in str(err.value)
+    finally:
+        _common._interpreter_problem.cache_clear()
 
 
 def test_kernels_and_backends_never_import_transformers():
@@ -206,23 +236,23 @@ def test_compile_backend():
     run_ln_case(be, torch.float32, 0.0, True, True, residual=False)
 
 
-def _load_benchmark():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("normswap_bench_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_benchmark_without_cuda_is_one_clear_line(capsys):
-    assert _load_benchmark().main([]) == 2
+    assert load_script("kernels").main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["benchmarks/kernels.py: no CUDA device here; it measures GPU bandwidth "
                    "(use --dry-run for a CPU plumbing check)"]
+
+
+def test_benchmark_takes_the_short_dtype_names_only(capsys, tmp_path):
+    """Rows are keyed by the dtype name as given: an alias ('bfloat16') would not merge with the
+    'bf16' rows of earlier runs, so it is refused like an unknown name, before anything runs."""
+    for name in ("fp64", "bfloat16"):
+        argv = ["--dry-run", "--dtypes", f"bf16,{name}", "--out", str(tmp_path / "k.json")]
+        assert load_script("kernels").main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"benchmarks/kernels.py: unknown dtype '{name}'; choose from fp32, fp16, bf16"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def _separate_kernel_bytes(r) -> int:
@@ -240,7 +270,7 @@ def test_benchmark_dry_run_writes_the_schema(tmp_path, capsys):
     import json
 
     out = tmp_path / "bench.json"
-    bench = _load_benchmark()
+    bench = load_script("kernels")
     assert bench.main(["--dry-run", "--impls", "reference,torch", "--rows", "4", "--hidden", "16",
                        "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -291,7 +321,7 @@ def test_benchmark_survives_a_backend_failing_one_shape(tmp_path, capsys, monkey
     monkeypatch.setattr(backends, "available_backends", lambda: {"reference": None})
     monkeypatch.setattr(backends, "get_backend", lambda name: backends.Backend(name, picky_rms_norm, layer_norm_ref))
     out = tmp_path / "bench.json"
-    assert _load_benchmark().main(["--dry-run", "--impls", "reference", "--dtypes", "fp32", "--rows", "4",
+    assert load_script("kernels").main(["--dry-run", "--impls", "reference", "--dtypes", "fp32", "--rows", "4",
                                    "--hidden", "16,48", "--out", str(out)]) == 0
     cap = capsys.readouterr()
     assert "reference failed on rms_norm fwd fp32 4x48: RuntimeError: Cannot launch" in cap.err

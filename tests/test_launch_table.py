@@ -16,11 +16,9 @@ import torch
 from normswap.kernels import _common
 from normswap.kernels import launch_table as T
 from normswap.kernels.rms_norm import _rms_fwd_kernel
+from tests.fake_device import LN, RMS, cuda_devices
 
 BF16, FP32 = torch.bfloat16, torch.float32
-# Stand-ins for the compiled (non-interpreted) kernels: launch_config reads only their module.
-RMS = type("RmsKernel", (), {"__module__": "normswap.kernels.rms_norm"})()
-LN = type("LnKernel", (), {"__module__": "normswap.kernels.layer_norm"})()
 MEASURED = {"device": "test fixture, not a measurement", "date": "2000-01-01", "torch": "-", "triton": "-",
             "commit": "-", "us": {"32768": 1.0}, "static": None, "runner_up": None}
 
@@ -71,9 +69,8 @@ def test_entry_answers_its_key_only(monkeypatch):
                 want = _common.launch_config(*args)
             assert _common.launch_config(*args) == want, args
         # Per device, by its capability: cuda:0 an sm_80 (no entry), cuda:1 an sm_90.
-        monkeypatch.setattr(_common, "_cuda_arch", lambda index: ("sm_80", "sm_90")[index])
-        monkeypatch.setattr(_common, "_cuda_name", lambda index: ("Fake A100", "Fake H100")[index])
-        cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+        cuda0 = cuda_devices(monkeypatch, ("sm_80", "sm_90"), ("Fake A100", "Fake H100"))
+        cuda1 = torch.device("cuda", 1)
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda0) == static_fwd
         assert _common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda1) == _common.Tile(2, 4096, 1, 8, 1)
     # Leaving the table: the heuristics again (the cache never answers with the old table).
@@ -219,15 +216,11 @@ def tables(monkeypatch, tmp_path):
     T.write(user, table(*mine), _common.ROW_BUCKETS)
     monkeypatch.setattr(T, "PATH", committed)
     monkeypatch.setenv(T.USER_ENV, str(user))
-    monkeypatch.setattr(_common, "_cuda_arch", lambda index: "sm_90")
-    name = {"now": H100}
-    monkeypatch.setattr(_common, "_cuda_name", lambda index: name["now"])
+    cuda_devices(monkeypatch, "sm_90", H100)
     T.reload()
 
     def tiles(device_name):
-        name["now"] = device_name
-        _common._gpu_launch_config.cache_clear()  # a real device index keeps its name for the process
-        cuda = torch.device("cuda", 0)
+        cuda = cuda_devices(monkeypatch, "sm_90", device_name)
         return (_common.launch_config(32768, 4096, BF16, "fwd", RMS, cuda),
                 _common.launch_config(32768, 4096, BF16, "bwd", RMS, cuda))
     yield user, tiles

@@ -135,16 +135,21 @@ def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
 
 
+def _changed_on_the_way_to_disk(monkeypatch, change) -> None:
+    """save_patched's weights are written, then change(out_dir) alters them before the reload check."""
+    real = checkpoint.write_model_files
+
+    def writing(model, out_dir, *a, **k):
+        real(model, out_dir, *a, **k)
+        change(out_dir)
+    monkeypatch.setattr(checkpoint, "write_model_files", writing)
+
+
 def test_failed_reload_check_publishes_nothing(tmp_path, monkeypatch):
     model = tiny_model("llama")
     report = patch(model, "torch", probe=SMALL)
-    real = checkpoint.write_model_files
-
-    def corrupting(model, out_dir, *a, **k):
-        real(model, out_dir, *a, **k)
-        (out_dir / "model.safetensors").write_bytes(b"not safetensors")
-
-    monkeypatch.setattr(checkpoint, "write_model_files", corrupting)
+    _changed_on_the_way_to_disk(monkeypatch,
+                                lambda out_dir: (out_dir / "model.safetensors").write_bytes(b"not safetensors"))
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("old")
@@ -160,16 +165,13 @@ def test_reload_with_different_logits_publishes_nothing(tmp_path, monkeypatch):
 
     model = tiny_model("llama")
     report = patch(model, "torch", probe=SMALL)
-    real = checkpoint.write_model_files
 
-    def tampering(model, out_dir, *a, **k):
-        real(model, out_dir, *a, **k)
+    def tampering(out_dir):
         f = out_dir / "model.safetensors"
         tensors = load_file(f)
         tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.001
         save_file(tensors, f, metadata={"format": "pt"})
-
-    monkeypatch.setattr(checkpoint, "write_model_files", tampering)
+    _changed_on_the_way_to_disk(monkeypatch, tampering)
     with pytest.raises(NormswapError, match="reloads with different logits"):
         checkpoint.save_patched(model, report, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)

@@ -181,8 +181,49 @@ def test_unrecognised_modules_get_a_reason():
     for module in (GatedRMSNorm(16), CenteredNoScaleNorm(16)):
         rec = registry.recognise(module)
         assert rec.spec is None and rec.reason, type(module).__name__
-    assert "fails" in registry.recognise(GatedRMSNorm(16)).reason
+    assert "takes gate besides the input" in registry.recognise(GatedRMSNorm(16)).reason
     assert "matches no known" in registry.recognise(CenteredNoScaleNorm(16)).reason
+
+
+class OptionallyGatedRMSNorm(nn.Module):
+    """transformers' Mamba-2 pattern under a name no list holds: without the gate it is exactly a
+    Llama RMSNorm, so the numeric probe alone accepts it."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        if gate is not None:
+            hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Ungated(OptionallyGatedRMSNorm):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states)
+
+
+class KeywordsRMSNorm(Ungated):
+    def forward(self, hidden_states, **kwargs):
+        return super().forward(hidden_states)
+
+
+def test_a_norm_with_a_second_input_is_refused_by_its_signature_whatever_its_name():
+    """Swapped for a one-input kernel, a gated norm would compute the wrong thing (or fail) where
+    the model passes the gate; called without it, it computes a plain norm, which is all the probe
+    sees. So any forward input besides the first refuses the class."""
+    assert registry.recognise(Ungated(16)).spec is not None  # the same arithmetic, one input
+    rec = registry.recognise(OptionallyGatedRMSNorm(16))
+    assert rec.spec is None and "takes gate besides the input" in rec.reason
+    rec = registry.recognise(KeywordsRMSNorm(16))
+    assert rec.spec is None and "takes **kwargs besides the input" in rec.reason
+
 
 
 def test_is_norm_like():

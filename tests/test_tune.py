@@ -13,8 +13,7 @@ import torch
 
 from normswap.kernels import _common as C
 from normswap.kernels import launch_table as T
-
-RMS = type("K", (), {"__module__": "normswap.kernels.rms_norm"})()
+from tests.fake_device import RMS, cuda_devices
 
 
 @pytest.fixture(scope="module")
@@ -369,10 +368,8 @@ def _fake_gpu(monkeypatch, tune, name=FAKE, static_targets=None):
 
 def _on(monkeypatch, name):
     """launch_config's view of cuda:0 as an sm_90 device called `name` (no CUDA here)."""
-    monkeypatch.setattr(C, "_cuda_arch", lambda index: "sm_90")
-    monkeypatch.setattr(C, "_cuda_name", lambda index: name)
-    C._gpu_launch_config.cache_clear()  # a real device index keeps its name for the whole process
-    return lambda m: C.tile_fields(C.launch_config(m, 5000, torch.bfloat16, "fwd", RMS, torch.device("cuda", 0)))
+    cuda = cuda_devices(monkeypatch, "sm_90", name)
+    return lambda m: C.tile_fields(C.launch_config(m, 5000, torch.bfloat16, "fwd", RMS, cuda))
 
 
 @pytest.fixture
@@ -512,6 +509,8 @@ def test_a_candidate_the_static_check_cannot_compile_is_rejected_not_fatal(tune,
 
 
 def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, monkeypatch, tmp_path):
+    from pathlib import Path
+
     from normswap.errors import BadInputError
 
     measured = _fake_gpu(monkeypatch, tune)
@@ -532,6 +531,9 @@ def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, m
     # Paths that cannot be written are refused up front, not after the first key's timing.
     for kwargs, says in (({"out": broken / "t.json"}, f"cannot write the launch table {broken}/t.json: {broken} is not"),
                          ({"out": tmp_path}, f"cannot write the launch table {tmp_path}: it is a folder"),
+                         # permission bits let root write here; the filesystem does not
+                         ({"out": Path("/proc/normswap-t.json")}, "cannot write the launch table /proc/normswap-t.json: "
+                                                                  "/proc is not writable"),
                          ({"out": tmp_path / "t.json", "report_path": broken / "sub" / "r.md"},
                           "cannot write the report")):
         with pytest.raises(BadInputError, match=says):

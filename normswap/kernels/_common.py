@@ -196,10 +196,36 @@ def publish_and_gather(PART, COUNT, row, chunk, M, p0, p1, NSTAT: tl.constexpr, 
     return q0, q1
 
 
+@triton.jit
+def _strided_loop_probe(OUT, N):
+    # The persistent kernels' loop: bounds that are program ids, not constants.
+    for i in tl.range(tl.program_id(0), N, tl.num_programs(0)):
+        tl.store(OUT + i, i)
+
+
+@functools.cache
+def _interpreter_problem() -> str | None:
+    """Why this triton's CPU interpreter cannot run the kernels, or None. Triton <= 3.6's
+    interpreter turns a loop bound into an int with int(1-element array), which numpy >= 2.4
+    refuses: every persistent kernel would fail at its first launch, with a traceback deep in
+    triton, instead of the backend saying once that it cannot run here."""
+    out = torch.full((4,), -1, dtype=torch.int32)
+    try:
+        _strided_loop_probe[(2,)](out, 4)
+    except Exception as e:  # noqa: BLE001 - whatever it is, it is the reason
+        import numpy
+
+        return (f"the CPU interpreter of triton {triton.__version__} cannot run normswap's kernels with "
+                f"numpy {numpy.__version__} ({type(e).__name__}: {e}); triton >= 3.7, or numpy < 2.4, runs them")
+    if out.tolist() != [0, 1, 2, 3]:
+        return f"the CPU interpreter of triton {triton.__version__} ran a strided loop wrongly: {out.tolist()}"
+    return None
+
+
 def triton_unavailable_reason(kernel) -> str | None:
     """None when Triton kernels run in this process, else the reason they do not."""
     if interpreting(kernel):
-        return None
+        return _interpreter_problem()
     if torch.cuda.is_available():
         return None
     return (

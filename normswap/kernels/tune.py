@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
-from normswap.fileio import write_text_atomic
+from normswap.fileio import unwritable, write_text_atomic
 from normswap.kernels import launch_table as T
 
 # A candidate replaces the baseline only when faster by more than this (geometric mean over the
@@ -477,23 +477,6 @@ def _split(value, what: str, allowed=None, cast=str) -> list:
     return list(dict.fromkeys(out))
 
 
-def _unwritable(path: Path) -> str | None:
-    """Why `path` cannot be written (None when it can): a folder in its place, or no writable folder
-    to create it in (the table's lock and temporary files go beside it)."""
-    if path.is_dir():
-        return "it is a folder"
-    if path.exists() and not os.access(path, os.W_OK):
-        return "it is not writable"
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        return f"{folder} is not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{folder} is not writable"
-    return None
-
-
 def _environment_problem() -> str | None:
     """Why this process cannot tune (None when it can): a CUDA device to time on, compiled (not
     interpreted) kernels, and the ptxas / nvdisasm the static check runs."""
@@ -644,7 +627,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     out = Path(out)
     report_path = Path(report_path) if report_path else out.with_suffix(".md")
     for path, what in ((out, "launch table"), (report_path, "report")):
-        why = _unwritable(path)
+        why = unwritable(path)
         if why:  # found now, not after the first key's minutes of timing
             raise BadInputError(f"cannot write the {what} {path}: {why}; nothing written")
     start = out if out.exists() else (Path(base) if base else None)
@@ -666,7 +649,8 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     log = log or (lambda s: None)
     t = here["target"]
     log(f"{meta['device']} ({meta['arch']}): {len(keys)} keys; tuning into {out}; static check compiled for "
-        f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory, {t.blocks} programs at most each)")
+        f"{t.ptxas_arch}, {t.sms} SMs ({t.regs} registers, {t.threads} threads, {t.smem // 1024} KiB shared memory, "
+        f"{t.blocks} programs at most each)")
     with _timing_lock(here), _gpu_work(here["l2"], t) as work:
         done = tune_keys(keys, doc, meta, out, report_path, retune=retune, deadline=t0 + budget,
                          same_device_only=same_device_only, log=log, **work)

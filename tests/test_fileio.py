@@ -1,0 +1,47 @@
+"""fileio.unwritable: the one check, before long work, that a destination can be written (what
+`normswap tune` asks of its table and report, `normswap bench` of its results file, `normswap
+patch` of its output directory)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from normswap.fileio import unwritable
+
+
+def test_what_stands_at_the_path_and_the_folder_it_goes_in(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    assert unwritable(tmp_path / "new.json") is None
+    assert unwritable(tmp_path / "missing" / "deeper" / "new.json") is None  # made on the write
+    assert unwritable(tmp_path / "missing", folder=True) is None
+    assert unwritable(tmp_path, folder=True) is None  # a directory replaced whole, beside itself
+    assert unwritable(tmp_path) == "it is a folder"
+    assert unwritable(tmp_path / "a-file" / "t.json") == f"{tmp_path / 'a-file'} is not a folder"
+    assert unwritable(tmp_path / "a-file" / "sub", folder=True) == f"{tmp_path / 'a-file'} is not a folder"
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]  # the probe leaves nothing behind
+
+
+def test_a_folder_the_filesystem_refuses_is_found_even_for_root(tmp_path):
+    """/proc takes no new entry although its permission bits let root write: the probe, not the
+    bits, decides. And a read-only mount, as the filesystem reports it."""
+    assert unwritable(Path("/proc/normswap-t.json")).startswith("/proc is not writable (")
+    assert unwritable(Path("/proc/normswap-out"), folder=True).startswith("/proc is not writable (")
+
+    def erofs(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "mkdtemp", erofs)
+        assert unwritable(tmp_path / "t.json") == f"{tmp_path} is not writable (Read-only file system)"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")
+def test_a_read_only_file_is_not_replaced(tmp_path):
+    ro = tmp_path / "t.json"
+    ro.write_text("{}")
+    ro.chmod(0o444)
+    assert unwritable(ro) == "it is not writable"
