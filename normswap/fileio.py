@@ -56,10 +56,12 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
         if path.exists() and not os.access(path, os.W_OK):
             return "it is not writable"
     parent = path.parent
-    while not parent.exists() and parent != parent.parent:
+    # A link to nothing stops the walk: the missing folders cannot be made through it (mkdir finds
+    # the link's name taken), though exists() calls it absent.
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        return f"{parent} is not a folder"
+        return f"{parent} is a link to nothing" if parent.is_symlink() else f"{parent} is not a folder"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.normswap-probe-", dir=parent))
     except OSError as e:

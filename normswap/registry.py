@@ -192,12 +192,13 @@ def _other_inputs(cls: type) -> list[str]:
     """What the class's forward takes besides its one input: parameter names, `*args`/`**kwargs`
     spelled so."""
     try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # without self
+        params = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):  # a forward inspect cannot read: judged by the probe alone
         return []
     star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    if params and params[0].kind not in star:
-        params = params[1:]  # the input
+    for _ in ("self", "the input"):  # a decorator without functools.wraps shows (*args, **kwargs) only
+        if params and params[0].kind not in star:
+            params = params[1:]
     return [star.get(p.kind, "") + p.name for p in params]
 
 

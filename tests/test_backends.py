@@ -96,6 +96,23 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_one_reason_not_a_tracebac
         _common._interpreter_problem.cache_clear()
 
 
+def test_the_interpreter_probe_runs_on_the_cpu_whatever_the_default_device():
+    """The probe's answer holds for the process: asked first under a meta default device (a model
+    built without weights), it must still run, not call a working interpreter broken."""
+    from normswap.kernels import _common
+    from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+    if not _common.interpreting(_rms_fwd_kernel):
+        pytest.skip("the probe runs only where the kernels are interpreted")
+    _common._interpreter_problem.cache_clear()
+    try:
+        with torch.device("meta"):
+            assert _common.triton_unavailable_reason(_rms_fwd_kernel) is None
+        assert available_backends()["triton"] is None
+    finally:
+        _common._interpreter_problem.cache_clear()
+
+
 def test_kernels_and_backends_never_import_transformers():
     # Liger and quack are blocked: what they import is theirs (Liger imports peft, which imports
     # transformers), and the test must not depend on whether they are installed.

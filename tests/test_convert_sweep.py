@@ -26,7 +26,10 @@ CONVERTS = "converts"
 NOT_BUILT = "not-built"  # the tiny config cannot be built (a validator, a missing sub-config)
 
 # label -> outcome: "converts" (every LayerNorm), or the refusal categories of its refused norms,
-# with "converts" among them when the others convert (normswap convert --partial).
+# with "converts" among them when the others convert (normswap convert --partial). Swept on the
+# transformers the table names (the README's list is rendered from it): another release adds or
+# drops architectures, and the test then says which.
+SWEEP_TRANSFORMERS = "5.23.0"
 SWEEP: dict[str, tuple[str, ...]] = {
     'audioflamingo3': ('untraced',),
     'axk2': ('untraced',),
@@ -261,8 +264,11 @@ def test_every_layer_norm_architecture_is_classified(sweep):
     unknown = {k: v for k, v in got.items() if k not in SWEEP}
     changed = {k: (SWEEP[k], v) for k, v in got.items() if k in SWEEP and SWEEP[k] != v}
     gone = sorted(set(SWEEP) - set(got))
+    import transformers
+
     assert not unknown and not changed and not gone, (
-        f"unclassified: {unknown}\nchanged (listed, found): {changed}\nno longer LayerNorm architectures: {gone}")
+        f"unclassified: {unknown}\nchanged (listed, found): {changed}\nno longer LayerNorm architectures: {gone}"
+        f"\n(SWEEP is the table for transformers {SWEEP_TRANSFORMERS}; this is {transformers.__version__})")
     for result in SWEEP.values():
         assert set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
 
@@ -313,6 +319,7 @@ def test_readme_lists_the_sweep():
     begin, end = "<!-- sweep:begin -->\n", "<!-- sweep:end -->"
     assert begin in text and end in text
     assert text.split(begin, 1)[1].split(end, 1)[0] == render_readme()
+    assert f"class of transformers {SWEEP_TRANSFORMERS.rsplit('.', 1)[0]} with LayerNorms" in text
 
 
 if __name__ == "__main__":  # print the observed SWEEP table, then the README section

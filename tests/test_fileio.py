@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from normswap.fileio import unwritable
+from normswap.fileio import unwritable, write_text_atomic
 
 
 def test_what_stands_at_the_path_and_the_folder_it_goes_in(tmp_path):
@@ -37,6 +37,20 @@ def test_a_folder_the_filesystem_refuses_is_found_even_for_root(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tempfile, "mkdtemp", erofs)
         assert unwritable(tmp_path / "t.json") == f"{tmp_path} is not writable (Read-only file system)"
+
+
+def test_a_link_to_nothing_on_the_way_is_not_a_folder_to_write_in(tmp_path):
+    """exists() calls a dangling link absent, but its name is taken: the folders below it cannot be
+    made, so the write would fail after the work (write_text_atomic's mkdir finds the name taken)."""
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for path in (tmp_path / "link" / "t.json", tmp_path / "link" / "deeper" / "t.json"):
+        assert unwritable(path) == f"{tmp_path / 'link'} is a link to nothing"
+        with pytest.raises(FileExistsError):
+            write_text_atomic(path, "{}")
+    assert unwritable(tmp_path / "link" / "sub", folder=True) == f"{tmp_path / 'link'} is a link to nothing"
+    (tmp_path / "nowhere").mkdir()  # the link leads somewhere now: written through it
+    assert unwritable(tmp_path / "link" / "deeper" / "t.json") is None
+    assert write_text_atomic(tmp_path / "link" / "deeper" / "t.json", "{}").read_text() == "{}"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")

@@ -214,6 +214,16 @@ class KeywordsRMSNorm(Ungated):
         return super().forward(hidden_states)
 
 
+def _without_wraps(forward):
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class OpaqueRMSNorm(Ungated):
+    forward = _without_wraps(Ungated.forward)
+
+
 def test_a_norm_with_a_second_input_is_refused_by_its_signature_whatever_its_name():
     """Swapped for a one-input kernel, a gated norm would compute the wrong thing (or fail) where
     the model passes the gate; called without it, it computes a plain norm, which is all the probe
@@ -223,6 +233,10 @@ def test_a_norm_with_a_second_input_is_refused_by_its_signature_whatever_its_nam
     assert rec.spec is None and "takes gate besides the input" in rec.reason
     rec = registry.recognise(KeywordsRMSNorm(16))
     assert rec.spec is None and "takes **kwargs besides the input" in rec.reason
+    # A forward behind a decorator without functools.wraps shows only (*args, **kwargs): what it
+    # takes cannot be read, and the reason names both (not the *args as if they were self).
+    rec = registry.recognise(OpaqueRMSNorm(16))
+    assert rec.spec is None and "takes *args, **kwargs besides the input" in rec.reason
 
 
 

@@ -209,7 +209,9 @@ def _interpreter_problem() -> str | None:
     interpreter turns a loop bound into an int with int(1-element array), which numpy >= 2.4
     refuses: every persistent kernel would fail at its first launch, with a traceback deep in
     triton, instead of the backend saying once that it cannot run here."""
-    out = torch.full((4,), -1, dtype=torch.int32)
+    # On the CPU whatever default device the caller set: under torch.device("meta") the probe would
+    # fail, and the backend would be called broken for the rest of the process (the answer is cached).
+    out = torch.full((4,), -1, dtype=torch.int32, device="cpu")
     try:
         _strided_loop_probe[(2,)](out, 4)
     except Exception as e:  # noqa: BLE001 - whatever it is, it is the reason
