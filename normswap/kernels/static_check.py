@@ -563,6 +563,13 @@ def problems(case: dict, res: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def row_layout(block_m: int, chunks: int) -> str:
+    """The row layout of a tile: "split" (a row over several programs), "rows" (several rows per
+    program) or "row" (one whole row). Of a planned tile (regimes) and of a launch's constexprs
+    (variant_classes) alike."""
+    return "split" if chunks > 1 else "rows" if block_m > 1 else "row"
+
+
 def regimes(op: str, pass_: str, dtype: str) -> dict[tuple[str, str], tuple[int, int]]:
     """(row layout, row bucket) -> (rows, hidden) that the launcher lays out that way on the plan's
     target: "rows" (several rows per program), "row" (one whole row), "split" (a row over several
@@ -586,8 +593,7 @@ def regimes(op: str, pass_: str, dtype: str) -> dict[tuple[str, str], tuple[int,
         m = bucket_rows(label)
         for n in HIDDEN:
             tile = C.launch_config(m, n, DTYPES[dtype], pass_, kernel, torch.device("meta"))
-            layout = "split" if tile.chunks > 1 else "rows" if tile.block_m > 1 else "row"
-            out.setdefault((layout, label), (m, n))
+            out.setdefault((row_layout(tile.block_m, tile.chunks), label), (m, n))
         first = min(n for (_, lab), (_, n) in out.items() if lab == label)
         out[("ragged", label)] = (m, first - 1)
     return out
@@ -726,13 +732,6 @@ def sweep(case_list, workdir: Path, target: Target | None = None, on_case=None) 
 TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "CHUNKS", "CHUNKS_P2", "num_warps", "num_stages", "NUM_STAGES")
 
 
-def layout(launch: Launch) -> str:
-    """A launch's row layout: "split" (a row over several programs), "rows" (several rows per
-    program) or "row" (one whole row)."""
-    kw = launch.kwargs
-    return "split" if kw.get("CHUNKS", 1) > 1 else "rows" if kw.get("BLOCK_M", 1) > 1 else "row"
-
-
 def variant_classes(launch: Launch) -> set:
     """The variant classes one launch belongs to: each of its kernel's constexpr values (tile sizes
     aside) and argument types (with their 16-divisibility), each alone and in its row layout (a
@@ -740,7 +739,7 @@ def variant_classes(launch: Launch) -> set:
     each tensor's dtype with the rows' dtype."""
     sig = signature(launch)
     k = sig["kernel"]
-    where = layout(launch)
+    where = row_layout(launch.kwargs.get("BLOCK_M", 1), launch.kwargs.get("CHUNKS", 1))
     singles = {(k, name, str(v)) for name, v in sig["constexprs"].items() if name not in TILE_CONSTEXPRS}
     singles |= {(k, name, ty) for name, ty in sig["args"].items()}
     # Each tensor's dtype against the rows' own (x forward, the saved input backward): the
