@@ -559,3 +559,40 @@ def test_case8_scan_of_a_nonsense_config_prints_only_our_line(src, tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
     assert len(lines) == 1 and lines[0].startswith("normswap: error:") and "vocab_size" in lines[0], lines
+
+
+# ---- a hostile user's second pass: inputs the first sweep did not try --------------------------
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'{"model_type": "llama", "name": "caf\xe9"}', "not UTF-8"),  # a Latin-1 editor's save
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # json's recursion limit
+])
+@pytest.mark.parametrize("cmd", ["scan", "patch"])
+def test_config_json_that_is_not_text_or_too_deep_is_bad_input(src, tmp_path, content, says, cmd):
+    """Both were internal errors (exit 1): read_text raised UnicodeDecodeError and json.loads
+    RecursionError, neither an OSError nor the ValueError load_config caught."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    (d / "config.json").write_bytes(content)
+    r = run(cmd, d, *(["--impl", "torch"] if cmd == "patch" else []))
+    assert_one_line_error(r, f"{d / 'config.json'}: malformed config.json")
+    assert says in r.stderr
+
+
+@pytest.mark.parametrize("change", [dict(num_hidden_layers=10**12), dict(num_hidden_layers=50_000)])
+def test_a_layer_count_no_model_has_is_refused_before_building(src, tmp_path, change):
+    """A typo such as 320000 for 32 made scan build the module tree on the meta device for ever
+    (10**12 layers: 23 GB of memory after ten minutes, still going). Refused from the config."""
+    d = _edited_copy(src, tmp_path / "m", **change)
+    r = run("scan", d, "--no-consumers")
+    assert_one_line_error(r, f"num_hidden_layers is {change['num_hidden_layers']}; normswap takes at most")
+
+
+def test_a_nested_layer_count_is_refused_too(src, tmp_path):
+    """Encoder-decoder configs count layers under other names (num_decoder_layers, decoder_layers,
+    a text_config's num_hidden_layers): the limit reads every field named like a layer count."""
+    d = _edited_copy(src, tmp_path / "m", text_config={"num_layers": 2 * 10**9})
+    assert_one_line_error(run("scan", d), "text_config.num_layers is 2000000000")
