@@ -64,10 +64,11 @@ RENAME_EXCL = 4
 
 
 def _kill_point(stage: str) -> None:
-    """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here, so
-    the kill-during-save test can hit every step of the protocol, not only random instants."""
+    """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here (or send
+    itself NORMSWAP_TEST_KILL_SIGNAL, e.g. TERM), so the kill-during-save test can hit every step
+    of the protocol, not only random instants."""
     if os.environ.get("NORMSWAP_TEST_KILL_AT") == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("NORMSWAP_TEST_KILL_SIGNAL", "KILL")))
 
 
 def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:

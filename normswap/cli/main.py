@@ -11,12 +11,12 @@ from typing import Any
 import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
+from normswap.cli.signals import interruption
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
 def _usage_line(e: click.UsageError) -> str:
@@ -36,9 +36,10 @@ class NormswapGroup(click.Group):
         extra.pop("standalone_mode", None)
         try:
             rv = super().main(args, prog_name, standalone_mode=False, **extra)
-        except (KeyboardInterrupt, click.Abort):
-            click.echo("normswap: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except (KeyboardInterrupt, click.Abort) as e:
+            line, code = interruption(e)
+            click.echo(line, err=True)
+            sys.exit(code)
         except click.UsageError as e:
             click.echo(_usage_line(e), err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -62,9 +63,10 @@ class NormswapGroup(click.Group):
         except click.UsageError as e:
             click.echo(_usage_line(e), err=True)
             ctx.exit(EXIT_BAD_INPUT)
-        except KeyboardInterrupt:
-            click.echo("normswap: interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+        except KeyboardInterrupt as e:
+            line, code = interruption(e)
+            click.echo(line, err=True)
+            ctx.exit(code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception as e:
@@ -84,7 +86,8 @@ class NormswapGroup(click.Group):
 def cli() -> None:
     """Find, swap, fold and measure the normalization layers of Hugging Face models.
 
-    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted.
+    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted
+    (Ctrl-C); 143 terminated (SIGTERM: cleaned up as for Ctrl-C).
     With --json stdout holds one JSON document or nothing (see README: the error contract).
 
     Writes are staged in a hidden .DIR.normswap-PID-* directory beside the target and renamed into
