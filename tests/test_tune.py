@@ -313,6 +313,11 @@ def test_gpu_side_plumbing_runs_through_the_interpreter(tune, tmp_path, op):
 
     if not C.interpreting(_rms_fwd_kernel):
         pytest.skip("the CPU plumbing check runs through the interpreter")
+    # An interpreter that cannot run the kernels (triton <= 3.6 with numpy >= 2.4) fails every
+    # candidate of a persistent launch: that says nothing about the plumbing.
+    why = C.triton_unavailable_reason(_rms_fwd_kernel)
+    if why:
+        pytest.skip(f"triton kernels cannot run here: {why}")
     keys = [{"op": op, "pass": p, "dtype": "bf16", "hidden": 64, "rows": ">2048", "row_counts": [8], "n": 48}
             for p in ("fwd", "bwd")]
     meta = {"device": "cpu plumbing (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-",
