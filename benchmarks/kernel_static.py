@@ -56,6 +56,7 @@ from normswap.kernels.static_check import (  # noqa: E402
     bucket_rows,
     cases,
     check_tile,
+    ptxas_release,
     representatives,
     run,
     sweep,
@@ -322,8 +323,8 @@ def main(argv=None) -> int:
     if args.json:
         import triton
 
-        print(json.dumps({"target": "sm_90 (H100 limits)", "triton": triton.__version__, "rows": args.rows,
-                          "results": results, "not_checked": others}, indent=1))
+        print(json.dumps({"target": "sm_90 (H100 limits)", "triton": triton.__version__, "ptxas": ptxas_release(90),
+                          "rows": args.rows, "results": results, "not_checked": others}, indent=1))
     else:
         shown = [r for r in results if "regs" in r]  # not the launches that could not be planned
         print(summary(shown) if args.summary else table(shown))

@@ -59,6 +59,13 @@ def test_representative_kernels_are_spill_free_and_16_byte_wide(tmp_path):
     results = doc["results"]
     bad = [f"{r['op']} {r['pass']} {r['dtype']} {r['N']}: {r['problems']}" for r in results if r["problems"]]
     assert rc == 0 and not bad, "\n".join(bad) or err[-3000:]
+    # Registers and spills are read with the ptxas the JIT builds the kernel with: the PTX ISA
+    # version triton wrote is the one it derives from that ptxas' CUDA release (triton 3.6 builds
+    # sm_90 with its CUDA 12.8 ptxas, PTX 8.7, not with the 12.9 ptxas-blackwell beside it).
+    from triton.backends.nvidia.compiler import ptx_get_version
+
+    assert {r["ptx"]["version"] for r in results} == {"{}.{}".format(*divmod(ptx_get_version(doc["ptxas"]), 10))}, \
+        doc["ptxas"]
     # The subset really covers what it claims: both ops, both passes, both dtypes, both row layouts.
     assert {(r["op"], r["pass"], r["dtype"]) for r in results} == {
         (op, p, dt) for op in ("rms_norm", "layer_norm") for p in ("fwd", "bwd") for dt in ("bf16", "fp32")}

@@ -5,7 +5,8 @@ A launch is found by running the library's own launchers on `meta` tensors with 
 intercepted (so what is compiled is what the launch table and heuristics chose, never a copy of
 them), compiled for a target GPU exactly as the JIT would (same constexprs, warps and options, the
 launcher's argument types and 16-byte alignment specialisations), and read back:
-- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton ships),
+- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton's JIT runs for the
+  target: triton_bin),
 - programs per SM, from registers, warps and shared memory against the target's per-SM limits,
 - every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
   source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
@@ -108,11 +109,31 @@ def device_target(index: int) -> Target:
 def triton_bin(tool: str, capability: int = 90) -> Path:
     import triton
 
+    if tool == "ptxas":
+        # The ptxas triton's own JIT runs for this capability (and the TRITON_PTXAS_PATH kind of
+        # override it honours): triton 3.6 gives sm_90 its CUDA 12.8 ptxas and only sm_100 on the
+        # newer ptxas-blackwell (12.9); 3.9 gives sm_90 on ptxas-blackwell (13.4). Registers and
+        # spills are read from the ptxas that builds the kernel, whatever the triton.
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            return Path(get_ptxas(capability).path)
+        except (ImportError, AttributeError, TypeError):
+            pass
     base = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    # ptxas-blackwell is the newer ptxas; triton uses it for sm_90 and later, the other below.
+    # A triton without get_ptxas: ptxas-blackwell, where there is one, from sm_90 on (3.9's rule).
     if tool == "ptxas" and capability >= 90 and (base / "ptxas-blackwell").exists():
         return base / "ptxas-blackwell"
     return base / tool
+
+
+@functools.cache
+def ptxas_release(capability: int = 90) -> str:
+    """The CUDA release ("12.8") of the ptxas the check runs for a capability (triton_bin): what
+    the JIT's PTX ISA version follows from, so the two agree when the check runs the JIT's ptxas."""
+    out = subprocess.run([str(triton_bin("ptxas", capability)), "--version"], capture_output=True, text=True,
+                         check=True).stdout
+    return re.search(r"release (\d+\.\d+)", out).group(1)
 
 
 def tools_missing() -> str | None:
