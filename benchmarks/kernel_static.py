@@ -56,10 +56,12 @@ from normswap.kernels.static_check import (  # noqa: E402
     bucket_rows,
     cases,
     check_tile,
+    ptxas_release,
     representatives,
     run,
     sweep,
     tools_missing,
+    unhinted_copies,
     variant_cases,
 )
 from normswap.kernels.timing import HIDDEN  # noqa: E402 - the benchmark grid's hidden sizes
@@ -165,6 +167,20 @@ def variants_summary(doc: dict) -> str:
                          f"{c['dtype']} N={c['N']} rows={c['M']} w={int(c['weight'])} b={int(c['bias'])} "
                          f"res={int(c['residual'])} {c.get('variant')}: {what}")
     return "\n".join(lines)
+
+
+def hint_note(rows: list[dict], what: str) -> str | None:
+    """One line naming how many of the launches / variants stream their pipelined row loads without
+    the L2 evict_first hint the kernels ask for (static_check.CP_ASYNC_HINTS_SINCE), or None."""
+    import triton
+
+    lost = unhinted_copies(rows)
+    if not lost:
+        return None
+    ptx = ", ".join(sorted({r["ptx"]["version"] or "?" for r in lost}))
+    return (f"note: {len(lost)} of {len(rows)} {what} load their rows through cp.async (the pipelined backward) "
+            f"without the L2 evict_first hint the kernels ask for: triton {triton.__version__}, PTX {ptx} drops it "
+            f"(kept from triton 3.9 with PTX 9.4; benchmarks/README.md, Pre-flight)")
 
 
 def variant_name(r: dict) -> str:
@@ -278,6 +294,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             doc = variants_check(args.variants, Path(tmp), progress_v)
         print(json.dumps(doc, indent=1, default=str) if args.json else variants_summary(doc))
+        note = hint_note(doc["results"], "variants")
+        if note:
+            print(note, file=sys.stderr)
         return 1 if doc["failed"] else 0
     passes = [p for p in args.passes.split(",") if p]
     case_list = list(cases(hidden, dtypes, variants, passes, args.rows))
@@ -302,14 +321,19 @@ def main(argv=None) -> int:
             results = run(case_list, Path(tmp), progress)
     bad = [r for r in results if r["problems"]]
     if args.json:
-        print(json.dumps({"target": "sm_90 (H100 limits)", "rows": args.rows, "results": results,
-                          "not_checked": others}, indent=1))
+        import triton
+
+        print(json.dumps({"target": "sm_90 (H100 limits)", "triton": triton.__version__, "ptxas": ptxas_release(90),
+                          "rows": args.rows, "results": results, "not_checked": others}, indent=1))
     else:
         shown = [r for r in results if "regs" in r]  # not the launches that could not be planned
         print(summary(shown) if args.summary else table(shown))
         for r in bad:
             print(f"FAIL {r['op']} {r['pass']} {r['dtype']} N={r['N']} {variant_name(r)} launch {r['launch']}: "
                   + " | ".join(r["problems"]))
+    note = hint_note(results, "launches")
+    if note:
+        print(note, file=sys.stderr)
     return 1 if bad else 0
 
 

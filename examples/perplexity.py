@@ -26,7 +26,7 @@ print(f"{model_ref}: perplexity {result.ppl:.3f} on {result.tokens} tokens ({res
 
 try:
     diff = diff_models(model, patched_copy(model, "triton"), tokenizer, corpus, max_length=256, max_tokens=512)
-except NormswapError as e:  # e.g. a build without the patch API
+except NormswapError as e:  # e.g. the triton backend cannot run here (its reason), or a module failed verification
     print(f"no patched diff: {e}")
 else:
     print(f"patched with triton: perplexity {diff.ppl_b:.3f} ({100 * diff.relative_delta:+.4f}%), "

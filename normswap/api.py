@@ -7,6 +7,11 @@ file, a cached hub id, or the embedded default), doing everything the command do
     diff_checkpoints(a, b | patched=impl, settings=...)          `normswap diff`
     bench_checkpoint(model, impls, out=..., ...)                 `normswap bench`
 
+The other commands' calls live beside what they do: `normswap scan` is normswap.scan.scan,
+`normswap tune` normswap.kernels.tune.tune_launches (`--show`: launch_table_status),
+`normswap experiment` normswap.experiment.run_experiment, and `normswap demo` is scan plus
+patch_checkpoint(..., evaluation=demo_evaluation(max_tokens)).
+
 Each returns a result whose to_dict() is the command's --json document, and takes a progress
 callback progress(stage, done, total) (normswap.progress). Bad input raises NormswapError with a
 one-line message, before any weights are read where it can be told from the config. The command

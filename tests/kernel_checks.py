@@ -11,6 +11,12 @@ import pytest
 import torch
 
 from normswap.kernels import _common
+from normswap.kernels.rms_norm import _rms_fwd_kernel
+
+# Where the kernel tests put their tensors: the CPU under the interpreter, else the GPU. Triton
+# decides interpretation once per process (TRITON_INTERPRET when the decorators run), so one
+# kernel answers for all of them.
+DEV = "cpu" if _common.interpreting(_rms_fwd_kernel) else "cuda"
 
 # (forward, backward) tolerance on max|got - ref| / max|ref|, per dtype.
 TOL = {

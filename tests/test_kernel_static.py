@@ -52,11 +52,20 @@ def _run(tmp_path, *args) -> tuple[int, dict, str]:
 
 
 def test_representative_kernels_are_spill_free_and_16_byte_wide(tmp_path):
+    from normswap.kernels.static_check import cp_async_hints
+
     rc, doc, err = _run(tmp_path, "--subset", "ci")
     assert doc, err[-3000:]
     results = doc["results"]
     bad = [f"{r['op']} {r['pass']} {r['dtype']} {r['N']}: {r['problems']}" for r in results if r["problems"]]
     assert rc == 0 and not bad, "\n".join(bad) or err[-3000:]
+    # Registers and spills are read with the ptxas the JIT builds the kernel with: the PTX ISA
+    # version triton wrote is the one it derives from that ptxas' CUDA release (triton 3.6 builds
+    # sm_90 with its CUDA 12.8 ptxas, PTX 8.7, not with the 12.9 ptxas-blackwell beside it).
+    from triton.backends.nvidia.compiler import ptx_get_version
+
+    assert {r["ptx"]["version"] for r in results} == {"{}.{}".format(*divmod(ptx_get_version(doc["ptxas"]), 10))}, \
+        doc["ptxas"]
     # The subset really covers what it claims: both ops, both passes, both dtypes, both row layouts.
     assert {(r["op"], r["pass"], r["dtype"]) for r in results} == {
         (op, p, dt) for op in ("rms_norm", "layer_norm") for p in ("fwd", "bwd") for dt in ("bf16", "fp32")}
@@ -66,9 +75,25 @@ def test_representative_kernels_are_spill_free_and_16_byte_wide(tmp_path):
         assert set(r["row_stores"]) == {"128"}, r
         assert 1 <= r["programs_per_sm"], r
         # bf16 is rounded by the hardware conversion (cvt.rn), never by the interpreter's integer
-        # code; streamed rows are marked evict_first and the parameters evict_last.
+        # code; the parameters (plain loads before any loop) are marked evict_last.
         assert r["ptx"]["int_round"] == 0, r
-        assert r["ptx"]["evict_first"] >= 1 and r["ptx"]["evict_last"] >= 1, r
+        assert r["ptx"]["evict_last"] >= 1, r
+        ptx = r["ptx"]
+        if not r["cp_async"]:
+            assert ptx["evict_first"] >= 1, r  # streamed rows: plain loads, marked evict_first
+        else:
+            # The pipelined backward's streamed rows are cp.async copies. The kernels ask for
+            # evict_first on every one (the TTGIR's async copies carry it, whatever the triton);
+            # triton writes it into the PTX (createpolicy + cp.async...L2::cache_hint) only from 3.9
+            # with PTX ISA 9.4, and 3.6-3.8 drop it when they lower the copy:
+            # static_check.CP_ASYNC_HINTS_SINCE (triton-lang/triton#11660, #11848), and
+            # benchmarks/README.md, Pre-flight.
+            assert r["ttgir"]["async_copies_evict_first"] >= 1, r
+            assert ptx["cp_async_rows"] >= 1, r
+            if cp_async_hints(doc["triton"], ptx["version"]):
+                assert ptx["cp_async_rows_hinted"] == ptx["cp_async_rows"] and ptx["evict_first"] >= 1, r
+            else:  # a triton that keeps them before CP_ASYNC_HINTS_SINCE fails here: move it
+                assert ptx["cp_async_rows_hinted"] == 0, r
         chunks = r["tile"]["CHUNKS"]
         if r["N"] == 65536:
             # Wider than one program's registers: the row is split over co-resident programs (read

@@ -12,12 +12,11 @@ from normswap.kernels import _common
 from normswap.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
 from normswap.kernels.reference import rms_norm_ref
 from normswap.kernels.rms_norm import _rms_fwd_kernel, rms_norm, rms_norm_bwd, rms_norm_fwd
-from tests.kernel_checks import needs_triton, rand_weight
+from tests.kernel_checks import DEV, needs_triton, rand_weight
 from tests.test_kernels_layer import check_ln
 from tests.test_kernels_rms import check_rms
 
 pytestmark = needs_triton(_rms_fwd_kernel)
-DEV = "cpu" if _common.interpreting(_rms_fwd_kernel) else "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 

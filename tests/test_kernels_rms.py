@@ -10,10 +10,9 @@ from normswap.errors import NormswapError
 from normswap.kernels import _common
 from normswap.kernels.reference import rms_norm_ref
 from normswap.kernels.rms_norm import _rms_fwd_kernel, rms_norm
-from tests.kernel_checks import TOL, assert_close, grads, leaf, leaf64, needs_triton, rand_weight
+from tests.kernel_checks import DEV, TOL, assert_close, grads, leaf, leaf64, needs_triton, rand_weight
 
 pytestmark = needs_triton(_rms_fwd_kernel)
-DEV = "cpu" if _common.interpreting(_rms_fwd_kernel) else "cuda"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODES = ("llama", "gemma", "t5", "none")
 SMALL = ((1, 1), (3, 17), (5, 123))

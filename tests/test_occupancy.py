@@ -1,10 +1,14 @@
 """Programs per SM, and the persistent and split-row grids sized from them, by compute capability:
-the resident-block cap is the device's (16 on sm_86, 24 on sm_89, 32 on sm_90), not one literal.
-No GPU: the device properties and the compiled kernel are stand-ins."""
+the resident-block cap is the device's (16 on sm_86, 24 on sm_89, 32 on sm_90), not one literal,
+and the table of caps agrees with NVIDIA's own occupancy calculator (cuda_occupancy.h, compiled
+here). No GPU: the device properties and the compiled kernel are stand-ins."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +24,14 @@ def _props(major, minor, sms, threads, smem_kib):
                                  shared_memory_per_multiprocessor=smem_kib * 1024)
 
 
-# RTX 3090 (sm_86), RTX 4090 (sm_89), H100 (sm_90), B200 (sm_100), RTX 5090 (sm_120).
+# RTX 3090 (sm_86), RTX 4090 (sm_89), H100 (sm_90), B200 (sm_100), RTX 5090 (sm_120); and, with
+# stand-in SM counts and limits (only the capability decides the cap): Jetson Thor as CUDA 12.8/12.9
+# report it (sm_101) and as CUDA 13 does (sm_110), a B300-class sm_103, a GB10-class sm_121.
 GPUS = {"sm_86": (_props(8, 6, 82, 1536, 100), 16), "sm_89": (_props(8, 9, 128, 1536, 100), 24),
         "sm_90": (_props(9, 0, 132, 2048, 228), 32), "sm_100": (_props(10, 0, 148, 2048, 228), 32),
-        "sm_120": (_props(12, 0, 170, 1536, 100), 24)}
+        "sm_120": (_props(12, 0, 170, 1536, 100), 24), "sm_101": (_props(10, 1, 20, 1536, 228), 24),
+        "sm_110": (_props(11, 0, 20, 1536, 228), 24), "sm_103": (_props(10, 3, 148, 2048, 228), 32),
+        "sm_121": (_props(12, 1, 48, 1536, 100), 24)}
 
 
 @pytest.fixture
@@ -62,6 +70,51 @@ def test_targets_take_the_cap_from_their_capability():
     assert S.Target(80, 108, 65536, 2048, 164 * 1024).blocks == 32
     # A capability the table does not know: the smallest cap, never more than the device might hold.
     assert S.Target(130, 100, 65536, 2048, 228 * 1024).blocks == min(C.MAX_BLOCKS_PER_SM.values()) == 16
+
+
+_ASK_THE_CALCULATOR = r"""
+#include <cstdio>
+#include "cuda_occupancy.h"
+int main() {
+    for (int major = 3; major <= 15; ++major)
+        for (int minor = 0; minor <= 9; ++minor) {
+            cudaOccDeviceProp p;
+            p.computeMajor = major;
+            p.computeMinor = minor;
+            int limit = 0;
+            if (cudaOccMaxBlocksPerMultiprocessor(&limit, &p) == CUDA_OCC_SUCCESS)
+                std::printf("%d %d\n", 10 * major + minor, limit);
+        }
+}
+"""
+
+
+def test_resident_block_caps_agree_with_nvidias_occupancy_calculator(tmp_path):
+    """MAX_BLOCKS_PER_SM against cudaOccMaxBlocksPerMultiprocessor of the cuda_occupancy.h that
+    triton's NVIDIA backend ships (CUDA 12.8 with triton 3.6, 13.1 with triton 3.9), compiled here
+    and asked for every capability 3.0 to 15.9. Every capability the table lists has the header's
+    cap; one may go unchecked only where the header knows nothing of its major (CUDA 12.8's knows no
+    11.x). The fallback for an unlisted capability is never above any cap the header gives.
+    Skipped where there is no such header or no C++ compiler."""
+    import triton
+
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not (include / "cuda_occupancy.h").exists():
+        pytest.skip(f"this triton ships no cuda_occupancy.h ({include})")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build NVIDIA's occupancy calculator with")
+    (tmp_path / "ask.cpp").write_text(_ASK_THE_CALCULATOR)
+    subprocess.run([cxx, "-std=c++11", "-w", f"-I{include}", "ask.cpp", "-o", "ask"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    out = subprocess.run([tmp_path / "ask"], capture_output=True, text=True, check=True, timeout=60).stdout
+    header = {int(cap): int(blocks) for cap, blocks in (line.split() for line in out.splitlines())}
+    assert header[90] == 32 and header[89] == 24 and header[86] == 16, header  # the calculator answered
+    checked = {cap: blocks for cap, blocks in C.MAX_BLOCKS_PER_SM.items() if cap in header}
+    assert checked == {cap: header[cap] for cap in checked}
+    unchecked = set(C.MAX_BLOCKS_PER_SM) - set(checked)
+    assert not {cap // 10 for cap in unchecked} & {cap // 10 for cap in header}, unchecked
+    assert min(C.MAX_BLOCKS_PER_SM.values()) <= min(header.values())
 
 
 class _Compiled:

@@ -297,14 +297,19 @@ def sm_count(device: torch.device) -> int:
     return 1
 
 
-# Resident blocks (programs) one SM holds at most, by compute capability (10 * major + minor),
-# from the CUDA C++ Programming Guide's per-capability table; torch does not report it. An
-# overestimate is the harmful error: a split-row launch asks for as many co-resident programs as
-# the rule allows, and the driver refuses a cooperative grid that does not fit (an RTX 4090, sm_89,
-# holds 24, not an H100's 32). So a capability the table does not know gets its smallest cap: an
-# underestimate only makes a persistent grid smaller than it could be.
-MAX_BLOCKS_PER_SM = {70: 32, 72: 32, 75: 16, 80: 32, 86: 16, 87: 16, 88: 16, 89: 24, 90: 32, 100: 32, 103: 32,
-                     110: 24, 120: 24, 121: 24}
+# Resident blocks (programs) one SM holds at most, by compute capability (10 * major + minor), as
+# NVIDIA's own occupancy calculator gives them (cudaOccMaxBlocksPerMultiprocessor in
+# cuda_occupancy.h, CUDA 12.8 to 13.1, which triton's NVIDIA backend ships: tests/test_occupancy.py
+# checks this table against it); torch does not report it. An overestimate is the harmful error: a
+# split-row launch asks for as many co-resident programs as the rule allows, and the driver refuses
+# a cooperative grid that does not fit (an RTX 4090, sm_89, holds 24, not an H100's 32). So a
+# capability the table does not know gets its smallest cap: an underestimate only makes a
+# persistent grid smaller than it could be. sm_101 is Jetson Thor as CUDA 12.8 and 12.9 name it
+# (CUDA 13 renamed it sm_110): 24 under either name, where the unknown-capability fallback would
+# have given it 16. NVIDIA's Blackwell tuning guide says 32 for 12.0; the calculator says 24 for
+# every 12.x, and the smaller is the safe one.
+MAX_BLOCKS_PER_SM = {70: 32, 72: 32, 75: 16, 80: 32, 86: 16, 87: 16, 88: 16, 89: 24, 90: 32, 100: 32, 101: 24,
+                     103: 32, 110: 24, 120: 24, 121: 24}
 
 
 def max_blocks_per_sm(capability: int) -> int:

@@ -5,7 +5,8 @@ A launch is found by running the library's own launchers on `meta` tensors with 
 intercepted (so what is compiled is what the launch table and heuristics chose, never a copy of
 them), compiled for a target GPU exactly as the JIT would (same constexprs, warps and options, the
 launcher's argument types and 16-byte alignment specialisations), and read back:
-- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton ships),
+- registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton's JIT runs for the
+  target: triton_bin),
 - programs per SM, from registers, warps and shared memory against the target's per-SM limits,
 - every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
   source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
@@ -108,11 +109,31 @@ def device_target(index: int) -> Target:
 def triton_bin(tool: str, capability: int = 90) -> Path:
     import triton
 
+    if tool == "ptxas":
+        # The ptxas triton's own JIT runs for this capability (and the TRITON_PTXAS_PATH kind of
+        # override it honours): triton 3.6 gives sm_90 its CUDA 12.8 ptxas and only sm_100 on the
+        # newer ptxas-blackwell (12.9); 3.9 gives sm_90 on ptxas-blackwell (13.4). Registers and
+        # spills are read from the ptxas that builds the kernel, whatever the triton.
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            return Path(get_ptxas(capability).path)
+        except (ImportError, AttributeError, TypeError):
+            pass
     base = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    # ptxas-blackwell is the newer ptxas; triton uses it for sm_90 and later, the other below.
+    # A triton without get_ptxas: ptxas-blackwell, where there is one, from sm_90 on (3.9's rule).
     if tool == "ptxas" and capability >= 90 and (base / "ptxas-blackwell").exists():
         return base / "ptxas-blackwell"
     return base / tool
+
+
+@functools.cache
+def ptxas_release(capability: int = 90) -> str:
+    """The CUDA release ("12.8") of the ptxas the check runs for a capability (triton_bin): what
+    the JIT's PTX ISA version follows from, so the two agree when the check runs the JIT's ptxas."""
+    out = subprocess.run([str(triton_bin("ptxas", capability)), "--version"], capture_output=True, text=True,
+                         check=True).stdout
+    return re.search(r"release (\d+\.\d+)", out).group(1)
 
 
 def tools_missing() -> str | None:
@@ -505,19 +526,69 @@ def analyse(launch: Launch, workdir: Path, target: Target | None = None) -> dict
         "narrow_row_ops": [f"{o['op']}.{o['bits']}: {o['source']}" for o in row_ops if o["bits"] < 128],
         "wait": split_row_wait(k.asm["ptx"]),
         "ptx": ptx_facts(k.asm["ptx"]),
+        "ttgir": ttgir_facts(k.asm["ttgir"]),
     }
+
+
+# A load the software pipeliner turns into an asynchronous copy (the persistent backward's row
+# loads, num_stages > 1) keeps its eviction policy in the TTGIR (ttg.async_copy_global_to_local);
+# whether that policy reaches the machine code is the NVIDIA lowering's choice. triton 3.6.0, 3.7.1
+# and 3.8.0 lower the copy to a plain cp.async.cg, dropping it (compiled for sm_90 here); 3.9.0
+# emits createpolicy + cp.async...L2::cache_hint, and only for PTX ISA 9.4 on: upstream turned
+# policies on cp.async off around a ptxas miscompile (triton-lang/triton#11660) and back on for
+# PTX 9.4, ptxas 13.4 (#11848). Without the hint the streamed rows pass through L2 at the normal
+# priority (benchmarks/README.md, Pre-flight).
+CP_ASYNC_HINTS_SINCE = {"triton": (3, 9), "ptx": (9, 4)}
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    hit = re.match(r"(\d+)\.(\d+)", version)
+    return (int(hit.group(1)), int(hit.group(2))) if hit else (0, 0)
+
+
+def cp_async_hints(triton_version: str, ptx_version: str) -> bool:
+    """Whether this triton, writing this PTX ISA version, carries a load's L2 eviction policy onto
+    the cp.async copies the software pipeliner makes of it (CP_ASYNC_HINTS_SINCE)."""
+    return (_major_minor(triton_version) >= CP_ASYNC_HINTS_SINCE["triton"]
+            and _major_minor(ptx_version) >= CP_ASYNC_HINTS_SINCE["ptx"])
+
+
+_PTX_VERSION_RE = re.compile(r"^\s*\.version\s+(\d+\.\d+)", re.M)
+# One cp.async copy (not its commit/wait): 16-byte ones are row elements (cp.async.cg moves only
+# 16), the 4-byte ones a row's statistic.
+_CP_ASYNC_RE = re.compile(r"\bcp\.async\.c[ag]\.shared\S*\s[^;]*;")
 
 
 def ptx_facts(ptx: str) -> dict:
     """What the PTX says about rounding and caching: `int_round` counts the 0x7FFF (32767) that
     round_to's integer bf16 rounding adds (the interpreter's path: on a GPU the conversion must be
     the hardware's cvt.rn, so 0 there); evict_first / evict_last count the L2 eviction policies
-    created for the streamed rows and the parameters."""
+    created for the streamed rows and the parameters; cp_async_rows counts the 16-byte cp.async
+    copies (pipelined row loads) and cp_async_rows_hinted those that carry an L2 cache policy
+    (.L2::cache_hint: see CP_ASYNC_HINTS_SINCE); version is the PTX ISA version."""
+    version = _PTX_VERSION_RE.search(ptx)
+    rows = [c for c in _CP_ASYNC_RE.findall(ptx) if re.search(r",\s*(?:0x10|16)\s*[,;]", c)]
     return {
+        "version": version.group(1) if version else None,
         "int_round": len(re.findall(r"\b32767\b", ptx)),
         "evict_first": len(re.findall(r"createpolicy\.\S*L2::evict_first", ptx)),
         "evict_last": len(re.findall(r"createpolicy\.\S*L2::evict_last", ptx)),
+        "cp_async_rows": len(rows),
+        "cp_async_rows_hinted": sum(1 for c in rows if "L2::cache_hint" in c),
     }
+
+
+def ttgir_facts(ttgir: str) -> dict:
+    """The pipeliner's asynchronous copies in the TTGIR, and how many of them keep the evict_first
+    policy the kernel's tl.load asked for (what the lowering then keeps or drops: ptx_facts)."""
+    copies = re.findall(r"ttg\.async_copy_global_to_local\b[^\n]*", ttgir)
+    return {"async_copies": len(copies), "async_copies_evict_first": sum(1 for c in copies if "evict_first" in c)}
+
+
+def unhinted_copies(rows) -> list[dict]:
+    """The analysed launches (analyse) or swept variants (sweep) whose pipelined row loads are
+    cp.async copies without an L2 cache policy (CP_ASYNC_HINTS_SINCE)."""
+    return [r for r in rows if r.get("ptx") and r["ptx"]["cp_async_rows"] > r["ptx"]["cp_async_rows_hinted"]]
 
 
 def split_row_wait(ptx: str) -> dict:
@@ -716,7 +787,8 @@ def sweep(case_list, workdir: Path, target: Target | None = None, on_case=None) 
             try:
                 k = compile_launch(launch, target)
                 rep = ptxas_report(k.asm["ptx"], workdir, target)
-                row.update(regs=rep["regs"], spill_bytes=rep["spill_st"] + rep["spill_ld"], stack=rep["stack"])
+                row.update(regs=rep["regs"], spill_bytes=rep["spill_st"] + rep["spill_ld"], stack=rep["stack"],
+                           ptx=ptx_facts(k.asm["ptx"]))
             except Exception as e:  # noqa: BLE001 - any compiler error is the finding
                 row["error"] = f"{type(e).__name__}: {str(e).strip()[-2000:]}"
             row["seconds"] = round(time.perf_counter() - t0, 3)

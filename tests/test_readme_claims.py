@@ -1,0 +1,221 @@
+"""What README.md and the other docs say about the code, checked against the code where a claim can
+be checked mechanically and cheaply: every --option they name exists on the command (or benchmark
+script) it is named for, choice values they list are real, the refusal categories and the backends
+table match their registries, the counts they quote match what they count, intra-repo links
+resolve, nothing points outside the repository, and the example scripts run."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
+        ROOT / "recipes" / "README.md"]
+
+# Options of other programs that the README shows beside normswap's, with the program named on
+# the same line (so a normswap option cannot hide among them).
+FOREIGN = {"--no-deps": "pip", "--multi_gpu": "accelerate", "--num_processes": "accelerate", "--cpu": "accelerate"}
+OPTION = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
+
+
+def _commands() -> dict[str, set[str]]:
+    from normswap.cli import cli
+
+    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} for name, cmd in cli.commands.items()}
+
+
+def _blocks(section: str) -> list[str]:
+    """A section's paragraphs and list items (a bullet is a block of its own)."""
+    return [b for b in re.split(r"\n\s*\n|\n(?=- )", section) if b.strip()]
+
+
+def _sections() -> list[tuple[list[str], str]]:
+    """(commands the heading names, text) per README section; a #### section inherits its ###."""
+    out, current = [], []
+    for sec in re.split(r"(?m)^(?=#{2,4} )", README.read_text()):
+        head = sec.splitlines()[0] if sec else ""
+        if head.startswith("### ") or head.startswith("## "):
+            current = re.findall(r"normswap (\w+)", head) if head.startswith("### `normswap") else []
+        out.append((current, sec))
+    return out
+
+
+def _owner(before: str, commands: dict) -> str | None:
+    """The command a line names right before an option: `normswap patch ... --x`, `` `patch --x` ``."""
+    named = re.findall(r"normswap (\w+)[^`]*$", before) or re.findall(r"`(\w+) [^`]*$", before)
+    return named[-1] if named and named[-1] in commands else None
+
+
+def test_every_option_the_readme_names_exists():
+    commands = _commands()
+    assert {"patch", "scan", "convert", "ppl", "diff", "bench", "tune", "demo", "experiment"} <= set(commands)
+    wrong, checked = [], 0
+    for section_commands, section in _sections():
+        for block in _blocks(section):
+            block_commands = set(section_commands) | {c for c in re.findall(r"normswap (\w+)", block) if c in commands}
+            if block.lstrip().startswith("```\n"):  # a plain listing (the layout), not a command line
+                block_commands = set()
+            for line in block.splitlines():
+                for m in OPTION.finditer(line):
+                    opt, before = m.group(1), line[:m.start()]
+                    checked += 1
+                    if opt in FOREIGN:
+                        if FOREIGN[opt] not in line:
+                            wrong.append(f"{opt} (an option of {FOREIGN[opt]}, not named on the line): {line.strip()}")
+                        continue
+                    scripts = re.findall(r"benchmarks/(\w+)\.py", block[:block.index(line)] + before)
+                    owner = _owner(before, commands)
+                    if owner is not None:  # named right before: that command's
+                        ok, where = opt in commands[owner], f"normswap {owner}"
+                    elif block_commands or scripts:  # one of the commands or scripts its paragraph names
+                        ok = any(opt in commands[c] for c in block_commands) or any(
+                            f'"{opt}"' in (ROOT / "benchmarks" / f"{s}.py").read_text() for s in scripts)
+                        where = ", ".join([*(f"normswap {c}" for c in sorted(block_commands)),
+                                           *(f"benchmarks/{s}.py" for s in scripts)])
+                    else:
+                        ok, where = any(opt in o for o in commands.values()), "any command"
+                    if not ok:
+                        wrong.append(f"{opt} is not an option of {where}: {line.strip()}")
+    assert checked > 100  # the scan sees the options
+    assert wrong == []
+
+
+def test_listed_choice_values_are_real():
+    """`--dtype fp32|fp16|bf16`, `--impl` values: every value the README lists for a choice option is
+    one of its choices (a README that lists fewer, e.g. the half dtypes only, is fine)."""
+    import click
+
+    from normswap.cli import cli
+
+    wrong, checked = [], 0
+    for line in README.read_text().splitlines():
+        for m in re.finditer(r"(?<![\w-])(--[a-z][\w-]*) ([\w.]+(?:\|[\w.]+)+)", line):
+            owner = _owner(line[:m.start()], cli.commands)
+            names = [owner] if owner else list(cli.commands)
+            for name in names:
+                param = next((p for p in cli.commands[name].params if m.group(1) in p.opts), None)
+                if param is not None and isinstance(param.type, click.Choice):
+                    checked += 1
+                    extra = set(m.group(2).split("|")) - set(param.type.choices)
+                    if extra:
+                        wrong.append(f"normswap {name} {m.group(1)}: {sorted(extra)} not in {param.type.choices}")
+    assert checked >= 3
+    assert wrong == []
+    impls = re.search(r"running IMPL \(([^)]*)\)", README.read_text()).group(1)
+    from normswap.backends import BACKENDS
+
+    assert set(re.findall(r"`(\w+)`", impls)) == set(BACKENDS)
+
+
+def test_the_refusal_categories_are_the_registry():
+    from normswap.discover import REFUSALS
+
+    text = README.read_text()
+    listed = re.search(r"refused with a category \(([^)]*)\)", text, re.S)
+    assert listed, "the README's list of refusal categories moved: update this test"
+    assert set(re.findall(r"`([\w-]+)`", listed.group(1))) == set(REFUSALS)
+
+
+def test_the_backends_table_is_the_registry():
+    """One row per backend; the casting column lists exactly the modes backends.CASTING_SUPPORT
+    says it runs ("all" for every mode)."""
+    from normswap.backends import BACKENDS, CASTING_SUPPORT
+    from normswap.specs import CASTINGS
+
+    section = README.read_text().split("## Backends", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", section, re.M)}
+    assert list(rows) == list(BACKENDS)
+    for name, column in rows.items():
+        modes = set(CASTINGS) if column.strip() == "all" else {w for w in re.findall(r"\w+", column) if w in CASTINGS}
+        assert modes == set(CASTING_SUPPORT[name]), name
+
+
+def test_the_counts_the_readme_quotes():
+    from tiny_models import ARCHS
+
+    text = README.read_text()
+    n = re.search(r"for (\d+) architectures in `tests/tiny_models.py`", text)
+    assert n and int(n.group(1)) == len(ARCHS)
+    from normswap.loading import DEFAULT_MODEL
+
+    assert "`smollm2-135m`, the embedded default" in text and DEFAULT_MODEL == "smollm2-135m"
+
+
+def test_the_layout_names_real_files():
+    """Every file and folder the README's layout block names under normswap/ and benchmarks/ exists."""
+    block = README.read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    missing, part, seen = [], None, 0
+    for line in block.splitlines():
+        if line[:1].strip():  # a top-level entry: normswap/, benchmarks/, examples/, ...
+            part, line = line.split("/", 1)[0], line.split("/", 1)[1]
+        if part not in ("normswap", "benchmarks"):
+            continue
+        for name in re.findall(r"(?<![\w./-])(\w+(?:\.py|\.toml|/))(?=[\s,;:)]|$)", line):
+            seen += 1
+            if not any((ROOT / part / sub / name).exists() for sub in ("", "kernels", "experiment", "cli")):
+                missing.append(f"{part}/ {name}")
+    assert seen > 40  # the scan sees the names
+    assert missing == []
+
+
+def test_links_resolve_and_stay_inside_the_repository():
+    bad = []
+    for doc in DOCS:
+        text = doc.read_text()
+        if re.search(r"\.\./shared|/work/shared|DESIGN\.md", text):
+            bad.append(f"{doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else doc} points outside the repository")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|#", target):
+                continue
+            if not (doc.parent / target.split("#")[0]).exists():
+                bad.append(f"{doc.relative_to(ROOT).as_posix() if doc.is_relative_to(ROOT) else doc}: dead link {target}")
+    assert bad == []
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/: each script runs on a tiny model and prints what its docstring promises
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def tiny_llama(tmp_path, monkeypatch):
+    from tiny_models import save_tiny
+
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+    monkeypatch.chdir(tmp_path)
+    save_tiny("llama", tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+def _run_example(name: str, args: list[str], monkeypatch, capsys) -> str:
+    script = ROOT / "examples" / name
+    monkeypatch.setattr("sys.argv", [str(script), *args])
+    runpy.run_path(str(script), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_patch_example_runs(tiny_llama, monkeypatch, capsys):
+    out = _run_example("patch_model.py", [str(tiny_llama), "patched"], monkeypatch, capsys)
+    assert re.search(r"^5 norms patched; worst module model\.\S+: error vs float64 \S+ \(original \S+\)$", out, re.M)
+    assert "whole model: max |Δlogits|" in out
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("NormswapRMSNorm NormswapRMSNorm(") and "was=LlamaRMSNorm" in lines[-2]
+    assert lines[-1] == "LlamaRMSNorm"  # reverted
+    assert (tiny_llama.parent / "patched" / "normswap.json").is_file()
+
+
+def test_perplexity_example_runs(tiny_llama, monkeypatch, capsys):
+    out = _run_example("perplexity.py", [str(tiny_llama)], monkeypatch, capsys)
+    first = re.search(r"perplexity ([\d.]+) on 511 tokens \((\d+) windows\)", out)
+    assert first, out
+    diff = re.search(r"patched with triton: perplexity ([\d.]+) \(([-+][\d.]+)%\), mean KL (\S+), "
+                     r"top-1 agreement ([\d.]+)%", out)
+    assert diff, out
+    assert diff.group(1) == first.group(1) and abs(float(diff.group(2))) < 1e-3 and float(diff.group(4)) > 99
