@@ -490,7 +490,7 @@ def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     from normswap.loading import parse_dtype
 
-    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    return parse_dtype(dtype)
 
 
 def _model_dtype(model) -> torch.dtype:

@@ -386,10 +386,9 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
     from normswap.swap import PatchConfig, patch
 
+    dtype = parse_dtype(dtype)  # options first, as the commands check theirs
     source = resolve(directory)
     manifest = read_manifest(source.path)
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
     model = load_model(source, dtype=dtype, device=device)
     section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch

@@ -453,6 +453,42 @@ def test_case10_api_errors_are_normswap_errors(tmp_path):
     assert issubclass(BadInputError, ValueError) and issubclass(BadInputError, normswap.NormswapError)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_a_dtype_that_is_not_a_float_is_bad_input_everywhere(src, dtype):
+    """A torch.dtype is the right kind of argument; int32 is not a value a model runs in. patch()
+    raised torch.finfo's TypeError from deep in the verification, patch_checkpoint/load handed it
+    to from_pretrained."""
+    import normswap
+    from normswap.errors import BadInputError
+
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BadInputError, match=f"dtype {dtype}: normswap runs models in"):
+        normswap.patch(model, "torch", dtype=dtype)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(type(m).__name__.startswith("Normswap") for m in model.modules())
+    with pytest.raises(BadInputError, match=f"dtype {dtype}"):
+        normswap.patch_checkpoint(src, "torch", dtype=dtype)
+    with pytest.raises(BadInputError, match=f"dtype {dtype}"):
+        normswap.load(src, dtype=dtype)
+
+
+def test_float_token_ids_are_bad_input_not_truncated():
+    """torch.tensor([1.5, 2.0, ...]) was scored as ids [1, 2, ...] (tolist + int): a wrong number
+    with no complaint. Ids are integers; a float tensor says the caller passed something else
+    (logits, embeddings, a normalised array)."""
+    from tiny_models import tiny_tokenizer
+
+    import normswap
+    from normswap.errors import BadInputError
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    with pytest.raises(BadInputError, match="token ids must be integers, got a torch.float32 tensor"):
+        normswap.perplexity(model, tok, torch.tensor([5.5, 6.0, 7.0, 8.0, 9.0]), max_length=4, progress=False)
+    ok = normswap.perplexity(model, tok, torch.tensor([5, 6, 7, 8, 9]), max_length=4, progress=False)
+    assert ok.tokens > 0
+
 # ---- case 4: tokenisation streams, whatever the file's shape -----------------------------------
 
 
