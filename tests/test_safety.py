@@ -632,3 +632,13 @@ def test_a_nested_layer_count_is_refused_too(src, tmp_path):
     a text_config's num_hidden_layers): the limit reads every field named like a layer count."""
     d = _edited_copy(src, tmp_path / "m", text_config={"num_layers": 2 * 10**9})
     assert_one_line_error(run("scan", d), "text_config.num_layers is 2000000000")
+
+
+def test_a_newline_in_a_path_stays_on_the_one_error_line(tmp_path):
+    """Messages name the user's paths as given; a name holding a newline split the error into two
+    lines (a script reading the last line of stderr got half of it). The CLI shows it escaped."""
+    bad = tmp_path / "two\nlines"
+    r = run("scan", bad)
+    assert r.exit_code == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("normswap: error: "), r.stderr
+    assert "two\\nlines: no such file" in r.stderr

@@ -22,7 +22,12 @@ EXIT_INTERNAL = 1
 def _usage_line(e: click.UsageError) -> str:
     # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-    return f"normswap: error: {e.format_message()}{hint}"
+    return f"normswap: error: {_escaped(e.format_message())}{hint}"
+
+
+def _escaped(message: str) -> str:
+    # The contract is one line: a path the user gave may hold a line break, shown as \n.
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class NormswapGroup(click.Group):
@@ -53,12 +58,12 @@ class NormswapGroup(click.Group):
             quiet_transformers()
             return super().invoke(ctx)
         except NormswapError as e:
-            click.echo(f"normswap: error: {e}", err=True)
+            click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
             from normswap.errors import one_line
 
-            click.echo(f"normswap: error: {one_line(e)}", err=True)
+            click.echo(f"normswap: error: {_escaped(one_line(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except click.UsageError as e:
             click.echo(_usage_line(e), err=True)
