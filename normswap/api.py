@@ -374,11 +374,13 @@ def bench_checkpoint(
     normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
     repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
     raise NormswapError before anything is measured."""
-    from normswap.bench import BenchConfig, default_output, parse_list, run_bench, write_result
+    from normswap.bench import BenchConfig, check_result_target, default_output, parse_list, run_bench, write_result
 
     config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
+    if out is not None:
+        check_result_target(out)
     result = run_bench(config, progress=progress)
     saved = write_result(result, out if out is not None else default_output(result, results_dir))
     return CheckpointBench(result, saved)
@@ -490,7 +492,7 @@ def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     from normswap.loading import parse_dtype
 
-    return parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    return parse_dtype(dtype)
 
 
 def _model_dtype(model) -> torch.dtype:

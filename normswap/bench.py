@@ -393,6 +393,22 @@ def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/re
     return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
 
 
+def check_result_target(path: str | os.PathLike) -> None:
+    """Refuse a destination that holds something other than an earlier bench result: --out
+    MODEL/config.json (a tab completion away from --out MODEL-bench.json) would replace a model's
+    config or weights with the numbers. Asked before anything is measured."""
+    path = Path(path)
+    if not path.is_file():
+        return  # new (a folder, or a missing parent, is fileio.unwritable's to report)
+    try:  # a results file is kilobytes; a model's weights are not read to find that out
+        fmt = json.loads(path.read_bytes()).get("format") if path.stat().st_size < (16 << 20) else None
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    if not (isinstance(fmt, str) and fmt.startswith(FORMAT.split("/")[0] + "/")):
+        raise NormswapError(f"{path} exists and is not a normswap bench result; refusing to replace it "
+                            "(write elsewhere)")
+
+
 def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
     """Write the result as strict JSON, atomically (a temporary file renamed into place)."""
     from normswap.fileio import write_text_atomic

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.fileio import umask
 from normswap.progress import ProgressFn, step
 
@@ -64,10 +64,11 @@ RENAME_EXCL = 4
 
 
 def _kill_point(stage: str) -> None:
-    """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here, so
-    the kill-during-save test can hit every step of the protocol, not only random instants."""
+    """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here (or send
+    itself NORMSWAP_TEST_KILL_SIGNAL, e.g. TERM), so the kill-during-save test can hit every step
+    of the protocol, not only random instants."""
     if os.environ.get("NORMSWAP_TEST_KILL_AT") == stage:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("NORMSWAP_TEST_KILL_SIGNAL", "KILL")))
 
 
 def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:
@@ -303,7 +304,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
             _kill_point("before-publish")
             publish_dir(tmp, target, replace=replace, in_place=in_place)
         except OSError as e:
-            raise NormswapError(f"cannot write {target}: {e.strerror or e}") from None
+            raise NormswapError(f"cannot write {target}: {e.strerror or one_line(e)}") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -354,10 +355,17 @@ def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) ->
     everything is kept (hidden entries such as .git, other weight-like files such as
     training_args.bin or optimizer.pt) except the stock weight files the new ones replace. Those
     are hard links where the filesystem allows (no second copy of a large .git on disk); the old
-    tree they also belong to is removed once the new one is in place."""
+    tree they also belong to is removed once the new one is in place.
+
+    Otherwise links are carried as their content, except a link to a folder that holds the source,
+    the output or the folder the link is in: followed, it would copy that folder into itself until
+    the path grew too long (the source's parent may hold every other model). A link to nothing is
+    left out too."""
     carried = []
+    loops = _loop_links(source_dir, out_dir)
+    skipped = set() if in_place else loops(source_dir, [p.name for p in source_dir.iterdir()])
     for p in sorted(source_dir.iterdir()):
-        if p.name in _REWRITTEN or (out_dir / p.name).exists():
+        if p.name in _REWRITTEN or p.name in skipped or (out_dir / p.name).exists():
             continue
         if in_place:
             if _STOCK_WEIGHTS.fullmatch(p.name):
@@ -368,11 +376,33 @@ def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) ->
         if p.is_symlink() and in_place:
             os.symlink(os.readlink(p), out_dir / p.name)
         elif p.is_dir():
-            shutil.copytree(p, out_dir / p.name, symlinks=in_place, copy_function=copy)
+            shutil.copytree(p, out_dir / p.name, symlinks=in_place, copy_function=copy,
+                            ignore=None if in_place else loops)
         elif p.is_file():
             copy(p, out_dir / p.name)
+        else:
+            continue  # a link to nothing
         carried.append(p.name)
     return carried
+
+
+def _loop_links(source_dir: Path, out_dir: Path):
+    """copytree's ignore(folder, names): the names that are links to a folder holding the source,
+    the output, or `folder` itself (following one copies a tree into itself)."""
+    roots = (source_dir.resolve(), out_dir.resolve())
+
+    def ignore(folder, names):
+        here = Path(folder).resolve()
+        skip = set()
+        for name in names:
+            p = Path(folder) / name
+            if p.is_symlink() and p.is_dir():
+                target = p.resolve()
+                if any(r.is_relative_to(target) for r in (*roots, here)):
+                    skip.add(name)
+        return skip
+
+    return ignore
 
 
 def _link_or_copy(src, dst) -> None:

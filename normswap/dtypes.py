@@ -20,8 +20,15 @@ DTYPES = {
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """A torch.dtype (or None) from a name or a torch.dtype; BadInputError for anything else."""
-    if name is None or isinstance(name, torch.dtype):
+    """A torch.dtype (or None) from a name or a torch.dtype; BadInputError for anything else,
+    a torch.dtype no model runs in (int32, bool, complex) included: torch.finfo or from_pretrained
+    would fail on it later, with their own message, after the model is loaded."""
+    if name is None:
+        return name
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise BadInputError(f"dtype {name}: normswap runs models in {', '.join(RUN_DTYPES)} "
+                                "(and stores float64)")
         return name
     if not isinstance(name, str):
         raise TypeError(f"dtype must be a name such as 'fp16' or a torch.dtype, not {type(name).__name__}")

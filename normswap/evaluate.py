@@ -348,6 +348,9 @@ def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence
             data = data[0]
         if data.dim() != 1:
             raise NormswapError(f"token ids must be a 1-D tensor (or 1 x N), got shape {tuple(data.shape)}")
+        if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+            # tolist() would hand on 1.5 and int() make it 1: a wrong score with no complaint
+            raise BadInputError(f"token ids must be integers, got a {data.dtype} tensor")
         return iter([data.tolist()])
     if isinstance(data, (str, os.PathLike, Corpus)):
         if isinstance(data, str):

@@ -177,11 +177,16 @@ def load_config(source: ModelSource):
     cfg_path = source.path / "config.json"
     if source.gguf_file is None:
         try:
-            text = cfg_path.read_text()
+            raw = cfg_path.read_bytes()
         except OSError as e:  # a permission error is not a malformed file
             raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
         try:
-            json.loads(text)
+            json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:  # JSON is UTF-8; a Latin-1 editor's save is not
+            raise NormswapError(f"{cfg_path}: malformed config.json (not UTF-8: invalid byte at offset "
+                                f"{e.start})") from None
+        except RecursionError:  # json's nesting limit: no config nests a thousand levels deep
+            raise NormswapError(f"{cfg_path}: malformed config.json (nested too deeply)") from None
         except ValueError as e:
             raise NormswapError(f"{cfg_path}: malformed config.json ({e.__class__.__name__}: {e})") from None
     from transformers import AutoConfig
@@ -203,6 +208,11 @@ _POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 # Any other field named like a size or a count cannot be negative (num_experts, head_dim, d_ff, ...).
 _SIZE_LIKE = re.compile(r"(num|n)_\w+|\w+_(size|dim|layers|heads|embeddings)|head_dim|d_(model|ff|kv)")
 _EPS_LIKE = re.compile(r"\w*(eps|epsilon)")
+# A layer count no model has: the largest released models have a few hundred layers, and building
+# the module tree on the meta device (every scan) costs about 1.3 ms and 45 KB per layer, so a typo
+# such as 320000 for 32 (or 10**12) would run for ever and exhaust memory before any check failed.
+MAX_LAYERS = 10_000
+_LAYER_COUNT = re.compile(r"(\w+_)?(layers|layer)")
 
 
 def check_config(config, where) -> None:
@@ -225,6 +235,9 @@ def _check_fields(fields: dict, where, prefix: str = "") -> None:
             raise NormswapError(f"{where}: {prefix}{name} is {value}; an eps must be finite and not negative")
         elif _SIZE_LIKE.fullmatch(name) and value < 0:
             raise NormswapError(f"{where}: {prefix}{name} is {value}; a size or count cannot be negative")
+        elif _LAYER_COUNT.fullmatch(name) and value > MAX_LAYERS:
+            raise NormswapError(f"{where}: {prefix}{name} is {value}; normswap takes at most {MAX_LAYERS:,} "
+                                "layers (the largest models have a few hundred)")
 
 
 def model_class(config):
@@ -373,10 +386,9 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
     from normswap.swap import PatchConfig, patch
 
+    dtype = parse_dtype(dtype)  # options first, as the commands check theirs
     source = resolve(directory)
     manifest = read_manifest(source.path)
-    if isinstance(dtype, str):
-        dtype = parse_dtype(dtype)
     model = load_model(source, dtype=dtype, device=device)
     section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch

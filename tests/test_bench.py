@@ -160,3 +160,23 @@ def test_fused_writers_are_counted_not_assumed(tmp_path):
     assert [n for n in result.notes if "fused writers" in n] == [
         "torch+fused train: 0 of the 4 fused writers had their residual add run inside a norm kernel (the others "
         "met an op between the add and its norm, e.g. an active dropout)"]
+
+
+def test_out_replaces_only_an_earlier_bench_result(tmp_path):
+    """`bench MODEL --out MODEL/config.json` (a slip of the shell's tab completion) replaced the
+    model's config.json with the results and exited 0; --out MODEL/model.safetensors would have
+    replaced the weights. The results file may replace an earlier results file, nothing else,
+    and the refusal comes before anything is measured."""
+    model = _config_only("llama", tmp_path / "cfg")
+    config = (model / "config.json").read_bytes()
+    args = ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4", "--repeats", "1",
+            "--warmup", "0", "--dtype", "fp32"]
+    r = CliRunner().invoke(cli, [*args, "--out", str(model / "config.json"), "--json"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert "is not a normswap bench result; refusing to replace it" in r.stderr and "eager" not in r.stderr
+    assert (model / "config.json").read_bytes() == config
+    out = tmp_path / "r.json"
+    assert CliRunner().invoke(cli, [*args, "--out", str(out)]).exit_code == 0
+    first = json.loads(out.read_text())
+    assert CliRunner().invoke(cli, [*args, "--out", str(out)]).exit_code == 0  # an earlier result: replaced
+    assert json.loads(out.read_text())["created"] >= first["created"]

@@ -379,6 +379,30 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm):
         run_experiment(recipe, every_arm.out, progress=False)
 
 
+
+def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
+    """`--out ~/thesis`: a folder with files in it and no recipe.json is not an earlier run, and a
+    run writes results.csv, summary.md, curves.png, logs/ and arms/ into it, replacing the user's
+    files of those names. Refused before anything is written; an empty folder is fine."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    user = tmp_path / "thesis"
+    user.mkdir()
+    (user / "summary.md").write_text("years of work")
+    with pytest.raises(NormswapError, match="holds files and no earlier run of normswap experiment"):
+        run_experiment(recipe, user, progress=False)
+    assert [p.name for p in user.iterdir()] == ["summary.md"]
+    assert (user / "summary.md").read_text() == "years of work"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AssertionError, match="the run started"):
+        run_experiment(recipe, tmp_path / "empty", progress=False)
+
 # --------------------------------------------------------------------------- resume
 
 

@@ -22,11 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
 
 
-def _env(kill_at: str | None = None) -> dict:
+def _env(kill_at: str | None = None, signal_name: str = "KILL") -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     env.pop("NORMSWAP_TEST_KILL_AT", None)
     if kill_at:
         env["NORMSWAP_TEST_KILL_AT"] = kill_at
+        env["NORMSWAP_TEST_KILL_SIGNAL"] = signal_name
     return env
 
 
@@ -103,3 +104,19 @@ def test_kill_at_random_instants(model_dir):
     full = subprocess.run(_cmd(d), env=_env(), capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-2000:]
     assert [q.name for q in d.parent.iterdir()] == [d.name]
+
+
+@pytest.mark.parametrize("stage", ["after-weights", "before-exchange"])
+def test_sigterm_cleans_up_like_ctrl_c(model_dir, stage):
+    """SIGTERM is what `timeout`, `kill`, a batch scheduler's cancel and `docker stop` send. It
+    used to end the process on the spot, leaving the model-sized staging directory and the lock
+    file beside the target; now it is an interrupt: both removed, the target untouched, one line,
+    exit 143 (128 + SIGTERM)."""
+    d, want, names = model_dir
+    p = subprocess.run(_cmd(d), env=_env(stage, "TERM"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.splitlines()[-1] == "normswap: terminated", p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    assert sorted(q.name for q in d.iterdir()) == names
+    _assert_loadable_and_unchanged_output(d, want)
+    assert [q.name for q in d.parent.iterdir()] == [d.name]  # no staging directory, no lock file

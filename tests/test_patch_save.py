@@ -271,3 +271,35 @@ def test_stale_staging_of_dead_runs_is_removed(tmp_path):
         p.mkdir()
     assert checkpoint.remove_stale_staging(target) == [stale]
     assert live.exists() and other.exists() and not stale.exists()
+
+
+def test_carry_over_does_not_follow_links_that_loop(tmp_path):
+    """A link in the model directory to the directory itself, to one that holds it, or to the
+    folder the output is staged in was followed by copytree until the path grew too long: a copy
+    of everything there, many times over (the model folder's parent may hold every other model),
+    then a failure after all the work, reported in one 19 KB line. Such links are left out; a link
+    to a file or to an unrelated folder is still carried as its content (an HF cache snapshot's
+    files are links to blobs)."""
+    parent = tmp_path / "models"
+    src = parent / "m"
+    src.mkdir(parents=True)
+    (src / "tokenizer.json").write_text("{}")
+    (tmp_path / "blob").write_text("chat template")
+    (src / "chat_template.jinja").symlink_to(tmp_path / "blob")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "notes.txt").write_text("kept")
+    (src / "extra").symlink_to(tmp_path / "extra")
+    (src / "self").symlink_to(src)
+    (src / "up").symlink_to("..")
+    (src / "code").mkdir()
+    (src / "code" / "model.py").write_text("# custom code")
+    (src / "code" / "root").symlink_to(tmp_path)
+    (src / "gone").symlink_to(tmp_path / "nothing")
+    out = parent / ".staging"
+    out.mkdir()
+    carried = checkpoint.carry_over_files(src, out)
+    assert sorted(carried) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
+    assert (out / "chat_template.jinja").read_text() == "chat template" and not (out / "chat_template.jinja").is_symlink()
+    assert (out / "extra" / "notes.txt").read_text() == "kept"
+    assert sorted(p.name for p in (out / "code").iterdir()) == ["model.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]

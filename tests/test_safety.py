@@ -453,6 +453,42 @@ def test_case10_api_errors_are_normswap_errors(tmp_path):
     assert issubclass(BadInputError, ValueError) and issubclass(BadInputError, normswap.NormswapError)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_a_dtype_that_is_not_a_float_is_bad_input_everywhere(src, dtype):
+    """A torch.dtype is the right kind of argument; int32 is not a value a model runs in. patch()
+    raised torch.finfo's TypeError from deep in the verification, patch_checkpoint/load handed it
+    to from_pretrained."""
+    import normswap
+    from normswap.errors import BadInputError
+
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(BadInputError, match=f"dtype {dtype}: normswap runs models in"):
+        normswap.patch(model, "torch", dtype=dtype)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(type(m).__name__.startswith("Normswap") for m in model.modules())
+    with pytest.raises(BadInputError, match=f"dtype {dtype}"):
+        normswap.patch_checkpoint(src, "torch", dtype=dtype)
+    with pytest.raises(BadInputError, match=f"dtype {dtype}"):
+        normswap.load(src, dtype=dtype)
+
+
+def test_float_token_ids_are_bad_input_not_truncated():
+    """torch.tensor([1.5, 2.0, ...]) was scored as ids [1, 2, ...] (tolist + int): a wrong number
+    with no complaint. Ids are integers; a float tensor says the caller passed something else
+    (logits, embeddings, a normalised array)."""
+    from tiny_models import tiny_tokenizer
+
+    import normswap
+    from normswap.errors import BadInputError
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    with pytest.raises(BadInputError, match="token ids must be integers, got a torch.float32 tensor"):
+        normswap.perplexity(model, tok, torch.tensor([5.5, 6.0, 7.0, 8.0, 9.0]), max_length=4, progress=False)
+    ok = normswap.perplexity(model, tok, torch.tensor([5, 6, 7, 8, 9]), max_length=4, progress=False)
+    assert ok.tokens > 0
+
 # ---- case 4: tokenisation streams, whatever the file's shape -----------------------------------
 
 
@@ -559,3 +595,50 @@ def test_case8_scan_of_a_nonsense_config_prints_only_our_line(src, tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout)
     assert len(lines) == 1 and lines[0].startswith("normswap: error:") and "vocab_size" in lines[0], lines
+
+
+# ---- a hostile user's second pass: inputs the first sweep did not try --------------------------
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'{"model_type": "llama", "name": "caf\xe9"}', "not UTF-8"),  # a Latin-1 editor's save
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # json's recursion limit
+])
+@pytest.mark.parametrize("cmd", ["scan", "patch"])
+def test_config_json_that_is_not_text_or_too_deep_is_bad_input(src, tmp_path, content, says, cmd):
+    """Both were internal errors (exit 1): read_text raised UnicodeDecodeError and json.loads
+    RecursionError, neither an OSError nor the ValueError load_config caught."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    (d / "config.json").write_bytes(content)
+    r = run(cmd, d, *(["--impl", "torch"] if cmd == "patch" else []))
+    assert_one_line_error(r, f"{d / 'config.json'}: malformed config.json")
+    assert says in r.stderr
+
+
+@pytest.mark.parametrize("change", [dict(num_hidden_layers=10**12), dict(num_hidden_layers=50_000)])
+def test_a_layer_count_no_model_has_is_refused_before_building(src, tmp_path, change):
+    """A typo such as 320000 for 32 made scan build the module tree on the meta device for ever
+    (10**12 layers: 23 GB of memory after ten minutes, still going). Refused from the config."""
+    d = _edited_copy(src, tmp_path / "m", **change)
+    r = run("scan", d, "--no-consumers")
+    assert_one_line_error(r, f"num_hidden_layers is {change['num_hidden_layers']}; normswap takes at most")
+
+
+def test_a_nested_layer_count_is_refused_too(src, tmp_path):
+    """Encoder-decoder configs count layers under other names (num_decoder_layers, decoder_layers,
+    a text_config's num_hidden_layers): the limit reads every field named like a layer count."""
+    d = _edited_copy(src, tmp_path / "m", text_config={"num_layers": 2 * 10**9})
+    assert_one_line_error(run("scan", d), "text_config.num_layers is 2000000000")
+
+
+def test_a_newline_in_a_path_stays_on_the_one_error_line(tmp_path):
+    """Messages name the user's paths as given; a name holding a newline split the error into two
+    lines (a script reading the last line of stderr got half of it). The CLI shows it escaped."""
+    bad = tmp_path / "two\nlines"
+    r = run("scan", bad)
+    assert r.exit_code == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("normswap: error: "), r.stderr
+    assert "two\\nlines: no such file" in r.stderr

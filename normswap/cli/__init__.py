@@ -5,31 +5,42 @@ Commands build configs and call the library; they hold no logic of their own.
 `main` is the console entry point. It imports nothing heavy before it can answer Ctrl-C: an
 interrupt at any moment (start-up imports included) prints one line and exits 130, and so does
 one during the interpreter's shutdown after a finished run (atexit handlers of torch and tqdm).
+SIGTERM (`kill`, `timeout`, a batch scheduler's cancel, `docker stop`) is an interrupt too, so the
+same clean-up runs (a staging directory and lock file removed): one line, exit 143.
 """
 
 import os
 import signal
 import sys
 
-EXIT_INTERRUPTED = 130
+from normswap.cli.signals import Terminated, interruption
 
 
-def _interrupted(*_args) -> None:
+def _raise_terminated(*_args) -> None:
+    raise Terminated
+
+
+def _exit_now(line: str, code: int) -> None:
     try:
-        sys.stderr.write("normswap: interrupted\n")
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
     finally:
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(code)
+
+
+def _interrupted(signum=signal.SIGINT, _frame=None) -> None:
+    _exit_now(*interruption(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()))
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         from normswap.cli.main import run
 
         _register_commands()
         run()
-    except KeyboardInterrupt:
-        _interrupted()
+    except KeyboardInterrupt as e:
+        _exit_now(*interruption(e))
     except SystemExit:
         # Done: what is left is the interpreter's shutdown. The output is flushed first, since an
         # interrupt from here on ends the process without Python's own flush.
@@ -38,6 +49,7 @@ def main() -> None:
         except (KeyboardInterrupt, OSError):
             pass
         signal.signal(signal.SIGINT, _interrupted)
+        signal.signal(signal.SIGTERM, _interrupted)
         raise
 
 

@@ -11,18 +11,23 @@ from typing import Any
 import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
+from normswap.cli.signals import interruption
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
 def _usage_line(e: click.UsageError) -> str:
     # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-    return f"normswap: error: {e.format_message()}{hint}"
+    return f"normswap: error: {_escaped(e.format_message())}{hint}"
+
+
+def _escaped(message: str) -> str:
+    # The contract is one line: a path the user gave may hold a line break, shown as \n.
+    return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 class NormswapGroup(click.Group):
@@ -36,9 +41,10 @@ class NormswapGroup(click.Group):
         extra.pop("standalone_mode", None)
         try:
             rv = super().main(args, prog_name, standalone_mode=False, **extra)
-        except (KeyboardInterrupt, click.Abort):
-            click.echo("normswap: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except (KeyboardInterrupt, click.Abort) as e:
+            line, code = interruption(e)
+            click.echo(line, err=True)
+            sys.exit(code)
         except click.UsageError as e:
             click.echo(_usage_line(e), err=True)
             sys.exit(EXIT_BAD_INPUT)
@@ -52,19 +58,20 @@ class NormswapGroup(click.Group):
             quiet_transformers()
             return super().invoke(ctx)
         except NormswapError as e:
-            click.echo(f"normswap: error: {e}", err=True)
+            click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
             from normswap.errors import one_line
 
-            click.echo(f"normswap: error: {one_line(e)}", err=True)
+            click.echo(f"normswap: error: {_escaped(one_line(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except click.UsageError as e:
             click.echo(_usage_line(e), err=True)
             ctx.exit(EXIT_BAD_INPUT)
-        except KeyboardInterrupt:
-            click.echo("normswap: interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+        except KeyboardInterrupt as e:
+            line, code = interruption(e)
+            click.echo(line, err=True)
+            ctx.exit(code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception as e:
@@ -84,7 +91,8 @@ class NormswapGroup(click.Group):
 def cli() -> None:
     """Find, swap, fold and measure the normalization layers of Hugging Face models.
 
-    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted.
+    Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted
+    (Ctrl-C); 143 terminated (SIGTERM: cleaned up as for Ctrl-C).
     With --json stdout holds one JSON document or nothing (see README: the error contract).
 
     Writes are staged in a hidden .DIR.normswap-PID-* directory beside the target and renamed into

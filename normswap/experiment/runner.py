@@ -117,7 +117,15 @@ def make_accelerator(recipe: Recipe, out: Path):
 
 
 def _check_out(out: Path, recipe: Recipe) -> None:
+    """OUT is new, empty, or an earlier run of this recipe (its recipe.json): a run writes
+    results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
+    names. (logs/ alone: a run stopped before it wrote recipe.json.)"""
+    if out.exists() and not out.is_dir():
+        raise NormswapError(f"{out} exists and is not a folder; choose another --out")
     stamp = out / "recipe.json"
+    if out.is_dir() and not stamp.is_file() and any(p.name != "logs" for p in out.iterdir()):
+        raise NormswapError(f"{out} holds files and no earlier run of normswap experiment; refusing to write "
+                            "into it (choose a new or empty --out)")
     if stamp.is_file():
         try:
             previous = json.loads(stamp.read_text())
