@@ -21,7 +21,8 @@ source = resolve(model_ref)
 model = load_model(source, dtype=torch.bfloat16)
 
 # Swap every recognised norm in place; each one is verified before patch() returns, and a failure
-# undoes the whole call (NormswapError). filter_fn=(module, path) -> bool leaves norms alone.
+# undoes the whole call (normswap.VerificationError, its .report attached). A filter_fn(module, path)
+# that returns False leaves that norm alone.
 report = normswap.patch(model, impl="triton")
 worst = max(report.patched, key=lambda e: e.check.max_err_replacement)
 print(f"{len(report.patched)} norms patched; worst module {worst.path}: "

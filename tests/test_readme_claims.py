@@ -219,3 +219,31 @@ def test_perplexity_example_runs(tiny_llama, monkeypatch, capsys):
                      r"top-1 agreement ([\d.]+)%", out)
     assert diff, out
     assert diff.group(1) == first.group(1) and abs(float(diff.group(2))) < 1e-3 and float(diff.group(4)) > 99
+
+
+def test_quoted_defaults_are_the_defaults():
+    """"`--warmup` calls (default 3", "`--budget` (default 600 s)", "`--compile-backend`, default
+    inductor": each default the README quotes for an option is its Click default (for the commands
+    of its section; options whose default is computed at run time, e.g. bench's --device, are
+    described in words and skipped)."""
+    commands = _commands()
+    from normswap.cli import cli
+
+    checked, wrong = 0, []
+    for section_commands, section in _sections():
+        prose = " ".join(section.split())  # a quote may wrap onto the next line
+        for m in re.finditer(r"`(--[\w-]+)`[^`(]{0,40}[(,] ?default:? (`[^`]+`|\d[\d.]*|[a-z_]+\b)", prose):
+            opt, value = m.group(1), m.group(2).strip("`")
+            for name in section_commands:
+                if opt not in commands.get(name, ()):
+                    continue
+                param = next(p for p in cli.commands[name].params if opt in p.opts)
+                if param.default is None:
+                    continue
+                checked += 1
+                default = param.default
+                same = (float(value) == float(default)) if re.fullmatch(r"[\d.]+", value) else value == str(default)
+                if not same:
+                    wrong.append(f"normswap {name} {opt}: README says default {value}, the command's is {default!r}")
+    assert checked >= 3
+    assert wrong == []
