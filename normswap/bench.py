@@ -368,9 +368,9 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
                 elif row.mode in baseline:
                     row.speedup = baseline[row.mode] / seconds
         except Exception as e:  # noqa: BLE001 - one variant failing (compile, capture) is a row, not the end
-            from normswap.errors import first_line
+            from normswap.errors import one_line
 
-            why = str(e) if isinstance(e, NormswapError) else f"{e.__class__.__name__}: {first_line(e)}"
+            why = str(e) if isinstance(e, NormswapError) else f"{e.__class__.__name__}: {one_line(e)}"
             for row in rows:
                 if row.median_ms is None:
                     row.error = why
