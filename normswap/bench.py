@@ -212,6 +212,7 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
 
     source = resolve(cfg.model)
     config = load_config(source)
+    _check_context(cfg, config)
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
     cls = model_class(config)
@@ -222,6 +223,20 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
     except Exception as e:  # noqa: BLE001
         raise NormswapError(f"{cfg.model}: cannot build {cls.__name__} from its config: {e}") from None
     return model.eval()
+
+
+def _check_context(cfg: BenchConfig, config) -> None:
+    """Refuse a sequence the model has no positions for (learned position tables end there: every
+    variant would fail with an IndexError), before the model is built. Decode writes one token
+    after the prompt."""
+    from normswap.evaluate import config_context_length
+
+    context = config_context_length(config)
+    need = cfg.seq + (1 if "decode" in cfg.modes else 0)
+    if context is not None and need > context:
+        extra = " plus the decoded token" if need > cfg.seq else ""
+        raise NormswapError(f"--seq {cfg.seq}{extra} does not fit: the model's context is {context} positions; "
+                            f"use --seq {context - (need - cfg.seq)} or less")
 
 
 def _versions() -> dict[str, Any]:

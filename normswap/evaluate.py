@@ -156,7 +156,11 @@ class Window:
 
 
 def model_context_length(model) -> int | None:
-    config = getattr(model, "config", None)
+    return config_context_length(getattr(model, "config", None))
+
+
+def config_context_length(config) -> int | None:
+    """Positions the model has (its context), from the config alone; None when it names none."""
     for attr in CONTEXT_ATTRS:
         value = getattr(config, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

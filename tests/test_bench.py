@@ -204,3 +204,16 @@ def test_a_failing_variant_is_a_row_not_a_crash(tmp_path, monkeypatch):
     assert rows["eager"]["error"] is None and rows["eager"]["median_ms"] > 0
     assert rows["torch"]["error"] == "RuntimeError: boom second line" and rows["torch"]["median_ms"] is None
     assert json.loads(out.read_text())["rows"][1]["error"] == rows["torch"]["error"]
+
+
+@pytest.mark.parametrize("mode, seq", [("prefill", 65), ("decode", 64)])
+def test_a_sequence_longer_than_the_context_is_refused_before_building(tmp_path, mode, seq):
+    """GPT-2's learned positions end at n_positions (64 here): --seq 100 ran every variant into
+    'IndexError: index out of range in self' and exited 0 with a table of dashes; decode needs
+    one position more than the prompt."""
+    model = _config_only("gpt2", tmp_path / "cfg")
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", mode, "--seq", str(seq),
+                                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 2, r.output
+    assert f"--seq {seq}" in r.stderr and "the model's context is 64 positions" in r.stderr
+    assert "eager" not in r.stderr and not (tmp_path / "r.json").exists()
