@@ -85,6 +85,14 @@ def test_every_option_the_readme_names_exists():
     assert wrong == []
 
 
+def test_every_command_takes_json_and_the_readme_has_a_section_for_it():
+    """"Every command takes `--json`", and each has its `### normswap CMD` section."""
+    commands = _commands()
+    assert [c for c, opts in commands.items() if "--json" not in opts] == []
+    documented = {c for names, _ in _sections() for c in names}
+    assert set(commands) - documented == set()
+
+
 def test_listed_choice_values_are_real():
     """`--dtype fp32|fp16|bf16`, `--impl` values: every value the README lists for a choice option is
     one of its choices (a README that lists fewer, e.g. the half dtypes only, is fine)."""
