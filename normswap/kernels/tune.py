@@ -144,7 +144,10 @@ def candidates(pass_: str, dtype: str, hidden: int, m: int) -> list[dict]:
                 for w in (base.num_warps, base.num_warps // 2, base.num_warps * 2):
                     add(block_m, hidden, w, base.num_stages)
         if pass_ == "bwd":
-            for s in (base.num_stages - 1, base.num_stages + 1):
+            # Depth 1 too: triton < 3.9 drops the rows' L2 evict_first hint from pipelined copies
+            # (static_check.CP_ASYNC_HINTS_SINCE), and only a timing says whether the hint or the
+            # prefetch is worth more there.
+            for s in sorted({1, base.num_stages - 1, base.num_stages + 1}):
                 if s >= 1:
                     add(base.block_m, hidden, base.num_warps, s)
         if hidden >= whole_limit:  # at the boundary: the row split in two and in four
