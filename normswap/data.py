@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap.errors import BadInputError, NormswapError
 
 # Piece sizes for large plain files: small first (a --max-tokens run tokenises little), growing to
 # a cap that keeps the tokenizer's working set bounded.
@@ -67,6 +67,9 @@ class Corpus:
 
 def open_corpus(path: str | Path, text_field: str = "text") -> Corpus:
     """Validate PATH and say how to read it; raise a one-line NormswapError on bad input."""
+    if not str(path).strip():  # Path("") is the current directory: an unset "$TEXT" would name it
+        raise BadInputError("the data path is empty; pass a text file, a .jsonl, a directory of .txt files "
+                            "or a saved dataset")
     p = Path(path).expanduser()
     if not p.exists():
         raise NormswapError(f"{path}: no such file or directory")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
-from normswap.errors import NormswapError, one_line
+from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.progress import ProgressFn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -76,6 +76,8 @@ def resolve(ref: str | os.PathLike) -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line NormswapError. A path
     that cannot be read (permissions, I/O) is bad input naming the path and the system's reason."""
     ref = str(ref)
+    if not ref.strip():  # Path("") is the current directory: an unset "$MODEL" would name it
+        raise BadInputError("the model is empty; pass a model directory, a .gguf file or a hub id")
     try:
         return _resolve(ref)
     except OSError as e:

@@ -189,3 +189,15 @@ def test_gzip_that_is_not_gzip_is_one_clear_error(tmp_path):
     bad.write_text("plain text with a .gz name\n")
     with pytest.raises(NormswapError, match="not a valid gzip file"):
         open_corpus(bad)
+
+
+@pytest.mark.parametrize("path", ["", "   "])
+def test_an_empty_data_path_is_bad_input_not_the_current_directory(tmp_path, monkeypatch, path):
+    """`normswap ppl MODEL --data "$TEXT"` with TEXT unset scored every .txt file in the current
+    directory and reported a perplexity 'on ' (Path("") is "."): a number for data never chosen."""
+    from normswap.errors import BadInputError
+
+    (tmp_path / "notes.txt").write_text("some text in the current directory")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match="the data path is empty"):
+        open_corpus(path)

@@ -642,3 +642,23 @@ def test_a_newline_in_a_path_stays_on_the_one_error_line(tmp_path):
     assert r.exit_code == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("normswap: error: "), r.stderr
     assert "two\\nlines: no such file" in r.stderr
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_argument_is_bad_input_not_the_current_directory(src, tmp_path, monkeypatch, model):
+    """The --out rule (case 1) for MODEL: `normswap patch "$MODEL" --in-place` with MODEL unset,
+    run inside a checkpoint, rewrote the current directory and exited 0 (Path("") is "."). An
+    empty or blank model reference is bad input, for every command and the library."""
+    import shutil
+
+    import normswap
+
+    here = tmp_path / "cwd"
+    shutil.copytree(src, here)
+    before = _tree(here)
+    monkeypatch.chdir(here)
+    assert_one_line_error(run("patch", model, "--impl", "torch", "--in-place"), "the model is empty")
+    assert_one_line_error(run("scan", model), "the model is empty")
+    assert _tree(here) == before
+    with pytest.raises(normswap.BadInputError, match="the model is empty"):
+        normswap.patch_checkpoint(model, "torch", in_place=True)
