@@ -50,12 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # module level, so the interpreter can still be turned off below, before anything compiles.
 from normswap.dtypes import RUN_DTYPES  # noqa: E402
 from normswap.kernels.static_check import (  # noqa: E402
+    CP_ASYNC_HINTS_SINCE,
     ROWS,
     SCOPES,
     TABLE_VARIANTS,
     bucket_rows,
     cases,
     check_tile,
+    cp_async_hints,
     ptxas_release,
     representatives,
     run,
@@ -177,10 +179,15 @@ def hint_note(rows: list[dict], what: str) -> str | None:
     lost = unhinted_copies(rows)
     if not lost:
         return None
-    ptx = ", ".join(sorted({r["ptx"]["version"] or "?" for r in lost}))
+    versions = sorted({r["ptx"]["version"] or "?" for r in lost})
+    since = ".".join(map(str, CP_ASYNC_HINTS_SINCE["triton"])), ".".join(map(str, CP_ASYNC_HINTS_SINCE["ptx"]))
+    # A triton and PTX that should keep the hint and did not: the rule moved, or the kernels did.
+    why = ("UNEXPECTED for this triton and PTX" if any(cp_async_hints(triton.__version__, v) for v in versions)
+           else "dropped by this triton and PTX")
     return (f"note: {len(lost)} of {len(rows)} {what} load their rows through cp.async (the pipelined backward) "
-            f"without the L2 evict_first hint the kernels ask for: triton {triton.__version__}, PTX {ptx} drops it "
-            f"(kept from triton 3.9 with PTX 9.4; benchmarks/README.md, Pre-flight)")
+            f"without the L2 evict_first hint the kernels ask for: triton {triton.__version__}, PTX "
+            f"{', '.join(versions)}: {why} (kept from triton {since[0]} with PTX {since[1]}; "
+            f"benchmarks/README.md, Pre-flight)")
 
 
 def variant_name(r: dict) -> str:

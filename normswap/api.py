@@ -374,7 +374,14 @@ def bench_checkpoint(
     normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
     repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
     raise NormswapError before anything is measured."""
-    from normswap.bench import BenchConfig, check_result_target, default_output, parse_list, run_bench, write_result
+    from normswap.bench import (
+        BenchConfig,
+        check_result_target,
+        default_output,
+        parse_list,
+        run_bench,
+        write_result,
+    )
 
     config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.

@@ -85,6 +85,14 @@ def test_every_option_the_readme_names_exists():
     assert wrong == []
 
 
+def test_every_command_takes_json_and_the_readme_has_a_section_for_it():
+    """"Every command takes `--json`", and each has its `### normswap CMD` section."""
+    commands = _commands()
+    assert [c for c, opts in commands.items() if "--json" not in opts] == []
+    documented = {c for names, _ in _sections() for c in names}
+    assert set(commands) - documented == set()
+
+
 def test_listed_choice_values_are_real():
     """`--dtype fp32|fp16|bf16`, `--impl` values: every value the README lists for a choice option is
     one of its choices (a README that lists fewer, e.g. the half dtypes only, is fine)."""
@@ -247,3 +255,20 @@ def test_quoted_defaults_are_the_defaults():
                     wrong.append(f"normswap {name} {opt}: README says default {value}, the command's is {default!r}")
     assert checked >= 3
     assert wrong == []
+
+
+def test_recipes_readme_documents_every_recipe_key():
+    """recipes/README.md's Keys section names every key a recipe may hold, and no key that it may not."""
+    import dataclasses
+
+    from normswap.experiment import recipe as R
+
+    text = (ROOT / "recipes" / "README.md").read_text().split("## Keys", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", text))
+    sections = {"": R.Recipe, "model": R.ModelSection, "pretrain": R.PretrainSection, "data": R.DataSection,
+                "finetune": R.FinetuneSection}
+    keys = {f.name for cls in sections.values() for f in dataclasses.fields(cls)} - {"source", *sections}
+    assert keys - named == set()
+    assert set(re.findall(r"`\[(\w+)\]`", text)) | {""} == set(sections)
+    stray = {w for w in named if "_" in w and w not in keys}  # snake_case words are keys
+    assert stray == set()

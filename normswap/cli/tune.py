@@ -18,8 +18,9 @@ from normswap.cli.main import cli, emit, json_option
               help="Only these hidden sizes (your model's), each at 512 and many rows; default: the benchmark "
                    "grid, 1,024 to 262,144.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Table to write (default: the user table, $NORMSWAP_LAUNCH_TABLE or "
-                   "~/.cache/normswap/launch_table.json); an existing file is the starting point.")
+              help="Table to write (default: the user table: $NORMSWAP_LAUNCH_TABLE, else "
+                   "normswap/launch_table.json under $XDG_CACHE_HOME or ~/.cache); an existing file is "
+                   "the starting point.")
 @click.option("--retune", is_flag=True, help="Measure keys the table already has for this GPU again.")
 @click.option("--show", is_flag=True, help="Only say which launch tables are in effect here; tune nothing.")
 @json_option
