@@ -340,7 +340,13 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     if vocab < 4:
         raise NormswapError(f"{cfg.model}: bench needs a token model (config.vocab_size)")
     g = torch.Generator().manual_seed(cfg.seed)
-    ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
+    try:
+        ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
+    except (RuntimeError, MemoryError) as e:  # a size the user chose, not a bug: torch.OutOfMemoryError too
+        from normswap.errors import one_line
+
+        raise NormswapError(f"--batch {cfg.batch} x --seq {cfg.seq}: cannot allocate the token ids "
+                            f"({one_line(e)}); use a smaller --batch or --seq") from None
     result = BenchResult(cfg, _device_info(device), _versions(), {
         "model_type": getattr(config, "model_type", None), "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
