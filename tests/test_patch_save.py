@@ -303,3 +303,19 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
     assert (out / "extra" / "notes.txt").read_text() == "kept"
     assert sorted(p.name for p in (out / "code").iterdir()) == ["model.py"]
     assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("manifest", [
+    {"format": "normswap/2", "patch": [1]},
+    {"format": "normswap/1", "patch": 5},
+    {"format": "normswap/2", "convert": "folded"},
+    {"format": "normswap/2", "convert": {"norms": [7]}},
+])
+def test_a_manifest_section_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path, manifest):
+    """A section that is not an object ("patch": [1]) raised AttributeError from PatchConfig's
+    reading (d.items()): `normswap patch` on such a directory was an internal error (exit 1)."""
+    from normswap.manifest import read_manifest
+
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(NormswapError, match="malformed manifest"):
+        read_manifest(tmp_path)
