@@ -342,7 +342,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     g = torch.Generator().manual_seed(cfg.seed)
     try:
         ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
-    except (RuntimeError, MemoryError) as e:  # a size the user chose, not a bug: torch.OutOfMemoryError too
+    except (RuntimeError, MemoryError, TypeError) as e:  # a size the user chose, not a bug: torch's
+        # OutOfMemoryError is a RuntimeError, and a size past int64 fails its argument parsing (TypeError)
         from normswap.errors import one_line
 
         raise NormswapError(f"--batch {cfg.batch} x --seq {cfg.seq}: cannot allocate the token ids "

@@ -219,11 +219,12 @@ def test_a_sequence_longer_than_the_context_is_refused_before_building(tmp_path,
     assert "eager" not in r.stderr and not (tmp_path / "r.json").exists()
 
 
-def test_a_batch_that_cannot_be_allocated_is_bad_input(tmp_path):
-    """--batch 10**12 made torch fail to allocate the token ids (32 TB): an internal error (exit 1)
-    for a number the user chose. It is bad input naming the options."""
+@pytest.mark.parametrize("batch", [10**12, 10**23])
+def test_a_batch_that_cannot_be_allocated_is_bad_input(tmp_path, batch):
+    """--batch 10**12 made torch fail to allocate the token ids (32 TB), 10**23 overflowed its size
+    argument: internal errors (exit 1) for a number the user chose. Bad input naming the options."""
     model = _config_only("llama", tmp_path / "cfg")
     r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
-                                 "--batch", str(10**12), "--out", str(tmp_path / "r.json")])
+                                 "--batch", str(batch), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 2, r.output
-    assert "--batch 1000000000000 x --seq 4: cannot allocate" in r.stderr
+    assert f"--batch {batch} x --seq 4: cannot allocate" in r.stderr
