@@ -175,8 +175,9 @@ def _load_gguf(directory: Path, gguf_name: str):
 
 
 def load_config(source: ModelSource):
-    """The model's config, with every failure turned into one line."""
-    cfg_path = source.path / "config.json"
+    """The model's config, with every failure turned into one line naming the file it came from
+    (a GGUF's config is read from the .gguf itself)."""
+    cfg_path = source.path / (source.gguf_file or "config.json")
     if source.gguf_file is None:
         try:
             raw = cfg_path.read_bytes()

@@ -676,3 +676,13 @@ def test_an_empty_model_argument_is_bad_input_not_the_current_directory(src, tmp
     assert _tree(here) == before
     with pytest.raises(normswap.BadInputError, match="the model is empty"):
         normswap.patch_checkpoint(model, "torch", in_place=True)
+
+
+def test_a_broken_gguf_is_named_not_a_config_json_that_does_not_exist(tmp_path):
+    """A .gguf that is not one (a text file renamed, an empty or truncated download) was reported as
+    '<folder>/config.json: cannot read the model config: ...', a file that is not there."""
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not a gguf file at all " * 10)
+    r = run("scan", bad)
+    assert_one_line_error(r, f"{bad}: cannot read the model config")
+    assert "config.json" not in r.stderr
