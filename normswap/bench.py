@@ -212,6 +212,7 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
 
     source = resolve(cfg.model)
     config = load_config(source)
+    _check_context(cfg, config)
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
     cls = model_class(config)
@@ -222,6 +223,20 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
     except Exception as e:  # noqa: BLE001
         raise NormswapError(f"{cfg.model}: cannot build {cls.__name__} from its config: {e}") from None
     return model.eval()
+
+
+def _check_context(cfg: BenchConfig, config) -> None:
+    """Refuse a sequence the model has no positions for (learned position tables end there: every
+    variant would fail with an IndexError), before the model is built. Decode writes one token
+    after the prompt."""
+    from normswap.evaluate import config_context_length
+
+    context = config_context_length(config)
+    need = cfg.seq + (1 if "decode" in cfg.modes else 0)
+    if context is not None and need > context:
+        extra = " plus the decoded token" if need > cfg.seq else ""
+        raise NormswapError(f"--seq {cfg.seq}{extra} does not fit: the model's context is {context} positions; "
+                            f"use --seq {context - (need - cfg.seq)} or less")
 
 
 def _versions() -> dict[str, Any]:
@@ -325,7 +340,14 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     if vocab < 4:
         raise NormswapError(f"{cfg.model}: bench needs a token model (config.vocab_size)")
     g = torch.Generator().manual_seed(cfg.seed)
-    ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
+    try:
+        ids = torch.randint(3, vocab, (cfg.batch, cfg.seq), generator=g).to(device)
+    except (RuntimeError, MemoryError, TypeError) as e:  # a size the user chose, not a bug: torch's
+        # OutOfMemoryError is a RuntimeError, and a size past int64 fails its argument parsing (TypeError)
+        from normswap.errors import one_line
+
+        raise NormswapError(f"--batch {cfg.batch} x --seq {cfg.seq}: cannot allocate the token ids "
+                            f"({one_line(e)}); use a smaller --batch or --seq") from None
     result = BenchResult(cfg, _device_info(device), _versions(), {
         "model_type": getattr(config, "model_type", None), "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -368,9 +390,9 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
                 elif row.mode in baseline:
                     row.speedup = baseline[row.mode] / seconds
         except Exception as e:  # noqa: BLE001 - one variant failing (compile, capture) is a row, not the end
-            from normswap.errors import first_line
+            from normswap.errors import one_line
 
-            why = str(e) if isinstance(e, NormswapError) else f"{e.__class__.__name__}: {first_line(e)}"
+            why = str(e) if isinstance(e, NormswapError) else f"{e.__class__.__name__}: {one_line(e)}"
             for row in rows:
                 if row.median_ms is None:
                     row.error = why

@@ -220,8 +220,13 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
     path = target.parent / f".{target.name}.normswap.lock"
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a link: one planted at this name in a shared folder would make the pid
+            # overwrite (and the truncate empty) whatever file it points at
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
+            if path.is_symlink():
+                raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
+                                    f"(remove it if no normswap run is writing {target.name})") from None
             raise NormswapError(f"cannot create the lock file {path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

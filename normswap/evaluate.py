@@ -33,6 +33,7 @@ import copy
 import itertools
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -156,7 +157,11 @@ class Window:
 
 
 def model_context_length(model) -> int | None:
-    config = getattr(model, "config", None)
+    return config_context_length(getattr(model, "config", None))
+
+
+def config_context_length(config) -> int | None:
+    """Positions the model has (its context), from the config alone; None when it names none."""
     for attr in CONTEXT_ATTRS:
         value = getattr(config, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -190,6 +195,9 @@ def check_window_options(max_length: int | None, stride: int | None, max_tokens:
                             "between windows would never be scored")
     if max_tokens is not None and max_tokens < 2:
         raise BadInputError(f"{n['max_tokens']} {max_tokens}: at least 2 tokens are needed to score one")
+    if max_tokens is not None and max_tokens > sys.maxsize:  # what a stream can be cut at (islice)
+        raise BadInputError(f"{n['max_tokens']} {max_tokens}: more tokens than any text holds "
+                            f"(at most {sys.maxsize}; leave it out to score everything)")
     if batch_size < 1:
         raise BadInputError(f"{n['batch_size']} {batch_size}: must be at least 1")
 

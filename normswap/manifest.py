@@ -165,6 +165,10 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
                             f"{' and '.join(READ_FORMATS)})")
     if not any(name in data for name in SECTIONS):
         raise NormswapError(f"{path}: malformed manifest (neither a convert nor a patch section)")
+    for name in SECTIONS:
+        if name in data and not isinstance(data[name], dict):
+            raise NormswapError(f"{path}: malformed manifest (its {name} section is a "
+                                f"{type(data[name]).__name__}, not an object)")
     try:
         if "convert" in data:
             for n in data["convert"]["norms"]:
@@ -184,7 +188,7 @@ def _validate(data: Any, path: Path) -> dict[str, Any]:
                     m["spec"] = NormSpec.from_dict(m["spec"])
                 if m.get("rms_form") is not None:
                     RmsForm.coerce(m["rms_form"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise NormswapError(f"{path}: malformed manifest ({e.__class__.__name__}: {e})") from None
     return data
 

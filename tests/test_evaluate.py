@@ -196,6 +196,8 @@ def test_a_text_shorter_than_the_context_is_one_window_unless_a_length_was_asked
     (dict(max_length=1), "at least 2"),
     (dict(max_tokens=1), "at least 2"),
     (dict(batch_size=0), "at least 1"),
+    # past sys.maxsize: islice refused it with a ValueError, an internal error in ppl/diff/demo
+    (dict(max_tokens=10**23), "more tokens than any text holds"),
 ])
 def test_bad_window_options_are_one_line_errors(llama, kwargs, message):
     with pytest.raises(NormswapError, match=message):

@@ -322,3 +322,19 @@ def test_carry_over_does_not_follow_two_links_that_point_at_each_other(tmp_path)
     assert checkpoint.carry_over_files(src, out) == ["shared"]
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
         "shared", "shared/a.txt", "shared/to_y", "shared/to_y/b.txt"]
+
+
+@pytest.mark.parametrize("manifest", [
+    {"format": "normswap/2", "patch": [1]},
+    {"format": "normswap/1", "patch": 5},
+    {"format": "normswap/2", "convert": "folded"},
+    {"format": "normswap/2", "convert": {"norms": [7]}},
+])
+def test_a_manifest_section_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path, manifest):
+    """A section that is not an object ("patch": [1]) raised AttributeError from PatchConfig's
+    reading (d.items()): `normswap patch` on such a directory was an internal error (exit 1)."""
+    from normswap.manifest import read_manifest
+
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(NormswapError, match="malformed manifest"):
+        read_manifest(tmp_path)

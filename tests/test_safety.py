@@ -194,6 +194,20 @@ def test_case3_lock_is_reentrant_and_removed(tmp_path):
     assert not (tmp_path / ".t.normswap.lock").exists()
 
 
+def test_the_lock_never_follows_a_link_into_someone_elses_file(tmp_path):
+    """The lock file is opened beside the target, often in a shared folder. A link planted at its
+    name (or left there) was followed: the linked file was truncated and given the pid, then the
+    link removed. The lock is opened without following links and a link there is refused."""
+    precious = tmp_path / "important.txt"
+    precious.write_text("precious data")
+    (tmp_path / ".out.normswap.lock").symlink_to(precious)
+    with pytest.raises(NormswapError, match="is a symbolic link; refusing to follow it"):
+        with checkpoint.target_lock(tmp_path / "out"):
+            pass
+    assert precious.read_text() == "precious data"
+    assert (tmp_path / ".out.normswap.lock").is_symlink()
+
+
 # ---- case 2 (and 7: a size mismatch names the tensor and both shapes) --------------------------
 
 
