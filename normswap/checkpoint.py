@@ -393,17 +393,21 @@ def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) ->
 
 def _loop_links(source_dir: Path, out_dir: Path):
     """copytree's ignore(folder, names): the names that are links to a folder holding the source,
-    the output, or `folder` itself (following one copies a tree into itself)."""
+    the output, or any folder the copy is already inside (following one copies a tree into
+    itself)."""
     roots = (source_dir.resolve(), out_dir.resolve())
 
     def ignore(folder, names):
-        here = Path(folder).resolve()
+        # Every real folder on the way down from the source, not only `folder`: two links outside
+        # the model that point at each other's folders loop as surely as one that points up.
+        folder = Path(folder)
+        inside = {q.resolve() for q in (folder, *folder.parents) if q.is_relative_to(source_dir)}
         skip = set()
         for name in names:
-            p = Path(folder) / name
+            p = folder / name
             if p.is_symlink() and p.is_dir():
                 target = p.resolve()
-                if any(r.is_relative_to(target) for r in (*roots, here)):
+                if any(r.is_relative_to(target) for r in (*roots, *inside)):
                     skip.add(name)
         return skip
 

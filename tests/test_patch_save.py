@@ -305,6 +305,25 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
 
 
+def test_carry_over_does_not_follow_two_links_that_point_at_each_other(tmp_path):
+    """A cycle need not pass through the folder being copied: a link in the model to x, where x
+    links to y and y back to x, copied x and y into each other until the path grew too long. The
+    link back to a folder the copy is already inside is left out; the rest is carried once."""
+    src, x, y = tmp_path / "m", tmp_path / "x", tmp_path / "y"
+    for d in (src, x, y):
+        d.mkdir()
+    (x / "a.txt").write_text("x")
+    (y / "b.txt").write_text("y")
+    (x / "to_y").symlink_to(y)
+    (y / "to_x").symlink_to(x)
+    (src / "shared").symlink_to(x)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert checkpoint.carry_over_files(src, out) == ["shared"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "shared", "shared/a.txt", "shared/to_y", "shared/to_y/b.txt"]
+
+
 @pytest.mark.parametrize("manifest", [
     {"format": "normswap/2", "patch": [1]},
     {"format": "normswap/1", "patch": 5},

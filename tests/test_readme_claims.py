@@ -152,6 +152,10 @@ def test_the_counts_the_readme_quotes():
     from normswap.loading import DEFAULT_MODEL
 
     assert "`smollm2-135m`, the embedded default" in text and DEFAULT_MODEL == "smollm2-135m"
+    from normswap.loading import MAX_LAYERS
+
+    layers = re.search(r"more than ([\d,]+) layers", text)
+    assert layers and int(layers.group(1).replace(",", "")) == MAX_LAYERS
 
 
 def test_the_layout_names_real_files():
