@@ -57,8 +57,10 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise NormswapError(f"{index}: malformed index ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise NormswapError(f"{index}: malformed index ({e.__class__.__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise NormswapError(f"{index}: malformed index (weight_map must map tensor names to shard file names)")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (src / f).is_file()]
         if missing:  # said here: a missing shard would otherwise surface as a failed write

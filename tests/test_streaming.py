@@ -254,3 +254,15 @@ def test_missing_shard_is_named(tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(NormswapError, match=f"shard.*not there.*{shard.name}"):
         convert_directory(resolve(tmp_path / "src"), tmp_path / "out")
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": 5}', '[1, 2]', '{"weight_map": {"a.weight": 3}}',
+                                   '{"weight_map": {"a.weight": ["x"]}}'])
+def test_an_index_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path, index):
+    """model.safetensors.index.json with a weight_map that is not a map of names to file names
+    raised AttributeError/TypeError: `normswap convert` on it was an internal error (exit 1)."""
+    from normswap.errors import NormswapError
+
+    (tmp_path / st.INDEX_NAME).write_text(index)
+    with pytest.raises(NormswapError, match="malformed index"):
+        st.checkpoint_layout(tmp_path)
