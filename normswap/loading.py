@@ -221,6 +221,10 @@ _LAYER_COUNT = re.compile(r"(\w+_)?(layers|layer)")
 def check_config(config, where) -> None:
     """Refuse a config whose sizes or eps make no model: transformers accepts a negative layer
     count or a zero hidden size and fails (or warns) later, deep inside torch."""
+    names = getattr(config, "architectures", None)
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise NormswapError(f"{where}: architectures is a {type(names).__name__} ({names!r}); it must be a list "
+                            "of class names")
     for name in _POSITIVE:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:

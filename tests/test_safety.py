@@ -311,6 +311,9 @@ def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps is nan; an eps must be finite"),
     (dict(hidden_size="big"), "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' "
                               "expected int, got str"),
+    # a string was read letter by letter, found no class, and built the bare base model: scan showed the
+    # wrong model, patch blamed 'lm_head.weight ... another model size?'
+    (dict(architectures="LlamaForCausalLM"), "architectures is a str ('LlamaForCausalLM'); it must be a list"),
 ])
 @pytest.mark.parametrize("cmd", ["scan", "patch"])
 def test_case5_8_nonsense_config_is_bad_input(src, tmp_path, change, says, cmd):
