@@ -79,7 +79,9 @@ def fixtures(root: Path) -> dict:
                          "zero_vocab": dict(vocab_size=0), "str_hidden": dict(hidden_size="big"),
                          "nan_eps": dict(rms_norm_eps=float("nan")), "unknown_type": dict(model_type="no_such_xyz"),
                          "fewer": dict(num_hidden_layers=1), "more": dict(num_hidden_layers=3),
-                         "wide": dict(intermediate_size=64), "neg_kv": dict(num_key_value_heads=-2)}.items():
+                         "wide": dict(intermediate_size=64), "neg_kv": dict(num_key_value_heads=-2),
+                         "huge_layers": dict(num_hidden_layers=10**12),
+                         "arch_str": dict(architectures="LlamaForCausalLM")}.items():
         fx[name] = _edited(fx["llama"], root / name, **change)
     fx["nan_w"] = _corrupt(fx["llama"], root / "nan_w", "model.norm.weight", float("nan"))
     fx["inf_w"] = _corrupt(fx["llama"], root / "inf_w", "model.layers.0.mlp.up_proj.weight", float("inf"))
@@ -98,6 +100,12 @@ def fixtures(root: Path) -> dict:
     shutil.copytree(fx["llama"], fx["dirjson"])
     (fx["dirjson"] / "config.json").unlink()
     (fx["dirjson"] / "config.json").mkdir()
+    fx["latin1json"] = root / "latin1json"
+    shutil.copytree(fx["llama"], fx["latin1json"])
+    (fx["latin1json"] / "config.json").write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    fx["badgguf"] = root / "gguf" / "model.gguf"
+    fx["badgguf"].parent.mkdir()
+    fx["badgguf"].write_text("not a gguf file " * 8)
     fx["locked"] = root / "locked"
     shutil.copytree(fx["llama"], fx["locked"])
     fx["empty_dir"] = root / "empty_dir"
@@ -186,6 +194,14 @@ def cases(fx: dict) -> list[Case]:
              setup=lambda: _deny(fx["locked"])),
         Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
              setup=lambda: _deny(fx["locked"] / "config.json")),
+        Case("scan: config.json not UTF-8", ["scan", fx["latin1json"]], "not UTF-8", ci=True),
+        Case("scan: num_hidden_layers 10**12", ["scan", fx["huge_layers"]], "normswap takes at most", ci=True),
+        Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
+        Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
+             ci=True),
+        Case("scan: empty MODEL", ["scan", ""], "the model is empty", ci=True),
+        Case("scan: a newline in the path", ["scan", fx["root"] / "two\nlines"], "two\\nlines: no such file",
+             ci=True),
         Case("scan: not a hub id", ["scan", "a/b/c"], "no such file", ci=True),
         Case("scan: hub id not cached", ["scan", "nobody-xyz/nothing-xyz"], "not in the local Hugging Face cache",
              ci=True),
@@ -207,6 +223,8 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: existing --out without --force", [*P, L, "--impl", "torch", "--out", fx["done"]],
              "already exists; pass --force", ci=True),
         Case("patch: --out and --in-place", [*P, L, "--out", out, "--in-place"], "exclusive", ci=True),
+        Case("patch: empty MODEL --in-place inside a checkpoint", [*P, "", "--impl", "torch", "--in-place"],
+             "the model is empty", ci=True, cwd=fx["done"]),
         Case("patch: --in-place on a file", [*P, T, "--in-place"], "not .gguf", ci=True),
         Case("patch: --out is the model", [*P, L, "--impl", "torch", "--out", L, "--force"], "own directory", ci=True),
         Case("patch: --out holds the model", [*P, L, "--impl", "torch", "--out", fx["root"], "--force"],
@@ -254,6 +272,9 @@ def cases(fx: dict) -> list[Case]:
         Case("ppl: --batch-size 0", ["ppl", L, "--data", T, "--batch-size", "0"], "--batch-size 0", ci=True),
         Case("ppl: --max-tokens 1", ["ppl", L, "--data", T, "--max-tokens", "1"], "--max-tokens 1", ci=True),
         Case("ppl: latin-1 text", ["ppl", L, "--data", fx["latin1"]], "not UTF-8", ci=True),
+        Case("ppl: --data ''", ["ppl", L, "--data", ""], "the data path is empty", ci=True, cwd=fx["text"].parent),
+        Case("ppl: --max-tokens 10**23", ["ppl", L, "--data", T, "--max-tokens", str(10**23)],
+             "more tokens than any text holds", ci=True),
         Case("ppl: jsonl with a bad row", ["ppl", L, "--data", fx["badjsonl"]], "not valid JSON"),
         Case("ppl: jsonl without the field", ["ppl", L, "--data", fx["nofield"]], "--text-field"),
         Case("ppl: directory without .txt", ["ppl", L, "--data", fx["notxt"]], "no .txt files", ci=True),
@@ -292,6 +313,14 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: --mode nonsense", ["bench", L, "--mode", "nonsense", "--impl", "torch"], "nonsense", ci=True),
         Case("bench: --mode ','", ["bench", L, "--mode", ",", "--impl", "torch"], "--mode names no workload", ci=True),
         Case("bench: --impl nope", ["bench", L, "--impl", "nope"], "nope", ci=True),
+        Case("bench: --out is the model's config.json", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq",
+                                                         "4", "--out", L / "config.json"],
+             "is not a normswap bench result", ci=True),
+        Case("bench: --seq past GPT-2's positions", ["bench", G, "--impl", "torch", "--mode", "prefill", "--seq",
+                                                     "100", "--out", out / "b.json"], "the model's context is 64",
+             ci=True),
+        Case("bench: --batch 10**23", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq", "4", "--batch",
+                                       str(10**23), "--out", out / "b.json"], "cannot allocate", ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impl", "torch"], "repeats", ci=True),
         Case("bench: --load-weights, config one layer long", ["bench", fx["more"], "--load-weights", "--impl", "torch",
                                                               "--mode", "prefill", "--seq", "4", "--out", out / "b.json"],
