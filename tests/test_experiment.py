@@ -675,12 +675,66 @@ def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
     import signal
 
     stop = StopFlag()
-    with stop.on_sigint():
+    with stop.on_interrupt():
         os.kill(os.getpid(), signal.SIGINT)
-        assert stop.is_set()  # the step finishes and checkpoints; no KeyboardInterrupt yet
+        assert stop.is_set() and stop.signal == signal.SIGINT  # the step finishes and checkpoints
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Terminated(Exception):
+    pass
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM raises _Terminated here, as the command line's handler raises its Terminated (and
+    so a test whose SIGTERM is not caught fails instead of ending pytest)."""
+    import signal
+
+    def raise_terminated(*_):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    yield raise_terminated
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_checkpoints_like_ctrl_c_and_the_second_one_stops_now(sigterm_raises):
+    """SIGTERM is what a batch scheduler's cancel and `docker stop` send, with a grace period before
+    SIGKILL: the first one finishes the step and checkpoints, as Ctrl-C does (it used to interrupt
+    the step, losing everything since the last checkpoint); a second one goes to the handler that
+    was there before, at once."""
+    import signal
+
+    stop = StopFlag()
+    with stop.on_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.is_set() and stop.signal == signal.SIGTERM
+        with pytest.raises(_Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is sigterm_raises
+
+
+def test_experiment_stopped_by_sigterm_exits_143(tmp_path, monkeypatch, sigterm_raises):
+    """The command's exit code says which signal stopped it: 143 (128 + SIGTERM), 130 for Ctrl-C."""
+    import signal
+
+    from click.testing import CliRunner
+
+    import normswap.experiment
+    from normswap.cli import cli
+
+    def run(recipe, out, arms, *, stop, **_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.is_set()
+        raise Interrupted("original+ft: stopped at step 1 of 5; run the same command again to resume")
+
+    monkeypatch.setattr(normswap.experiment, "run_experiment", run)
+    r = CliRunner().invoke(cli, ["experiment", str(write_recipe(tmp_path / "r.toml", PRETRAIN))])
+    assert r.exit_code == 128 + signal.SIGTERM, r.output
+    assert "stopped at step 1 of 5" in r.stderr and "a second SIGTERM to stop now" in r.stderr
 
 
 # --------------------------------------------------------------------------- half-precision noise floor

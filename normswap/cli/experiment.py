@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from normswap.cli.main import cli, emit, json_option
+from normswap.cli.signals import EXIT_INTERRUPTED, EXIT_TERMINATED
 
 
 @cli.command()
@@ -21,19 +24,19 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
     """Run every arm of RECIPE (original, exact, approx, ... each alone and fine-tuned), evaluate them
     on held-out text from step 0, and write results.json, results.csv, summary.md and curves.png.
 
-    Rerunning the same command resumes where it stopped (Ctrl-C checkpoints first). Under
+    Rerunning the same command resumes where it stopped (Ctrl-C or SIGTERM checkpoints first). Under
     `accelerate launch -m normswap experiment ...` the fine-tuning runs on several processes (DDP).
     """
     from normswap.experiment import Interrupted, StopFlag, run_experiment
 
     stop = StopFlag()
     try:
-        with stop.on_sigint():
+        with stop.on_interrupt():
             result = run_experiment(recipe, out or None, arms, overrides=overrides, progress=not no_progress,
                                     stop=stop, option_names={"arms": "--arms"})
     except Interrupted as e:
         click.echo(f"normswap: {e}", err=True)
-        raise SystemExit(130) from None
+        raise SystemExit(EXIT_TERMINATED if stop.signal == signal.SIGTERM else EXIT_INTERRUPTED) from None
     if not result.data:  # not the main process of an `accelerate launch`: it reports nothing
         return
     data = result.to_dict()

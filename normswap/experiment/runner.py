@@ -194,7 +194,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     already validated: dataclasses.replace it).
     option_names: what error messages call `arms` (e.g. the command line's {"arms": "--arms"}).
 
-    stop: a StopFlag; once set (Ctrl-C, or a caller) the running arm checkpoints and Interrupted is
+    stop: a StopFlag; once set (Ctrl-C, SIGTERM, or a caller) the running arm checkpoints and Interrupted is
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
     if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
         recipe = load_recipe(recipe, overrides)

@@ -44,10 +44,12 @@ class Interrupted(NormswapError):
 
 
 class StopFlag:
-    """Set by SIGINT (or by a caller, e.g. a test simulating Ctrl-C); checked after every step."""
+    """Set by Ctrl-C or SIGTERM (or by a caller, e.g. a test simulating Ctrl-C); checked after every
+    step. `signal` is the signal that set it (None when a caller did)."""
 
     def __init__(self):
         self._event = threading.Event()
+        self.signal: int | None = None
 
     def set(self) -> None:
         self._event.set()
@@ -56,26 +58,37 @@ class StopFlag:
         return self._event.is_set()
 
     @contextlib.contextmanager
-    def on_sigint(self):
-        """First Ctrl-C: finish the step, checkpoint, stop. Second: KeyboardInterrupt now."""
+    def on_interrupt(self):
+        """First Ctrl-C or SIGTERM: finish the step, checkpoint, stop. SIGTERM too, because it is
+        what a batch scheduler's cancel and `docker stop` send, usually with some seconds' grace
+        before SIGKILL: enough to keep the steps since the last checkpoint. A second signal: the
+        handler that was there before, now (KeyboardInterrupt; the command line's Terminated)."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = signal.getsignal(signal.SIGINT)
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def handler(signum, frame):
             if self.is_set():
-                signal.signal(signal.SIGINT, previous)
-                raise KeyboardInterrupt
-            print("\nnormswap: stopping after this step (checkpointing; Ctrl-C again to stop now)",
-                  file=sys.stderr)
+                for s, h in previous.items():
+                    signal.signal(s, h)
+                if callable(previous[signum]):
+                    previous[signum](signum, frame)
+                else:  # the default action (or none, for an ignored signal), as if we had not been here
+                    signal.raise_signal(signum)
+                return
+            again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
+            print(f"\nnormswap: stopping after this step (checkpointing; {again} to stop now)", file=sys.stderr)
+            self.signal = signum
             self.set()
 
-        signal.signal(signal.SIGINT, handler)
+        for s in previous:
+            signal.signal(s, handler)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
