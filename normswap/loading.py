@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -223,8 +224,9 @@ def check_config(config, where) -> None:
     count or a zero hidden size and fails (or warns) later, deep inside torch."""
     names = getattr(config, "architectures", None)
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        raise NormswapError(f"{where}: architectures is a {type(names).__name__} ({names!r}); it must be a list "
-                            "of class names")
+        # reprlib: the value is shown shortened, as the one error line must stay short whatever the file holds
+        raise NormswapError(f"{where}: architectures is a {type(names).__name__} ({reprlib.repr(names)}); it must "
+                            "be a list of class names")
     for name in _POSITIVE:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:

@@ -689,3 +689,13 @@ def test_a_broken_gguf_is_named_not_a_config_json_that_does_not_exist(tmp_path):
     r = run("scan", bad)
     assert_one_line_error(r, f"{bad}: cannot read the model config")
     assert "config.json" not in r.stderr
+
+
+@pytest.mark.parametrize("names", ["X" * 100_000, {"a": list(range(50_000))}])
+def test_architectures_of_the_wrong_type_are_shown_shortened(src, tmp_path, names):
+    """The refusal quotes the value it refuses; a config file's value can be any size (a 100 KB
+    string, a large object), so the quote is shortened and the error stays one short line."""
+    d = _edited_copy(src, tmp_path / "m", architectures=names)
+    r = run("scan", d)
+    assert_one_line_error(r, f"architectures is a {type(names).__name__} (")
+    assert len(r.stderr) < 400 + len(str(d)), len(r.stderr)
