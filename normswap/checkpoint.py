@@ -385,8 +385,10 @@ def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) ->
                             ignore=None if in_place else loops)
         elif p.is_file():
             copy(p, out_dir / p.name)
+        elif in_place:
+            os.link(p, out_dir / p.name)  # a pipe, socket or device node: the user's entry, kept as is
         else:
-            continue  # a link to nothing
+            continue  # a link to nothing, or no file to copy
         carried.append(p.name)
     return carried
 

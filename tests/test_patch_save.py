@@ -338,3 +338,19 @@ def test_a_manifest_section_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(NormswapError, match="malformed manifest"):
         read_manifest(tmp_path)
+
+
+def test_in_place_keeps_every_other_entry_even_a_fifo(tmp_path):
+    """--in-place promises every other entry of the directory survives; one that is neither a
+    file, a folder nor a link (a named pipe a training job left) was dropped from the new tree."""
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"old weights")
+    (src / "notes.txt").write_text("kept")
+    os.mkfifo(src / "progress.pipe")
+    out = tmp_path / ".staging"
+    out.mkdir()
+    carried = checkpoint.carry_over_files(src, out, in_place=True)
+    assert sorted(carried) == ["notes.txt", "progress.pipe"]
+    assert (out / "progress.pipe").exists() and not (out / "progress.pipe").is_file()
+    assert not (out / "model.safetensors").exists()  # the new weights replace the stock ones

@@ -699,3 +699,11 @@ def test_architectures_of_the_wrong_type_are_shown_shortened(src, tmp_path, name
     r = run("scan", d)
     assert_one_line_error(r, f"architectures is a {type(names).__name__} (")
     assert len(r.stderr) < 400 + len(str(d)), len(r.stderr)
+
+
+def test_normswap_alone_prints_its_help_readably():
+    """`normswap` with no command shows the help (click's NoArgsIsHelp), line by line: escaping
+    line breaks, right for an error naming a path, must not turn it into one '\\n'-studded line."""
+    r = run()
+    assert r.exit_code == 2
+    assert "Commands:" in r.stderr.splitlines() and "\\n" not in r.stderr

@@ -21,6 +21,8 @@ EXIT_INTERNAL = 1
 
 def _usage_line(e: click.UsageError) -> str:
     # A mistyped option is bad input like any other: one line, not click's usage + hint + error.
+    if isinstance(e, click.exceptions.NoArgsIsHelpError):
+        return e.format_message()  # no command at all: the help itself, as it is laid out
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
     return f"normswap: error: {_escaped(e.format_message())}{hint}"
 
