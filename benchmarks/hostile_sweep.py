@@ -136,6 +136,8 @@ def fixtures(root: Path) -> dict:
     fx["notxt"] = texts / "notxt"
     fx["notxt"].mkdir()
     (fx["notxt"] / "a.csv").write_text("x,y\n")
+    fx["deep_json"] = texts / "deep.json"  # past json's recursion limit
+    fx["deep_json"].write_text("[" * 100_000 + "]" * 100_000)
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
@@ -348,6 +350,8 @@ def cases(fx: dict) -> list[Case]:
         Case("tune: --dtypes fp64", ["tune", "--dtypes", "fp64", "--out", out / "t.json"], "--dtypes: unknown 'fp64'",
              ci=True),
         Case("tune: --out is not a launch table", ["tune", "--out", T], "is not a valid launch table", ci=True),
+        Case("tune: --out ''", ["tune", "--out", ""], "the output file is empty", ci=True, cwd=fx["user_dir"]),
+        Case("tune: --out nested too deeply", ["tune", "--out", fx["deep_json"]], "nested too deeply", ci=True),
         Case("tune: --out is a directory", ["tune", "--out", fx["root"] / "llama"], "is a directory", ci=True),
         Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
     ]

@@ -139,12 +139,13 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def target_path(out: str | os.PathLike) -> Path:
-    """The absolute path of an output target, refusing an empty or blank one: Path("") is the
-    current directory, and an unset shell variable passed as --out "$OUT" would write (or with
-    --force, replace) whatever directory the user happens to be in."""
+def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
+    """The absolute path of an output target (`what`: directory or file, for the message), refusing
+    an empty or blank one: Path("") is the current directory, and an unset shell variable passed
+    as --out "$OUT" would write (or with --force, replace) whatever directory the user happens to
+    be in."""
     if not str(out).strip():
-        raise NormswapError("the output directory is empty; pass a directory name")
+        raise BadInputError(f"the output {what} is empty; pass a {what} name")
     return Path(out).expanduser().resolve()
 
 

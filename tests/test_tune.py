@@ -634,6 +634,48 @@ def test_cli_tune_bad_input_is_one_line_exit_2(args, says, monkeypatch, tmp_path
     assert says in r.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("out", ["", "   "])
+def test_cli_tune_empty_out_is_bad_input_and_the_cwd_survives(out, monkeypatch, tmp_path):
+    """An empty --out (an unset "$OUT") is refused as checkpoint outputs are, not an internal error
+    from Path("") being "." (which has no name to give the report a .md suffix)."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    (tmp_path / "notes.txt").write_text("keep")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["tune", "--out", out])
+    assert r.exit_code == 2 and r.stdout == "", (r.exit_code, r.stderr)
+    assert r.stderr.strip() == "normswap: error: the output file is empty; pass a file name"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_launch_table_nested_too_deeply_is_invalid_not_a_crash(monkeypatch, tmp_path):
+    """json's recursion limit raises RecursionError, which no table reader caught: `tune --show`
+    (and every launch) died on a deep user table. It is an invalid table like any other, named in
+    --show's report and refused as bad input by `tune`."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    deep = tmp_path / "user.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        T.read(deep)
+    monkeypatch.setenv(T.USER_ENV, str(deep))
+    T.reload()
+    try:
+        r = CliRunner().invoke(cli, ["tune", "--show"])
+    finally:
+        T.reload()
+    assert r.exit_code == 0 and f"user table: {deep}: invalid (malformed JSON (nested too deeply))" in r.stdout
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = CliRunner().invoke(cli, ["tune"])
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip() == (f"normswap: error: {deep} is not a valid launch table (malformed JSON (nested too "
+                                "deeply)); move it away or write elsewhere")
+
+
 STATIC_SCRIPT = '''
 import json
 import os

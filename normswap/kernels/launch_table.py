@@ -207,7 +207,14 @@ def empty(row_buckets) -> dict:
 
 
 def read(path: Path = PATH) -> dict:
-    return json.loads(Path(path).read_text())
+    """The parsed document; ValueError for text that is not JSON, as for one nested too deeply
+    (json's recursion limit: a RecursionError would escape every caller's ValueError handling,
+    and a table is only ever ignored with a warning or refused as bad input, never a crash)."""
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except RecursionError:  # no launch table nests a thousand levels deep
+        raise ValueError("malformed JSON (nested too deeply)") from None
 
 
 def stamp(arch: str, path: Path | None = None) -> dict:

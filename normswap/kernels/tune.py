@@ -627,7 +627,9 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
         out = T.user_path()
         if out is None:
             raise BadInputError(f"{T.USER_ENV}=off: no user launch table to write; give an output path")
-    out = Path(out)
+    from normswap.checkpoint import target_path
+
+    out = target_path(out, "file")  # Path("") is "." and has no suffix to swap for the report's
     report_path = Path(report_path) if report_path else out.with_suffix(".md")
     for path, what in ((out, "launch table"), (report_path, "report")):
         why = unwritable(path)
