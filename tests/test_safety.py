@@ -707,3 +707,35 @@ def test_normswap_alone_prints_its_help_readably():
     r = run()
     assert r.exit_code == 2
     assert "Commands:" in r.stderr.splitlines() and "\\n" not in r.stderr
+
+
+# ---- a reader that closes stdout early (`normswap scan M | head -1`) ------------------------------
+
+
+@pytest.mark.parametrize("args", [["scan", "{m}"], ["scan", "{m}", "--json"], ["--help"]],
+                         ids=["table", "json", "help"])
+def test_a_closed_stdout_ends_quietly_with_141(src, args):
+    """Like a Unix tool that SIGPIPE ended: exit 128 + 13, nothing on stderr (not rich's silent
+    exit 1, which reads as an internal error, nor a 'Broken pipe' error line or the interpreter's
+    'Exception ignored' at its final flush). The pipe's reader is closed before the process
+    starts, so the first write fails whatever the output's size."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        p = subprocess.run([sys.executable, "-m", "normswap", *(a.format(m=src) for a in args)], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write)
+    assert (p.returncode, p.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(src, monkeypatch):
+    """Only a closed stdout is the reader's choice: a BrokenPipeError from any other pipe (here the
+    library's) stays a one-line error, not a silent 141."""
+    from normswap import scan
+
+    def broken(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(scan, "scan", broken)
+    assert_one_line_error(run("scan", src), "Broken pipe")

@@ -9,7 +9,7 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.bench import MODES
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
 
@@ -53,10 +53,9 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
 
 
 def _render(data: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    console = report_console(highlight=False, width=None if sys.stdout.isatty() else 200)
     dev = data["device"]
     where = f"{dev['name']} (CPU numbers: they say nothing about GPU speed)" if dev["cpu_numbers"] else dev["name"]
     c = data["config"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import STORE_DTYPES
 
 
@@ -21,7 +21,7 @@ def _render(data: dict) -> None:
     # Reasons are sentences: give them room when stdout is not a terminal (pipes default to 80).
     # A refusal's table explains the error: it goes to stderr with it (stdout stays empty, as for
     # every bad input; see README, the error contract).
-    console = Console(soft_wrap=False, stderr=bool(data.get("error")),
+    console = report_console(soft_wrap=False, stderr=bool(data.get("error")),
                       width=None if Console().is_terminal else 160)
     t = Table(title=f"normswap convert --to rms: {data['model']} ({data['arch']})", show_lines=False)
     for col in ("norm", "folded γ", "folded β", "kept β (why)", "RMS (why not)"):

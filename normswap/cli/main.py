@@ -17,6 +17,45 @@ from normswap.jsonsafe import finite_or_null
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool that SIGPIPE ended
+
+
+def _stdout_is_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`normswap scan M | head -1`): poll reports an
+    error on its write end. A BrokenPipeError from any other pipe is a real failure."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no real stdout (a test runner's)
+        return False
+
+
+def _exit_if_stdout_closed(error: OSError) -> None:
+    """A reader that stopped early is no error: end quietly like a Unix tool that SIGPIPE ended
+    (Python ignores SIGPIPE, so the write raised instead). Stdout becomes /dev/null, so the
+    interpreter's final flush of what is still buffered does not raise again (the Python docs'
+    note on SIGPIPE). Returns for any other error."""
+    if not (isinstance(error, BrokenPipeError) and _stdout_is_closed()):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_STDOUT_CLOSED)
+
+
+def report_console(**kwargs):
+    """A rich Console for a command's report. Rich answers a closed stdout by exiting with 1, the
+    internal-error code, without a word: here the BrokenPipeError goes on to the group, which
+    exits as for any other write to a closed stdout."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    return _Console(**kwargs)
 
 
 def _usage_line(e: click.UsageError) -> str:
@@ -55,6 +94,15 @@ class NormswapGroup(click.Group):
             sys.exit(e.exit_code)
         sys.exit(rv if isinstance(rv, int) else 0)
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        # The group's own --help and --version write here, before invoke; click would answer a
+        # closed stdout with exit 1 and nothing said.
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except OSError as e:
+            _exit_if_stdout_closed(e)
+            raise
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             quiet_transformers()
@@ -63,6 +111,7 @@ class NormswapGroup(click.Group):
             click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
+            _exit_if_stdout_closed(e)
             from normswap.errors import one_line
 
             click.echo(f"normswap: error: {_escaped(one_line(e))}", err=True)
@@ -94,7 +143,8 @@ def cli() -> None:
     """Find, swap, fold and measure the normalization layers of Hugging Face models.
 
     Exit codes: 0 done; 2 bad input (one line on stderr); 1 internal error; 130 interrupted
-    (Ctrl-C); 143 terminated (SIGTERM: cleaned up as for Ctrl-C).
+    (Ctrl-C); 143 terminated (SIGTERM: cleaned up as for Ctrl-C); 141 stdout closed by its reader
+    (`| head`: ended quietly).
     With --json stdout holds one JSON document or nothing (see README: the error contract).
 
     Writes are staged in a hidden .DIR.normswap-PID-* directory beside the target and renamed into

@@ -7,7 +7,7 @@ import sys
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
 
@@ -84,12 +84,11 @@ def _fmt(x: float) -> str:
 
 
 def render(data: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     stream = sys.stderr if not data["ok"] else sys.stdout
     # Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns; don't.
-    console = Console(file=stream, highlight=False, width=None if stream.isatty() else 200)
+    console = report_console(file=stream, highlight=False, width=None if stream.isatty() else 200)
     table = Table(title=f"normswap patch {data['model']} --impl {data['impl']} ({data['dtype']})")
     for col in ("path", "class", "impl", "eps", "dtype", "err orig", "err new", "Δerr ulp", "result"):
         table.add_column(col, justify="right" if col in ("eps", "err orig", "err new", "Δerr ulp") else "left")

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from normswap.cli.main import cli, emit, json_option
+from normswap.cli.main import cli, emit, json_option, report_console
 from normswap.loading import DEFAULT_MODEL
 
 
@@ -44,10 +44,9 @@ def _short(consumer: str, norm_path: str) -> str:
 
 
 def render(doc: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 220)
+    console = report_console(width=None if sys.stdout.isatty() else 220)
     title = f"{doc['model']}: {doc['model_class']} ({doc['model_type']})"
     table = Table(title=title, title_justify="left", show_lines=False)
     for col in ("path", "class", "kind", "eps", "offset", "casting", "dtype", "shape", "weight", "bias",
