@@ -265,6 +265,8 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
         # ---- ppl / diff
         Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
+        Case("ppl: BERT (no language-model head)", ["ppl", fx["bert"], "--data", T], "has no language-model head",
+             ci=True),
         Case("ppl: --data no such file", ["ppl", L, "--data", fx["root"] / "none.txt"], "no such file", ci=True),
         Case("ppl: --max-length 1", ["ppl", L, "--data", T, "--max-length", "1"], "--max-length 1", ci=True),
         Case("ppl: --max-length abc", ["ppl", L, "--data", T, "--max-length", "abc"], "abc", ci=True),

@@ -202,6 +202,7 @@ def load_config(source: ModelSource):
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
         raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
+    _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
     return config
 
 

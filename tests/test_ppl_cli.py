@@ -32,6 +32,7 @@ def models(tmp_path_factory):
     save_tiny("llama", root / "foreign-tokenizer")
     renumbered_tokenizer(offset=1000).save_pretrained(root / "foreign-tokenizer")
     save_tiny("t5", root / "t5")  # encoder-decoder: refused from its config, before any weight loads
+    save_tiny("bert", root / "bert")  # BertModel: no language-model head, refused from its config too
     save_tiny("llama", root / "no-tokenizer")
     for f in os.listdir(root / "no-tokenizer"):
         if "token" in f:
@@ -120,6 +121,24 @@ def bad(tmp_path: Path, name: str, content: bytes) -> Path:
     return p
 
 
+@pytest.mark.parametrize("cmd", ["ppl", "diff"])
+def test_a_model_without_a_language_model_head_is_refused_before_its_weights_load(models, monkeypatch, cmd):
+    """The config names the class (BertModel) and the class says it has no head: loading the
+    weights first only to find no logits costs a whole checkpoint's read for one error line."""
+    from normswap import loading
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded before the refusal")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    root, _, _ = models
+    args = ["ppl", root / "bert"] if cmd == "ppl" else ["diff", root / "a", root / "bert"]
+    result = run(*args, "--data", TEXT)
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert result.stderr.strip().splitlines()[-1] == ("normswap: error: BertModel has no language-model head (no "
+                                                      "logits to score); perplexity needs a causal language model")
+
+
 @pytest.mark.parametrize("args,message", [
     (lambda r, t: ("ppl", r / "a", "--data", bad(t, "e.txt", b"")), "empty file"),
     (lambda r, t: ("ppl", r / "a", "--data", bad(t, "b.bin", b"\x00\x01\x02binary")), "a binary file"),
@@ -136,6 +155,8 @@ def bad(tmp_path: Path, name: str, content: bytes) -> Path:
     (lambda r, t: ("diff", r / "a", "--patched", "torch", "--data", bad(t, "s.txt", b"too short"),
                    "--max-length", 32), "shorter than one window"),
     (lambda r, t: ("diff", r / "a", r / "t5", "--data", TEXT), "encoder-decoder model"),
+    (lambda r, t: ("ppl", r / "bert", "--data", TEXT), "BertModel has no language-model head"),
+    (lambda r, t: ("diff", r / "a", r / "bert", "--data", TEXT), "BertModel has no language-model head"),
     (lambda r, t: ("diff", r / "a", r / "other-tokenizer", "--data", TEXT), "different tokenizers"),
     (lambda r, t: ("ppl", r / "foreign-tokenizer", "--data", TEXT, "--max-length", 32),
      "the tokenizer does not belong to this model"),
