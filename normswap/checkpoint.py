@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError, one_line
-from normswap.fileio import umask
+from normswap.fileio import target_path, umask
 from normswap.progress import ProgressFn, step
 
 # Files save_pretrained writes itself, or that must not be carried over (old weights would be
@@ -137,16 +137,6 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
     os.replace(target, aside)
     os.replace(tmp, target)
     shutil.rmtree(aside, ignore_errors=True)
-
-
-def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
-    """The absolute path of an output target (`what`: directory or file, for the message), refusing
-    an empty or blank one: Path("") is the current directory, and an unset shell variable passed
-    as --out "$OUT" would write (or with --force, replace) whatever directory the user happens to
-    be in."""
-    if not str(out).strip():
-        raise BadInputError(f"the output {what} is empty; pass a {what} name")
-    return Path(out).expanduser().resolve()
 
 
 def is_checkpoint_dir(directory: Path) -> bool:

@@ -400,17 +400,6 @@ def _check_causal(model) -> None:
         raise NormswapError(
             f"{_model_name(model)} is an encoder-decoder model; perplexity here needs a causal language model"
         )
-    if isinstance(model, _ConfigOnly):
-        # Before any weights load: the class the config builds says whether it has a
-        # language-model head (transformers' generating classes, every causal LM among them; a
-        # bare encoder such as BertModel returns hidden states). _logits still catches a loaded
-        # model without one.
-        from normswap.loading import model_class
-
-        cls = model_class(config)
-        if not cls.can_generate():
-            raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score); perplexity "
-                                "needs a causal language model")
 
 
 def _vocabulary_size(model) -> int | None:

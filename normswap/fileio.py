@@ -1,7 +1,7 @@
 """Writing a file so that no reader, and no other writer, ever sees it half-written: the one
 atomic text write every results file, manifest and launch table goes through, the umask that
-files made through temporary names are given back, and the one check, made before any long work,
-that a destination can be written at all."""
+files made through temporary names are given back, the one check, made before any long work,
+that a destination can be written at all, and the refusal of an empty output path."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+
+from normswap.errors import BadInputError
 
 
 def umask() -> int:
@@ -67,3 +69,13 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     except OSError as e:
         return f"{parent} is not writable ({e.strerror or e})"
     return None
+
+
+def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
+    """The absolute path of an output target (`what`: directory or file, for the message), refusing
+    an empty or blank one: Path("") is the current directory, and an unset shell variable passed
+    as --out "$OUT" would write (or with --force, replace) whatever directory the user happens to
+    be in."""
+    if not str(out).strip():
+        raise BadInputError(f"the output {what} is empty; pass a {what} name")
+    return Path(out).expanduser().resolve()

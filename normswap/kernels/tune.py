@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
-from normswap.fileio import unwritable, write_text_atomic
+from normswap.fileio import target_path, unwritable, write_text_atomic
 from normswap.kernels import launch_table as T
 
 # A candidate replaces the baseline only when faster by more than this (geometric mean over the
@@ -627,8 +627,6 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
         out = T.user_path()
         if out is None:
             raise BadInputError(f"{T.USER_ENV}=off: no user launch table to write; give an output path")
-    from normswap.checkpoint import target_path
-
     out = target_path(out, "file")  # Path("") is "." and has no suffix to swap for the report's
     report_path = Path(report_path) if report_path else out.with_suffix(".md")
     for path, what in ((out, "launch table"), (report_path, "report")):
