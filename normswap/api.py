@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from normswap.bench import BenchResult
+from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
@@ -229,7 +230,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     parse_shard_size(max_shard_size)  # every option is checked before the (long) load
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
-    torch_dtype = _dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     source = resolve(model)
     config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
@@ -343,7 +344,7 @@ def convert_checkpoint(
     # then renamed into place (an existing one is exchanged atomically).
     with staged_dir(target, replace=force) as tmp:
         step(progress, "convert", 0, None)
-        section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=_dtype(dtype),
+        section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,
                                     planned=(meta, plan))
         step(progress, "verify", 0, 1)
@@ -409,7 +410,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dty
     config = load_config(source)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
     step(progress, "load", 0, 1)
-    loaded = load_model(source, dtype=_dtype(dtype), config=config)
+    loaded = load_model(source, dtype=parse_dtype(dtype), config=config)
     step(progress, "load", 1, 1)
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
     return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result)
@@ -435,7 +436,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
     corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b)
-    torch_dtype = _dtype(dtype)
+    torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
     model_a = load_model(source_a, dtype=torch_dtype, config=config_a)
     step(progress, "load", 1, 2)
@@ -508,12 +509,6 @@ def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference
 
     return diff_models(model_a, model_b, tokenizer, corpus, progress=progress or False, reference=reference,
                        **settings.window_kwargs)
-
-
-def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    from normswap.loading import parse_dtype
-
-    return parse_dtype(dtype)
 
 
 def _model_dtype(model) -> torch.dtype:
