@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -49,13 +50,19 @@ def report_console(**kwargs):
     """A rich Console for a command's report. Rich answers a closed stdout by exiting with 1, the
     internal-error code, without a word: here the BrokenPipeError goes on to the group, which
     exits as for any other write to a closed stdout."""
+    return _report_console_class()(**kwargs)
+
+
+@functools.cache
+def _report_console_class() -> type:
+    # Built on first use, once: importing rich costs a command that prints no report its start-up time.
     from rich.console import Console
 
-    class _Console(Console):
+    class ReportConsole(Console):
         def on_broken_pipe(self) -> None:
             raise BrokenPipeError(32, "Broken pipe")
 
-    return _Console(**kwargs)
+    return ReportConsole
 
 
 def _usage_line(e: click.UsageError) -> str:
