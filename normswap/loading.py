@@ -357,6 +357,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     already read it (reading a GGUF's takes seconds)."""
     config = load_config(source) if config is None else config
     _name_gguf_architecture(source, config)
+    check_stored_dtypes(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"
@@ -367,6 +368,41 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
         model.hf_quantizer = None
         model.is_quantized = False
     return model.eval()
+
+
+# safetensors' integer and boolean dtypes (I8 ... I64, U8 ... U64, BOOL); every other is a float.
+_NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
+
+
+def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
+    """Refuse a safetensors checkpoint that stores a floating-point tensor of the model (a norm's
+    gain, a Linear weight) as integers or booleans: from_pretrained casts it to float without a
+    word, so normswap would patch, score and re-save a model that is not what the file holds.
+    Only the files' headers are read; the meta model (built here when `meta` is None, and only if
+    some tensor is stored as integers) says which tensors are floating-point, so an integer buffer
+    (old checkpoints' position_ids) still loads. Not checked: GGUF files (transformers
+    de-quantises them), quantised checkpoints (a quantization_config: packed integer weights are
+    their format), pickled weights (their dtypes are only known once loaded)."""
+    from normswap import streaming as st
+
+    if source.gguf_file or getattr(config, "quantization_config", None) is not None:
+        return
+    if not ((source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()):
+        return
+    files, _, _ = st.checkpoint_layout(source.path)
+    stored = [(file, key, entry["dtype"]) for file in files
+              for key, entry in st.read_header(source.path / file).items()
+              if isinstance(entry, dict) and _NOT_FLOAT.fullmatch(str(entry.get("dtype")))]
+    if not stored:
+        return
+    meta = build_meta_model(source, config) if meta is None else meta
+    floats = {name for name, t in meta.state_dict().items() if t.is_floating_point()}
+    prefix = getattr(meta, "base_model_prefix", "")
+    for file, key, dtype in stored:  # a bare base model's checkpoint names tensors without the prefix
+        if key in floats or f"{prefix}.{key}" in floats:
+            raise NormswapError(f"{source.path / file}: {key} is stored as {dtype} where {type(meta).__name__} has "
+                                "a floating-point tensor; transformers would cast it without a word, and the model "
+                                "run would not be the one in the file")
 
 
 def from_pretrained_checked(cls, path, ref: str, **kwargs):
