@@ -389,9 +389,12 @@ def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
         return
     if not ((source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()):
         return
-    files, _, _ = st.checkpoint_layout(source.path)
-    stored = [(file, key, entry["dtype"]) for file in files
-              for key, entry in st.read_header(source.path / file).items()
+    try:
+        files, _, _ = st.checkpoint_layout(source.path)
+        headers = {file: st.read_header(source.path / file) for file in files}
+    except NormswapError:
+        return  # a malformed index or file: the load reports it, as for any checkpoint
+    stored = [(file, key, entry["dtype"]) for file, header in headers.items() for key, entry in header.items()
               if isinstance(entry, dict) and _NOT_FLOAT.fullmatch(str(entry.get("dtype")))]
     if not stored:
         return
