@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -103,6 +104,24 @@ def fixtures(root: Path) -> dict:
     fx["latin1json"] = root / "latin1json"
     shutil.copytree(fx["llama"], fx["latin1json"])
     (fx["latin1json"] / "config.json").write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    # JSON nested past json's recursion limit (a RecursionError, no ValueError) in each JSON file
+    # normswap reads from a model folder or from an --out left by an earlier run.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for name, src, file in (("deep_manifest", "llama", "normswap.json"), ("deep_manifest_gpt2", "gpt2", "normswap.json"),
+                            ("deep_index", "gpt2", "model.safetensors.index.json"),
+                            ("deep_header", "gpt2", "model.safetensors")):
+        fx[name] = root / name
+        shutil.copytree(fx[src], fx[name])
+        if file == "model.safetensors.index.json":  # sharded: the index names the one shard
+            (fx[name] / "model.safetensors").rename(fx[name] / "model-00001-of-00001.safetensors")
+        (fx[name] / file).write_bytes(struct.pack("<Q", len(deep)) + deep if file.endswith(".safetensors") else deep)
+    fx["deep_user"] = root / "deep_user"  # --force: a folder whose config.json is not a model's
+    fx["deep_user"].mkdir()
+    (fx["deep_user"] / "config.json").write_bytes(deep)
+    (fx["deep_user"] / "notes.txt").write_text("keep")
+    fx["deep_run"] = root / "deep_run"  # an experiment --out whose recipe.json is not ours
+    fx["deep_run"].mkdir()
+    (fx["deep_run"] / "recipe.json").write_bytes(deep)
     fx["badgguf"] = root / "gguf" / "model.gguf"
     fx["badgguf"].parent.mkdir()
     fx["badgguf"].write_text("not a gguf file " * 8)
@@ -136,8 +155,10 @@ def fixtures(root: Path) -> dict:
     fx["notxt"] = texts / "notxt"
     fx["notxt"].mkdir()
     (fx["notxt"] / "a.csv").write_text("x,y\n")
-    fx["deep_json"] = texts / "deep.json"  # past json's recursion limit
-    fx["deep_json"].write_text("[" * 100_000 + "]" * 100_000)
+    fx["deep_json"] = texts / "deep.json"
+    fx["deep_json"].write_bytes(deep)
+    fx["deep_jsonl"] = texts / "deep.jsonl"
+    fx["deep_jsonl"].write_bytes(b'{"text": "fine"}\n' + deep + b"\n")
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
@@ -197,6 +218,8 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
              setup=lambda: _deny(fx["locked"] / "config.json")),
         Case("scan: config.json not UTF-8", ["scan", fx["latin1json"]], "not UTF-8", ci=True),
+        Case("scan: config.json nested too deeply", ["scan", fx["deep_user"]], "config.json: malformed config.json "
+             "(nested too deeply", ci=True),
         Case("scan: num_hidden_layers 10**12", ["scan", fx["huge_layers"]], "normswap takes at most", ci=True),
         Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
         Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
@@ -222,6 +245,10 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: --out / --force", [*P, L, "--impl", "torch", "--out", "/", "--force"], "write elsewhere", ci=True),
         Case("patch: --out HOME --force", [*P, L, "--impl", "torch", "--out", Path.home(), "--force"], "refusing",
              ci=True),
+        Case("patch: --force on a folder whose config.json nests too deeply",
+             [*P, L, "--impl", "torch", "--out", fx["deep_user"], "--force"], "not a model checkpoint", ci=True),
+        Case("patch: normswap.json nested too deeply", [*P, fx["deep_manifest"], "--impl", "torch"],
+             "normswap.json: unreadable manifest (nested too deeply", ci=True),
         Case("patch: existing --out without --force", [*P, L, "--impl", "torch", "--out", fx["done"]],
              "already exists; pass --force", ci=True),
         Case("patch: --out and --in-place", [*P, L, "--out", out, "--in-place"], "exclusive", ci=True),
@@ -280,6 +307,8 @@ def cases(fx: dict) -> list[Case]:
         Case("ppl: --max-tokens 10**23", ["ppl", L, "--data", T, "--max-tokens", str(10**23)],
              "more tokens than any text holds", ci=True),
         Case("ppl: jsonl with a bad row", ["ppl", L, "--data", fx["badjsonl"]], "not valid JSON"),
+        Case("ppl: jsonl row nested too deeply", ["ppl", L, "--data", fx["deep_jsonl"]],
+             "deep.jsonl:2: not valid JSON (nested too deeply", ci=True),
         Case("ppl: jsonl without the field", ["ppl", L, "--data", fx["nofield"]], "--text-field"),
         Case("ppl: directory without .txt", ["ppl", L, "--data", fx["notxt"]], "no .txt files", ci=True),
         Case("ppl: text shorter than the window", ["ppl", L, "--data", fx["short"], "--max-length", "32"],
@@ -306,6 +335,14 @@ def cases(fx: dict) -> list[Case]:
              ci=True),
         Case("convert: post-LN BERT", ["convert", fx["bert"], "--to", "rms", "--out", out, "--json"], "nothing converts",
              report=True),
+        Case("convert: normswap.json nested too deeply", ["convert", fx["deep_manifest_gpt2"], "--to", "rms", "--out",
+                                                         out], "normswap.json: unreadable manifest (nested too deeply",
+             ci=True),
+        Case("convert: safetensors index nested too deeply", ["convert", fx["deep_index"], "--to", "rms", "--out", out],
+             "model.safetensors.index.json: malformed index (nested too deeply", ci=True),
+        Case("convert: safetensors header nested too deeply", ["convert", fx["deep_header"], "--to", "rms", "--out",
+                                                               out], "not a safetensors file (unreadable header: "
+             "nested too deeply", ci=True),
         Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight holds"),
         # ---- demo, bench, experiment, the group
@@ -320,6 +357,8 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: --out is the model's config.json", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq",
                                                          "4", "--out", L / "config.json"],
              "is not a normswap bench result", ci=True),
+        Case("bench: --out nested too deeply", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                                "--out", fx["deep_json"]], "is not a normswap bench result", ci=True),
         Case("bench: --seq past GPT-2's positions", ["bench", G, "--impl", "torch", "--mode", "prefill", "--seq",
                                                      "100", "--out", out / "b.json"], "the model's context is 64",
              ci=True),
@@ -335,6 +374,8 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
         Case("experiment: --set without =", ["experiment", fx["recipe"], "--set", "garbage"], "garbage", ci=True),
+        Case("experiment: --out's recipe.json nested too deeply", ["experiment", fx["recipe"], "--out", fx["deep_run"]],
+             "recipe.json: malformed JSON (nested too deeply", ci=True),
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
         Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
              ci=True),

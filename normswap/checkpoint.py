@@ -149,10 +149,10 @@ def is_checkpoint_dir(directory: Path) -> bool:
     if "normswap.json" in names or any(_STOCK_WEIGHTS.fullmatch(n) for n in names):
         return True
     if "config.json" in names:
-        import json
+        from normswap import jsonsafe
 
         try:
-            cfg = json.loads((directory / "config.json").read_text())
+            cfg = jsonsafe.read(directory / "config.json")
         except (OSError, ValueError):
             return False
         return isinstance(cfg, dict) and bool(cfg.get("model_type") or cfg.get("architectures"))

@@ -5,7 +5,6 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.progress import ProgressFn
@@ -184,15 +184,10 @@ def load_config(source: ModelSource):
             raw = cfg_path.read_bytes()
         except OSError as e:  # a permission error is not a malformed file
             raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
-        try:
-            json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:  # JSON is UTF-8; a Latin-1 editor's save is not
-            raise NormswapError(f"{cfg_path}: malformed config.json (not UTF-8: invalid byte at offset "
-                                f"{e.start})") from None
-        except RecursionError:  # json's nesting limit: no config nests a thousand levels deep
-            raise NormswapError(f"{cfg_path}: malformed config.json (nested too deeply)") from None
+        try:  # checked here: transformers' own message for these names neither the file nor the reason
+            jsonsafe.loads(raw)
         except ValueError as e:
-            raise NormswapError(f"{cfg_path}: malformed config.json ({e.__class__.__name__}: {e})") from None
+            raise NormswapError(f"{cfg_path}: malformed config.json ({e})") from None
     from transformers import AutoConfig
 
     try:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -127,11 +128,8 @@ def _check_out(out: Path, recipe: Recipe) -> None:
         raise NormswapError(f"{out} holds files and no earlier run of normswap experiment; refusing to write "
                             "into it (choose a new or empty --out)")
     if stamp.is_file():
-        try:
-            previous = json.loads(stamp.read_text())
-        except ValueError:
-            previous = {}
-        if previous.get("fingerprint") != recipe.fingerprint():
+        previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another --out")
+        if not isinstance(previous, dict) or previous.get("fingerprint") != recipe.fingerprint():
             raise NormswapError(f"{out} holds a run of a different recipe (or other --set values); remove it "
                                 "or choose another --out")
 
@@ -254,7 +252,9 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         arm_dir = out / "arms" / arm
         done = arm_dir / RESULT_FILE
         if done.is_file():
-            results[arm] = json.loads(done.read_text())
+            results[arm] = jsonsafe.read_or_refuse(done, f"delete it to run the arm {arm} again")
+            if not isinstance(results[arm], dict):
+                raise NormswapError(f"{done}: not an arm result (a JSON object); delete it to run the arm {arm} again")
             continue
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)
