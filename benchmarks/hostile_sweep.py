@@ -82,7 +82,8 @@ def fixtures(root: Path) -> dict:
                          "fewer": dict(num_hidden_layers=1), "more": dict(num_hidden_layers=3),
                          "wide": dict(intermediate_size=64), "neg_kv": dict(num_key_value_heads=-2),
                          "huge_layers": dict(num_hidden_layers=10**12),
-                         "arch_str": dict(architectures="LlamaForCausalLM")}.items():
+                         "arch_str": dict(architectures="LlamaForCausalLM"),
+                         "unknown_arch": dict(architectures=["NoSuchForCausalLM"])}.items():
         fx[name] = _edited(fx["llama"], root / name, **change)
     fx["nan_w"] = _corrupt(fx["llama"], root / "nan_w", "model.norm.weight", float("nan"))
     fx["inf_w"] = _corrupt(fx["llama"], root / "inf_w", "model.layers.0.mlp.up_proj.weight", float("inf"))
@@ -222,6 +223,8 @@ def cases(fx: dict) -> list[Case]:
              "(nested too deeply", ci=True),
         Case("scan: num_hidden_layers 10**12", ["scan", fx["huge_layers"]], "normswap takes at most", ci=True),
         Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
+        Case("scan: an unknown architectures name", ["scan", fx["unknown_arch"]],
+             "architectures ['NoSuchForCausalLM']: transformers", ci=True),
         Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
              ci=True),
         Case("scan: empty MODEL", ["scan", ""], "the model is empty", ci=True),
@@ -288,12 +291,16 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: a size mismatch", [*P, fx["wide"], "--impl", "torch"], "(checkpoint [32, 48], config [32, 64])"),
         Case("patch: NaN in a norm weight", [*P, fx["nan_w"], "--impl", "torch"], "model.norm.weight holds", ci=True),
         Case("patch: Inf in a linear weight", [*P, fx["inf_w"], "--impl", "torch", "--json"], "up_proj.weight holds"),
+        Case("patch: an unknown architectures name", [*P, fx["unknown_arch"], "--impl", "torch", "--out", out],
+             "has no model class of that name", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
         # ---- ppl / diff
         Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
         Case("ppl: BERT (no language-model head)", ["ppl", fx["bert"], "--data", T], "has no language-model head",
              ci=True),
+        Case("ppl: an unknown architectures name", ["ppl", fx["unknown_arch"], "--data", T],
+             "has no model class of that name", ci=True),
         Case("ppl: --data no such file", ["ppl", L, "--data", fx["root"] / "none.txt"], "no such file", ci=True),
         Case("ppl: --max-length 1", ["ppl", L, "--data", T, "--max-length", "1"], "--max-length 1", ci=True),
         Case("ppl: --max-length abc", ["ppl", L, "--data", T, "--max-length", "abc"], "abc", ci=True),

@@ -2,7 +2,7 @@
 
 The layout written is exactly what transformers' own `save_pretrained` writes for the ORIGINAL
 architecture (sharded safetensors, shared/tied tensors handled, config and generation config),
-plus the files carried over from the source (tokenizer, chat template, README, custom code) and
+plus the files carried over from the source (carry.py: tokenizer, chat template, README, custom code) and
 `normswap.json` (see manifest.py). Stock transformers loads it; `normswap.load` re-applies the patch.
 
 Safety protocol (every step can be killed and the target still holds a loadable checkpoint):
@@ -33,7 +33,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import re
 import shutil
 import signal
 import sys
@@ -42,20 +41,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from normswap.carry import STOCK_WEIGHTS, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.fileio import target_path, umask
 from normswap.progress import ProgressFn, step
-
-# Files save_pretrained writes itself, or that must not be carried over (old weights would be
-# stale next to the new ones; a previous manifest is replaced).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-_REWRITTEN = {"config.json", "generation_config.json", "normswap.json",
-              "model.safetensors.index.json", "pytorch_model.bin.index.json"}
-# The model weights in the names transformers saves and loads them under: what the new
-# safetensors replace. Only these are left behind when a directory is rewritten in place; every
-# other file of the user's (a .git, training_args.bin, optimizer.pt) must survive --in-place.
-_STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
-                            r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 
 RENAME_NOREPLACE = 1  # linux/fs.h
 RENAME_EXCHANGE = 2
@@ -146,7 +135,7 @@ def is_checkpoint_dir(directory: Path) -> bool:
         names = {p.name for p in directory.iterdir()}
     except OSError:
         return False
-    if "normswap.json" in names or any(_STOCK_WEIGHTS.fullmatch(n) for n in names):
+    if "normswap.json" in names or any(STOCK_WEIGHTS.fullmatch(n) for n in names):
         return True
     if "config.json" in names:
         from normswap import jsonsafe
@@ -343,77 +332,6 @@ def _normalise_file_modes(directory: Path) -> None:
             os.chmod(p, mode)
 
 
-def carry_over_files(source_dir: Path, out_dir: Path, in_place: bool = False) -> list[str]:
-    """Copy what save_pretrained does not write: tokenizer files, chat template, README, license,
-    custom code. Weights and the files that are regenerated are left behind.
-
-    in_place (out_dir replaces source_dir): the published directory is the user's only copy, so
-    everything is kept (hidden entries such as .git, other weight-like files such as
-    training_args.bin or optimizer.pt) except the stock weight files the new ones replace. Those
-    are hard links where the filesystem allows (no second copy of a large .git on disk); the old
-    tree they also belong to is removed once the new one is in place.
-
-    Otherwise links are carried as their content, except a link to a folder that holds the source,
-    the output or the folder the link is in: followed, it would copy that folder into itself until
-    the path grew too long (the source's parent may hold every other model). A link to nothing is
-    left out too."""
-    carried = []
-    loops = _loop_links(source_dir, out_dir)
-    skipped = set() if in_place else loops(source_dir, [p.name for p in source_dir.iterdir()])
-    for p in sorted(source_dir.iterdir()):
-        if p.name in _REWRITTEN or p.name in skipped or (out_dir / p.name).exists():
-            continue
-        if in_place:
-            if _STOCK_WEIGHTS.fullmatch(p.name):
-                continue
-        elif p.name.startswith(".") or p.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        copy = _link_or_copy if in_place else shutil.copy2
-        if p.is_symlink() and in_place:
-            os.symlink(os.readlink(p), out_dir / p.name)
-        elif p.is_dir():
-            shutil.copytree(p, out_dir / p.name, symlinks=in_place, copy_function=copy,
-                            ignore=None if in_place else loops)
-        elif p.is_file():
-            copy(p, out_dir / p.name)
-        elif in_place:
-            os.link(p, out_dir / p.name)  # a pipe, socket or device node: the user's entry, kept as is
-        else:
-            continue  # a link to nothing, or no file to copy
-        carried.append(p.name)
-    return carried
-
-
-def _loop_links(source_dir: Path, out_dir: Path):
-    """copytree's ignore(folder, names): the names that are links to a folder holding the source,
-    the output, or any folder the copy is already inside (following one copies a tree into
-    itself)."""
-    roots = (source_dir.resolve(), out_dir.resolve())
-
-    def ignore(folder, names):
-        # Every real folder on the way down from the source, not only `folder`: two links outside
-        # the model that point at each other's folders loop as surely as one that points up.
-        folder = Path(folder)
-        inside = {q.resolve() for q in (folder, *folder.parents) if q.is_relative_to(source_dir)}
-        skip = set()
-        for name in names:
-            p = folder / name
-            if p.is_symlink() and p.is_dir():
-                target = p.resolve()
-                if any(r.is_relative_to(target) for r in (*roots, *inside)):
-                    skip.add(name)
-        return skip
-
-    return ignore
-
-
-def _link_or_copy(src, dst) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def parse_shard_size(value: str | int) -> int:
     """--max-shard-size as bytes ("5GB", "500MB", or a plain number of bytes), or a one-line error.
     Checked before anything is loaded: it is only used at the very end, after the long work."""
@@ -469,7 +387,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
             write_model_files(model, tmp, max_shard_size)
             step(progress, "save", 1, 4)
             if source is not None:
-                _carry_from_source(source, tmp, in_place=in_place)
+                carry_over(source, tmp, in_place=in_place)
             # A converted source keeps its convert section: the weights are still the converted
             # ones, and it is what says which LayerNorms may run as RMS norms.
             write_manifest(tmp, new_manifest(
@@ -496,18 +414,6 @@ def _conversion_of(source) -> dict | None:
     if source is None or source.gguf_file:
         return None
     return conversion_section(source.path)
-
-
-def _carry_from_source(source, out_dir: Path, in_place: bool = False) -> None:
-    if source.gguf_file:  # the tokenizer lives inside the .gguf: write it out as files
-        from normswap.loading import load_tokenizer
-
-        try:
-            load_tokenizer(source).save_pretrained(out_dir)
-        except NormswapError:
-            pass  # a GGUF without a usable tokenizer still gives a usable model
-        return
-    carry_over_files(source.path, out_dir, in_place=in_place)
 
 
 def _placement(model) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -13,10 +12,11 @@ import torch
 from normswap import jsonsafe
 from normswap import streaming as st
 from normswap.archs import load_arch
+from normswap.carry import carry_over
 from normswap.convert import apply_plan, check_zero_mean
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
-from normswap.manifest import MANIFEST_NAME, new_manifest, rms_forms, write_manifest
+from normswap.manifest import new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.progress import ProgressFn
 from normswap.verify import (
@@ -27,8 +27,6 @@ from normswap.verify import (
     model_output,
     probe_batch,
 )
-
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def convert_directory(
@@ -79,11 +77,6 @@ def convert_directory(
                 if key in cfg or key == "dtype":
                     cfg[key] = str(dtype).replace("torch.", "")
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for f in sorted(source.path.iterdir()):
-            if f.is_file() and f.name not in ("config.json", MANIFEST_NAME, st.INDEX_NAME) and not f.name.endswith(
-                _WEIGHT_FILES
-            ):
-                shutil.copy2(f, out / f.name)
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
@@ -92,10 +85,7 @@ def convert_directory(
         if dtype is not None:
             model.to(dtype)
         model.save_pretrained(out)
-        try:
-            loading.load_tokenizer(source).save_pretrained(out)
-        except NormswapError:
-            pass
+    carry_over(source, out)  # tokenizer, README, chat template, code: by patch --out's rule
     section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).

@@ -198,6 +198,10 @@ def load_config(source: ModelSource):
         raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
     _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
+    try:  # every command reads the config first: an unknown architectures name is refused here, naming the file
+        model_class(config)
+    except NormswapError as e:
+        raise NormswapError(f"{cfg_path}: {e}") from None
     return config
 
 
@@ -246,13 +250,21 @@ def _check_fields(fields: dict, where, prefix: str = "") -> None:
 
 
 def model_class(config):
-    """The transformers class to build: the config's own architecture, else the base AutoModel."""
+    """The transformers class to build: the first of the config's architectures that transformers
+    has, else (none listed) the base AutoModel. A list that names only classes transformers does
+    not have is refused: the base model has no head, so a causal LM would load without its
+    lm_head and fail later with an error about the weights, or score nothing."""
     import transformers
 
-    for name in getattr(config, "architectures", None) or []:
+    names = getattr(config, "architectures", None) or []
+    for name in names:
         cls = getattr(transformers, name, None)
-        if cls is not None:
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+    if names:
+        raise NormswapError(f"architectures {reprlib.repr(names)}: transformers {transformers.__version__} has no "
+                            f"model class of that name (model_type {getattr(config, 'model_type', '?')!r}"
+                            f"{_known_architectures(config)}); is it misspelt, or from a newer transformers?")
     from transformers import AutoModel
 
     try:
@@ -261,6 +273,17 @@ def model_class(config):
         raise NormswapError(
             f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}"
         ) from None
+
+
+def _known_architectures(config) -> str:
+    """', whose causal LM is LlamaForCausalLM' for a config type transformers has one for."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for kind, auto in (("causal LM", AutoModelForCausalLM), ("base model", AutoModel)):
+        cls = auto._model_mapping.get(type(config), None)
+        if cls is not None:
+            return f", whose {kind} is {cls.__name__}"
+    return ""
 
 
 def _name_gguf_architecture(source: ModelSource, config) -> None:

@@ -180,11 +180,37 @@ def test_build_meta_model_reads_no_weights(tiny_dir):
     assert [n for n, _ in meta.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
-def test_model_class_falls_back_to_the_base_model(tmp_path):
-    src = _config_dir(tmp_path, json.dumps({"model_type": "llama", "architectures": ["NoSuchClass"],
-                                            "hidden_size": 16, "num_hidden_layers": 1,
-                                            "num_attention_heads": 2, "intermediate_size": 24,
-                                            "vocab_size": 32}))
+def _llama_config(**fields) -> str:
+    return json.dumps({"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "intermediate_size": 24, "vocab_size": 32, **fields})
+
+
+def test_an_unknown_architectures_name_is_refused_not_built_as_the_base_model(tmp_path):
+    """The base model has no head: building it for a causal LM failed later on lm_head.weight
+    ('the weights do not match') or with 'no language-model head', never naming the real fault."""
+    src = _config_dir(tmp_path, _llama_config(architectures=["NoSuchForCausalLM"]))
+    for call in (loading.load_config, loading.build_meta_model):
+        with pytest.raises(NormswapError) as e:
+            call(src)
+        msg = _one_line(e)
+        assert msg.startswith(f"{src.path / 'config.json'}: architectures ['NoSuchForCausalLM']: transformers ")
+        assert "has no model class of that name (model_type 'llama', whose causal LM is LlamaForCausalLM)" in msg
+    # a config made in code, not read by load_config: model_class refuses it too
+    from transformers import LlamaConfig
+
+    with pytest.raises(NormswapError, match=r"architectures \['NoSuchForCausalLM'\]: transformers"):
+        loading.model_class(LlamaConfig(architectures=["NoSuchForCausalLM"]))
+    # a name transformers has that is no model class is no architecture either
+    with pytest.raises(NormswapError, match="has no model class of that name"):
+        loading.model_class(LlamaConfig(architectures=["AutoConfig"]))
+
+
+def test_model_class_takes_the_first_known_architecture_else_the_base_model(tmp_path):
+    from transformers import LlamaConfig
+
+    assert loading.model_class(LlamaConfig(architectures=["NoSuchForCausalLM", "LlamaForCausalLM"])).__name__ \
+        == "LlamaForCausalLM"
+    src = _config_dir(tmp_path, _llama_config())  # no architectures at all: the base model
     assert type(loading.build_meta_model(src)).__name__ == "LlamaModel"
 
 

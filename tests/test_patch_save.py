@@ -11,6 +11,7 @@ import torch
 from tiny_models import ARCHS, save_tiny, tiny_model
 
 from normswap import checkpoint
+from normswap.carry import carry_over
 from normswap.errors import NormswapError
 from normswap.loading import load, load_model, model_class, resolve
 from normswap.manifest import MANIFEST_NAME, read_manifest
@@ -297,7 +298,7 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
     (src / "gone").symlink_to(tmp_path / "nothing")
     out = parent / ".staging"
     out.mkdir()
-    carried = checkpoint.carry_over_files(src, out)
+    carried = carry_over(src, out)
     assert sorted(carried) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
     assert (out / "chat_template.jinja").read_text() == "chat template" and not (out / "chat_template.jinja").is_symlink()
     assert (out / "extra" / "notes.txt").read_text() == "kept"
@@ -319,7 +320,7 @@ def test_carry_over_does_not_follow_two_links_that_point_at_each_other(tmp_path)
     (src / "shared").symlink_to(x)
     out = tmp_path / "out"
     out.mkdir()
-    assert checkpoint.carry_over_files(src, out) == ["shared"]
+    assert carry_over(src, out) == ["shared"]
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
         "shared", "shared/a.txt", "shared/to_y", "shared/to_y/b.txt"]
 
@@ -350,7 +351,7 @@ def test_in_place_keeps_every_other_entry_even_a_fifo(tmp_path):
     os.mkfifo(src / "progress.pipe")
     out = tmp_path / ".staging"
     out.mkdir()
-    carried = checkpoint.carry_over_files(src, out, in_place=True)
+    carried = carry_over(src, out, in_place=True)
     assert sorted(carried) == ["notes.txt", "progress.pipe"]
     assert (out / "progress.pipe").exists() and not (out / "progress.pipe").is_file()
     assert not (out / "model.safetensors").exists()  # the new weights replace the stock ones

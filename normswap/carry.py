@@ -1,0 +1,121 @@
+"""What a new model folder carries over from its source: the one rule behind `patch --out`,
+`patch --in-place` and `convert`. Each writes its weights and config first, then carries the
+rest; what the writer wrote is never replaced by the source's copy.
+
+Into a new folder (patch --out, convert), at every depth: regular files and folders, links as
+their content. Left behind: the source's weights and their indexes (the new ones replace them;
+any other weight-like file, such as training_args.bin, optimizer.pt, an .onnx export or Meta's
+original/consolidated.00.pth, would be stale beside them), its config.json and normswap.json
+(written anew), hidden entries (.git, .cache/huggingface: they describe the source's files), and
+what cannot be copied as content: a link to nothing, a link that loops back into a folder the
+copy is inside, a pipe, socket or device node (reading a pipe would block forever).
+
+Over the model's own folder (--in-place) the published folder is the user's only copy, so every
+entry is kept as it is (hidden ones, links as links, pipes) except the stock weight files the new
+ones replace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from normswap.manifest import MANIFEST_NAME
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+# The model weights (and their indexes) in the names transformers saves and loads them under:
+# what the new safetensors replace.
+STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
+                           r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
+# Written anew by every output: the source's would describe the weights it no longer holds.
+_REWRITTEN = ("config.json", MANIFEST_NAME)
+
+
+def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False) -> list[str]:
+    """Carry what the writer did not write from `source` (a loading.ModelSource, or a folder) into
+    `out_dir` by the module's rule; returns the top-level names carried. A GGUF file holds its
+    tokenizer inside: it is written out as files (a GGUF without a usable one carries nothing)."""
+    out_dir = Path(out_dir)
+    if isinstance(source, (str, os.PathLike)):
+        return _carry_folder(Path(source), out_dir, in_place)
+    if source.gguf_file:
+        from normswap.errors import NormswapError
+        from normswap.loading import load_tokenizer
+
+        before = set(os.listdir(out_dir))
+        try:
+            load_tokenizer(source).save_pretrained(out_dir)
+        except NormswapError:
+            return []
+        return sorted(set(os.listdir(out_dir)) - before)
+    return _carry_folder(source.path, out_dir, in_place)
+
+
+def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool) -> list[str]:
+    carried = []
+    entries = sorted(source_dir.iterdir())
+    left_out = _left_out(source_dir, out_dir)
+    skipped = {p.name for p in entries if STOCK_WEIGHTS.fullmatch(p.name)} if in_place else \
+        left_out(source_dir, [p.name for p in entries])
+    for p in entries:
+        if p.name in _REWRITTEN or p.name in skipped or os.path.lexists(out_dir / p.name):
+            continue  # the writer's own file wins over the source's
+        if in_place:
+            _keep(p, out_dir / p.name)
+        else:
+            if p.is_dir():
+                shutil.copytree(p, out_dir / p.name, ignore=left_out)
+            else:
+                shutil.copy2(p, out_dir / p.name)
+        carried.append(p.name)
+    return carried
+
+
+def _keep(p: Path, dst: Path) -> None:
+    """--in-place: the entry as it is. Files are hard links where the filesystem allows (no second
+    copy of a large .git on disk); the old tree they also belong to is removed once the new one is
+    in place."""
+    if p.is_symlink():
+        os.symlink(os.readlink(p), dst)
+    elif p.is_dir():
+        shutil.copytree(p, dst, symlinks=True, copy_function=_link_or_copy)
+    elif p.is_file():
+        _link_or_copy(p, dst)
+    else:
+        os.link(p, dst)  # a pipe, socket or device node: the user's entry, kept as is
+
+
+def _left_out(source_dir: Path, out_dir: Path):
+    """copytree's ignore(folder, names) for a new folder: the names the module's rule leaves
+    behind. A link is judged by what it points at; one to a folder that holds the source, the
+    output, or any folder the copy is already inside is left out (followed, it would copy a tree
+    into itself until the path grew too long: the source's parent may hold every other model)."""
+    roots = (source_dir.resolve(), out_dir.resolve())
+
+    def ignore(folder, names):
+        folder = Path(folder)
+        # Every real folder on the way down from the source, not only `folder`: two links outside
+        # the model that point at each other's folders loop as surely as one that points up.
+        inside = {q.resolve() for q in (folder, *folder.parents) if q.is_relative_to(source_dir)}
+        skip = set()
+        for name in names:
+            p = folder / name
+            if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES) or STOCK_WEIGHTS.fullmatch(name):
+                skip.add(name)
+            elif p.is_dir():
+                if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):
+                    skip.add(name)
+            elif not p.is_file():  # a link to nothing, a pipe, a socket, a device node
+                skip.add(name)
+        return skip
+
+    return ignore
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

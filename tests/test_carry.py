@@ -1,0 +1,114 @@
+"""What a new model folder carries over from its source: `normswap patch --out` and `normswap
+convert` follow one rule (normswap/carry.py). They used to follow two: convert copied the top
+level's regular files only (hidden ones, .onnx exports and a stale pytorch_model.bin.index.json
+included, custom-code subfolders not) and, from a pickled or GGUF checkpoint, nothing but the
+tokenizer; patch copied subfolders too and left hidden entries and every weight-like file out."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import save_tiny
+
+from normswap.carry import WEIGHT_SUFFIXES, carry_over
+from normswap.cli import cli
+
+# What the writers write themselves (weights, config, manifest); the rest of an output is carried.
+WRITTEN = {"model.safetensors", "config.json", "generation_config.json", "normswap.json"}
+
+
+@pytest.fixture(autouse=True)
+def small_probes(monkeypatch):
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+
+
+def _source(root, weights: str, seed: int):
+    """A tiny GPT-2 (which both commands take) among the files real model folders hold, a few of
+    them with random names and sizes, plus everything the rule leaves out. Returns the folder and
+    the relative paths the rule carries."""
+    rng = random.Random(seed)
+    src = root / "models" / "m"
+    model = save_tiny("gpt2", src)
+    if weights == "bin":  # the in-memory path of convert (GGUF takes it too)
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, src / "pytorch_model.bin")
+        (src / "model.safetensors").unlink()
+    carried = {"tokenizer.json", "tokenizer_config.json"}
+
+    def put(rel, data: bytes, kept: bool):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+        if kept:
+            carried.add(rel)
+
+    for rel in ("README.md", "LICENSE", "chat_template.jinja", "special_tokens_map.json", "code/modeling_x.py",
+                "code/sub/helpers.py", "original/params.json", "original/tokenizer.model"):
+        put(rel, rng.randbytes(rng.randrange(1, 300)), kept=True)
+    for _ in range(4):  # names nobody planned for, large and small
+        put(f"{rng.choice(['notes', 'eval', 'data', 'x'])}{rng.randrange(10**6)}.{rng.choice(['txt', 'csv', 'dat'])}",
+            rng.randbytes(rng.choice([0, 17, 1 << 20])), kept=True)
+    for rel in (".gitattributes", ".cache/huggingface/download/model.safetensors.metadata", "code/.DS_Store",
+                "training_args.bin", "optimizer.pt", "model.onnx", "original/consolidated.00.pth",
+                "pytorch_model.bin.index.json", "tf_model.h5"):
+        put(rel, b"{}", kept=False)
+    (root / "blob").write_text("a hub cache's files are links to blobs")
+    (src / "merges_link.txt").symlink_to(root / "blob")
+    carried.add("merges_link.txt")
+    (root / "shared").mkdir()
+    (root / "shared" / "prompts.txt").write_text("shared")
+    (src / "prompts").symlink_to(root / "shared")
+    carried |= {"prompts", "prompts/prompts.txt"}
+    (src / "self").symlink_to(src)  # a loop: followed, it copies the folder into itself
+    (src / "code" / "up").symlink_to("../..")  # a loop from inside a subfolder
+    (root / "shared" / "back").symlink_to(root / "shared")  # a loop outside the model
+    (src / "gone").symlink_to(root / "nothing")
+    (src / "code" / "gone").symlink_to(root / "nothing")
+    os.mkfifo(src / "progress.pipe")
+    os.mkfifo(src / "code" / "progress.pipe")  # copytree read it: the copy blocked forever
+    carried |= {"code", "code/sub", "original"}
+    return src, carried
+
+
+def _tree(d) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*")}
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_patch_out_and_convert_carry_the_same_files(tmp_path, weights):
+    src, carried = _source(tmp_path, weights, seed=len(weights))
+    outs = {}
+    for name, args in (("convert", ["convert", src, "--to", "rms", "--out", tmp_path / "conv"]),
+                       ("patch", ["patch", src, "--impl", "torch", "--out", tmp_path / "pat"])):
+        r = CliRunner().invoke(cli, [str(a) for a in args])
+        assert r.exit_code == 0, r.output
+        outs[name] = _tree(args[-1])
+    assert outs["convert"] == outs["patch"]
+    assert outs["patch"] - WRITTEN == carried
+    assert (tmp_path / "pat" / "original" / "params.json").read_bytes() == (src / "original" / "params.json").read_bytes()
+    assert not (tmp_path / "conv" / "merges_link.txt").is_symlink()  # a link is carried as its content
+
+
+def test_in_place_keeps_every_entry_but_the_stock_weights(tmp_path):
+    """--in-place shares the module with --out but keeps the user's folder as it is: hidden
+    entries, weight-like files that are not stock weights, links as links, pipes."""
+    src, _ = _source(tmp_path, "safetensors", seed=3)
+    out = tmp_path / ".staging"
+    out.mkdir()
+    carried = carry_over(src, out, in_place=True)
+    replaced = {"model.safetensors", "tf_model.h5", "pytorch_model.bin.index.json", "config.json"}
+    assert sorted(carried) == sorted(set(os.listdir(src)) - replaced) == sorted(os.listdir(out))
+    assert os.readlink(out / "self") == str(src) and (out / "progress.pipe").exists()
+    assert (out / ".cache" / "huggingface").is_dir() and (out / "original" / "consolidated.00.pth").is_file()
+
+
+def test_the_readme_names_every_weight_suffix_left_behind():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    said = readme.split("left behind are", 1)[1].split("with their indexes", 1)[0]
+    assert sorted(WEIGHT_SUFFIXES) == sorted(f".{s}" for s in re.findall(r"`\.(\w+)`", said))
