@@ -91,6 +91,10 @@ def fixtures(root: Path) -> dict:
     shutil.copytree(fx["llama"], fx["trunc"])
     f = fx["trunc"] / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    fx["trunc_gpt2"] = root / "trunc_gpt2"
+    shutil.copytree(fx["gpt2"], fx["trunc_gpt2"])
+    f = fx["trunc_gpt2"] / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     fx["badjson"] = root / "badjson"
     shutil.copytree(fx["llama"], fx["badjson"])
     (fx["badjson"] / "config.json").write_text('{"model_type": "llama",')
@@ -140,6 +144,9 @@ def fixtures(root: Path) -> dict:
     fx["deep_json"] = texts / "deep.json"  # past json's recursion limit
     fx["deep_json"].write_text("[" * 100_000 + "]" * 100_000)
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
+    fx["long_recipe"] = texts / "long.toml"  # found once the model is loaded
+    fx["long_recipe"].write_text(f'name = "t"\narms = ["original"]\n[model]\npath = "{fx["gpt2"]}"\n[data]\n'
+                                 f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 500\n')
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
     return fx
@@ -268,6 +275,15 @@ def cases(fx: dict) -> list[Case]:
              "has no model class of that name", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
+        # ---- a deep new --out (out/a/b/c): a failure after the folders were made removes them
+        Case("patch: unreadable tokenizer.json, deep new --out",
+             [*P, fx["locked"], "--impl", "torch", "--out", out / "a" / "b" / "c"], "tokenizer.json: Permission denied",
+             ci=True, setup=lambda: _deny(fx["locked"] / "tokenizer.json")),
+        Case("convert: truncated safetensors, deep new --out",
+             ["convert", fx["trunc_gpt2"], "--to", "rms", "--out", out / "a" / "b" / "c"], "unreadable safetensors",
+             ci=True),
+        Case("experiment: seq_len past the context, deep new --out",
+             ["experiment", fx["long_recipe"], "--out", out / "a" / "b" / "c"], "exceeds the model's context", ci=True),
         # ---- ppl / diff
         Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
         Case("ppl: BERT (no language-model head)", ["ppl", fx["bert"], "--data", T], "has no language-model head",
