@@ -108,6 +108,17 @@ def fixtures(root: Path) -> dict:
     fx["latin1json"] = root / "latin1json"
     shutil.copytree(fx["llama"], fx["latin1json"])
     (fx["latin1json"] / "config.json").write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    fx["badgen"] = root / "badgen"  # transformers would silently put a default in its place
+    shutil.copytree(fx["llama"], fx["badgen"])
+    (fx["badgen"] / "generation_config.json").write_text('{"max_length": 50, "temperature": 0.7,')
+    fx["deepgen"] = root / "deepgen"
+    shutil.copytree(fx["gpt2"], fx["deepgen"])
+    (fx["deepgen"] / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    fx["dirgen"] = root / "dirgen"
+    shutil.copytree(fx["llama"], fx["dirgen"])
+    (fx["dirgen"] / "generation_config.json").unlink()
+    (fx["dirgen"] / "generation_config.json").mkdir()
+    (fx["dirgen"] / "generation_config.json" / "notes.txt").write_text("mine")
     fx["badgguf"] = root / "gguf" / "model.gguf"
     fx["badgguf"].parent.mkdir()
     fx["badgguf"].write_text("not a gguf file " * 8)
@@ -209,6 +220,8 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
         Case("scan: an unknown architectures name", ["scan", fx["unknown_arch"]],
              "architectures ['NoSuchForCausalLM']: transformers", ci=True),
+        Case("scan: generation_config.json is a directory", ["scan", fx["dirgen"]],
+             "generation_config.json: cannot read: Is a directory", ci=True),
         Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
              ci=True),
         Case("scan: empty MODEL", ["scan", ""], "the model is empty", ci=True),
@@ -273,6 +286,8 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: Inf in a linear weight", [*P, fx["inf_w"], "--impl", "torch", "--json"], "up_proj.weight holds"),
         Case("patch: an unknown architectures name", [*P, fx["unknown_arch"], "--impl", "torch", "--out", out],
              "has no model class of that name", ci=True),
+        Case("patch: malformed generation_config.json, --in-place", [*P, fx["badgen"], "--impl", "torch", "--in-place"],
+             "malformed generation_config.json (JSONDecodeError", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
         # ---- a deep new --out (out/a/b/c): a failure after the folders were made removes them
@@ -329,6 +344,8 @@ def cases(fx: dict) -> list[Case]:
              ci=True),
         Case("convert: post-LN BERT", ["convert", fx["bert"], "--to", "rms", "--out", out, "--json"], "nothing converts",
              report=True),
+        Case("convert: generation_config.json nested too deeply", ["convert", fx["deepgen"], "--to", "rms", "--out", out],
+             "malformed generation_config.json (nested too deeply)", ci=True),
         Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight holds"),
         # ---- demo, bench, experiment, the group
