@@ -24,11 +24,7 @@ def gpt2(tmp_path_factory):
     return d
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+pytestmark = pytest.mark.usefixtures("small_probes")
 
 
 def _raise(error):
