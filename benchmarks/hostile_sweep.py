@@ -92,6 +92,10 @@ def fixtures(root: Path) -> dict:
     shutil.copytree(fx["llama"], fx["trunc"])
     f = fx["trunc"] / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    fx["trunc_gpt2"] = root / "trunc_gpt2"
+    shutil.copytree(fx["gpt2"], fx["trunc_gpt2"])
+    f = fx["trunc_gpt2"] / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     fx["badjson"] = root / "badjson"
     shutil.copytree(fx["llama"], fx["badjson"])
     (fx["badjson"] / "config.json").write_text('{"model_type": "llama",')
@@ -105,6 +109,17 @@ def fixtures(root: Path) -> dict:
     fx["latin1json"] = root / "latin1json"
     shutil.copytree(fx["llama"], fx["latin1json"])
     (fx["latin1json"] / "config.json").write_bytes(b'{"model_type": "llama", "name": "caf\xe9"}')
+    fx["badgen"] = root / "badgen"  # transformers would silently put a default in its place
+    shutil.copytree(fx["llama"], fx["badgen"])
+    (fx["badgen"] / "generation_config.json").write_text('{"max_length": 50, "temperature": 0.7,')
+    fx["deepgen"] = root / "deepgen"
+    shutil.copytree(fx["gpt2"], fx["deepgen"])
+    (fx["deepgen"] / "generation_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    fx["dirgen"] = root / "dirgen"
+    shutil.copytree(fx["llama"], fx["dirgen"])
+    (fx["dirgen"] / "generation_config.json").unlink()
+    (fx["dirgen"] / "generation_config.json").mkdir()
+    (fx["dirgen"] / "generation_config.json" / "notes.txt").write_text("mine")
     # JSON nested past json's recursion limit (a RecursionError, no ValueError) in each JSON file
     # normswap reads from a model folder or from an --out left by an earlier run.
     deep = b"[" * 100_000 + b"]" * 100_000
@@ -161,6 +176,9 @@ def fixtures(root: Path) -> dict:
     fx["deep_jsonl"] = texts / "deep.jsonl"
     fx["deep_jsonl"].write_bytes(b'{"text": "fine"}\n' + deep + b"\n")
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
+    fx["long_recipe"] = texts / "long.toml"  # found once the model is loaded
+    fx["long_recipe"].write_text(f'name = "t"\narms = ["original"]\n[model]\npath = "{fx["gpt2"]}"\n[data]\n'
+                                 f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 500\n')
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
     return fx
@@ -225,6 +243,8 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
         Case("scan: an unknown architectures name", ["scan", fx["unknown_arch"]],
              "architectures ['NoSuchForCausalLM']: transformers", ci=True),
+        Case("scan: generation_config.json is a directory", ["scan", fx["dirgen"]],
+             "generation_config.json: cannot read: Is a directory", ci=True),
         Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
              ci=True),
         Case("scan: empty MODEL", ["scan", ""], "the model is empty", ci=True),
@@ -293,8 +313,19 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: Inf in a linear weight", [*P, fx["inf_w"], "--impl", "torch", "--json"], "up_proj.weight holds"),
         Case("patch: an unknown architectures name", [*P, fx["unknown_arch"], "--impl", "torch", "--out", out],
              "has no model class of that name", ci=True),
+        Case("patch: malformed generation_config.json, --in-place", [*P, fx["badgen"], "--impl", "torch", "--in-place"],
+             "malformed generation_config.json (Expecting", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
+        # ---- a deep new --out (out/a/b/c): a failure after the folders were made removes them
+        Case("patch: unreadable tokenizer.json, deep new --out",
+             [*P, fx["locked"], "--impl", "torch", "--out", out / "a" / "b" / "c"], "tokenizer.json: Permission denied",
+             ci=True, setup=lambda: _deny(fx["locked"] / "tokenizer.json")),
+        Case("convert: truncated safetensors, deep new --out",
+             ["convert", fx["trunc_gpt2"], "--to", "rms", "--out", out / "a" / "b" / "c"], "unreadable safetensors",
+             ci=True),
+        Case("experiment: seq_len past the context, deep new --out",
+             ["experiment", fx["long_recipe"], "--out", out / "a" / "b" / "c"], "exceeds the model's context", ci=True),
         # ---- ppl / diff
         Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
         Case("ppl: BERT (no language-model head)", ["ppl", fx["bert"], "--data", T], "has no language-model head",
@@ -342,6 +373,8 @@ def cases(fx: dict) -> list[Case]:
              ci=True),
         Case("convert: post-LN BERT", ["convert", fx["bert"], "--to", "rms", "--out", out, "--json"], "nothing converts",
              report=True),
+        Case("convert: generation_config.json nested too deeply", ["convert", fx["deepgen"], "--to", "rms", "--out", out],
+             "malformed generation_config.json (nested too deeply: more than 100 levels)", ci=True),
         Case("convert: normswap.json nested too deeply", ["convert", fx["deep_manifest_gpt2"], "--to", "rms", "--out",
                                                          out], "normswap.json: unreadable manifest (nested too deeply",
              ci=True),

@@ -180,14 +180,8 @@ def load_config(source: ModelSource):
     (a GGUF's config is read from the .gguf itself)."""
     cfg_path = source.path / (source.gguf_file or "config.json")
     if source.gguf_file is None:
-        try:
-            raw = cfg_path.read_bytes()
-        except OSError as e:  # a permission error is not a malformed file
-            raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
-        try:  # checked here: transformers' own message for these names neither the file nor the reason
-            jsonsafe.loads(raw)
-        except ValueError as e:
-            raise NormswapError(f"{cfg_path}: malformed config.json ({e})") from None
+        _read_json(cfg_path, source.ref)
+        check_generation_config(source)
     from transformers import AutoConfig
 
     try:
@@ -203,6 +197,46 @@ def load_config(source: ModelSource):
     except NormswapError as e:
         raise NormswapError(f"{cfg_path}: {e}") from None
     return config
+
+
+def _read_json(path: Path, ref: str):
+    """The JSON value in `path`, or one line naming the file and what is wrong with it."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:  # a permission error is not a malformed file
+        raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
+    try:  # checked here: transformers' own messages for these name neither the file nor the reason
+        return jsonsafe.loads(raw)
+    except ValueError as e:
+        raise NormswapError(f"{path}: malformed {path.name} ({e})") from None
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def check_generation_config(source: ModelSource) -> None:
+    """Refuse a generation_config.json that transformers cannot use. from_pretrained reads a file
+    that is not JSON (or not there as a file) as no file at all and silently builds a default in
+    its place, which save_pretrained then writes: `patch --in-place` would replace the user's own
+    file with it, `--out` would publish a model without it. Other bad contents (a list, a value
+    GenerationConfig rejects) failed the load as 'cannot load the weights'."""
+    path = source.path / GENERATION_CONFIG
+    if not os.path.lexists(path):
+        return
+    if not path.is_file():  # a folder, or a link to nothing: transformers would not see it either
+        what = "Is a directory" if path.is_dir() else "not a regular file"
+        raise NormswapError(f"{path}: cannot read: {what}")
+    fields = _read_json(path, source.ref)
+    if not isinstance(fields, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+            type(fields), "null")
+        raise NormswapError(f"{path}: malformed {GENERATION_CONFIG} ({kind}, not an object of generation settings)")
+    from transformers import GenerationConfig
+
+    try:
+        GenerationConfig.from_dict(fields)
+    except Exception as e:  # its own validation: ValueError, or a TypeError/AttributeError for a wrong type
+        raise NormswapError(f"{path}: malformed {GENERATION_CONFIG} ({one_line(e)})") from None
 
 
 # Sizes and counts every model has, under transformers' common names (a config's attribute_map

@@ -739,3 +739,62 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(src, monkeypatch):
 
     monkeypatch.setattr(scan, "scan", broken)
     assert_one_line_error(run("scan", src), "Broken pipe")
+
+
+# ---- a generation_config.json transformers cannot use: refused, never replaced by a default ------
+
+
+@pytest.mark.parametrize("content, says", [
+    (b'{"max_length": 50,', "malformed generation_config.json (Expecting property name enclosed in double quotes: line 1"),
+    (b"", "malformed generation_config.json (Expecting value: line 1 column 1"),
+    (b"[" * 100_000 + b"]" * 100_000, "malformed generation_config.json (nested too deeply: more than 100 levels)"),
+    (b'"greedy"', "malformed generation_config.json (a string, not an object of generation settings)"),
+    (b'{"max_length": 50, "note": "caf\xe9"}', "malformed generation_config.json (not UTF-8: invalid byte at"),
+    (b'{"cache_implementation": 5}', "malformed generation_config.json (Invalid `cache_implementation` (5)"),
+])
+def test_a_malformed_generation_config_is_refused_before_anything_is_written(src, gpt2, tmp_path, content, says):
+    """transformers reads a generation_config.json that is not JSON as no file and builds a default;
+    save_pretrained wrote that default in its place, so --in-place lost the user's file and --out
+    published the model without it. Now every command refuses it, naming the file, and --in-place
+    leaves the directory byte for byte as it was."""
+    import shutil
+
+    out = tmp_path / "out"
+    for model, runs in ((src, [["patch", "--impl", "torch", "--in-place"], ["patch", "--impl", "torch", "--out", out]]),
+                        (gpt2, [["convert", "--to", "rms", "--out", out], ["scan"]])):
+        d = tmp_path / model.name
+        shutil.copytree(model, d)
+        (d / "generation_config.json").write_bytes(content)
+        before = _tree(d)
+        for cmd, *opts in runs:
+            assert_one_line_error(run(cmd, d, *opts), f"{d / 'generation_config.json'}: {says}")
+            assert _tree(d) == before and not out.exists()
+
+
+def test_a_generation_config_folder_survives_in_place(src, tmp_path):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    (d / "generation_config.json").unlink()
+    (d / "generation_config.json").mkdir()
+    (d / "generation_config.json" / "notes.txt").write_text("mine")
+    before = _tree(d)
+    assert_one_line_error(run("patch", d, "--impl", "torch", "--in-place"), "generation_config.json: cannot read: "
+                                                                              "Is a directory")
+    assert _tree(d) == before
+
+
+def test_a_valid_generation_config_is_saved_with_its_settings(src, tmp_path):
+    """The refusal stops at what transformers cannot use: values it accepts, even odd ones, and keys
+    it does not know are carried into the saved model as they were."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    mine = {"max_length": 50, "temperature": 0.7, "do_sample": True, "top_k": 7, "my_own_key": "kept"}
+    (d / "generation_config.json").write_text(json.dumps(mine))
+    r = run("patch", d, "--impl", "torch", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert {k: saved.get(k) for k in mine} == mine

@@ -41,6 +41,7 @@ from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.fileio import made_folders
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -198,14 +199,26 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
+    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
+    _check_out(out, recipe)
+    loaded = None
+    if recipe.pretrain is None:  # a model that does not load or fit is reported before OUT is made
+        loaded = _load_model(recipe.model.path)
+        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
+    # OUT and the folders above it that this run makes go again if it fails before writing there
+    with made_folders(out):
+        return _run(recipe, out, arms, loaded, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
+                    on_step=on_step)
+
+
+def _run(recipe: Recipe, out: Path, arms: list[str], loaded, *, progress, stop, accelerator, plot,
+         on_step) -> ExperimentResult:
+    """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model]."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
 
-    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
-    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
-    _check_out(out, recipe)
-    out.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or make_accelerator(recipe, out)
     if accelerator.is_main_process:
         (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint(), "source": recipe.source,
@@ -221,10 +234,11 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
                                                      recipe.data.eval, stop=stop, progress=progress)
         model_path = str(model_dir)
+        loaded = _load_model(model_path)
+        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
     else:
         model_path = recipe.model.path
-    original, tokenizer = _load_model(model_path)
-    check_seq_len(recipe.finetune.seq_len, getattr(original.config, "max_position_embeddings", None))
+    original, tokenizer = loaded
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data

@@ -65,7 +65,7 @@ from pathlib import Path
 
 from normswap import jsonsafe
 from normswap.dtypes import RUN_DTYPES
-from normswap.fileio import write_text_atomic
+from normswap.fileio import made_folders, write_text_atomic
 
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
@@ -415,8 +415,7 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     from filelock import FileLock
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with made_folders(path.parent), FileLock(str(path) + ".lock"):
         if path.exists():
             doc = read(path)
             bad = problems(doc, row_buckets, per_device)
