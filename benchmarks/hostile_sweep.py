@@ -125,12 +125,19 @@ def fixtures(root: Path) -> dict:
     deep = b"[" * 100_000 + b"]" * 100_000
     for name, src, file in (("deep_manifest", "llama", "normswap.json"), ("deep_manifest_gpt2", "gpt2", "normswap.json"),
                             ("deep_index", "gpt2", "model.safetensors.index.json"),
-                            ("deep_header", "gpt2", "model.safetensors")):
+                            ("deep_index_llama", "llama", "model.safetensors.index.json"),
+                            ("deep_tokenizer", "llama", "tokenizer.json"), ("deep_header", "gpt2", "model.safetensors")):
         fx[name] = root / name
         shutil.copytree(fx[src], fx[name])
         if file == "model.safetensors.index.json":  # sharded: the index names the one shard
             (fx[name] / "model.safetensors").rename(fx[name] / "model-00001-of-00001.safetensors")
         (fx[name] / file).write_bytes(struct.pack("<Q", len(deep)) + deep if file.endswith(".safetensors") else deep)
+    # What transformers reads itself (its errors name no file): Latin-1, and not JSON.
+    for name, file, content in (("latin1_tokcfg", "tokenizer_config.json", b'{"name": "caf\xe9"}'),
+                                ("bad_special", "special_tokens_map.json", b'{"eos_token": ')):
+        fx[name] = root / name
+        shutil.copytree(fx["llama"], fx[name])
+        (fx[name] / file).write_bytes(content)
     fx["deep_user"] = root / "deep_user"  # --force: a folder whose config.json is not a model's
     fx["deep_user"].mkdir()
     (fx["deep_user"] / "config.json").write_bytes(deep)
@@ -347,6 +354,12 @@ def cases(fx: dict) -> list[Case]:
         Case("ppl: jsonl with a bad row", ["ppl", L, "--data", fx["badjsonl"]], "not valid JSON"),
         Case("ppl: jsonl row nested too deeply", ["ppl", L, "--data", fx["deep_jsonl"]],
              "deep.jsonl:2: not valid JSON (nested too deeply", ci=True),
+        Case("ppl: tokenizer.json nested too deeply", ["ppl", fx["deep_tokenizer"], "--data", T],
+             "tokenizer.json: malformed tokenizer.json (nested too deeply", ci=True),
+        Case("ppl: tokenizer_config.json not UTF-8", ["ppl", fx["latin1_tokcfg"], "--data", T],
+             "tokenizer_config.json: malformed tokenizer_config.json (not UTF-8: invalid byte at offset 13)", ci=True),
+        Case("ppl: sharded index nested too deeply", ["ppl", fx["deep_index_llama"], "--data", T],
+             "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
         Case("ppl: jsonl without the field", ["ppl", L, "--data", fx["nofield"]], "--text-field"),
         Case("ppl: directory without .txt", ["ppl", L, "--data", fx["notxt"]], "no .txt files", ci=True),
         Case("ppl: text shorter than the window", ["ppl", L, "--data", fx["short"], "--max-length", "32"],
@@ -359,6 +372,10 @@ def cases(fx: dict) -> list[Case]:
         Case("diff: both B and --patched", ["diff", L, L, "--patched", "torch", "--data", T], "exactly one", ci=True),
         Case("diff: --patched nope", ["diff", L, "--patched", "nope", "--data", T], "nope", ci=True),
         Case("diff: B missing", ["diff", L, fx["root"] / "missing", "--data", T], "no such file", ci=True),
+        Case("ppl: special_tokens_map.json not JSON", ["ppl", fx["bad_special"], "--data", T],
+             "special_tokens_map.json: malformed special_tokens_map.json (Expecting value", ci=True),
+        Case("patch: sharded index nested too deeply", [*P, fx["deep_index_llama"], "--impl", "torch"],
+             "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
         Case("diff: --stride -1", ["diff", L, "--patched", "torch", "--data", T, "--stride", "-1"], "--stride -1",
              ci=True),
         # ---- convert

@@ -211,6 +211,18 @@ def _read_json(path: Path, ref: str):
         raise NormswapError(f"{path}: malformed {path.name} ({e})") from None
 
 
+def name_malformed_json(directory: Path, names, ref: str) -> None:
+    """After transformers failed to load from `directory`: one line naming the first of the JSON
+    files `names` it reads there that is malformed, when one is. Its own error names no file, and
+    for one nested past json's limit says only 'maximum recursion depth exceeded'. Asked only once
+    a load failed: a tokenizer.json can be tens of megabytes."""
+    for name in names:
+        if (directory / name).is_file():
+            _read_json(directory / name, ref)
+
+
+# The JSON files AutoTokenizer reads from a model folder; it refuses any of them that is malformed.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -376,6 +388,8 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     except NormswapError:
         raise
     except Exception as e:
+        if "gguf_file" not in kwargs and not (Path(path) / "model.safetensors").exists():  # else it reads no index
+            name_malformed_json(Path(path), ("model.safetensors.index.json",), ref)
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model
@@ -415,6 +429,8 @@ def load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:
+        if source.gguf_file is None:
+            name_malformed_json(source.path, TOKENIZER_FILES, source.ref)
         msg = one_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
 
