@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -97,6 +98,10 @@ def fixtures(root: Path) -> dict:
     shutil.copytree(fx["llama"], fx["trunc"])
     f = fx["trunc"] / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    fx["trunc_gpt2"] = root / "trunc_gpt2"
+    shutil.copytree(fx["gpt2"], fx["trunc_gpt2"])
+    f = fx["trunc_gpt2"] / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     fx["badjson"] = root / "badjson"
     shutil.copytree(fx["llama"], fx["badjson"])
     (fx["badjson"] / "config.json").write_text('{"model_type": "llama",')
@@ -121,6 +126,31 @@ def fixtures(root: Path) -> dict:
     (fx["dirgen"] / "generation_config.json").unlink()
     (fx["dirgen"] / "generation_config.json").mkdir()
     (fx["dirgen"] / "generation_config.json" / "notes.txt").write_text("mine")
+    # JSON nested past json's recursion limit (a RecursionError, no ValueError) in each JSON file
+    # normswap reads from a model folder or from an --out left by an earlier run.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for name, src, file in (("deep_manifest", "llama", "normswap.json"), ("deep_manifest_gpt2", "gpt2", "normswap.json"),
+                            ("deep_index", "gpt2", "model.safetensors.index.json"),
+                            ("deep_index_llama", "llama", "model.safetensors.index.json"),
+                            ("deep_tokenizer", "llama", "tokenizer.json"), ("deep_header", "gpt2", "model.safetensors")):
+        fx[name] = root / name
+        shutil.copytree(fx[src], fx[name])
+        if file == "model.safetensors.index.json":  # sharded: the index names the one shard
+            (fx[name] / "model.safetensors").rename(fx[name] / "model-00001-of-00001.safetensors")
+        (fx[name] / file).write_bytes(struct.pack("<Q", len(deep)) + deep if file.endswith(".safetensors") else deep)
+    # What transformers reads itself (its errors name no file): Latin-1, and not JSON.
+    for name, file, content in (("latin1_tokcfg", "tokenizer_config.json", b'{"name": "caf\xe9"}'),
+                                ("bad_special", "special_tokens_map.json", b'{"eos_token": ')):
+        fx[name] = root / name
+        shutil.copytree(fx["llama"], fx[name])
+        (fx[name] / file).write_bytes(content)
+    fx["deep_user"] = root / "deep_user"  # --force: a folder whose config.json is not a model's
+    fx["deep_user"].mkdir()
+    (fx["deep_user"] / "config.json").write_bytes(deep)
+    (fx["deep_user"] / "notes.txt").write_text("keep")
+    fx["deep_run"] = root / "deep_run"  # an experiment --out whose recipe.json is not ours
+    fx["deep_run"].mkdir()
+    (fx["deep_run"] / "recipe.json").write_bytes(deep)
     fx["badgguf"] = root / "gguf" / "model.gguf"
     fx["badgguf"].parent.mkdir()
     fx["badgguf"].write_text("not a gguf file " * 8)
@@ -154,9 +184,14 @@ def fixtures(root: Path) -> dict:
     fx["notxt"] = texts / "notxt"
     fx["notxt"].mkdir()
     (fx["notxt"] / "a.csv").write_text("x,y\n")
-    fx["deep_json"] = texts / "deep.json"  # past json's recursion limit
-    fx["deep_json"].write_text("[" * 100_000 + "]" * 100_000)
+    fx["deep_json"] = texts / "deep.json"
+    fx["deep_json"].write_bytes(deep)
+    fx["deep_jsonl"] = texts / "deep.jsonl"
+    fx["deep_jsonl"].write_bytes(b'{"text": "fine"}\n' + deep + b"\n")
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
+    fx["long_recipe"] = texts / "long.toml"  # found once the model is loaded
+    fx["long_recipe"].write_text(f'name = "t"\narms = ["original"]\n[model]\npath = "{fx["gpt2"]}"\n[data]\n'
+                                 f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 500\n')
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
     return fx
@@ -215,6 +250,8 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
              setup=lambda: _deny(fx["locked"] / "config.json")),
         Case("scan: config.json not UTF-8", ["scan", fx["latin1json"]], "not UTF-8", ci=True),
+        Case("scan: config.json nested too deeply", ["scan", fx["deep_user"]], "config.json: malformed config.json "
+             "(nested too deeply", ci=True),
         Case("scan: num_hidden_layers 10**12", ["scan", fx["huge_layers"]], "normswap takes at most", ci=True),
         Case("scan: architectures a string", ["scan", fx["arch_str"]], "architectures is a str", ci=True),
         Case("scan: an unknown architectures name", ["scan", fx["unknown_arch"]],
@@ -244,6 +281,10 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: --out / --force", [*P, L, "--impl", "torch", "--out", "/", "--force"], "write elsewhere", ci=True),
         Case("patch: --out HOME --force", [*P, L, "--impl", "torch", "--out", Path.home(), "--force"], "refusing",
              ci=True),
+        Case("patch: --force on a folder whose config.json nests too deeply",
+             [*P, L, "--impl", "torch", "--out", fx["deep_user"], "--force"], "not a model checkpoint", ci=True),
+        Case("patch: normswap.json nested too deeply", [*P, fx["deep_manifest"], "--impl", "torch"],
+             "normswap.json: unreadable manifest (nested too deeply", ci=True),
         Case("patch: existing --out without --force", [*P, L, "--impl", "torch", "--out", fx["done"]],
              "already exists; pass --force", ci=True),
         Case("patch: --out and --in-place", [*P, L, "--out", out, "--in-place"], "exclusive", ci=True),
@@ -286,11 +327,20 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: an unknown architectures name", [*P, fx["unknown_arch"], "--impl", "torch", "--out", out],
              "has no model class of that name", ci=True),
         Case("patch: malformed generation_config.json, --in-place", [*P, fx["badgen"], "--impl", "torch", "--in-place"],
-             "malformed generation_config.json (JSONDecodeError", ci=True),
+             "malformed generation_config.json (Expecting", ci=True),
         Case("patch: a norm weight stored as I64, --in-place", [*P, fx["int_norm"], "--impl", "torch", "--in-place"],
              "model.norm.weight is stored as I64", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
+        # ---- a deep new --out (out/a/b/c): a failure after the folders were made removes them
+        Case("patch: unreadable tokenizer.json, deep new --out",
+             [*P, fx["locked"], "--impl", "torch", "--out", out / "a" / "b" / "c"], "tokenizer.json: Permission denied",
+             ci=True, setup=lambda: _deny(fx["locked"] / "tokenizer.json")),
+        Case("convert: truncated safetensors, deep new --out",
+             ["convert", fx["trunc_gpt2"], "--to", "rms", "--out", out / "a" / "b" / "c"], "unreadable safetensors",
+             ci=True),
+        Case("experiment: seq_len past the context, deep new --out",
+             ["experiment", fx["long_recipe"], "--out", out / "a" / "b" / "c"], "exceeds the model's context", ci=True),
         # ---- ppl / diff
         Case("ppl: --data missing", ["ppl", L], "--data", ci=True),
         Case("ppl: BERT (no language-model head)", ["ppl", fx["bert"], "--data", T], "has no language-model head",
@@ -310,6 +360,14 @@ def cases(fx: dict) -> list[Case]:
         Case("ppl: --max-tokens 10**23", ["ppl", L, "--data", T, "--max-tokens", str(10**23)],
              "more tokens than any text holds", ci=True),
         Case("ppl: jsonl with a bad row", ["ppl", L, "--data", fx["badjsonl"]], "not valid JSON"),
+        Case("ppl: jsonl row nested too deeply", ["ppl", L, "--data", fx["deep_jsonl"]],
+             "deep.jsonl:2: not valid JSON (nested too deeply", ci=True),
+        Case("ppl: tokenizer.json nested too deeply", ["ppl", fx["deep_tokenizer"], "--data", T],
+             "tokenizer.json: malformed tokenizer.json (nested too deeply", ci=True),
+        Case("ppl: tokenizer_config.json not UTF-8", ["ppl", fx["latin1_tokcfg"], "--data", T],
+             "tokenizer_config.json: malformed tokenizer_config.json (not UTF-8: invalid byte at offset 13)", ci=True),
+        Case("ppl: sharded index nested too deeply", ["ppl", fx["deep_index_llama"], "--data", T],
+             "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
         Case("ppl: jsonl without the field", ["ppl", L, "--data", fx["nofield"]], "--text-field"),
         Case("ppl: directory without .txt", ["ppl", L, "--data", fx["notxt"]], "no .txt files", ci=True),
         Case("ppl: text shorter than the window", ["ppl", L, "--data", fx["short"], "--max-length", "32"],
@@ -324,6 +382,10 @@ def cases(fx: dict) -> list[Case]:
         Case("diff: both B and --patched", ["diff", L, L, "--patched", "torch", "--data", T], "exactly one", ci=True),
         Case("diff: --patched nope", ["diff", L, "--patched", "nope", "--data", T], "nope", ci=True),
         Case("diff: B missing", ["diff", L, fx["root"] / "missing", "--data", T], "no such file", ci=True),
+        Case("ppl: special_tokens_map.json not JSON", ["ppl", fx["bad_special"], "--data", T],
+             "special_tokens_map.json: malformed special_tokens_map.json (Expecting value", ci=True),
+        Case("patch: sharded index nested too deeply", [*P, fx["deep_index_llama"], "--impl", "torch"],
+             "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
         Case("diff: --stride -1", ["diff", L, "--patched", "torch", "--data", T, "--stride", "-1"], "--stride -1",
              ci=True),
         # ---- convert
@@ -339,7 +401,15 @@ def cases(fx: dict) -> list[Case]:
         Case("convert: post-LN BERT", ["convert", fx["bert"], "--to", "rms", "--out", out, "--json"], "nothing converts",
              report=True),
         Case("convert: generation_config.json nested too deeply", ["convert", fx["deepgen"], "--to", "rms", "--out", out],
-             "malformed generation_config.json (nested too deeply)", ci=True),
+             "malformed generation_config.json (nested too deeply: more than 100 levels)", ci=True),
+        Case("convert: normswap.json nested too deeply", ["convert", fx["deep_manifest_gpt2"], "--to", "rms", "--out",
+                                                         out], "normswap.json: unreadable manifest (nested too deeply",
+             ci=True),
+        Case("convert: safetensors index nested too deeply", ["convert", fx["deep_index"], "--to", "rms", "--out", out],
+             "model.safetensors.index.json: malformed index (nested too deeply", ci=True),
+        Case("convert: safetensors header nested too deeply", ["convert", fx["deep_header"], "--to", "rms", "--out",
+                                                               out], "not a safetensors file (unreadable header: "
+             "nested too deeply", ci=True),
         Case("convert: a LayerNorm weight stored as BOOL", ["convert", fx["bool_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight is stored as BOOL", ci=True),
         Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
@@ -356,6 +426,8 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: --out is the model's config.json", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq",
                                                          "4", "--out", L / "config.json"],
              "is not a normswap bench result", ci=True),
+        Case("bench: --out nested too deeply", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                                "--out", fx["deep_json"]], "is not a normswap bench result", ci=True),
         Case("bench: --seq past GPT-2's positions", ["bench", G, "--impl", "torch", "--mode", "prefill", "--seq",
                                                      "100", "--out", out / "b.json"], "the model's context is 64",
              ci=True),
@@ -371,6 +443,8 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
         Case("experiment: --set without =", ["experiment", fx["recipe"], "--set", "garbage"], "garbage", ci=True),
+        Case("experiment: --out's recipe.json nested too deeply", ["experiment", fx["recipe"], "--out", fx["deep_run"]],
+             "recipe.json: malformed JSON (nested too deeply", ci=True),
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
         Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
              ci=True),

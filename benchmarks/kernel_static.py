@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The static check itself lives in the library (the tuner needs it); it imports no triton at
 # module level, so the interpreter can still be turned off below, before anything compiles.
+from normswap import jsonsafe  # noqa: E402
 from normswap.dtypes import RUN_DTYPES  # noqa: E402
 from normswap.kernels.static_check import (  # noqa: E402
     CP_ASYNC_HINTS_SINCE,
@@ -263,8 +264,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         try:
-            results = json.loads(Path(args.render).read_text())["results"]
-        except (OSError, ValueError, KeyError) as e:
+            results = jsonsafe.read(args.render)["results"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"kernel_static.py: cannot read {args.render}: {e}", file=sys.stderr)
             return 2
         print(summary(results) if args.summary else table(results))

@@ -44,6 +44,7 @@ import torch
 # This checkout's normswap, also where another copy is installed (a second clone, a worktree): a
 # script measures the kernels of the tree it is in.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from normswap import jsonsafe  # noqa: E402
 from normswap.dtypes import DTYPES, RUN_DTYPES  # noqa: E402
 from normswap.fileio import write_text_atomic  # noqa: E402
 
@@ -171,15 +172,32 @@ def print_table(rows, impls, copy_gbs, file=sys.stdout):
               + " | ".join(cells), file=file)
 
 
+def read_previous(path: Path) -> dict | None:
+    """The document an earlier run left at path, None when there is none; ValueError with the
+    reason when the file there is not one this script wrote (asked before anything is measured:
+    --out MODEL/config.json must not be replaced by the rows, nor a malformed file found only when
+    the first shape's rows are written)."""
+    if not path.exists():
+        return None
+    try:
+        doc = jsonsafe.read(path)
+    except OSError as e:
+        raise ValueError(e.strerror or e.__class__.__name__) from None
+    except ValueError as e:
+        raise ValueError(f"malformed JSON: {e}") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("rows"), list) and all(isinstance(r, dict) for r in doc["rows"])):
+        raise ValueError("no list of result rows")
+    return doc
+
+
 def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
     """Merge into an existing file of the same device (same key replaces), write atomically."""
     key = lambda r: tuple(r.get(k) for k in ROW_KEY)  # noqa: E731
     keep = list(rows)
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("device") == meta["device"]:
-            fresh = {key(r) for r in keep}
-            keep = [r for r in old.get("rows", []) if key(r) not in fresh] + keep
+    old = read_previous(path)
+    if old is not None and old.get("device") == meta["device"]:
+        fresh = {key(r) for r in keep}
+        keep = [r for r in old["rows"] if key(r) not in fresh] + keep
     doc = dict(meta, rows=sorted(keep, key=lambda r: tuple(str(v) for v in key(r))))
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
@@ -264,6 +282,12 @@ def main(argv=None) -> int:
     else:
         out = RESULTS / f"{slug(device_name)}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}.json"
 
+    try:
+        read_previous(out)
+    except ValueError as e:
+        print(f"benchmarks/kernels.py: {out} exists and is not a kernel benchmark result ({e}); write elsewhere "
+              "(--out)", file=sys.stderr)
+        return 2
     from normswap.errors import NormswapError
 
     reps = 3 if device == "cpu" else 0

@@ -23,11 +23,14 @@ a file marked "fixture" is labelled as one in every heading.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 from pathlib import Path
+
+# This checkout's normswap (its JSON reader), also where another copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from normswap import jsonsafe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PLOT_NAME = "rms_norm_bf16.png"
@@ -44,9 +47,9 @@ def load_runs(results: Path) -> tuple[list[dict], list[str]]:
     runs, notes = [], []
     for path in sorted(results.rglob("*.json")):
         try:
-            doc = json.loads(path.read_text())
+            doc = jsonsafe.read(path)
         except (OSError, ValueError) as e:
-            notes.append(f"`{path.name}`: not readable JSON ({e.__class__.__name__})")
+            notes.append(f"`{path.name}`: not readable JSON ({e})")
             continue
         if not (isinstance(doc, dict) and isinstance(doc.get("rows"), list) and "copy_gbs" in doc
                 and all(isinstance(r, dict) and "op" in r for r in doc["rows"])):
@@ -212,7 +215,7 @@ def bench_sections(results: Path, notes: list[str]) -> list[str]:
     lines = []
     for path in sorted(results.rglob("*.json")):
         try:
-            doc = json.loads(path.read_text())
+            doc = jsonsafe.read(path)
         except ValueError:
             continue
         if not (isinstance(doc, dict) and str(doc.get("format", "")).startswith("normswap-bench/")):
@@ -256,7 +259,7 @@ def other_evidence(results: Path, kernel_paths: set[Path], notes: list[str]) -> 
         if path in kernel_paths or "patch" not in path.name:
             continue
         try:
-            doc = json.loads(path.read_text())
+            doc = jsonsafe.read(path)
         except ValueError:
             continue
         if not isinstance(doc, dict):

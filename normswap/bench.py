@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from normswap import jsonsafe
 from normswap.errors import NormswapError
 from normswap.progress import ProgressFn
 
@@ -423,7 +424,7 @@ def check_result_target(path: str | os.PathLike) -> None:
     if not path.is_file():
         return  # new (a folder, or a missing parent, is fileio.unwritable's to report)
     try:  # a results file is kilobytes; a model's weights are not read to find that out
-        fmt = json.loads(path.read_bytes()).get("format") if path.stat().st_size < (16 << 20) else None
+        fmt = jsonsafe.loads(path.read_bytes()).get("format") if path.stat().st_size < (16 << 20) else None
     except (OSError, ValueError, AttributeError):
         fmt = None
     if not (isinstance(fmt, str) and fmt.startswith(FORMAT.split("/")[0] + "/")):
@@ -434,9 +435,8 @@ def check_result_target(path: str | os.PathLike) -> None:
 def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
     """Write the result as strict JSON, atomically (a temporary file renamed into place)."""
     from normswap.fileio import write_text_atomic
-    from normswap.jsonsafe import finite_or_null
-
-    return write_text_atomic(path, json.dumps(finite_or_null(result.to_dict()), indent=2, allow_nan=False) + "\n")
+    doc = jsonsafe.finite_or_null(result.to_dict())
+    return write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
 def parse_list(value: str | Sequence[str]) -> tuple[str, ...]:

@@ -38,12 +38,12 @@ import signal
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
-from normswap.fileio import target_path, umask
+from normswap.fileio import made_folders, target_path, umask
 from normswap.progress import ProgressFn, step
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -138,10 +138,10 @@ def is_checkpoint_dir(directory: Path) -> bool:
     if "normswap.json" in names or any(STOCK_WEIGHTS.fullmatch(n) for n in names):
         return True
     if "config.json" in names:
-        import json
+        from normswap import jsonsafe
 
         try:
-            cfg = json.loads((directory / "config.json").read_text())
+            cfg = jsonsafe.read(directory / "config.json")
         except (OSError, ValueError):
             return False
         return isinstance(cfg, dict) and bool(cfg.get("model_type") or cfg.get("architectures"))
@@ -270,29 +270,33 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
     if replace:
         check_replaceable(target, in_place=in_place)
     parent = target.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
-    with target_lock(target):
+    with ExitStack() as folders:
         try:
-            remove_stale_staging(target)
-            tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
+            # the folders this run makes for --out a/b/c/out go again if it fails
+            folders.enter_context(made_folders(parent))
         except OSError as e:
             raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
-        try:
-            # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
-            # (or the replaced directory's own mode)
-            os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~umask())
-            yield tmp
-            _normalise_file_modes(tmp)
-            _kill_point("before-publish")
-            publish_dir(tmp, target, replace=replace, in_place=in_place)
-        except OSError as e:
-            raise NormswapError(f"cannot write {target}: {e.strerror or one_line(e)}") from None
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        with target_lock(target):
+            try:
+                remove_stale_staging(target)
+                tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
+            except OSError as e:
+                raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+            try:
+                # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
+                # (or the replaced directory's own mode)
+                os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~umask())
+                yield tmp
+                _normalise_file_modes(tmp)
+                _kill_point("before-publish")
+                publish_dir(tmp, target, replace=replace, in_place=in_place)
+            except OSError as e:
+                # the file named: it may be one the block read (a source file carried over), not the target
+                name = f"{os.fsdecode(e.filename)}: " if e.filename and e.strerror else ""
+                raise NormswapError(f"cannot write {target}: {name}{e.strerror or one_line(e)}") from None
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _staging_prefix(target: Path) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap import streaming as st
 from normswap.archs import load_arch
 from normswap.carry import carry_over
@@ -69,7 +70,7 @@ def convert_directory(
             out_dtype=policy, streaming=streaming, progress=progress,
         )
         record_infos(plan, infos)
-        cfg = json.loads((source.path / "config.json").read_text())
+        cfg = jsonsafe.read_or_refuse(source.path / "config.json")  # load_config read it: changed since?
         if plan.untie is not None:
             _untie_config_dict(cfg)
         if dtype is not None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from normswap import jsonsafe
 from normswap.errors import BadInputError, NormswapError
 
 # Piece sizes for large plain files: small first (a --max-tokens run tokenises little), growing to
@@ -188,7 +188,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[Document]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = jsonsafe.loads(line)
                 except ValueError as e:
                     raise NormswapError(f"{path}:{lineno}: not valid JSON ({e})") from None
                 yield iter([_text_of(row, text_field, f"{path}:{lineno}")])

@@ -1,7 +1,8 @@
 """Writing a file so that no reader, and no other writer, ever sees it half-written: the one
 atomic text write every results file, manifest and launch table goes through, the umask that
 files made through temporary names are given back, the one check, made before any long work,
-that a destination can be written at all, and the refusal of an empty output path."""
+that a destination can be written at all, the refusal of an empty output path, and the missing
+folders of an output path made for a run and removed again when it fails (made_folders)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from normswap.errors import BadInputError
@@ -28,18 +30,53 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     half-written file into place and then finds its own gone. The file keeps its mode; a new one
     gets what a plain open would give it (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with made_folders(path.parent):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return path
+
+
+@contextlib.contextmanager
+def made_folders(folder: str | os.PathLike) -> Iterator[None]:
+    """Make `folder` and the missing folders above it (mkdir -p) for the block; when the block
+    fails (an error, a refused verification, Ctrl-C, SIGTERM) remove again exactly the folders
+    this call made, deepest first, each only while it is empty: a folder that existed before, or
+    one another process made first or has put something into meanwhile, is left alone (and with
+    it every folder above). A run whose `--out a/b/c/out` failed left a/, a/b/ and a/b/c/ behind."""
+    folder = Path(folder)
+    missing = []
+    p = folder
+    while not p.exists() and not p.is_symlink() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    if not p.is_dir():  # a file or a link to nothing holds the name: mkdir -p's own error
+        p.mkdir()
+    made = []
+    try:
+        for p in reversed(missing):
+            try:
+                p.mkdir()
+            except FileExistsError:
+                if not p.is_dir():
+                    raise
+                continue  # made by another process meanwhile: not this run's to remove
+            made.append(p)
+        yield
+    except BaseException:
+        for p in reversed(made):
+            try:
+                os.rmdir(p)  # only an empty folder: never what another process put there
+            except OSError:
+                break
+        raise
 
 
 def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:

@@ -5,7 +5,6 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.progress import ProgressFn
@@ -205,16 +205,24 @@ def _read_json(path: Path, ref: str):
         raw = path.read_bytes()
     except OSError as e:  # a permission error is not a malformed file
         raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:  # JSON is UTF-8; a Latin-1 editor's save is not
-        raise NormswapError(f"{path}: malformed {path.name} (not UTF-8: invalid byte at offset {e.start})") from None
-    except RecursionError:  # json's nesting limit: no config nests a thousand levels deep
-        raise NormswapError(f"{path}: malformed {path.name} (nested too deeply)") from None
+    try:  # checked here: transformers' own messages for these name neither the file nor the reason
+        return jsonsafe.loads(raw)
     except ValueError as e:
-        raise NormswapError(f"{path}: malformed {path.name} ({e.__class__.__name__}: {e})") from None
+        raise NormswapError(f"{path}: malformed {path.name} ({e})") from None
 
 
+def name_malformed_json(directory: Path, names, ref: str) -> None:
+    """After transformers failed to load from `directory`: one line naming the first of the JSON
+    files `names` it reads there that is malformed, when one is. Its own error names no file, and
+    for one nested past json's limit says only 'maximum recursion depth exceeded'. Asked only once
+    a load failed: a tokenizer.json can be tens of megabytes."""
+    for name in names:
+        if (directory / name).is_file():
+            _read_json(directory / name, ref)
+
+
+# The JSON files AutoTokenizer reads from a model folder; it refuses any of them that is malformed.
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -419,6 +427,8 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     except NormswapError:
         raise
     except Exception as e:
+        if "gguf_file" not in kwargs and not (Path(path) / "model.safetensors").exists():  # else it reads no index
+            name_malformed_json(Path(path), ("model.safetensors.index.json",), ref)
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model
@@ -458,6 +468,8 @@ def load_tokenizer(source: ModelSource):
     try:
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:
+        if source.gguf_file is None:
+            name_malformed_json(source.path, TOKENIZER_FILES, source.ref)
         msg = one_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
 

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from normswap import jsonsafe
 from normswap._version import __version__
 from normswap.errors import NormswapError
 from normswap.fileio import write_text_atomic
@@ -134,9 +135,11 @@ def read_manifest(where: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise NormswapError(f"{path.parent}: not a normswap checkpoint (no {MANIFEST_NAME})")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise NormswapError(f"{path}: unreadable manifest ({e.__class__.__name__}: {e})") from None
+        data = jsonsafe.read(path)
+    except OSError as e:
+        raise NormswapError(f"{path}: unreadable manifest ({e.strerror or e.__class__.__name__})") from None
+    except ValueError as e:
+        raise NormswapError(f"{path}: unreadable manifest ({e})") from None
     return _upgrade(_validate(data, path))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap.errors import NormswapError, one_line
 from normswap.jobs import keep_dtype, run_job
 from normswap.plan import Plan
@@ -46,9 +47,9 @@ def read_header(path: Path) -> dict:
         if n > 100_000_000:
             raise NormswapError(f"{path}: not a safetensors file (header length {n})")
         try:
-            return json.loads(f.read(n))
-        except ValueError:
-            raise NormswapError(f"{path}: not a safetensors file (unreadable header)") from None
+            return jsonsafe.loads(f.read(n))
+        except ValueError as e:
+            raise NormswapError(f"{path}: not a safetensors file (unreadable header: {e})") from None
 
 
 def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
@@ -56,9 +57,13 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
     index = src / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise NormswapError(f"{index}: malformed index ({e.__class__.__name__}: {e})") from None
+            weight_map = jsonsafe.read(index)["weight_map"]
+        except OSError as e:
+            raise NormswapError(f"{index}: cannot read ({e.strerror or e.__class__.__name__})") from None
+        except ValueError as e:
+            raise NormswapError(f"{index}: malformed index ({e})") from None
+        except (KeyError, TypeError):
+            raise NormswapError(f"{index}: malformed index (no weight_map)") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise NormswapError(f"{index}: malformed index (weight_map must map tensor names to shard file names)")
         files = sorted(set(weight_map.values()))

@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def small_probes(monkeypatch):
+    """The CLI's numeric proof is tested elsewhere; small probes keep runs of whole commands quick."""
+    from normswap import verify
+
+    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))

@@ -272,6 +272,38 @@ def test_benchmark_takes_the_short_dtype_names_only(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("content, says", [
+    ("[" * 100_000 + "]" * 100_000, "malformed JSON: nested too deeply: more than 100 levels"),
+    ('{"model_type": "llama", "hidden_size": 64}', "no list of result rows"),
+])
+def test_benchmark_refuses_an_out_it_did_not_write_before_measuring(capsys, tmp_path, content, says):
+    """An existing --out is merged into: one nested past json's limit raised RecursionError after
+    the first shape was measured (a traceback), and --out MODEL/config.json (a JSON object without
+    rows) was replaced by the rows. Both are refused first, the file left as it was."""
+    out = tmp_path / "k.json"
+    out.write_text(content)
+    argv = ["--dry-run", "--impls", "reference", "--rows", "4", "--hidden", "16", "--out", str(out)]
+    assert load_script("kernels").main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if ln.startswith("benchmarks/kernels.py:")]
+    assert err == [f"benchmarks/kernels.py: {out} exists and is not a kernel benchmark result ({says}); write "
+                   "elsewhere (--out)"]
+    assert out.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == ["k.json"]
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply: more than 100 levels"),
+    ("[1, 2]", "list indices must be integers"),
+])
+def test_kernel_static_render_of_a_file_it_did_not_write_is_one_line(capsys, tmp_path, content, says):
+    """kernel_static.py --render FILE: a file nested past json's limit (RecursionError) or a list in
+    place of the results document (TypeError) was a traceback."""
+    bad = tmp_path / "static.json"
+    bad.write_text(content)
+    assert load_script("kernel_static").main(["--render", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kernel_static.py: cannot read {bad}: {says}"), err
+
+
 def _separate_kernel_bytes(r) -> int:
     """Bytes as separate kernels move them, for a dry-run row of 4 rows x 16: fwd+bwd reads x twice;
     with a residual, x and residual share one gradient (h = x + residual), written once."""

@@ -23,11 +23,7 @@ from normswap.cli import cli
 WRITTEN = {"model.safetensors", "config.json", "generation_config.json", "normswap.json"}
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+pytestmark = pytest.mark.usefixtures("small_probes")
 
 
 def _source(root, weights: str, seed: int):

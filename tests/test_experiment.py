@@ -380,6 +380,50 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm):
 
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit: json.loads raised RecursionError
+
+
+@pytest.mark.parametrize("content, says", [(DEEP, "malformed JSON (nested too deeply: more than 100 levels)"),
+                                           ("[1, 2]", "not a")])
+@pytest.mark.parametrize("record", ["arm result", "training state", "pretraining record"])
+def test_a_malformed_record_of_an_earlier_run_is_bad_input(every_arm, cache, tmp_path, monkeypatch, record,
+                                                           content, says):
+    """What an earlier run left (an arm's result.json, a checkpoint's trainer.json, the cached
+    pretraining's normswap-pretrain.json), nested too deeply or of the wrong shape: one line naming
+    the file and what to delete, exit 2. Nesting was an internal error (RecursionError) and a list
+    in place of the object an AttributeError or TypeError."""
+    import shutil
+
+    from normswap.experiment.pretrain import INFO_FILE
+    from normswap.experiment.trainer import LATEST, TRAINER_STATE
+
+    out = tmp_path / "out"
+    shutil.copytree(every_arm.out, out)
+    arm = "original" if record == "arm result" else "approx+ft"
+    if record == "arm result":
+        bad = out / "arms" / arm / "result.json"
+        remedy = f"delete it to run the arm {arm} again"
+    elif record == "training state":  # an arm stopped at its step-2 checkpoint
+        (out / "arms" / arm / "result.json").unlink()
+        state = out / "arms" / arm / "state"
+        bad = state / "step-000002" / TRAINER_STATE
+        bad.parent.mkdir(parents=True)
+        (state / LATEST).write_text(bad.parent.name)
+        remedy = f"delete {state} to train from the start"
+    else:
+        shutil.copytree(cache, tmp_path / "cache")
+        monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+        (bad,) = (tmp_path / "cache").glob(f"pretrain/*/{INFO_FILE}")
+        remedy = f"delete {bad.parent} to pretrain again"
+    bad.write_text(content)
+    source = json.loads((out / "recipe.json").read_text())["source"]
+    r = CliRunner().invoke(cli, ["experiment", source, "--out", str(out), "--arms", arm])
+    assert r.exit_code == 2 and r.stdout == "", (r.exit_code, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert lines[0].startswith(f"normswap: error: {bad}: {says}") and lines[0].endswith(remedy), lines
+
+
 def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     """`--out ~/thesis`: a folder with files in it and no recipe.json is not an earlier run, and a
     run writes results.csv, summary.md, curves.png, logs/ and arms/ into it, replacing the user's

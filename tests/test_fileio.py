@@ -59,3 +59,61 @@ def test_a_read_only_file_is_not_replaced(tmp_path):
     ro.write_text("{}")
     ro.chmod(0o444)
     assert unwritable(ro) == "it is not writable"
+
+
+class _Failed(Exception):
+    pass
+
+
+def test_made_folders_removes_on_failure_exactly_the_empty_folders_it_made(tmp_path):
+    """A failed run with --out a/b/c/out left a/, a/b/ and a/b/c/ behind. Only the folders the
+    call made go, deepest first; one that existed stays, and so does one another process put
+    something into meanwhile (with every folder above it)."""
+    from normswap.fileio import made_folders
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "mine.txt").write_text("the user's")
+    with pytest.raises(_Failed), made_folders(tmp_path / "a" / "b" / "c" / "out"):
+        assert (tmp_path / "a" / "b" / "c" / "out").is_dir()
+        raise _Failed
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["mine.txt"]
+    with pytest.raises(_Failed), made_folders(tmp_path / "x" / "y" / "z"):
+        (tmp_path / "x" / "y" / "theirs.txt").write_text("another process's")
+        raise _Failed
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "a", "a/mine.txt", "x", "x/y", "x/y/theirs.txt"]
+    with pytest.raises(KeyboardInterrupt), made_folders(tmp_path / "k" / "l"):  # Ctrl-C, SIGTERM (Terminated)
+        raise KeyboardInterrupt
+    assert not (tmp_path / "k").exists()
+    with made_folders(tmp_path / "ok" / "deep"):  # success keeps them, empty or not
+        pass
+    assert (tmp_path / "ok" / "deep").is_dir()
+
+
+def test_made_folders_leaves_a_folder_another_process_made_first(tmp_path, monkeypatch):
+    """Between finding b/ missing and making it, another process made it: b/ is theirs, c/ ours."""
+    from normswap.fileio import made_folders
+
+    real = Path.mkdir
+
+    def racing(self, *a, **k):
+        if self.name == "b":
+            real(self)  # the other process, first
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", racing)
+    with pytest.raises(_Failed), made_folders(tmp_path / "a" / "b" / "c"):
+        raise _Failed
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a", "a/b"]
+
+
+def test_a_failed_atomic_write_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    """bench and tune write their files through write_text_atomic: a write that fails (a full disk,
+    SIGTERM) removes the folders it made for the file."""
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space"):
+        write_text_atomic(tmp_path / "a" / "b" / "r.json", "{}")
+    assert list(tmp_path.iterdir()) == []

@@ -30,6 +30,7 @@ def test_fixture_report_and_plot(report, tmp_path):
     dry["device"] = "cpu-dry-run"
     (results / "cpu-dry-run-2000-01-01.json").write_text(json.dumps(dry))
     (results / "patch.json").write_text("{broken")
+    (results / "deep-patch.json").write_text("[" * 100_000 + "]" * 100_000)  # json: RecursionError, no ValueError
     patch = {"command": "normswap patch smollm2-135m --impl triton", "exit": 0, "versions": {"device": "FIXTURE-GPU"},
              "report": {"ok": True, "device": "cuda", "counts": {"patched": 61},
                         "eval": {"ppl_a": 3.5, "ppl_b": 3.5, "top1_agreement": 1.0}}}
@@ -50,7 +51,8 @@ def test_fixture_report_and_plot(report, tmp_path):
     assert "| 32768×8192 | liger | — | skipped: error: hidden size refused |" in text
     assert "Commit `0000000`" in text and "liger-kernel 0.0-fixture" in text
     assert "`cpu-dry-run-2000-01-01.json`: a `--dry-run` on CPU, not a measurement" in text
-    assert "`patch.json`: not readable JSON" in text
+    assert "`patch.json`: not readable JSON (Expecting property name" in text
+    assert "`deep-patch.json`: not readable JSON (nested too deeply: more than 100 levels)" in text
     assert ("`x-patch-smollm2-bf16.json`: `normswap patch smollm2-135m --impl triton`, exit 0, device cuda, ok True, "
             "patched 61, ppl_a 3.5, ppl_b 3.5, top1_agreement 1") in text
     assert "`y-patch-smollm2-bf16.json`: a `gpu.py --dry-run` on CPU, not a GPU result" in text

@@ -759,9 +759,9 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(src, monkeypatch):
 
 
 @pytest.mark.parametrize("content, says", [
-    (b'{"max_length": 50,', "malformed generation_config.json (JSONDecodeError: Expecting"),
-    (b"", "malformed generation_config.json (JSONDecodeError"),
-    (b"[" * 100_000 + b"]" * 100_000, "malformed generation_config.json (nested too deeply)"),
+    (b'{"max_length": 50,', "malformed generation_config.json (Expecting property name enclosed in double quotes: line 1"),
+    (b"", "malformed generation_config.json (Expecting value: line 1 column 1"),
+    (b"[" * 100_000 + b"]" * 100_000, "malformed generation_config.json (nested too deeply: more than 100 levels)"),
     (b'"greedy"', "malformed generation_config.json (a string, not an object of generation settings)"),
     (b'{"max_length": 50, "note": "caf\xe9"}', "malformed generation_config.json (not UTF-8: invalid byte at"),
     (b'{"cache_implementation": 5}', "malformed generation_config.json (Invalid `cache_implementation` (5)"),

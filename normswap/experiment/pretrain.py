@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.experiment.recipe import PretrainSection, file_digest
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
@@ -101,7 +102,7 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
 
     final = pretrain_dir(section, seed, name)
     if (final / INFO_FILE).is_file():
-        return final, json.loads((final / INFO_FILE).read_text())
+        return final, _read_info(final)
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
     text = read_text(section.text)
@@ -148,5 +149,16 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
-        info = json.loads((final / INFO_FILE).read_text())
+        info = _read_info(final)
     return final, info
+
+
+def _read_info(final: Path) -> dict:
+    """The INFO_FILE of a cached pretraining, refused as bad input when it is not what we wrote."""
+    from normswap.errors import NormswapError
+
+    remedy = f"delete {final} to pretrain again"
+    info = jsonsafe.read_or_refuse(final / INFO_FILE, remedy)
+    if not isinstance(info, dict):
+        raise NormswapError(f"{final / INFO_FILE}: not a pretraining record (a JSON object); {remedy}")
+    return info

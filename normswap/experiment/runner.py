@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -40,6 +41,7 @@ from normswap.experiment.arms import build_arm
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.fileio import made_folders
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -127,11 +129,8 @@ def _check_out(out: Path, recipe: Recipe) -> None:
         raise NormswapError(f"{out} holds files and no earlier run of normswap experiment; refusing to write "
                             "into it (choose a new or empty --out)")
     if stamp.is_file():
-        try:
-            previous = json.loads(stamp.read_text())
-        except ValueError:
-            previous = {}
-        if previous.get("fingerprint") != recipe.fingerprint():
+        previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another --out")
+        if not isinstance(previous, dict) or previous.get("fingerprint") != recipe.fingerprint():
             raise NormswapError(f"{out} holds a run of a different recipe (or other --set values); remove it "
                                 "or choose another --out")
 
@@ -200,14 +199,26 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
+    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
+    _check_out(out, recipe)
+    loaded = None
+    if recipe.pretrain is None:  # a model that does not load or fit is reported before OUT is made
+        loaded = _load_model(recipe.model.path)
+        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
+    # OUT and the folders above it that this run makes go again if it fails before writing there
+    with made_folders(out):
+        return _run(recipe, out, arms, loaded, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
+                    on_step=on_step)
+
+
+def _run(recipe: Recipe, out: Path, arms: list[str], loaded, *, progress, stop, accelerator, plot,
+         on_step) -> ExperimentResult:
+    """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model]."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
 
-    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
-    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
-    _check_out(out, recipe)
-    out.mkdir(parents=True, exist_ok=True)
     accelerator = accelerator or make_accelerator(recipe, out)
     if accelerator.is_main_process:
         (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint(), "source": recipe.source,
@@ -223,10 +234,11 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
                                                      recipe.data.eval, stop=stop, progress=progress)
         model_path = str(model_dir)
+        loaded = _load_model(model_path)
+        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
     else:
         model_path = recipe.model.path
-    original, tokenizer = _load_model(model_path)
-    check_seq_len(recipe.finetune.seq_len, getattr(original.config, "max_position_embeddings", None))
+    original, tokenizer = loaded
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
@@ -254,7 +266,9 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         arm_dir = out / "arms" / arm
         done = arm_dir / RESULT_FILE
         if done.is_file():
-            results[arm] = json.loads(done.read_text())
+            results[arm] = jsonsafe.read_or_refuse(done, f"delete it to run the arm {arm} again")
+            if not isinstance(results[arm], dict):
+                raise NormswapError(f"{done}: not an arm result (a JSON object); delete it to run the arm {arm} again")
             continue
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from normswap import jsonsafe
 from normswap.errors import NormswapError
 from normswap.experiment.recipe import TrainSettings
 
@@ -172,6 +173,16 @@ def latest_checkpoint(state_dir: Path) -> Path | None:
     return target if (target / TRAINER_STATE).is_file() else None
 
 
+def _read_history(path: Path, remedy: str) -> History:
+    """A checkpoint's History, refused as bad input when the file is not what _save wrote."""
+    fields = jsonsafe.read_or_refuse(path, remedy)
+    try:
+        return History(**fields)
+    except TypeError:  # not an object, or other fields
+        raise NormswapError(f"{path}: not a training state (an object of {', '.join(History().to_dict())}); "
+                            f"{remedy}") from None
+
+
 def _save(accelerator, state_dir: Path, history: History) -> None:
     name = f"step-{history.step:06d}"
     target = state_dir / name
@@ -236,8 +247,8 @@ def train(
     history = History()
     found = latest_checkpoint(state_dir)
     if found is not None:
+        history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
         accelerator.load_state(str(found))
-        history = History(**json.loads((found / TRAINER_STATE).read_text()))
     rank, world = accelerator.process_index, accelerator.num_processes
     ga = settings.grad_accum
     stop = stop or StopFlag()

@@ -63,8 +63,9 @@ import re
 import warnings
 from pathlib import Path
 
+from normswap import jsonsafe
 from normswap.dtypes import RUN_DTYPES
-from normswap.fileio import write_text_atomic
+from normswap.fileio import made_folders, write_text_atomic
 
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
@@ -207,14 +208,13 @@ def empty(row_buckets) -> dict:
 
 
 def read(path: Path = PATH) -> dict:
-    """The parsed document; ValueError for text that is not JSON, as for one nested too deeply
-    (json's recursion limit: a RecursionError would escape every caller's ValueError handling,
-    and a table is only ever ignored with a warning or refused as bad input, never a crash)."""
-    text = Path(path).read_text()
+    """The parsed document; ValueError ("malformed JSON (the reason)") for a file that is not
+    JSON, as for one nested too deeply or not UTF-8: a table is only ever ignored with a warning
+    or refused as bad input, never a crash."""
     try:
-        return json.loads(text)
-    except RecursionError:  # no launch table nests a thousand levels deep
-        raise ValueError("malformed JSON (nested too deeply)") from None
+        return jsonsafe.read(path)
+    except ValueError as e:
+        raise ValueError(f"malformed JSON ({e})") from None
 
 
 def stamp(arch: str, path: Path | None = None) -> dict:
@@ -225,7 +225,7 @@ def stamp(arch: str, path: Path | None = None) -> dict:
     path = Path(path or PATH)
     try:
         data = path.read_bytes()
-        entries = len(json.loads(data).get("archs", {}).get(arch, {}).get("entries", []))
+        entries = len(jsonsafe.loads(data).get("archs", {}).get(arch, {}).get("entries", []))
     except (OSError, ValueError, AttributeError):
         return {"arch": arch, "sha256": None, "entries": None}
     return {"arch": arch, "sha256": hashlib.sha256(data).hexdigest()[:12], "entries": entries}
@@ -415,8 +415,7 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     from filelock import FileLock
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with made_folders(path.parent), FileLock(str(path) + ".lock"):
         if path.exists():
             doc = read(path)
             bad = problems(doc, row_buckets, per_device)
