@@ -407,13 +407,44 @@ def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
     if not stored:
         return
     meta = build_meta_model(source, config) if meta is None else meta
-    floats = {name for name, t in meta.state_dict().items() if t.is_floating_point()}
-    prefix = getattr(meta, "base_model_prefix", "")
-    for file, key, dtype in stored:  # a bare base model's checkpoint names tensors without the prefix
-        if key in floats or f"{prefix}.{key}" in floats:
+    state = meta.state_dict()
+    model_name = _loaded_name(meta, state)
+    for file, key, dtype in stored:
+        tensor = state.get(model_name(key))
+        if tensor is not None and tensor.is_floating_point():
             raise NormswapError(f"{source.path / file}: {key} is stored as {dtype} where {type(meta).__name__} has "
                                 "a floating-point tensor; transformers would cast it without a word, and the model "
                                 "run would not be the one in the file")
+
+
+def _loaded_name(meta, state: dict):
+    """key -> the name of the model tensor from_pretrained loads a checkpoint's `key` into: with
+    transformers' own renaming (a bare base model's checkpoint without the prefix, legacy
+    LayerNorm.gamma/beta, per-expert MoE weights fused into one tensor). That machinery is
+    transformers' internals; where it is missing or fails, the prefix rule alone."""
+    prefix = getattr(meta, "base_model_prefix", "")
+
+    def by_prefix(key: str) -> str:
+        return key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(meta)
+    except Exception:  # noqa: BLE001  (another transformers: its internals moved)
+        return by_prefix
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+
+    def loaded(key: str) -> str:
+        try:
+            name = rename_source_key(key, renamings, converters, prefix, state)[0]
+        except Exception:  # noqa: BLE001
+            return by_prefix(key)
+        return name if name in state else by_prefix(key)
+
+    return loaded
 
 
 def from_pretrained_checked(cls, path, ref: str, **kwargs):

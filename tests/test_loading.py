@@ -392,3 +392,39 @@ def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_f
     # a quantised checkpoint's packed integer weights are its format
     config.quantization_config = {"quant_method": "gptq", "bits": 4}
     loading.check_stored_dtypes(src, config)
+
+
+@pytest.mark.parametrize("config, key, says", [
+    # legacy LayerNorm names, under the base model's prefix that a BertModel does not have
+    (dict(model_type="bert", architectures=["BertModel"], hidden_size=16, num_hidden_layers=1,
+          num_attention_heads=2, intermediate_size=24, vocab_size=32),
+     "bert.embeddings.LayerNorm.gamma", "where BertModel has a floating-point tensor"),
+    # one expert's weight of a per-expert checkpoint, which transformers fuses into one tensor
+    (dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=16, num_hidden_layers=1,
+          num_attention_heads=2, num_key_value_heads=1, intermediate_size=24, vocab_size=32, num_local_experts=2),
+     "model.layers.0.block_sparse_moe.experts.1.w1.weight", "where MixtralForCausalLM has a floating-point tensor"),
+])
+def test_check_stored_dtypes_names_tensors_as_transformers_renames_them(tmp_path, config, key, says):
+    from safetensors.torch import save_file
+
+    src = _config_dir(tmp_path, json.dumps(config))
+    save_file({key: torch.zeros(4, dtype=torch.int32)}, src.path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_dtypes(src, loading.load_config(src))
+    assert f"model.safetensors: {key} is stored as I32 {says}" in _one_line(e)
+
+
+def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix(tmp_path, monkeypatch):
+    """The renaming is transformers' internals: where it is missing, the base-model prefix rule."""
+    from safetensors.torch import save_file
+    from transformers import conversion_mapping
+
+    def moved(*args, **kwargs):
+        raise AttributeError("moved in another transformers")
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", moved)
+    src = _config_dir(tmp_path, _llama_config(architectures=["LlamaForCausalLM"]))
+    save_file({"layers.0.input_layernorm.weight": torch.ones(16, dtype=torch.uint8),
+               "model.extra_counter": torch.arange(3)}, src.path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormswapError, match="layers.0.input_layernorm.weight is stored as U8 where LlamaForCausalLM"):
+        loading.check_stored_dtypes(src, loading.load_config(src))
