@@ -386,6 +386,8 @@ def cases(fx: dict) -> list[Case]:
              "special_tokens_map.json: malformed special_tokens_map.json (Expecting value", ci=True),
         Case("patch: sharded index nested too deeply", [*P, fx["deep_index_llama"], "--impl", "torch"],
              "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
+        Case("diff: B with an unknown architectures name", ["diff", L, fx["unknown_arch"], "--data", T],
+             "unknown_arch/config.json: architectures ['NoSuchForCausalLM']", ci=True),
         Case("diff: --stride -1", ["diff", L, "--patched", "torch", "--data", T, "--stride", "-1"], "--stride -1",
              ci=True),
         # ---- convert
@@ -412,6 +414,8 @@ def cases(fx: dict) -> list[Case]:
              "nested too deeply", ci=True),
         Case("convert: a LayerNorm weight stored as BOOL", ["convert", fx["bool_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight is stored as BOOL", ci=True),
+        Case("convert: an unknown architectures name", ["convert", fx["unknown_arch"], "--to", "rms", "--out", out],
+             "has no model class of that name", ci=True),
         Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight holds"),
         # ---- demo, bench, experiment, the group
@@ -433,6 +437,9 @@ def cases(fx: dict) -> list[Case]:
              ci=True),
         Case("bench: --batch 10**23", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq", "4", "--batch",
                                        str(10**23), "--out", out / "b.json"], "cannot allocate", ci=True),
+        Case("bench: an unknown architectures name", ["bench", fx["unknown_arch"], "--impl", "torch", "--mode", "prefill",
+                                                      "--seq", "4", "--out", out / "b.json"],
+             "has no model class of that name", ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impl", "torch"], "repeats", ci=True),
         Case("bench: --load-weights, config one layer long", ["bench", fx["more"], "--load-weights", "--impl", "torch",
                                                               "--mode", "prefill", "--seq", "4", "--out", out / "b.json"],
