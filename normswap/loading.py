@@ -297,8 +297,9 @@ def _check_fields(fields: dict, where, prefix: str = "") -> None:
 
 def model_class(config):
     """The transformers class to build: the first of the config's architectures that transformers
-    has, else (none listed) the base AutoModel. A list that names only classes transformers does
-    not have is refused: the base model has no head, so a causal LM would load without its
+    has, else the class its Auto class builds for a custom-code folder's own class (auto_map),
+    else (none listed) the base AutoModel. A list that names only classes transformers does not
+    have is refused otherwise: the base model has no head, so a causal LM would load without its
     lm_head and fail later with an error about the weights, or score nothing."""
     import transformers
 
@@ -307,6 +308,8 @@ def model_class(config):
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+    if names and (cls := _auto_map_class(config, names)) is not None:
+        return cls
     if names:
         raise NormswapError(f"architectures {reprlib.repr(names)}: transformers {transformers.__version__} has no "
                             f"model class of that name (model_type {getattr(config, 'model_type', '?')!r}"
@@ -319,6 +322,24 @@ def model_class(config):
         raise NormswapError(
             f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}"
         ) from None
+
+
+def _auto_map_class(config, names) -> type | None:
+    """The class transformers' own Auto class builds for a custom-code folder: one whose
+    architectures name its own class (MPTForCausalLM), which its auto_map assigns to an Auto class
+    (AutoModelForCausalLM: "modeling_mpt.MPTForCausalLM"). Without trust_remote_code, which
+    normswap never passes, transformers builds its own implementation of the config's model_type
+    (MptForCausalLM), so normswap builds that one too; None where it has none."""
+    import transformers
+
+    for auto_name, ref in (getattr(config, "auto_map", None) or {}).items():
+        if not (isinstance(ref, str) and ref.rsplit(".", 1)[-1] in names):
+            continue
+        mapping = getattr(getattr(transformers, auto_name, None), "_model_mapping", None)
+        cls = mapping.get(type(config), None) if mapping is not None else None
+        if cls is not None:
+            return cls
+    return None
 
 
 def _known_architectures(config) -> str:
