@@ -65,7 +65,7 @@ def _checksum(d: Path) -> str:
 
 
 def fixtures(root: Path) -> dict:
-    from test_safety import _corrupt
+    from test_safety import _corrupt, _retyped
     from test_safety import _edited_copy as _edited
     from tiny_models import save_tiny
 
@@ -88,6 +88,12 @@ def fixtures(root: Path) -> dict:
     fx["nan_w"] = _corrupt(fx["llama"], root / "nan_w", "model.norm.weight", float("nan"))
     fx["inf_w"] = _corrupt(fx["llama"], root / "inf_w", "model.layers.0.mlp.up_proj.weight", float("inf"))
     fx["nan_gpt2"] = _corrupt(fx["gpt2"], root / "nan_gpt2", "transformer.h.0.ln_1.weight", float("nan"))
+    import torch
+
+    # float tensors stored as integers: transformers would cast them to float without a word
+    fx["int_norm"] = _retyped(fx["llama"], root / "int_norm", "model.norm.weight", torch.int64)
+    fx["int_linear"] = _retyped(fx["llama"], root / "int_linear", "model.layers.0.mlp.up_proj.weight", torch.int32)
+    fx["bool_gpt2"] = _retyped(fx["gpt2"], root / "bool_gpt2", "transformer.h.0.ln_1.weight", torch.bool)
     fx["trunc"] = root / "trunc"
     shutil.copytree(fx["llama"], fx["trunc"])
     f = fx["trunc"] / "model.safetensors"
@@ -322,6 +328,8 @@ def cases(fx: dict) -> list[Case]:
              "has no model class of that name", ci=True),
         Case("patch: malformed generation_config.json, --in-place", [*P, fx["badgen"], "--impl", "torch", "--in-place"],
              "malformed generation_config.json (Expecting", ci=True),
+        Case("patch: a norm weight stored as I64, --in-place", [*P, fx["int_norm"], "--impl", "torch", "--in-place"],
+             "model.norm.weight is stored as I64", ci=True),
         Case("patch: truncated safetensors", [*P, fx["trunc"], "--impl", "torch"], "cannot load the weights"),
         Case("patch: NaN eps (verification)", [*P, fx["nan_eps"], "--impl", "torch"], "rms_norm_eps is nan"),
         # ---- a deep new --out (out/a/b/c): a failure after the folders were made removes them
@@ -366,6 +374,8 @@ def cases(fx: dict) -> list[Case]:
              "shorter than one window"),
         Case("ppl: unreadable text", ["ppl", L, "--data", T], "Permission denied",
              setup=lambda: _deny(T)),
+        Case("ppl: a Linear weight stored as I32", ["ppl", fx["int_linear"], "--data", T],
+             "up_proj.weight is stored as I32", ci=True),
         Case("ppl: config disagrees with weights", ["ppl", fx["more"], "--data", T, "--max-length", "16"],
              "missing from the checkpoint"),
         Case("diff: neither B nor --patched", ["diff", L, "--data", T], "exactly one", ci=True),
@@ -376,6 +386,8 @@ def cases(fx: dict) -> list[Case]:
              "special_tokens_map.json: malformed special_tokens_map.json (Expecting value", ci=True),
         Case("patch: sharded index nested too deeply", [*P, fx["deep_index_llama"], "--impl", "torch"],
              "model.safetensors.index.json: malformed model.safetensors.index.json (nested too deeply", ci=True),
+        Case("diff: B with an unknown architectures name", ["diff", L, fx["unknown_arch"], "--data", T],
+             "unknown_arch/config.json: architectures ['NoSuchForCausalLM']", ci=True),
         Case("diff: --stride -1", ["diff", L, "--patched", "torch", "--data", T, "--stride", "-1"], "--stride -1",
              ci=True),
         # ---- convert
@@ -400,6 +412,10 @@ def cases(fx: dict) -> list[Case]:
         Case("convert: safetensors header nested too deeply", ["convert", fx["deep_header"], "--to", "rms", "--out",
                                                                out], "not a safetensors file (unreadable header: "
              "nested too deeply", ci=True),
+        Case("convert: a LayerNorm weight stored as BOOL", ["convert", fx["bool_gpt2"], "--to", "rms", "--out", out],
+             "ln_1.weight is stored as BOOL", ci=True),
+        Case("convert: an unknown architectures name", ["convert", fx["unknown_arch"], "--to", "rms", "--out", out],
+             "has no model class of that name", ci=True),
         Case("convert: NaN in a LayerNorm weight", ["convert", fx["nan_gpt2"], "--to", "rms", "--out", out],
              "ln_1.weight holds"),
         # ---- demo, bench, experiment, the group
@@ -421,6 +437,9 @@ def cases(fx: dict) -> list[Case]:
              ci=True),
         Case("bench: --batch 10**23", ["bench", L, "--impl", "torch", "--mode", "prefill", "--seq", "4", "--batch",
                                        str(10**23), "--out", out / "b.json"], "cannot allocate", ci=True),
+        Case("bench: an unknown architectures name", ["bench", fx["unknown_arch"], "--impl", "torch", "--mode", "prefill",
+                                                      "--seq", "4", "--out", out / "b.json"],
+             "has no model class of that name", ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impl", "torch"], "repeats", ci=True),
         Case("bench: --load-weights, config one layer long", ["bench", fx["more"], "--load-weights", "--impl", "torch",
                                                               "--mode", "prefill", "--seq", "4", "--out", out / "b.json"],

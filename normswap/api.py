@@ -321,13 +321,14 @@ def convert_checkpoint(
     raises ConversionRefused with the per-norm report; nothing is written."""
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
-    from normswap.loading import build_meta_model, load_config, resolve
+    from normswap.loading import build_meta_model, check_stored_dtypes, load_config, resolve
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     source = resolve(model)
     config = load_config(source)
     meta = build_meta_model(source, config)
+    check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)

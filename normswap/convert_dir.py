@@ -53,6 +53,7 @@ def convert_directory(
     config = loading.load_config(source) if config is None else config
     if planned is None:
         meta = loading.build_meta_model(source, config)
+        loading.check_stored_dtypes(source, config, meta)
         plan = plan_conversion(meta, config, keep_gain=keep_gain)
         check_refusals(plan, partial)
     else:

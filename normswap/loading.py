@@ -365,6 +365,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     already read it (reading a GGUF's takes seconds)."""
     config = load_config(source) if config is None else config
     _name_gguf_architecture(source, config)
+    check_stored_dtypes(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"
@@ -375,6 +376,75 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
         model.hf_quantizer = None
         model.is_quantized = False
     return model.eval()
+
+
+# safetensors' integer and boolean dtypes (I8 ... I64, U8 ... U64, BOOL); every other is a float.
+_NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
+
+
+def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
+    """Refuse a safetensors checkpoint that stores a floating-point tensor of the model (a norm's
+    gain, a Linear weight) as integers or booleans: from_pretrained casts it to float without a
+    word, so normswap would patch, score and re-save a model that is not what the file holds.
+    Only the files' headers are read; the meta model (built here when `meta` is None, and only if
+    some tensor is stored as integers) says which tensors are floating-point, so an integer buffer
+    (old checkpoints' position_ids) still loads. Not checked: GGUF files (transformers
+    de-quantises them), quantised checkpoints (a quantization_config: packed integer weights are
+    their format), pickled weights (their dtypes are only known once loaded)."""
+    from normswap import streaming as st
+
+    if source.gguf_file or getattr(config, "quantization_config", None) is not None:
+        return
+    if not ((source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()):
+        return
+    try:
+        files, _, _ = st.checkpoint_layout(source.path)
+        headers = {file: st.read_header(source.path / file) for file in files}
+    except NormswapError:
+        return  # a malformed index or file: the load reports it, as for any checkpoint
+    stored = [(file, key, entry["dtype"]) for file, header in headers.items() for key, entry in header.items()
+              if isinstance(entry, dict) and _NOT_FLOAT.fullmatch(str(entry.get("dtype")))]
+    if not stored:
+        return
+    meta = build_meta_model(source, config) if meta is None else meta
+    state = meta.state_dict()
+    model_name = _loaded_name(meta, state)
+    for file, key, dtype in stored:
+        tensor = state.get(model_name(key))
+        if tensor is not None and tensor.is_floating_point():
+            raise NormswapError(f"{source.path / file}: {key} is stored as {dtype} where {type(meta).__name__} has "
+                                "a floating-point tensor; transformers would cast it without a word, and the model "
+                                "run would not be the one in the file")
+
+
+def _loaded_name(meta, state: dict):
+    """key -> the name of the model tensor from_pretrained loads a checkpoint's `key` into: with
+    transformers' own renaming (a bare base model's checkpoint without the prefix, legacy
+    LayerNorm.gamma/beta, per-expert MoE weights fused into one tensor). That machinery is
+    transformers' internals; where it is missing or fails, the prefix rule alone."""
+    prefix = getattr(meta, "base_model_prefix", "")
+
+    def by_prefix(key: str) -> str:
+        return key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(meta)
+    except Exception:  # noqa: BLE001  (another transformers: its internals moved)
+        return by_prefix
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+
+    def loaded(key: str) -> str:
+        try:
+            name = rename_source_key(key, renamings, converters, prefix, state)[0]
+        except Exception:  # noqa: BLE001
+            return by_prefix(key)
+        return name if name in state else by_prefix(key)
+
+    return loaded
 
 
 def from_pretrained_checked(cls, path, ref: str, **kwargs):

@@ -353,3 +353,78 @@ def test_a_cached_legacy_hub_name_without_org_resolves(tmp_path, monkeypatch):
     with pytest.raises(NormswapError, match="no-such-model: no such file or directory, and no cached hub") as e:
         loading.resolve("no-such-model")
     _one_line(e)
+
+
+# ---- stored dtypes
+
+
+def _retype_in_place(file, name, dtype):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    tensors[name] = tensors[name].to(dtype) if name in tensors else torch.arange(4, dtype=dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_float_tensor(tiny_dir, tmp_path):
+    _, model = tiny_dir
+    d = tmp_path / "sharded"
+    model.save_pretrained(d, max_shard_size="20KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1
+    src = loading.resolve(d)
+    config = loading.load_config(src)
+    loading.check_stored_dtypes(src, config)  # all floats
+    # an integer tensor the model has no floating-point place for is not this check's business
+    # (an old checkpoint's position_ids); the load reports an unknown one
+    last = index["model.norm.weight"]
+    _retype_in_place(d / last, "model.extra_counter", torch.int64)
+    loading.check_stored_dtypes(src, config)
+    name = "model.layers.1.post_attention_layernorm.weight"
+    _retype_in_place(d / index[name], name, torch.int16)
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_dtypes(src, config)
+    assert _one_line(e).startswith(f"{d / index[name]}: {name} is stored as I16 where LlamaForCausalLM has a "
+                                   "floating-point tensor")
+    assert index[name] != index["model.embed_tokens.weight"]  # the shard that holds it is named
+    with pytest.raises(NormswapError, match=f"{name} is stored as I16"):
+        loading.load_model(src)
+    # a quantised checkpoint's packed integer weights are its format
+    config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    loading.check_stored_dtypes(src, config)
+
+
+@pytest.mark.parametrize("config, key, says", [
+    # legacy LayerNorm names, under the base model's prefix that a BertModel does not have
+    (dict(model_type="bert", architectures=["BertModel"], hidden_size=16, num_hidden_layers=1,
+          num_attention_heads=2, intermediate_size=24, vocab_size=32),
+     "bert.embeddings.LayerNorm.gamma", "where BertModel has a floating-point tensor"),
+    # one expert's weight of a per-expert checkpoint, which transformers fuses into one tensor
+    (dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=16, num_hidden_layers=1,
+          num_attention_heads=2, num_key_value_heads=1, intermediate_size=24, vocab_size=32, num_local_experts=2),
+     "model.layers.0.block_sparse_moe.experts.1.w1.weight", "where MixtralForCausalLM has a floating-point tensor"),
+])
+def test_check_stored_dtypes_names_tensors_as_transformers_renames_them(tmp_path, config, key, says):
+    from safetensors.torch import save_file
+
+    src = _config_dir(tmp_path, json.dumps(config))
+    save_file({key: torch.zeros(4, dtype=torch.int32)}, src.path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_dtypes(src, loading.load_config(src))
+    assert f"model.safetensors: {key} is stored as I32 {says}" in _one_line(e)
+
+
+def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix(tmp_path, monkeypatch):
+    """The renaming is transformers' internals: where it is missing, the base-model prefix rule."""
+    from safetensors.torch import save_file
+    from transformers import conversion_mapping
+
+    def moved(*args, **kwargs):
+        raise AttributeError("moved in another transformers")
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", moved)
+    src = _config_dir(tmp_path, _llama_config(architectures=["LlamaForCausalLM"]))
+    save_file({"layers.0.input_layernorm.weight": torch.ones(16, dtype=torch.uint8),
+               "model.extra_counter": torch.arange(3)}, src.path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NormswapError, match="layers.0.input_layernorm.weight is stored as U8 where LlamaForCausalLM"):
+        loading.check_stored_dtypes(src, loading.load_config(src))

@@ -393,6 +393,20 @@ def _corrupt(src: Path, dst: Path, name: str, value: float) -> Path:
     return dst
 
 
+def _retyped(src: Path, dst: Path, name: str, dtype: torch.dtype) -> Path:
+    """A copy of `src` whose tensor `name` is stored as `dtype` (its values times 3, cast)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    f = dst / "model.safetensors"
+    tensors = load_file(f)
+    tensors[name] = (tensors[name] * 3).to(dtype)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_case6_non_finite_weight_is_named(src, gpt2, tmp_path, value):
     bad = _corrupt(src, tmp_path / "bad", "model.norm.weight", value)
@@ -798,3 +812,44 @@ def test_a_valid_generation_config_is_saved_with_its_settings(src, tmp_path):
     assert r.exit_code == 0, r.output
     saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert {k: saved.get(k) for k in mine} == mine
+
+
+# ---- a floating-point tensor stored as integers: refused, never cast silently --------------------
+
+
+@pytest.mark.parametrize("name, dtype, stored", [
+    ("model.norm.weight", torch.int64, "I64"),
+    ("model.layers.0.mlp.up_proj.weight", torch.int32, "I32"),
+    ("model.layers.1.input_layernorm.weight", torch.bool, "BOOL"),
+    ("model.layers.0.self_attn.q_proj.weight", torch.uint8, "U8"),
+])
+def test_a_float_tensor_stored_as_integers_is_refused_before_anything_is_written(src, tmp_path, name, dtype, stored):
+    """transformers casts an integer-stored weight to float without a word: patch verified, saved and
+    re-saved (--in-place: over the user's file) a model that is not the one in the file, and ppl
+    scored it."""
+    d = _retyped(src, tmp_path / "m", name, dtype)
+    before = _tree(d)
+    says = f"{d / 'model.safetensors'}: {name} is stored as {stored} where LlamaForCausalLM has a floating-point"
+    for args in (["patch", d, "--impl", "torch", "--in-place"], ["patch", d, "--impl", "torch", "--out", tmp_path / "o"],
+                 ["bench", d, "--load-weights", "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                  "--out", tmp_path / "o" / "b.json"]):
+        assert_one_line_error(run(*args), says)
+        assert _tree(d) == before and not (tmp_path / "o").exists()
+
+
+def test_convert_refuses_an_integer_stored_layernorm_weight_of_a_base_model_checkpoint(gpt2, tmp_path):
+    """convert folds the tensors as stored (shard by shard): an I64 gain was folded and written.
+    GPT-2 as on the hub names its tensors without the `transformer.` prefix of the model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "m"
+    shutil.copytree(gpt2, d)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(d / "model.safetensors").items()}
+    tensors["h.0.ln_1.weight"] = (tensors["h.0.ln_1.weight"] * 3).to(torch.int64)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    r = run("convert", d, "--to", "rms", "--out", tmp_path / "o")
+    assert_one_line_error(r, "model.safetensors: h.0.ln_1.weight is stored as I64 where GPT2LMHeadModel has a "
+                             "floating-point tensor")
+    assert not (tmp_path / "o").exists()
