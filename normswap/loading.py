@@ -181,7 +181,6 @@ def load_config(source: ModelSource):
     cfg_path = source.path / (source.gguf_file or "config.json")
     if source.gguf_file is None:
         _read_json(cfg_path, source.ref)
-        check_generation_config(source)
     from transformers import AutoConfig
 
     try:
@@ -193,9 +192,12 @@ def load_config(source: ModelSource):
     check_config(config, cfg_path)
     _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
     try:  # every command reads the config first: an unknown architectures name is refused here, naming the file
-        model_class(config)
+        cls = model_class(config)
     except NormswapError as e:
         raise NormswapError(f"{cfg_path}: {e}") from None
+    # only a model that generates reads (and saves) that file; a class that cannot say is checked
+    if source.gguf_file is None and getattr(cls, "can_generate", lambda: True)():
+        check_generation_config(source)
     return config
 
 
@@ -231,7 +233,8 @@ def check_generation_config(source: ModelSource) -> None:
     that is not JSON (or not there as a file) as no file at all and silently builds a default in
     its place, which save_pretrained then writes: `patch --in-place` would replace the user's own
     file with it, `--out` would publish a model without it. Other bad contents (a list, a value
-    GenerationConfig rejects) failed the load as 'cannot load the weights'."""
+    GenerationConfig rejects) failed the load as 'cannot load the weights'. A model that does not
+    generate (BertModel, GPT2Model) neither reads nor writes the file: it is carried as it is."""
     path = source.path / GENERATION_CONFIG
     if not os.path.lexists(path):
         return
