@@ -65,16 +65,15 @@ _TOO_DEEP = f"nested too deeply: more than {MAX_DEPTH} levels"
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether lists and objects nest more than `limit` levels (a loop, not recursion: the point is
-    not to need the stack a deep value would take)."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
+    """Whether lists and objects nest more than `limit` levels: one level at a time, a loop and not
+    recursion (the point is not to need the stack a deep value would take)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [c for node in level for c in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(c, (dict, list))]
+        if not level:
+            return False
+    return bool(level)
 
 
 def finite_or_null(value: Any) -> Any:

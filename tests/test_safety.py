@@ -799,6 +799,20 @@ def test_a_generation_config_folder_survives_in_place(src, tmp_path):
     assert _tree(d) == before
 
 
+def test_a_model_that_does_not_generate_keeps_its_generation_config_as_it_is(tmp_path):
+    """BertModel neither reads nor writes generation_config.json (transformers loads the folder
+    whatever the file holds): it is not refused, and patch --out and --in-place carry it byte for
+    byte, a malformed one included."""
+    d = tmp_path / "bert"
+    save_tiny("bert", d)
+    mine = b'{"max_length": 50,'
+    (d / "generation_config.json").write_bytes(mine)
+    for where in (["--out", tmp_path / "out"], ["--in-place"]):
+        r = run("patch", d, "--impl", "torch", *where)
+        assert r.exit_code == 0, r.output
+        assert (Path(where[-1]) if len(where) == 2 else d).joinpath("generation_config.json").read_bytes() == mine
+
+
 def test_a_valid_generation_config_is_saved_with_its_settings(src, tmp_path):
     """The refusal stops at what transformers cannot use: values it accepts, even odd ones, and keys
     it does not know are carried into the saved model as they were."""

@@ -676,6 +676,16 @@ def test_a_launch_table_nested_too_deeply_is_invalid_not_a_crash(monkeypatch, tm
     assert r.stderr.strip() == f"normswap: error: {deep} is not a valid launch table ({why}); move it away or write elsewhere"
 
 
+@pytest.mark.parametrize("content", ["[" * 100_000 + "]" * 100_000, '{"archs": {"sm_90": {"entries": 5}}}',
+                                     '{"archs": [1]}', "caf\xe9"])
+def test_the_stamp_of_a_file_that_is_not_a_table_is_no_provenance(tmp_path, content):
+    """benchmarks/kernels.py stamps its results with the launch tables in use; a user table nested
+    past json's limit (RecursionError) or with entries that are no list (TypeError) failed the run."""
+    p = tmp_path / "user.json"
+    p.write_bytes(content.encode("latin-1"))
+    assert T.stamp("sm_90", p) == {"arch": "sm_90", "sha256": None, "entries": None}
+
+
 STATIC_SCRIPT = '''
 import json
 import os

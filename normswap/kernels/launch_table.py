@@ -226,7 +226,7 @@ def stamp(arch: str, path: Path | None = None) -> dict:
     try:
         data = path.read_bytes()
         entries = len(jsonsafe.loads(data).get("archs", {}).get(arch, {}).get("entries", []))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):  # not a table: no provenance
         return {"arch": arch, "sha256": None, "entries": None}
     return {"arch": arch, "sha256": hashlib.sha256(data).hexdigest()[:12], "entries": entries}
 
