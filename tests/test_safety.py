@@ -26,11 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ProbeConfig(elements=4096)
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", SMALL)
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
 
 @pytest.fixture(scope="module")
