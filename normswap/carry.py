@@ -5,7 +5,10 @@ rest; what the writer wrote is never replaced by the source's copy.
 Into a new folder (patch --out, convert), at every depth: regular files and folders, links as
 their content. Left behind: the source's weights and their indexes (the new ones replace them;
 any other weight-like file, such as training_args.bin, optimizer.pt, an .onnx export or Meta's
-original/consolidated.00.pth, would be stale beside them), its config.json and normswap.json
+original/consolidated.00.pth, would be stale beside them) except in a subfolder that holds a
+config.json of its own: that is a model of its own, such as a sentence-transformers pipeline's
+2_Dense/ (its weights are not the source's; without them the pipeline does not load), carried
+whole; its config.json and normswap.json
 (written anew), hidden entries (.git, .cache/huggingface: they describe the source's files), and
 what cannot be copied as content: a link to nothing, a link that loops back into a folder the
 copy is inside, a pipe, socket or device node (reading a pipe would block forever).
@@ -96,13 +99,16 @@ def _left_out(source_dir: Path, out_dir: Path):
 
     def ignore(folder, names):
         folder = Path(folder)
+        # a subfolder with a config of its own is another model (2_Dense/): its weights are its own
+        own_model = folder != source_dir and "config.json" in names
         # Every real folder on the way down from the source, not only `folder`: two links outside
         # the model that point at each other's folders loop as surely as one that points up.
         inside = {q.resolve() for q in (folder, *folder.parents) if q.is_relative_to(source_dir)}
         skip = set()
         for name in names:
             p = folder / name
-            if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES) or STOCK_WEIGHTS.fullmatch(name):
+            if name.startswith(".") or not own_model and (name.endswith(WEIGHT_SUFFIXES)
+                                                          or STOCK_WEIGHTS.fullmatch(name)):
                 skip.add(name)
             elif p.is_dir():
                 if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):

@@ -181,7 +181,6 @@ def load_config(source: ModelSource):
     cfg_path = source.path / (source.gguf_file or "config.json")
     if source.gguf_file is None:
         _read_json(cfg_path, source.ref)
-        check_generation_config(source)
     from transformers import AutoConfig
 
     try:
@@ -193,9 +192,12 @@ def load_config(source: ModelSource):
     check_config(config, cfg_path)
     _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
     try:  # every command reads the config first: an unknown architectures name is refused here, naming the file
-        model_class(config)
+        cls = model_class(config)
     except NormswapError as e:
         raise NormswapError(f"{cfg_path}: {e}") from None
+    # only a model that generates reads (and saves) that file; a class that cannot say is checked
+    if source.gguf_file is None and getattr(cls, "can_generate", lambda: True)():
+        check_generation_config(source)
     return config
 
 
@@ -231,7 +233,8 @@ def check_generation_config(source: ModelSource) -> None:
     that is not JSON (or not there as a file) as no file at all and silently builds a default in
     its place, which save_pretrained then writes: `patch --in-place` would replace the user's own
     file with it, `--out` would publish a model without it. Other bad contents (a list, a value
-    GenerationConfig rejects) failed the load as 'cannot load the weights'."""
+    GenerationConfig rejects) failed the load as 'cannot load the weights'. A model that does not
+    generate (BertModel, GPT2Model) neither reads nor writes the file: it is carried as it is."""
     path = source.path / GENERATION_CONFIG
     if not os.path.lexists(path):
         return
@@ -297,8 +300,9 @@ def _check_fields(fields: dict, where, prefix: str = "") -> None:
 
 def model_class(config):
     """The transformers class to build: the first of the config's architectures that transformers
-    has, else (none listed) the base AutoModel. A list that names only classes transformers does
-    not have is refused: the base model has no head, so a causal LM would load without its
+    has, else the class its Auto class builds for a custom-code folder's own class (auto_map),
+    else (none listed) the base AutoModel. A list that names only classes transformers does not
+    have is refused otherwise: the base model has no head, so a causal LM would load without its
     lm_head and fail later with an error about the weights, or score nothing."""
     import transformers
 
@@ -307,6 +311,8 @@ def model_class(config):
         cls = getattr(transformers, name, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+    if names and (cls := _auto_map_class(config, names)) is not None:
+        return cls
     if names:
         raise NormswapError(f"architectures {reprlib.repr(names)}: transformers {transformers.__version__} has no "
                             f"model class of that name (model_type {getattr(config, 'model_type', '?')!r}"
@@ -319,6 +325,24 @@ def model_class(config):
         raise NormswapError(
             f"no transformers model class for model_type {getattr(config, 'model_type', '?')!r}"
         ) from None
+
+
+def _auto_map_class(config, names) -> type | None:
+    """The class transformers' own Auto class builds for a custom-code folder: one whose
+    architectures name its own class (MPTForCausalLM), which its auto_map assigns to an Auto class
+    (AutoModelForCausalLM: "modeling_mpt.MPTForCausalLM"). Without trust_remote_code, which
+    normswap never passes, transformers builds its own implementation of the config's model_type
+    (MptForCausalLM), so normswap builds that one too; None where it has none."""
+    import transformers
+
+    for auto_name, ref in (getattr(config, "auto_map", None) or {}).items():
+        if not (isinstance(ref, str) and ref.rsplit(".", 1)[-1] in names):
+            continue
+        mapping = getattr(getattr(transformers, auto_name, None), "_model_mapping", None)
+        cls = mapping.get(type(config), None) if mapping is not None else None
+        if cls is not None:
+            return cls
+    return None
 
 
 def _known_architectures(config) -> str:

@@ -33,12 +33,7 @@ def root(tmp_path_factory):
     return root
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    """The numeric proof is tested elsewhere; small probes keep these runs quick."""
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
 
 def cli_json(*args):

@@ -47,6 +47,9 @@ def _source(root, weights: str, seed: int):
     for rel in ("README.md", "LICENSE", "chat_template.jinja", "special_tokens_map.json", "code/modeling_x.py",
                 "code/sub/helpers.py", "original/params.json", "original/tokenizer.model"):
         put(rel, rng.randbytes(rng.randrange(1, 300)), kept=True)
+    # a sentence-transformers pipeline: 2_Dense/ is a model of its own (its config.json), weights and all
+    for rel in ("modules.json", "2_Dense/config.json", "2_Dense/model.safetensors", "2_Dense/pytorch_model.bin"):
+        put(rel, rng.randbytes(rng.randrange(1, 300)), kept=True)
     for _ in range(4):  # names nobody planned for, large and small
         put(f"{rng.choice(['notes', 'eval', 'data', 'x'])}{rng.randrange(10**6)}.{rng.choice(['txt', 'csv', 'dat'])}",
             rng.randbytes(rng.choice([0, 17, 1 << 20])), kept=True)
@@ -68,7 +71,7 @@ def _source(root, weights: str, seed: int):
     (src / "code" / "gone").symlink_to(root / "nothing")
     os.mkfifo(src / "progress.pipe")
     os.mkfifo(src / "code" / "progress.pipe")  # copytree read it: the copy blocked forever
-    carried |= {"code", "code/sub", "original"}
+    carried |= {"code", "code/sub", "original", "2_Dense"}
     return src, carried
 
 
@@ -87,7 +90,8 @@ def test_patch_out_and_convert_carry_the_same_files(tmp_path, weights):
         outs[name] = _tree(args[-1])
     assert outs["convert"] == outs["patch"]
     assert outs["patch"] - WRITTEN == carried
-    assert (tmp_path / "pat" / "original" / "params.json").read_bytes() == (src / "original" / "params.json").read_bytes()
+    for rel in ("original/params.json", "2_Dense/model.safetensors"):
+        assert (tmp_path / "pat" / rel).read_bytes() == (src / rel).read_bytes()
     assert not (tmp_path / "conv" / "merges_link.txt").is_symlink()  # a link is carried as its content
 
 

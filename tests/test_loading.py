@@ -205,6 +205,35 @@ def test_an_unknown_architectures_name_is_refused_not_built_as_the_base_model(tm
         loading.model_class(LlamaConfig(architectures=["AutoConfig"]))
 
 
+def test_a_custom_code_folder_builds_the_class_transformers_auto_class_builds(tiny_dir, tmp_path):
+    """A folder whose architectures name its own class (mosaicml's MPTForCausalLM, model_type mpt)
+    with auto_map pointing at its code: AutoModelForCausalLM, without trust_remote_code, builds
+    transformers' own class for the model_type, and so does normswap (it was refused as an
+    unknown architecture). The folder's code is never run."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "custom"
+    shutil.copytree(tiny_dir[0], d)
+    fields = json.loads((d / "config.json").read_text())
+    fields.update(architectures=["MyLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_my.MyLlamaConfig",
+                            "AutoModelForCausalLM": "hub-user/repo--modeling_my.MyLlamaForCausalLM"})
+    (d / "config.json").write_text(json.dumps(fields))
+    for name in ("modeling_my.py", "configuration_my.py"):
+        (d / name).write_text("raise RuntimeError('the folder code ran')\n")
+    src = loading.resolve(d)
+    model = loading.load_model(src)
+    assert type(model) is type(AutoModelForCausalLM.from_pretrained(d)) and type(model).__name__ == "LlamaForCausalLM"
+    # auto_map gives no class where its Auto class has none for the model_type, or names another class
+    for auto_map in ({"AutoModelForSeq2SeqLM": "modeling_my.MyLlamaForCausalLM"},
+                     {"AutoModelForCausalLM": "modeling_my.SomethingElse"}):
+        (d / "config.json").write_text(json.dumps({**fields, "auto_map": auto_map}))
+        with pytest.raises(NormswapError, match="has no model class of that name"):
+            loading.load_config(src)
+
+
 def test_model_class_takes_the_first_known_architecture_else_the_base_model(tmp_path):
     from transformers import LlamaConfig
 

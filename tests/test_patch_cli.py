@@ -23,12 +23,7 @@ def src(tmp_path_factory):
     return d
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    """The CLI's numeric proof is tested elsewhere; small probes keep these runs quick."""
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
 
 BATCH = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))}

@@ -195,12 +195,9 @@ def test_links_resolve_and_stay_inside_the_repository():
 
 
 @pytest.fixture()
-def tiny_llama(tmp_path, monkeypatch):
+def tiny_llama(tmp_path, monkeypatch, small_probes):
     from tiny_models import save_tiny
 
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
     monkeypatch.chdir(tmp_path)
     save_tiny("llama", tmp_path / "llama")
     return tmp_path / "llama"

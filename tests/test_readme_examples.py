@@ -33,12 +33,10 @@ def _blocks() -> list[str]:
 
 
 @pytest.fixture()
-def workdir(tmp_path, monkeypatch):
+def workdir(tmp_path, monkeypatch, small_probes):
     """The paths the examples name, as tiny checkpoints."""
     import normswap
-    from normswap import verify
 
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", verify.ProbeConfig(elements=4096))
     monkeypatch.chdir(tmp_path)
     for name in ("llama-dir", "path/to/model"):
         save_tiny("llama", tmp_path / name)

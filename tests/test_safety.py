@@ -26,11 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = ProbeConfig(elements=4096)
 
 
-@pytest.fixture(autouse=True)
-def small_probes(monkeypatch):
-    from normswap import verify
-
-    monkeypatch.setattr(verify, "DEFAULT_PROBE", SMALL)
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
 
 @pytest.fixture(scope="module")
@@ -797,6 +793,20 @@ def test_a_generation_config_folder_survives_in_place(src, tmp_path):
     assert_one_line_error(run("patch", d, "--impl", "torch", "--in-place"), "generation_config.json: cannot read: "
                                                                               "Is a directory")
     assert _tree(d) == before
+
+
+def test_a_model_that_does_not_generate_keeps_its_generation_config_as_it_is(tmp_path):
+    """BertModel neither reads nor writes generation_config.json (transformers loads the folder
+    whatever the file holds): it is not refused, and patch --out and --in-place carry it byte for
+    byte, a malformed one included."""
+    d = tmp_path / "bert"
+    save_tiny("bert", d)
+    mine = b'{"max_length": 50,'
+    (d / "generation_config.json").write_bytes(mine)
+    for where in (["--out", tmp_path / "out"], ["--in-place"]):
+        r = run("patch", d, "--impl", "torch", *where)
+        assert r.exit_code == 0, r.output
+        assert (Path(where[-1]) if len(where) == 2 else d).joinpath("generation_config.json").read_bytes() == mine
 
 
 def test_a_valid_generation_config_is_saved_with_its_settings(src, tmp_path):
