@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,36 @@ def test_ppl_human_output_and_options(models, tmp_path):
     rows.write_text("\n".join(json.dumps({"body": line}) for line in TEXT.read_text().split("\n\n")) + "\n")
     d = ok_json("ppl", root / "a", "--data", rows, "--text-field", "body", "--max-length", 32, "--dtype", "bf16")
     assert d["dtype"] == "bfloat16" and d["ppl"] > 1
+
+
+def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(models):
+    """CliRunner's stderr is no terminal, as a log file or CI's is: a redrawn tqdm bar there is a
+    run of carriage returns. Each stage is a line when it starts and one when it ends, with what
+    it counted and how long it took."""
+    root, _, _ = models
+    result = run("ppl", root / "a", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[:2] == ["load ...", lines[1]] and lines[1].startswith("load: 1/1 step, ")
+    assert lines[2:] == ["perplexity ...", lines[3]], result.stderr
+    assert re.fullmatch(r"perplexity: 100/100 tok, \d+\.\d s", lines[3]), lines[3]
+
+
+def test_progress_lines_while_a_stage_runs_come_at_most_every_interval(monkeypatch, capsys):
+    from normswap import progress
+
+    clock = iter([0.0, 3.0, 9.0, 10.5, 12.0, 21.0, 30.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with progress.stderr_bar(total=5 << 20, desc="convert", unit="B", unit_scale=True) as bar:
+        for _ in range(5):
+            bar.update(1 << 20)
+    assert capsys.readouterr().err.splitlines() == [
+        "convert ...",
+        "convert: 3.00MB/5.00MB, 10.5 s",  # 3.0 and 9.0 s: under LINE_INTERVAL since the start
+        "convert: 5.00MB/5.00MB, 21.0 s",  # 12.0 s: too soon after the last line
+        "convert: 5.00MB/5.00MB, 30.0 s",  # the close
+    ]
 
 
 def test_diff_json(models):

@@ -193,15 +193,15 @@ class ProgressBars:
     def __call__(self, stage: str, done: int, total: int | None) -> None:
         if stage != self.stage:
             self.close()
-            from tqdm.auto import tqdm
+            from normswap.progress import stderr_bar
 
             if stage in self.announce:
                 click.echo(self.announce[stage], err=True)
             unit = self.units.get(stage, "step")
             # initial: a stage may start part-way through a count (bench's "<variant> <mode>" stages
             # share one count of measurements)
-            self.bar = tqdm(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
-                            unit_scale=unit == "B", file=sys.stderr, dynamic_ncols=True, leave=False)
+            self.bar = stderr_bar(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
+                                  unit_scale=unit == "B")
             self.stage = stage
         self.bar.total = total
         self.bar.update(done - self.bar.n)
