@@ -564,9 +564,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     verify=True re-runs the per-module proof; progress(stage, done, total) hears the patch
     (normswap.progress). Returns the patched model, in eval mode.
     """
-    import dataclasses
-
-    from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
+    from normswap.manifest import read_manifest, rms_forms
     from normswap.swap import PatchConfig, patch
 
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
@@ -579,6 +577,28 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
         config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
         model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
+    return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
+
+
+def recorded_patch(source: ModelSource) -> dict | None:
+    """The patch section of the normswap.json in a model directory normswap wrote (None: no
+    manifest, or one without a patch). Read before the weights: a malformed manifest, or a newer
+    normswap's, is refused before any work."""
+    from normswap.manifest import read_manifest_if_any
+
+    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
+    return None if manifest is None else manifest.get("patch")
+
+
+def apply_recorded_patch(model, directory, section: dict, impl: str | None = None, verify: bool = False,
+                         progress: ProgressFn | None = None):
+    """Apply a manifest's patch section to `model` (loaded stock from `directory`), checking that
+    every module it records is still there, in the same form. Returns the model."""
+    import dataclasses
+
+    from normswap.manifest import MANIFEST_NAME
+    from normswap.swap import PatchConfig, patch
+
     config = PatchConfig.from_dict(section)  # read_manifest gave an old section the current shape
     if impl is not None:
         config = dataclasses.replace(config, impl=impl)

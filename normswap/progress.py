@@ -75,7 +75,7 @@ class _LineBar:
 
     def __init__(self, total: int | None, desc: str, unit: str, unit_scale: bool, initial: int):
         self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
-        self.n, self.postfix, self.closed = initial, "", False
+        self.n, self.postfix, self.closed, self.reported = initial, "", False, None
         self.start = self.last = time.monotonic()
         self._write(f"{desc} ...")
 
@@ -83,7 +83,7 @@ class _LineBar:
         self.n += n
         now = time.monotonic()
         if now - self.last >= LINE_INTERVAL:
-            self.last = now
+            self.last, self.reported = now, self.n
             self._write(self._status(now))
 
     def set_postfix(self, refresh: bool = True, **values) -> None:
@@ -92,7 +92,8 @@ class _LineBar:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._write(self._status(time.monotonic()))
+            if self.reported != self.n:  # the last line did not already give this count
+                self._write(self._status(time.monotonic()))
 
     def _status(self, now: float) -> str:
         if self.unit_scale:  # bytes: 1.50MB/4.00MB

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -954,3 +955,22 @@ def test_the_command_prints_the_noise_floor_in_text_and_json(bf16_run):
     assert text.exit_code == 0, text.output
     assert saved["noise_floor"]["description"] in text.stdout
     assert all(saved["arms"][a]["evals"][-1]["noise_floor"]["verdict"] in text.stdout for a in HALF_ARMS)
+
+
+def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
+    """An arm that does not train is still an evaluation of seconds: it has its line too (stderr
+    is no terminal here, so every stage is a line when it starts and one when it ends)."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--set",
+                                 "finetune.steps=2", "--json"])
+    assert r.exit_code == 0, r.stderr[-2000:]
+    json.loads(r.stdout)
+    lines = r.stderr.splitlines()
+    assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
+                                                                           lines[1]), r.stderr
+    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
+                                                              lines[3]), r.stderr

@@ -70,7 +70,12 @@ def _usage_line(e: click.UsageError) -> str:
     if isinstance(e, click.exceptions.NoArgsIsHelpError):
         return e.format_message()  # no command at all: the help itself, as it is laid out
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-    return f"normswap: error: {_escaped(e.format_message())}{hint}"
+    message = e.format_message()
+    if isinstance(e, click.MissingParameter):
+        # click lays a missing choice's values out as "Choose from:\n\ta,\n\tb": its own line
+        # breaks, not a user's, so they become spaces rather than an escaped "\n\t".
+        message = message.replace("\n\t", " ")
+    return f"normswap: error: {_escaped(message)}{hint}"
 
 
 def _escaped(message: str) -> str:

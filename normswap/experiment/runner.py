@@ -245,6 +245,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
+    from normswap.progress import stderr_bar
 
     accelerator = accelerator or make_accelerator(recipe, out)
     if accelerator.is_main_process:
@@ -302,7 +303,11 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         arm_started = time.perf_counter()
         desc = f"[{i + 1}/{len(arms)}] {arm}"
         if training is None:
-            evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
+            # A bar for the evaluation too: an arm that does not train was seconds with nothing shown.
+            with stderr_bar(total=1, desc=desc, unit="eval", disable=not (progress and accelerator.is_main_process)) \
+                    as bar:
+                evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
+                bar.update(1)
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
         else:
             batches = (RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed) if train_ids is not None
