@@ -192,6 +192,11 @@ def fixtures(root: Path) -> dict:
     fx["long_recipe"] = texts / "long.toml"  # found once the model is loaded
     fx["long_recipe"].write_text(f'name = "t"\narms = ["original"]\n[model]\npath = "{fx["gpt2"]}"\n[data]\n'
                                  f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 500\n')
+    for arch in ("gpt2", "llama"):  # a tiny [model] recipe: refused before any arm runs, in seconds
+        fx[f"{arch}_recipe"] = texts / f"{arch}.toml"
+        fx[f"{arch}_recipe"].write_text(
+            f'name = "t"\narms = ["original", "exact+ft"]\n[model]\npath = "{fx[arch]}"\n[data]\n'
+            f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 16\nbatch_size = 2\n')
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
     return fx
@@ -455,6 +460,37 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
         Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
              ci=True),
+        Case("experiment: --arms names one twice", ["experiment", fx["gpt2_recipe"], "--arms", "exact,original,exact",
+                                                   "--out", out / "x"],
+             "--arms: exact named twice", ci=True),
+        Case("experiment: --set a typo'd key", ["experiment", fx["gpt2_recipe"], "--set", "finetune.stepz=3", "--out", out / "x"],
+             "did you mean 'steps'?", ci=True),
+        Case("experiment: --set two values in one", ["experiment", fx["gpt2_recipe"], "--set", "finetune.lr=1e-3\nseed=5",
+                                                    "--out", out / "x"],
+             "is not one TOML value", ci=True),
+        Case("experiment: --set a string for an int", ["experiment", fx["gpt2_recipe"], "--set", "finetune.steps='5'",
+                                                      "--out", out / "x"],
+             "finetune.steps: expected an integer, got '5'", ci=True),
+        Case("experiment: --set seed -1", ["experiment", fx["gpt2_recipe"], "--set", "seed=-1", "--out", out / "x"],
+             "seed: -1 is below the minimum 0", ci=True),
+        Case("experiment: --set a list for a table", ["experiment", fx["gpt2_recipe"], "--set", "data=[1]", "--out", out / "x"],
+             "data: expected a table", ci=True),
+        Case("experiment: a binary data.train, deep new --out",
+             ["experiment", fx["gpt2_recipe"], "--set", f"data.train={fx['binary']}", "--out", out / "a" / "b" / "c"],
+             "data.train: ", ci=True),
+        Case("experiment: a Latin-1 data.eval", ["experiment", fx["gpt2_recipe"], "--set", f"data.eval={fx['latin1']}",
+                                                 "--out", out / "x"], "data.eval: ", ci=True),
+        Case("experiment: data.train shorter than one sequence",
+             ["experiment", fx["gpt2_recipe"], "--set", f"data.train={fx['short']}", "--out", out / "x"],
+             "data.train: the training text has", ci=True),
+        Case("experiment: an approx arm, a model with no LayerNorm",
+             ["experiment", fx["llama_recipe"], "--arms", "original,approx", "--out", out / "x"],
+             "approx: the model has no LayerNorm", ci=True),
+        Case("experiment: an exact arm, a model with no LayerNorm",
+             ["experiment", fx["llama_recipe"], "--out", out / "x"], "this llama model has no LayerNorm", ci=True),
+        Case("experiment: [model] a GGUF that is not one",
+             ["experiment", fx["gpt2_recipe"], "--set", f"model.path={fx['badgguf']}", "--out", out / "x"],
+             "GGUF", ci=True),
         # ---- tune (--out inside out/: the sweep fails a case that writes there)
         Case("tune: no CUDA device", ["tune", "--out", out / "t.json"], "tuning needs a CUDA device", ci=True,
              setup=lambda: _cuda(False)),

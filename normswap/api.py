@@ -65,12 +65,26 @@ class EvalSettings:
         """The checks that need no model (window options)."""
         from normswap.evaluate import check_window_options
 
+        if not isinstance(self.data, str | os.PathLike):
+            raise TypeError(f"EvalSettings.data: expected a data path (str or path), got {type(self.data).__name__}")
         check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size, self.option_names)
 
     @property
     def window_kwargs(self) -> dict[str, Any]:
         return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
+
+
+def _require_settings(name: str, value, optional: bool = False) -> EvalSettings | None:
+    """`value` when it is an EvalSettings (or None, when optional), else a TypeError naming `name`."""
+    if not (isinstance(value, EvalSettings) or (optional and value is None)):
+        raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
+    return value
+
+
+def _require_path(name: str, value, optional: bool = False) -> None:
+    if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
+        raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
 
 
 # What `normswap demo` scores: the embedded text (Genesis, KJV), in windows of at most this many
@@ -100,9 +114,13 @@ class CheckpointPerplexity:
     data: str
     dtype: str
     result: PerplexityResult
+    # The implementation normswap ran the model's norms with (the patch its normswap.json records);
+    # None: the model's own modules.
+    impl: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "data": self.data, "dtype": self.dtype, **self.result.to_dict()}
+        return {"model": self.model, "impl": self.impl, "data": self.data, "dtype": self.dtype,
+                **self.result.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -115,10 +133,13 @@ class CheckpointDiff:
     data: str
     dtype: str
     result: DiffResult
+    # As CheckpointPerplexity.impl, per model: B's is also the impl it was patched with in memory.
+    impl_a: str | None = None
+    impl_b: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model_a": self.model_a, "model_b": self.model_b, "data": self.data, "dtype": self.dtype,
-                **self.result.to_dict()}
+        return {"model_a": self.model_a, "model_b": self.model_b, "impl_a": self.impl_a, "impl_b": self.impl_b,
+                "data": self.data, "dtype": self.dtype, **self.result.to_dict()}
 
 
 @dataclass
@@ -224,6 +245,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
+    _require_path("out", out, optional=True)
+    _require_settings("evaluation", evaluation, optional=True)
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
@@ -272,7 +295,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         reference = _float32_reference(source, config, m, device, noise_floor)
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
-        result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff)
+        result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
+                                     impl_b=impl)
     if target is not None:
         result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
                                        max_shard_size=max_shard_size, progress=progress)
@@ -325,6 +349,7 @@ def convert_checkpoint(
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
+    _require_path("out", out)
     source = resolve(model)
     config = load_config(source)
     meta = build_meta_model(source, config)
@@ -384,8 +409,10 @@ def bench_checkpoint(
         run_bench,
         write_result,
     )
+    from normswap.loading import require_reference
 
-    config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
+    config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
+                         modes=parse_list(modes, "modes"), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:
@@ -402,52 +429,88 @@ def bench_checkpoint(
 
 def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dtype: str | torch.dtype | None = None,
                         progress: ProgressFn | None = None) -> CheckpointPerplexity:
-    """Sliding-window perplexity of a checkpoint on `settings.data`."""
+    """Sliding-window perplexity of a checkpoint on `settings.data`; a directory normswap patched
+    runs its norms with the patch its normswap.json records (as normswap.load does)."""
     from normswap.evaluate import perplexity
-    from normswap.loading import load_config, load_model, resolve
+    from normswap.loading import load_config, resolve
 
-    settings.check()
+    _require_settings("settings", settings).check()
     source = resolve(model)
     config = load_config(source)
+    recorded = _recorded_patch(source)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
     step(progress, "load", 0, 1)
-    loaded = load_model(source, dtype=parse_dtype(dtype), config=config)
+    loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress)
     step(progress, "load", 1, 1)
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
-    return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result)
+    return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result,
+                                impl=recorded["impl"] if recorded else None)
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
                      patched: str | None = None, dtype: str | torch.dtype | None = None,
                      noise_floor: bool | None = None, progress: ProgressFn | None = None) -> CheckpointDiff:
     """A against B, or against A patched in memory with `patched` (an impl; each module verified),
-    on the same windows, tokenised with A's tokenizer. noise_floor (default: in half precision)
-    also scores A loaded in float32 and judges B against A's own distance from it."""
+    on the same windows, tokenised with A's tokenizer. A directory normswap patched runs its norms
+    with the patch its normswap.json records (as normswap.load does). noise_floor (default: in half
+    precision) also scores A loaded in float32 (stock) and judges B against A's own distance from it."""
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
-    from normswap.loading import load_config, load_model, resolve
+    from normswap.loading import load_config, resolve
 
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
-    settings.check()
+    _require_settings("settings", settings).check()
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
-    source_a = resolve(a)
-    source_b = resolve(b) if b is not None else None
+    source_a = resolve(a, "a")
+    source_b = resolve(b, "b") if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
+    recorded_a = _recorded_patch(source_a)
+    recorded_b = _recorded_patch(source_b) if source_b is not None else None
+    if patched is not None and recorded_a is not None:  # patch() leaves patched modules as they are
+        raise NormswapError(f"{a} already runs the {recorded_a['impl']} patch its normswap.json records, so "
+                            f"--patched {patched} would compare it with itself; give the unpatched model as A, "
+                            "or a second model B")
     corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b)
     torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
-    model_a = load_model(source_a, dtype=torch_dtype, config=config_a)
+    model_a = _load_scored(source_a, torch_dtype, config_a, recorded_a, progress)
     step(progress, "load", 1, 2)
-    model_b = (load_model(source_b, dtype=torch_dtype, config=config_b) if source_b is not None
+    model_b = (_load_scored(source_b, torch_dtype, config_b, recorded_b, progress) if source_b is not None
                else patched_copy(model_a, patched))
     step(progress, "load", 2, 2)
     reference = _float32_reference(source_a, config_a, model_a, None, noise_floor)
     diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
-    return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff)
+    impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
+    return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff,
+                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b)
+
+
+def _recorded_patch(source) -> dict | None:
+    """The patch a normswap-written directory records, read (and its backend checked) before any
+    weights load: scoring runs what `normswap patch --out` wrote, as normswap.load does, not the
+    stock modules its weights also load into."""
+    from normswap.backends import get_backend
+    from normswap.loading import recorded_patch
+
+    section = recorded_patch(source)
+    if section is not None:
+        try:
+            get_backend(section["impl"])
+        except NormswapError as e:
+            raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
+                                f"here: {e}") from None
+    return section
+
+
+def _load_scored(source, dtype, config, recorded: dict | None, progress):
+    from normswap.loading import apply_recorded_patch, load_model
+
+    model = load_model(source, dtype=dtype, config=config)
+    return model if recorded is None else apply_recorded_patch(model, source.ref, recorded, progress=progress)
 
 
 def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None):

@@ -319,7 +319,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     patched (an impl unavailable here, a failed verification) gets rows with its error.
 
     progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
-    measurements finished), and ("<variant> <mode>", total, total) after the last one."""
+    measurements finished) and again after it (done + 1), and ("<variant> <mode>", total, total)
+    after the last one."""
     from normswap.backends import get_backend
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert
@@ -379,6 +380,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
                 done += 1
                 seconds, row.method, row.peak_memory_bytes, row.fused_writers = _measure(
                     cfg, model, ids, row.mode, device, pairs)
+                if progress:  # this measurement done: its stage's bar ends at its own count, not the one before
+                    progress(f"{name} {row.mode}", done, total)
                 row.median_ms = seconds * 1e3
                 tokens = cfg.batch * (1 if row.mode == "decode" else cfg.seq)
                 row.tokens_per_s = tokens / seconds
@@ -439,7 +442,9 @@ def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
     return write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
-def parse_list(value: str | Sequence[str]) -> tuple[str, ...]:
+def parse_list(value: str | Sequence[str], name: str = "impls") -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name}: expected names, as \"a,b\" or a list of str, got {value!r}")
     return tuple(v.strip() for v in value if v.strip())

@@ -73,10 +73,21 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve(ref: str | os.PathLike) -> ModelSource:
+def require_reference(ref, name: str = "model"):
+    """`ref` when it is a str or path, else a TypeError naming `name` (a loaded model, None)."""
+    if not isinstance(ref, str | os.PathLike):
+        hint = (" (a loaded model: normswap.patch, convert_model, perplexity and diff_models take one)"
+                if hasattr(ref, "named_modules") else "")
+        raise TypeError(f"{name}: expected a model directory, a .gguf file or a hub id (str or path), "
+                        f"got {type(ref).__name__}{hint}")
+    return ref
+
+
+def resolve(ref: str | os.PathLike, name: str = "model") -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line NormswapError. A path
-    that cannot be read (permissions, I/O) is bad input naming the path and the system's reason."""
-    ref = str(ref)
+    that cannot be read (permissions, I/O) is bad input naming the path and the system's reason.
+    Not a str or path (a loaded model, None): TypeError naming `name`, the parameter."""
+    ref = str(require_reference(ref, name))
     if not ref.strip():  # Path("") is the current directory: an unset "$MODEL" would name it
         raise BadInputError("the model is empty; pass a model directory, a .gguf file or a hub id")
     try:
@@ -553,13 +564,11 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     verify=True re-runs the per-module proof; progress(stage, done, total) hears the patch
     (normswap.progress). Returns the patched model, in eval mode.
     """
-    import dataclasses
-
-    from normswap.manifest import MANIFEST_NAME, read_manifest, rms_forms
+    from normswap.manifest import read_manifest, rms_forms
     from normswap.swap import PatchConfig, patch
 
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
-    source = resolve(directory)
+    source = resolve(directory, "directory")
     manifest = read_manifest(source.path)
     model = load_model(source, dtype=dtype, device=device)
     section = manifest.get("patch")
@@ -568,6 +577,28 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
         config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
         model.normswap_report = patch(model, config, verify=verify, progress=progress)
         return model
+    return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
+
+
+def recorded_patch(source: ModelSource) -> dict | None:
+    """The patch section of the normswap.json in a model directory normswap wrote (None: no
+    manifest, or one without a patch). Read before the weights: a malformed manifest, or a newer
+    normswap's, is refused before any work."""
+    from normswap.manifest import read_manifest_if_any
+
+    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
+    return None if manifest is None else manifest.get("patch")
+
+
+def apply_recorded_patch(model, directory, section: dict, impl: str | None = None, verify: bool = False,
+                         progress: ProgressFn | None = None):
+    """Apply a manifest's patch section to `model` (loaded stock from `directory`), checking that
+    every module it records is still there, in the same form. Returns the model."""
+    import dataclasses
+
+    from normswap.manifest import MANIFEST_NAME
+    from normswap.swap import PatchConfig, patch
+
     config = PatchConfig.from_dict(section)  # read_manifest gave an old section the current shape
     if impl is not None:
         config = dataclasses.replace(config, impl=impl)

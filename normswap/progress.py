@@ -1,10 +1,15 @@
 """Progress of long work, without drawing anything: the library calls progress(stage, done, total)
 and the command line draws the bars (normswap.cli.main.ProgressBars). Library users who pass
-progress=True to perplexity / diff_models / convert_directory get a tqdm bar on stderr instead."""
+progress=True to perplexity / diff_models / convert_directory get a bar on stderr instead.
+
+Every bar normswap draws comes from stderr_bar: a redrawn tqdm bar on a terminal, plain lines
+anywhere else (a log file, a pipe, CI), where a redrawn bar is a run of carriage returns that
+shows as one garbled line, or as hundreds."""
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 # progress(stage, done, total): `done` units of `stage` finished, out of `total` (None: unknown).
@@ -37,10 +42,81 @@ def bar(progress: bool | ProgressFn | None, stage: str, total: int | None, **tqd
     True, a silent one otherwise."""
     if callable(progress):
         return _CallbackBar(progress, stage, total)
+    return stderr_bar(total=total, desc=stage, disable=not progress, **tqdm_kwargs)
+
+
+# Seconds between two progress lines of one stage when stderr is not a terminal: a line per update
+# would flood a log (a perplexity run updates per batch), none until the end looks like a hang.
+LINE_INTERVAL = 10.0
+
+
+def stderr_bar(*, total: int | None, desc: str, unit: str = "step", unit_scale: bool = False, initial: int = 0,
+               disable: bool = False):
+    """A progress bar on stderr: tqdm's on a terminal; elsewhere a _LineBar. disable: a silent one."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=stage, file=sys.stderr, disable=not progress, dynamic_ncols=True,
-                leave=False, **tqdm_kwargs)
+    if disable or _isatty(sys.stderr):
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
+                    disable=disable, dynamic_ncols=True, leave=False)
+    return _LineBar(total, desc, unit, unit_scale, initial)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class _LineBar:
+    """The part of tqdm's interface normswap uses, written as whole lines: one when the stage
+    starts, one at most every LINE_INTERVAL seconds while it runs, one when it ends (with the
+    time it took)."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, unit_scale: bool, initial: int):
+        self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
+        self.n, self.postfix, self.closed, self.reported = initial, "", False, None
+        self.start = self.last = time.monotonic()
+        self._write(f"{desc} ...")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= LINE_INTERVAL:
+            self.last, self.reported = now, self.n
+            self._write(self._status(now))
+
+    def set_postfix(self, refresh: bool = True, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.reported != self.n:  # the last line did not already give this count
+                self._write(self._status(time.monotonic()))
+
+    def _status(self, now: float) -> str:
+        if self.unit_scale:  # bytes: 1.50MB/4.00MB
+            from tqdm import tqdm
+
+            done = "/".join(tqdm.format_sizeof(n, self.unit, 1024) for n in (self.n, self.total) if n is not None)
+        else:
+            done = f"{self.n}/{self.total} {self.unit}" if self.total is not None else f"{self.n} {self.unit}"
+        line = f"{self.desc}: {done}, {now - self.start:.1f} s"
+        return f"{line}, {self.postfix}" if self.postfix else line
+
+    def _write(self, line: str) -> None:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # stderr closed: progress is never worth failing the work for
+            pass
+
+    def __enter__(self) -> _LineBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def step(progress: ProgressFn | None, stage: str, done: int, total: int | None) -> None:

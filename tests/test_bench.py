@@ -117,6 +117,10 @@ def test_bench_checkpoint_is_the_bench_command(tmp_path, monkeypatch):
     assert [(r["variant"], r["mode"]) for r in doc["rows"]] == [(v, m) for v in ("eager", "torch")
                                                                  for m in ("prefill", "decode")]
     assert all(len(c) == 3 and c[2] == 4 for c in calls) and max(c[1] for c in calls) == 4
+    # Each measurement's stage ends at its own count (a bar or a log line shows it done), not at
+    # the count before it.
+    assert {stage: done for stage, done, _ in calls} == {"eager prefill": 1, "eager decode": 2, "torch prefill": 3,
+                                                          "torch decode": 4}
     # The command is this call and a renderer: the same document, apart from the timings.
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill,decode", "--seq", "4",

@@ -127,6 +127,15 @@ def test_bad_model_reference(tmp_path):
     assert r.exit_code == 2 and "no such file" in r.stderr
 
 
+def test_a_missing_choice_option_lists_its_values_in_plain_words(gpt2_dir, tmp_path):
+    """click lays the choices out on lines of their own; the one error line shows them as words,
+    not as an escaped "\\n\\t" (which is how a line break in a user's own path is shown)."""
+    r = run(gpt2_dir, "--out", tmp_path / "o")
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1  # (the prog name after "see" is CliRunner's)
+    assert r.stderr.startswith("normswap: error: Missing option '--to'. Choose from: rms (see ")
+
+
 def test_force_replaces_through_the_atomic_exchange(gpt2_dir, tmp_path, monkeypatch):
     """convert publishes like patch (checkpoint.staged_dir): an existing --out is swapped with the
     verified result in one renameat2(RENAME_EXCHANGE), never removed first."""

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,8 @@ def test_the_shipped_recipe_validates():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("finetune.stepz=3", "unknown key 'finetune.stepz'"),
+    ("finetune.stepz=3", "unknown key 'finetune.stepz' \\(did you mean 'steps'\\?"),
+    ("finetune.lr=1e-3\nseed=5", "--set finetune.lr: '1e-3\\\\nseed=5' is not one TOML value"),
     ("colour=3", "unknown key 'colour'"),
     ("finetune.steps=-1", "finetune.steps: -1 is below the minimum 0"),
     ("finetune.steps=1.5", "finetune.steps: expected an integer"),
@@ -197,7 +199,8 @@ def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
     assert select_arms(recipe, None) == ALL_ARMS
     out = tmp_path / "out"
     for arms, message in ((",", "arms: no arm named"), ([], "arms: no arm named"),
-                          ("original,nonsense", "arms: unknown arm 'nonsense'")):
+                          ("original,nonsense", "arms: unknown arm 'nonsense'"),
+                          ("exact, original,exact", "arms: exact named twice")):
         with pytest.raises(RecipeError, match=f"^{message}"):
             run_experiment(recipe, out, arms, progress=False)
     with pytest.raises(RecipeError, match="^--arms: unknown arm 'x'"):
@@ -446,6 +449,38 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AssertionError, match="the run started"):
         run_experiment(recipe, tmp_path / "empty", progress=False)
+
+@pytest.mark.parametrize("model, arms, override, message", [
+    ("gpt2", ["original"], "data.eval=bin.txt", "data.eval: .*bin.txt: a binary file"),
+    ("gpt2", ["original", "exact+ft"], "data.train=bin.txt", "data.train: .*bin.txt: a binary file"),
+    ("gpt2", ["original", "approx+ft"], "data.train=short.txt", "data.train: the training text has"),
+    ("llama", ["original", "approx"], "", "approx: the model has no LayerNorm to replace"),
+    ("llama", ["original", "exact+ft"], "", "nothing to convert: this llama model has no LayerNorm"),
+])
+def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_path, monkeypatch, model, arms,
+                                                                          override, message):
+    """Found when the arm that needs them starts, they stopped a run after the arms before it (and
+    after pretraining), leaving OUT behind: refused before OUT is made, nothing run."""
+    from tiny_models import save_tiny
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    save_tiny(model, tmp_path / model)
+    (tmp_path / "bin.txt").write_bytes(b"\x00\x01binary" * 50)
+    (tmp_path / "short.txt").write_text("Too short.")
+    path = model_recipe(tmp_path, tmp_path / model, arms)
+    with pytest.raises(NormswapError, match=message):
+        run_experiment(path, tmp_path / "out", overrides=[override] if override else [], progress=False)
+    assert not (tmp_path / "out").exists()
+    if arms == ["original", "exact+ft"] and model == "gpt2":  # a run without a training arm reads no data.train
+        with pytest.raises(AssertionError, match="the run started"):
+            run_experiment(path, tmp_path / "out", ["original"], overrides=[override], progress=False)
+
 
 # --------------------------------------------------------------------------- resume
 
@@ -920,3 +955,22 @@ def test_the_command_prints_the_noise_floor_in_text_and_json(bf16_run):
     assert text.exit_code == 0, text.output
     assert saved["noise_floor"]["description"] in text.stdout
     assert all(saved["arms"][a]["evals"][-1]["noise_floor"]["verdict"] in text.stdout for a in HALF_ARMS)
+
+
+def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
+    """An arm that does not train is still an evaluation of seconds: it has its line too (stderr
+    is no terminal here, so every stage is a line when it starts and one when it ends)."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--set",
+                                 "finetune.steps=2", "--json"])
+    assert r.exit_code == 0, r.stderr[-2000:]
+    json.loads(r.stdout)
+    lines = r.stderr.splitlines()
+    assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
+                                                                           lines[1]), r.stderr
+    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
+                                                              lines[3]), r.stderr

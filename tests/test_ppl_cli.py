@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,35 @@ def test_ppl_human_output_and_options(models, tmp_path):
     assert d["dtype"] == "bfloat16" and d["ppl"] > 1
 
 
+def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(models):
+    """CliRunner's stderr is no terminal, as a log file or CI's is: a redrawn tqdm bar there is a
+    run of carriage returns. Each stage is a line when it starts and one when it ends, with what
+    it counted and how long it took."""
+    root, _, _ = models
+    result = run("ppl", root / "a", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[:2] == ["load ...", lines[1]] and lines[1].startswith("load: 1/1 step, ")
+    assert lines[2:] == ["perplexity ...", lines[3]], result.stderr
+    assert re.fullmatch(r"perplexity: 100/100 tok, \d+\.\d s", lines[3]), lines[3]
+
+
+def test_progress_lines_while_a_stage_runs_come_at_most_every_interval(monkeypatch, capsys):
+    from normswap import progress
+
+    clock = iter([0.0, 3.0, 9.0, 10.5, 12.0, 21.0, 30.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    with progress.stderr_bar(total=5 << 20, desc="convert", unit="B", unit_scale=True) as bar:
+        for _ in range(5):
+            bar.update(1 << 20)
+    assert capsys.readouterr().err.splitlines() == [
+        "convert ...",
+        "convert: 3.00MB/5.00MB, 10.5 s",  # 3.0 and 9.0 s: under LINE_INTERVAL since the start
+        "convert: 5.00MB/5.00MB, 21.0 s",  # 12.0 s: too soon after the last line
+    ]  # and the close at 30.0 s adds no line: the last one gave the final count
+
+
 def test_diff_json(models):
     root, a, b = models
     same = ok_json("diff", root / "a", root / "a", "--data", TEXT, "--max-length", 32)
@@ -98,6 +128,50 @@ def test_diff_json(models):
     assert d["kl_mean"] > 0 and d["model_b"] == str(root / "b")
     human = run("diff", root / "a", root / "b", "--data", TEXT, "--max-length", 32)
     assert human.exit_code == 0 and "KL(A||B)" in human.stdout
+
+
+def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, tmp_path, monkeypatch):
+    """`normswap patch --out fast`, then `normswap diff original fast`: B must run the kernels
+    fast's normswap.json records (as normswap.load does), not the stock modules its weights also
+    load into, which made the diff exactly zero whatever the kernels do."""
+    import normswap
+    from normswap import evaluate
+
+    root, _, _ = models
+    fast = tmp_path / "fast"
+    normswap.patch_checkpoint(root / "a", "torch", out=fast)
+    scored = []
+    for name in ("perplexity", "diff_models"):
+        real = getattr(evaluate, name)
+        monkeypatch.setattr(evaluate, name, lambda *a, _real=real, **k: scored.append(a[:-2]) or _real(*a, **k))
+
+    def patched(model) -> bool:
+        return any(hasattr(m, "original_class") for m in model.modules())
+
+    d = ok_json("ppl", fast, "--data", TEXT, "--max-length", 32)
+    assert d["impl"] == "torch" and patched(scored.pop()[0])
+    assert ok_json("ppl", root / "a", "--data", TEXT, "--max-length", 32)["impl"] is None
+    assert not patched(scored.pop()[0])
+    d = ok_json("diff", root / "a", fast, "--data", TEXT, "--max-length", 32)
+    assert (d["impl_a"], d["impl_b"], d["model_b"]) == (None, "torch", str(fast))
+    model_a, model_b = scored.pop()
+    assert not patched(model_a) and patched(model_b)
+    human = run("diff", root / "a", fast, "--data", TEXT, "--max-length", 32)
+    assert f"B: {fast} (norms: torch, from its normswap.json)\n" in human.stdout, human.stdout
+    human = run("ppl", fast, "--data", TEXT, "--max-length", 32)
+    assert human.stdout.startswith(f"{fast} (norms: torch, from its normswap.json) on "), human.stdout
+    assert ok_json("diff", root / "a", "--patched", "torch", "--data", TEXT, "--max-length", 32)["impl_b"] == "torch"
+    # A patch that cannot run here is named before any weight loads; a patched A is not patched again.
+    manifest = json.loads((fast / "normswap.json").read_text())
+    manifest["patch"]["impl"] = "liger"
+    (tmp_path / "liger").mkdir()
+    for f in fast.iterdir():
+        (tmp_path / "liger" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "liger" / "normswap.json").write_text(json.dumps(manifest))
+    r = run("ppl", tmp_path / "liger", "--data", TEXT, "--json")
+    assert r.exit_code == 2 and r.stdout == "" and "records a liger patch, which cannot run here" in r.stderr
+    r = run("diff", fast, "--patched", "torch", "--data", TEXT, "--json")
+    assert r.exit_code == 2 and r.stdout == "" and "would compare it with itself" in r.stderr
 
 
 def test_diff_patched(models):

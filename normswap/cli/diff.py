@@ -8,7 +8,7 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
-from normswap.cli.ppl import describe_windows, eval_options
+from normswap.cli.ppl import describe_windows, eval_options, named_model
 
 
 @cli.command()
@@ -34,7 +34,8 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
 
 def render_diff(d: dict) -> None:
     """The human form of a diff result (also printed by `normswap patch --eval`)."""
-    click.echo(f"A: {d['model_a']}\nB: {d['model_b']}\non {d['data']} ({d['dtype']})")
+    click.echo(f"A: {named_model(d['model_a'], d.get('impl_a'))}\nB: {named_model(d['model_b'], d.get('impl_b'))}\n"
+               f"on {d['data']} ({d['dtype']})")
     click.echo(f"perplexity     A {d['ppl_a']:.4f}   B {d['ppl_b']:.4f}   "
                f"delta {d['delta_ppl']:+.4g} ({100 * d['relative_delta']:+.4g}%)")
     click.echo(f"KL(A||B)       mean {d['kl_mean']:.3g}   max {d['kl_max']:.3g} nats/token")
@@ -43,3 +44,4 @@ def render_diff(d: dict) -> None:
     click.echo(describe_windows(d))
     if d.get("noise_floor"):
         click.echo(d["noise_floor"]["verdict"])
+

@@ -70,7 +70,12 @@ def _usage_line(e: click.UsageError) -> str:
     if isinstance(e, click.exceptions.NoArgsIsHelpError):
         return e.format_message()  # no command at all: the help itself, as it is laid out
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-    return f"normswap: error: {_escaped(e.format_message())}{hint}"
+    message = e.format_message()
+    if isinstance(e, click.MissingParameter):
+        # click lays a missing choice's values out as "Choose from:\n\ta,\n\tb": its own line
+        # breaks, not a user's, so they become spaces rather than an escaped "\n\t".
+        message = message.replace("\n\t", " ")
+    return f"normswap: error: {_escaped(message)}{hint}"
 
 
 def _escaped(message: str) -> str:
@@ -193,15 +198,15 @@ class ProgressBars:
     def __call__(self, stage: str, done: int, total: int | None) -> None:
         if stage != self.stage:
             self.close()
-            from tqdm.auto import tqdm
+            from normswap.progress import stderr_bar
 
             if stage in self.announce:
                 click.echo(self.announce[stage], err=True)
             unit = self.units.get(stage, "step")
             # initial: a stage may start part-way through a count (bench's "<variant> <mode>" stages
             # share one count of measurements)
-            self.bar = tqdm(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
-                            unit_scale=unit == "B", file=sys.stderr, dynamic_ncols=True, leave=False)
+            self.bar = stderr_bar(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
+                                  unit_scale=unit == "B")
             self.stage = stage
         self.bar.total = total
         self.bar.update(done - self.bar.n)

@@ -30,6 +30,12 @@ def eval_options(f: Callable) -> Callable:
     return f
 
 
+def named_model(name: str, impl: str | None) -> str:
+    """A model's name, and the impl normswap runs its norms with when the name does not already
+    say it (`A --patched IMPL` does; a directory whose normswap.json records a patch does not)."""
+    return name if impl is None or name.endswith(f" {impl}") else f"{name} (norms: {impl}, from its normswap.json)"
+
+
 def describe_windows(d: dict) -> str:
     return (f"{d['tokens']} scored tokens in {d['windows']} window{'s' * (d['windows'] != 1)} "
             f"of up to {d['max_length']} tokens, stride {d['stride']}")
@@ -49,7 +55,7 @@ def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size
         result = evaluate_checkpoint(model, settings, dtype=dtype, progress=bars)
 
     def render(d: dict) -> None:
-        click.echo(f"{d['model']} on {d['data']} ({d['dtype']}): perplexity {d['ppl']:.4f} "
+        click.echo(f"{named_model(d['model'], d['impl'])} on {d['data']} ({d['dtype']}): perplexity {d['ppl']:.4f} "
                    f"(NLL {d['nll']:.4f} nats/token)")
         click.echo(describe_windows(d))
 

@@ -29,6 +29,22 @@ def _layer_norm_paths(model) -> list[str]:
             if f.spec is not None and f.spec.kind == "layer"]
 
 
+def check_arms(original: torch.nn.Module, arms: list[str]) -> None:
+    """Refuse, before any arm runs, what build_arm would refuse for one of `arms` midway through a
+    run (after hours of other arms): a model with no LayerNorm, or one the exact conversion
+    cannot convert. Reads `original` only (the conversion plan traces one forward, changes nothing)."""
+    from normswap.plan import check_refusals, plan_conversion
+
+    planned = False
+    for arm in arms:
+        transform, _training = parse_arm(arm)
+        if transform in ("approx", "approx-bias") and not _layer_norm_paths(original):
+            raise NormswapError(f"{arm}: the model has no LayerNorm to replace")
+        if transform == "exact" and not planned:
+            check_refusals(plan_conversion(original, original.config), partial=False)
+            planned = True
+
+
 def build_arm(original: torch.nn.Module, arm: str, impl: str, dtype: str = "fp32") -> torch.nn.Module:
     """A new model for `arm`, made from a copy of `original` (which is left untouched)."""
     from normswap.modules import RmsForm

@@ -9,6 +9,7 @@ checked the same way. Paths in a recipe are relative to the recipe file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -172,6 +173,9 @@ def select_arms(recipe: Recipe, arms: str | Sequence[str] | None, name: str = "a
             parse_arm(arm)
         except RecipeError as e:
             raise RecipeError(f"{name}: {e}") from None
+    twice = sorted({a for a in chosen if chosen.count(a) > 1})
+    if twice:  # as a recipe's arms list: a typo'd second name, not a request to run one arm twice
+        raise RecipeError(f"{name}: {', '.join(twice)} named twice")
     return chosen
 
 
@@ -213,7 +217,9 @@ def _build(cls, table: Any, where: str, base: Path):
     for key, value in table.items():
         name = f"{where}.{key}" if where else key
         if key not in fields:
-            raise RecipeError(f"unknown key {name!r} (known{' in [' + where + ']' if where else ''}: "
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RecipeError(f"unknown key {name!r} ({hint}known{' in [' + where + ']' if where else ''}: "
                               f"{', '.join(fields)})")
         if key in _SECTIONS:
             values[key] = _build(_SECTIONS[key], value, key, base)
@@ -228,9 +234,12 @@ def _apply_override(table: dict, assignment: str) -> None:
     if not eq or not key:
         raise RecipeError(f"--set {assignment!r}: expected key=value (e.g. finetune.steps=10)")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        parsed = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word: a string (e.g. impl=triton)
+        parsed = {"v": raw}  # a bare word: a string (e.g. impl=triton)
+    if list(parsed) != ["v"]:  # "1e-3\nseed=5": more than one value, the others silently dropped
+        raise RecipeError(f"--set {key}: {raw!r} is not one TOML value")
+    value = parsed["v"]
     *parents, leaf = key.split(".")
     node = table
     for p in parents:

@@ -37,7 +37,7 @@ from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
-from normswap.experiment.arms import build_arm
+from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
@@ -202,22 +202,50 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
     out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
     _check_out(out, recipe)
-    loaded = None
+    loaded = train_ids = None
+    # Bad texts, and arms the model cannot make, are refused here, before OUT is made: found when
+    # an arm needs them, they would stop the run after pretraining and the arms before it.
+    texts = _read_texts(recipe, arms)
     if recipe.pretrain is None:  # a model that does not load or fit is reported before OUT is made
         loaded = _load_model(recipe.model.path)
         check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
+        check_arms(loaded[0], arms)
+        if "train" in texts:
+            train_ids = _train_windows(recipe, loaded[1], texts["train"]).ids
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
-        return _run(recipe, out, arms, loaded, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
-                    on_step=on_step)
+        return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
+                    accelerator=accelerator, plot=plot, on_step=on_step)
 
 
-def _run(recipe: Recipe, out: Path, arms: list[str], loaded, *, progress, stop, accelerator, plot,
-         on_step) -> ExperimentResult:
-    """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model]."""
+def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
+    """The held-out text, and the training text when an arm trains (NormswapError naming the file
+    when one is empty, binary, not UTF-8, ...)."""
+    texts = {}
+    for key in ("eval", "train") if any(parse_arm(a)[1] for a in arms) else ("eval",):
+        try:
+            texts[key] = read_text(getattr(recipe.data, key))
+        except NormswapError as e:
+            raise NormswapError(f"data.{key}: {e}") from None
+    return texts
+
+
+def _train_windows(recipe: Recipe, tokenizer, text: str) -> RandomWindows:
+    ft = recipe.finetune
+    try:
+        return RandomWindows(encode(tokenizer, text), ft.seq_len, ft.batch_size, recipe.seed)
+    except NormswapError as e:
+        raise NormswapError(f"data.train: {e}") from None
+
+
+def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids, *, progress, stop,
+         accelerator, plot, on_step) -> ExperimentResult:
+    """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
+    `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
+    from normswap.progress import stderr_bar
 
     accelerator = accelerator or make_accelerator(recipe, out)
     if accelerator.is_main_process:
@@ -242,8 +270,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, *, progress, stop, 
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
-    eval_ids = encode(tokenizer, read_text(d.eval))
-    train_ids = None
+    eval_ids = encode(tokenizer, texts["eval"])
 
     windows = {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
                "batch_size": d.eval_batch_size}
@@ -276,12 +303,16 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, *, progress, stop, 
         arm_started = time.perf_counter()
         desc = f"[{i + 1}/{len(arms)}] {arm}"
         if training is None:
-            evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
+            # A bar for the evaluation too: an arm that does not train was seconds with nothing shown.
+            with stderr_bar(total=1, desc=desc, unit="eval", disable=not (progress and accelerator.is_main_process)) \
+                    as bar:
+                evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
+                bar.update(1)
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
         else:
-            if train_ids is None:
-                train_ids = encode(tokenizer, read_text(d.train))
-            batches = RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed)
+            batches = (RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed) if train_ids is not None
+                       else _train_windows(recipe, tokenizer, texts["train"]))
+            train_ids = batches.ids
             teacher = original if training == "distill" else None
             h = train(accelerator, model, ft, batches, arm_dir / "state",
                       loss="distill" if training == "distill" else "lm", teacher=teacher, evaluate=evaluate,

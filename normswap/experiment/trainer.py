@@ -234,7 +234,7 @@ def train(
     and at the end; its dict lands in history.evals. on_step(step, loss) runs after every
     optimizer step (before the checkpoint decision: it may set `stop`). Returns the history (complete on every
     process for losses; evals on the main process)."""
-    from tqdm.auto import tqdm
+    from normswap.progress import stderr_bar
 
     state_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = LOSSES[loss]
@@ -265,8 +265,8 @@ def train(
 
     if history.step == 0 and not history.evals:
         run_eval(0)
-    bar = tqdm(total=settings.steps, initial=history.step, desc=desc, unit="step", file=sys.stderr,
-               disable=not (progress and accelerator.is_main_process), dynamic_ncols=True, leave=False)
+    bar = stderr_bar(total=settings.steps, initial=history.step, desc=desc, unit="step",
+                     disable=not (progress and accelerator.is_main_process))
     started = time.perf_counter()
     base_seconds = history.train_seconds
     with bar:
