@@ -65,12 +65,26 @@ class EvalSettings:
         """The checks that need no model (window options)."""
         from normswap.evaluate import check_window_options
 
+        if not isinstance(self.data, str | os.PathLike):
+            raise TypeError(f"EvalSettings.data: expected a data path (str or path), got {type(self.data).__name__}")
         check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size, self.option_names)
 
     @property
     def window_kwargs(self) -> dict[str, Any]:
         return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
+
+
+def _require_settings(name: str, value, optional: bool = False) -> EvalSettings | None:
+    """`value` when it is an EvalSettings (or None, when optional), else a TypeError naming `name`."""
+    if not (isinstance(value, EvalSettings) or (optional and value is None)):
+        raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
+    return value
+
+
+def _require_path(name: str, value, optional: bool = False) -> None:
+    if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
+        raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
 
 
 # What `normswap demo` scores: the embedded text (Genesis, KJV), in windows of at most this many
@@ -231,6 +245,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
+    _require_path("out", out, optional=True)
+    _require_settings("evaluation", evaluation, optional=True)
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
@@ -333,6 +349,7 @@ def convert_checkpoint(
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
+    _require_path("out", out)
     source = resolve(model)
     config = load_config(source)
     meta = build_meta_model(source, config)
@@ -392,8 +409,10 @@ def bench_checkpoint(
         run_bench,
         write_result,
     )
+    from normswap.loading import require_reference
 
-    config = BenchConfig(model=str(model), impls=parse_list(impls), modes=parse_list(modes), **options)
+    config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
+                         modes=parse_list(modes, "modes"), **options)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:
@@ -415,7 +434,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dty
     from normswap.evaluate import perplexity
     from normswap.loading import load_config, resolve
 
-    settings.check()
+    _require_settings("settings", settings).check()
     source = resolve(model)
     config = load_config(source)
     recorded = _recorded_patch(source)
@@ -441,11 +460,11 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
-    settings.check()
+    _require_settings("settings", settings).check()
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
-    source_a = resolve(a)
-    source_b = resolve(b) if b is not None else None
+    source_a = resolve(a, "a")
+    source_b = resolve(b, "b") if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
     recorded_a = _recorded_patch(source_a)

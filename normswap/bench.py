@@ -442,7 +442,9 @@ def write_result(result: BenchResult, path: str | os.PathLike) -> Path:
     return write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
-def parse_list(value: str | Sequence[str]) -> tuple[str, ...]:
+def parse_list(value: str | Sequence[str], name: str = "impls") -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{name}: expected names, as \"a,b\" or a list of str, got {value!r}")
     return tuple(v.strip() for v in value if v.strip())

@@ -31,6 +31,10 @@ def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool
     input is from zero-mean (the manifest's zero_mean_check); a failure raises NormswapError. The
     model then still computes what it computed before (LayerNorm ignores the mean), but the
     architecture data missed a writer, so no norm may run as an RMSNorm."""
+    from normswap.walk import require_module
+
+    if getattr(require_module(model), "config", None) is None:
+        raise TypeError(f"model: expected a transformers model (with a .config), got {type(model).__name__}")
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     apply_plan(model, plan)

@@ -44,6 +44,7 @@ from normswap.data import Corpus, cut_pieces, open_corpus
 from normswap.errors import BadInputError, NormswapError
 from normswap.progress import ProgressFn
 from normswap.verify import model_output
+from normswap.walk import require_module
 
 # Config attributes that hold a model's context length, by the names the families use.
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
@@ -367,7 +368,10 @@ def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence
             corpus = data if isinstance(data, Corpus) else open_corpus(data, text_field)
             documents = corpus.documents()
         return document_tokens(_need_tokenizer(tokenizer), documents)
-    items = iter(data)
+    try:
+        items = iter(data)
+    except TypeError:
+        raise TypeError(f"data: expected a text, documents, a data path or token ids, got {type(data).__name__}") from None
     try:
         head = next(items)
     except StopIteration:
@@ -388,6 +392,8 @@ def _singletons(items: Iterator) -> Iterator[list[int]]:
 def _need_tokenizer(tokenizer):
     if tokenizer is None:
         raise NormswapError("scoring text needs the model's tokenizer (pass token ids to score without one)")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer: expected a tokenizer (transformers.AutoTokenizer), got {type(tokenizer).__name__}")
     return tokenizer
 
 
@@ -550,6 +556,7 @@ def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None =
     (BadInputError for a value no window can have). option_names: what to call max_length,
     stride, max_tokens and batch_size in messages (a command line passes its flags).
     """
+    require_module(model, weights=True)
     run = _Scoring([model], tokenizer, texts_or_token_stream, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
                    desc="perplexity", option_names=option_names)
@@ -576,6 +583,9 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
     patched_copy(original, impl), tokenizer, open_corpus(PATH), ...).
     """
+    for name, m in (("model_a", model_a), ("model_b", model_b), ("reference", reference)):
+        if m is not None or name != "reference":
+            require_module(m, name, weights=True)
     models = [model_a, model_b] + ([reference] if reference is not None else [])
     run = _Scoring(models, tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,

@@ -73,10 +73,21 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve(ref: str | os.PathLike) -> ModelSource:
+def require_reference(ref, name: str = "model"):
+    """`ref` when it is a str or path, else a TypeError naming `name` (a loaded model, None)."""
+    if not isinstance(ref, str | os.PathLike):
+        hint = (" (a loaded model: normswap.patch, convert_model, perplexity and diff_models take one)"
+                if hasattr(ref, "named_modules") else "")
+        raise TypeError(f"{name}: expected a model directory, a .gguf file or a hub id (str or path), "
+                        f"got {type(ref).__name__}{hint}")
+    return ref
+
+
+def resolve(ref: str | os.PathLike, name: str = "model") -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line NormswapError. A path
-    that cannot be read (permissions, I/O) is bad input naming the path and the system's reason."""
-    ref = str(ref)
+    that cannot be read (permissions, I/O) is bad input naming the path and the system's reason.
+    Not a str or path (a loaded model, None): TypeError naming `name`, the parameter."""
+    ref = str(require_reference(ref, name))
     if not ref.strip():  # Path("") is the current directory: an unset "$MODEL" would name it
         raise BadInputError("the model is empty; pass a model directory, a .gguf file or a hub id")
     try:
@@ -557,7 +568,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     from normswap.swap import PatchConfig, patch
 
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
-    source = resolve(directory)
+    source = resolve(directory, "directory")
     manifest = read_manifest(source.path)
     model = load_model(source, dtype=dtype, device=device)
     section = manifest.get("patch")

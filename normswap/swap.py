@@ -95,6 +95,8 @@ class PatchConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PatchConfig:
         """The config of a to_dict() (or of a manifest's patch section: other keys are ignored)."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"PatchConfig.from_dict: expected a mapping (a to_dict()), got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         if kwargs.get("paths") is not None:
@@ -185,6 +187,8 @@ def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterF
     if only is None and exclude is None:
         return None
     def compiled(name: str, pattern: str | None):
+        if pattern is not None and not isinstance(pattern, str):
+            raise TypeError(f"{name.lstrip('-')}: expected a regular expression (str), got {type(pattern).__name__}")
         try:
             return re.compile(pattern) if pattern is not None else None
         except re.error as e:  # say which of the two it was
@@ -237,6 +241,15 @@ def patch(
     """
     from normswap import walk
 
+    walk.require_module(model)
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn: expected a function (module, path) -> bool, got {type(filter_fn).__name__} "
+                        "(normswap.swap.regex_filter(only=...) makes one from a pattern)")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a function (stage, done, total), got {type(progress).__name__}")
+    if not isinstance(fuse_residual, bool | Mapping):
+        raise TypeError(f"fuse_residual: expected a bool or a mapping writer path -> norm path, "
+                        f"got {type(fuse_residual).__name__}")
     if isinstance(impl, PatchConfig):
         config, impl = impl, impl.impl
         strict = strict or config.strict
@@ -260,6 +273,11 @@ def patch(
              if not any(f.path == p or f.path.startswith(p + ".") for p in already)]
     for p in sorted(already):
         m = walk.get_submodule(model, p)
+        # Patching again is idempotent; asked for another backend (or an RMS form), keeping the old
+        # one and reporting the new impl would be a silently wrong patch.
+        if p in rms_forms or (m.impl != impl and (filter_fn is None or filter_fn(m, p))):
+            raise NormswapError(f"{p} is already patched with {m.impl}; normswap.revert(model) first to patch "
+                                f"it with {impl}{' as an RMS norm' if p in rms_forms else ''}")
         report.modules.append(ModuleEntry(p, m.original_class.__name__, "already-patched", m.spec,
                                           reason=f"already patched with {m.impl}"))
     unknown = [f for f in found if f.spec is None]
@@ -339,8 +357,16 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
 
 def _coerce_rms_forms(forms) -> dict[str, RmsForm]:
     if isinstance(forms, Mapping):
-        return {p: RmsForm.coerce(f) for p, f in forms.items()}
-    return {p: RmsForm() for p in forms}
+        forms = {p: RmsForm.coerce(f) for p, f in forms.items()}
+    elif isinstance(forms, str | bytes) or not isinstance(forms, Collection):  # a str would be its letters
+        raise TypeError(f"rms_forms: expected a collection of module paths or a mapping path -> RmsForm, "
+                        f"got {type(forms).__name__}")
+    else:
+        forms = {p: RmsForm() for p in forms}
+    bad = next((p for p in forms if not isinstance(p, str)), None)
+    if bad is not None:
+        raise TypeError(f"rms_forms: module paths are strings, got {bad!r}")
+    return forms
 
 
 def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None:
@@ -397,6 +423,7 @@ def revert(model: nn.Module) -> list[str]:
     fusion; return the paths."""
     from normswap import fuse, walk
 
+    walk.require_module(model)
     fuse.disable(model)
     paths = []
     for path, rep in patched_modules(model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -11,6 +12,20 @@ from normswap import registry
 from normswap.errors import BadInputError, NormswapError, UnknownNormError
 from normswap.specs import NormSpec
 
+
+def require_module(value, name: str = "model", *, weights: bool = False) -> nn.Module:
+    """`value` when it is a torch module, else a TypeError naming the parameter (a path, or None,
+    fails here instead of as an AttributeError deep inside). weights=True also refuses a model
+    whose weights are on the meta device (nothing to run)."""
+    if not isinstance(value, nn.Module):
+        hint = (" (a model reference: load it with normswap.load, or pass it to the *_checkpoint functions)"
+                if isinstance(value, str | os.PathLike) else "")
+        raise TypeError(f"{name}: expected a torch.nn.Module, got {type(value).__name__}{hint}")
+    if weights:
+        meta = next((n for n, p in value.named_parameters() if p.is_meta), None)
+        if meta is not None:
+            raise BadInputError(f"{name}: {meta} is on the meta device (no weights); load the weights first")
+    return value
 
 @dataclass(frozen=True)
 class FoundNorm:

@@ -1,5 +1,7 @@
 """The names README.md promises at the top level of the package."""
 
+from pathlib import Path
+
 import normswap
 
 
@@ -24,3 +26,107 @@ def test_the_errors_the_api_raises_are_public():
 
     assert normswap.VerificationError is VerificationError and normswap.ConversionRefused is ConversionRefused
     assert issubclass(VerificationError, normswap.NormswapError) and issubclass(ConversionRefused, normswap.NormswapError)
+
+
+# --------------------------------------------------------------------------- hostile arguments
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    from tiny_models import save_tiny
+
+    d = tmp_path_factory.mktemp("api") / "gpt2"
+    save_tiny("gpt2", d)
+    return d
+
+
+def _meta_gpt2():
+    import transformers
+    from tiny_models import tiny_config
+
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(tiny_config("gpt2"))
+
+
+def _hostile_calls(d, out):
+    """(what is called, the exception, what its message must say): each public name with an argument
+    of the wrong kind, which used to end in an AttributeError deep inside, a message naming no
+    argument, or (rms_forms="path") a str taken letter by letter."""
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    from normswap import EvalSettings
+
+    g, tok, text = tiny_model("gpt2"), tiny_tokenizer(), "In the beginning God created the heaven. " * 10
+    settings = EvalSettings(d.parent / "t.txt", max_length=16, max_tokens=64)
+    P = normswap
+    return [
+        (lambda: P.patch(str(d), "torch"), TypeError, "model: expected a torch.nn.Module, got str"),
+        (lambda: P.patch(None, "torch"), TypeError, "model: expected a torch.nn.Module, got NoneType"),
+        (lambda: P.revert(str(d)), TypeError, "model: expected a torch.nn.Module"),
+        (lambda: P.convert_model(d), TypeError, "model: expected a torch.nn.Module, got PosixPath"),
+        (lambda: P.convert_model(torch.nn.Linear(4, 4)), TypeError, r"model: expected a transformers model \(with a .config\)"),
+        (lambda: P.patch(g, "torch", filter_fn="ln_1"), TypeError, "filter_fn: expected a function"),
+        (lambda: P.patch(g, "torch", rms_forms="transformer.ln_f"), TypeError, "rms_forms: expected a collection"),
+        (lambda: P.patch(g, "torch", rms_forms=[3]), TypeError, "rms_forms: module paths are strings, got 3"),
+        (lambda: P.patch(g, "torch", fuse_residual="yes"), TypeError, "fuse_residual: expected a bool or a mapping"),
+        (lambda: P.patch(g, "torch", progress=3), TypeError, "progress: expected a function"),
+        (lambda: P.PatchConfig.from_dict([]), TypeError, "PatchConfig.from_dict: expected a mapping"),
+        (lambda: P.perplexity(str(d), tok, text, progress=False), TypeError, "model: expected a torch.nn.Module"),
+        (lambda: P.perplexity(_meta_gpt2(), tok, text, progress=False), P.NormswapError,
+         "model: transformer.wte.weight is on the meta device"),
+        (lambda: P.perplexity(g, str(d), text, progress=False), TypeError, "tokenizer: expected a tokenizer"),
+        (lambda: P.perplexity(g, tok, None, progress=False), TypeError, "data: expected a text, .* got NoneType"),
+        (lambda: P.diff_models(g, None, tok, text, progress=False), TypeError, "model_b: expected a torch.nn.Module"),
+        (lambda: P.diff_models(g, g, tok, text, reference="x", progress=False), TypeError, "reference: expected"),
+        (lambda: P.load(g), TypeError, "directory: expected a model directory, .* got GPT2LMHeadModel"),
+        (lambda: P.patch_checkpoint(g, "torch", out=out), TypeError, "model: expected a model directory"),
+        (lambda: P.patch_checkpoint(d, "torch", out=3), TypeError, "out: expected a folder path"),
+        (lambda: P.patch_checkpoint(d, "torch", out=out, evaluation=str(d)), TypeError, "evaluation: expected normswap.EvalSettings"),
+        (lambda: P.patch_checkpoint(d, "torch", out=out, only=3), TypeError, r"only: expected a regular expression \(str\)"),
+        (lambda: P.convert_checkpoint(d, None), TypeError, "out: expected a folder path .*got NoneType"),
+        (lambda: P.evaluate_checkpoint(d, str(d)), TypeError, "settings: expected normswap.EvalSettings"),
+        (lambda: P.evaluate_checkpoint(d, EvalSettings(None)), TypeError, "EvalSettings.data: expected a data path"),
+        (lambda: P.diff_checkpoints(d, g, settings=settings), TypeError, "b: expected a model directory"),
+        (lambda: P.bench_checkpoint(g, "torch", out=out / "b.json"), TypeError, "model: expected a model directory"),
+        (lambda: P.bench_checkpoint(d, 3, out=out / "b.json"), TypeError, "impls: expected names"),
+    ]
+
+
+N_HOSTILE = 28
+
+
+def test_every_hostile_case_is_listed():
+    assert len(_hostile_calls(Path("/nonexistent/gpt2"), Path("/nonexistent/out"))) == N_HOSTILE
+
+
+@pytest.mark.parametrize("i", range(N_HOSTILE))
+def test_a_wrong_kind_of_argument_is_a_clear_error_naming_it(gpt2_dir, tmp_path, i):
+    (gpt2_dir.parent / "t.txt").write_text("In the beginning God created the heaven and the earth. " * 20)
+    call, error, message = _hostile_calls(gpt2_dir, tmp_path / "out")[i]
+    with pytest.raises(error, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_patching_again_with_another_impl_is_refused_not_ignored():
+    """The second patch used to keep the first impl and report the second: a silently wrong patch.
+    The same impl again stays idempotent (nothing wrapped twice)."""
+    from tiny_models import tiny_model
+
+    from normswap.swap import patched_modules
+
+    model = tiny_model("gpt2")
+    first = normswap.patch(model, "torch")
+    again = normswap.patch(model, "torch")
+    assert len(again.by_status("already-patched")) == len(first.patched) == 5 and not again.patched
+    with pytest.raises(normswap.NormswapError, match="is already patched with torch; normswap.revert"):
+        normswap.patch(model, "reference")
+    with pytest.raises(normswap.NormswapError, match="transformer.ln_f is already patched with torch"):
+        normswap.patch(model, "torch", rms_forms=["transformer.ln_f"])
+    assert {m.impl for _, m in patched_modules(model)} == {"torch"}
+    assert len(normswap.revert(model)) == 5
+    assert len(normswap.patch(model, "reference").patched) == 5
