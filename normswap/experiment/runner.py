@@ -211,7 +211,12 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
         check_arms(loaded[0], arms)
         if "train" in texts:
-            train_ids = _train_windows(recipe, loaded[1], texts["train"]).ids
+            windows = _train_windows(recipe, loaded[1], texts["train"])
+            try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
+                windows.micro_batches(0, 0, 1, recipe.finetune.grad_accum)
+            except NormswapError as e:
+                raise NormswapError(f"finetune: {e}") from None
+            train_ids = windows.ids
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
