@@ -2,11 +2,12 @@
 
     python examples/patch_model.py [MODEL] [OUT_DIR]
 
-MODEL defaults to the embedded SmolLM2-135M; OUT_DIR to ./smollm2-patched. On a CPU machine the
+MODEL defaults to the embedded SmolLM2-135M; OUT_DIR to ./<MODEL's name>-patched. On a CPU machine the
 Triton kernels run in the interpreter (slow, but the same code and the same numerics checks).
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,7 +16,7 @@ from normswap.checkpoint import save_patched
 from normswap.loading import DEFAULT_MODEL, load_model, resolve
 
 model_ref = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
-out_dir = sys.argv[2] if len(sys.argv) > 2 else "smollm2-patched"
+out_dir = sys.argv[2] if len(sys.argv) > 2 else f"{Path(model_ref).stem}-patched"
 
 source = resolve(model_ref)
 model = load_model(source, dtype=torch.bfloat16)
@@ -35,7 +36,8 @@ save_patched(model, report, out_dir, source=source, replace=True)
 
 # Stock transformers loads it as it was; normswap.load re-applies the patch from the manifest.
 again = normswap.load(out_dir)
-print(type(again.model.norm).__name__, again.model.norm)
+last = again.get_submodule(report.patched[-1].path)  # e.g. Llama's model.norm, GPT-2's transformer.ln_f
+print(type(last).__name__, last)
 
 normswap.revert(again)  # back to the original classes, same Parameters
-print(type(again.model.norm).__name__)
+print(type(again.get_submodule(report.patched[-1].path)).__name__)

@@ -220,6 +220,19 @@ def test_patch_example_runs(tiny_llama, monkeypatch, capsys):
     assert (tiny_llama.parent / "patched" / "normswap.json").is_file()
 
 
+def test_patch_example_runs_on_a_model_that_is_not_llama_shaped(tiny_llama, monkeypatch, capsys):
+    """MODEL is any model: the script names no module path of its own (it read model.norm, which
+    GPT-2 does not have), and OUT_DIR defaults to the model's own name, not smollm2's."""
+    from tiny_models import save_tiny
+
+    save_tiny("gpt2", tiny_llama.parent / "gpt2")
+    out = _run_example("patch_model.py", [str(tiny_llama.parent / "gpt2")], monkeypatch, capsys)
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("NormswapLayerNorm NormswapLayerNorm(") and "was=LayerNorm" in lines[-2], out
+    assert lines[-1] == "LayerNorm"
+    assert (tiny_llama.parent / "gpt2-patched" / "normswap.json").is_file()
+
+
 def test_perplexity_example_runs(tiny_llama, monkeypatch, capsys):
     out = _run_example("perplexity.py", [str(tiny_llama)], monkeypatch, capsys)
     first = re.search(r"perplexity ([\d.]+) on 511 tokens \((\d+) windows\)", out)
