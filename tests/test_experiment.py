@@ -208,6 +208,30 @@ def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(recipe=None), "recipe: expected the path of a TOML recipe"),
+    (dict(recipe={"name": "x"}), "recipe: expected the path .* got dict"),
+    (dict(out=3), "out: expected a folder path"),
+    (dict(arms=3), "arms: expected arm names"),
+    (dict(arms=["original", 3]), "arms: expected arm names"),  # was an AttributeError
+    (dict(overrides="finetune.steps=1"), "overrides: expected a list of 'key=value' strings"),  # was read letter by letter
+    (dict(overrides=[3]), "overrides: expected a list"),  # was an AttributeError
+    (dict(on_step=3), "on_step: expected a function"),  # was found at the first training step, OUT made
+])
+def test_run_experiment_refuses_a_wrong_kind_of_argument_naming_it(tmp_path, monkeypatch, kwargs, message):
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    call = dict(recipe=write_recipe(tmp_path / "r.toml", PRETRAIN), out=tmp_path / "out", arms=None, progress=False)
+    call.update(kwargs)
+    with pytest.raises(TypeError, match=f"^{message}"):
+        run_experiment(**call)
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_experiment_reads_a_recipe_path_with_its_overrides(tmp_path, monkeypatch, pretrained_dir):
     """One call does what the command does: a recipe path and its `--set` overrides are read by
     run_experiment itself (load_recipe), checked the same way, and the run is that recipe's."""

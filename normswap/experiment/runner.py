@@ -200,6 +200,10 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    if out is not None and not isinstance(out, str | os.PathLike):
+        raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")
+    if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
+        raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
     _check_out(out, recipe)
     loaded = train_ids = None
