@@ -208,6 +208,30 @@ def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(recipe=None), "recipe: expected the path of a TOML recipe"),
+    (dict(recipe={"name": "x"}), "recipe: expected the path .* got dict"),
+    (dict(out=3), "out: expected a folder path"),
+    (dict(arms=3), "arms: expected arm names"),
+    (dict(arms=["original", 3]), "arms: expected arm names"),  # was an AttributeError
+    (dict(overrides="finetune.steps=1"), "overrides: expected a list of 'key=value' strings"),  # was read letter by letter
+    (dict(overrides=[3]), "overrides: expected a list"),  # was an AttributeError
+    (dict(on_step=3), "on_step: expected a function"),  # was found at the first training step, OUT made
+])
+def test_run_experiment_refuses_a_wrong_kind_of_argument_naming_it(tmp_path, monkeypatch, kwargs, message):
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    call = dict(recipe=write_recipe(tmp_path / "r.toml", PRETRAIN), out=tmp_path / "out", arms=None, progress=False)
+    call.update(kwargs)
+    with pytest.raises(TypeError, match=f"^{message}"):
+        run_experiment(**call)
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_experiment_reads_a_recipe_path_with_its_overrides(tmp_path, monkeypatch, pretrained_dir):
     """One call does what the command does: a recipe path and its `--set` overrides are read by
     run_experiment itself (load_recipe), checked the same way, and the run is that recipe's."""
@@ -454,6 +478,10 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     ("gpt2", ["original"], "data.eval=bin.txt", "data.eval: .*bin.txt: a binary file"),
     ("gpt2", ["original", "exact+ft"], "data.train=bin.txt", "data.train: .*bin.txt: a binary file"),
     ("gpt2", ["original", "approx+ft"], "data.train=short.txt", "data.train: the training text has"),
+    ("gpt2", ["original", "approx+ft"], f"finetune.batch_size={10**15}",
+     f"finetune: a step of {10**15} sequences .* cannot allocate it"),
+    ("gpt2", ["original", "approx+ft"], f"finetune.grad_accum={10**19}",  # past int64: randint's TypeError
+     "finetune: a step of .* cannot allocate it"),
     ("llama", ["original", "approx"], "", "approx: the model has no LayerNorm to replace"),
     ("llama", ["original", "exact+ft"], "", "nothing to convert: this llama model has no LayerNorm"),
 ])
@@ -748,6 +776,31 @@ def test_a_stop_on_another_process_stops_every_process(tmp_path):
     with pytest.raises(Interrupted, match="stopped at step 1 of 5"):
         train(accelerator, model, settings, batches, tmp_path / "state", progress=False, stop=StopFlag())
     assert (tmp_path / "state" / "LATEST").read_text() == "step-000001"  # checkpointed before stopping
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                                   RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: 8 GB")])
+def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, monkeypatch, error):
+    """An out-of-memory forward was an internal error (exit 1); another RuntimeError still is."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import trainer
+    from normswap.experiment.recipe import TrainSettings
+
+    def loss(model, ids, teacher=None):
+        raise error
+
+    monkeypatch.setitem(trainer.LOSSES, "lm", loss)
+    batches = trainer.RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=2, warmup_steps=0)
+    with pytest.raises(NormswapError, match=r"^arm: step 1: out of memory \(.*\); lower batch_size or seq_len"):
+        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "s",
+                      progress=False, desc="arm")
+    monkeypatch.setitem(trainer.LOSSES, "lm", lambda *a: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "t",
+                      progress=False)
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ def select_arms(recipe: Recipe, arms: str | Sequence[str] | None, name: str = "a
     names no arm or an unknown one."""
     if arms is None:
         return list(recipe.arms)
+    if not isinstance(arms, str) and (not isinstance(arms, Sequence) or not all(isinstance(a, str) for a in arms)):
+        raise TypeError(f"{name}: expected arm names, as \"a,b\" or a list of str, got {arms!r}")
     chosen = [a.strip() for a in (arms.split(",") if isinstance(arms, str) else arms) if a.strip()]
     if not chosen:
         raise RecipeError(f"{name}: no arm named")
@@ -303,6 +306,11 @@ def check_seq_len(seq_len: int, context: int | None) -> None:
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, override (`key=value`, dotted) and validate a TOML recipe."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"recipe: expected the path of a TOML recipe (or a Recipe), got {type(path).__name__}")
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        # a str would be taken letter by letter
+        raise TypeError(f"overrides: expected a list of 'key=value' strings, got {overrides!r}")
     p = Path(path).expanduser()
     try:
         table = tomllib.loads(p.read_text(encoding="utf-8"))

@@ -200,6 +200,10 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    if out is not None and not isinstance(out, str | os.PathLike):
+        raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")
+    if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
+        raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
     _check_out(out, recipe)
     loaded = train_ids = None
@@ -211,7 +215,12 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
         check_arms(loaded[0], arms)
         if "train" in texts:
-            train_ids = _train_windows(recipe, loaded[1], texts["train"]).ids
+            windows = _train_windows(recipe, loaded[1], texts["train"])
+            try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
+                windows.micro_batches(0, 0, 1, recipe.finetune.grad_accum)
+            except NormswapError as e:
+                raise NormswapError(f"finetune: {e}") from None
+            train_ids = windows.ids
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from normswap import jsonsafe
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings
 
 LATEST = "LATEST"
@@ -117,8 +117,14 @@ class RandomWindows:
     def micro_batches(self, step: int, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n = grad_accum * world * self.batch_size
-        starts = torch.randint(0, self.ids.numel() - self.seq_len, (n,), generator=g)
-        rows = torch.stack([self.ids[s: s + self.seq_len] for s in starts.tolist()])
+        try:
+            starts = torch.randint(0, self.ids.numel() - self.seq_len, (n,), generator=g)
+            rows = torch.stack([self.ids[s: s + self.seq_len] for s in starts.tolist()])
+        except (RuntimeError, MemoryError, TypeError) as e:  # a size the recipe chose, not a bug (past int64:
+            # randint fails its argument parsing with a TypeError)
+            raise NormswapError(f"a step of {n} sequences (batch_size x grad_accum x processes) of {self.seq_len} "
+                                f"tokens: cannot allocate it ({one_line(e)}); lower batch_size, grad_accum or "
+                                "seq_len") from None
         mine = rows.view(grad_accum * world, self.batch_size, self.seq_len)[rank * grad_accum:(rank + 1) * grad_accum]
         return list(mine)
 
@@ -202,6 +208,22 @@ def _save(accelerator, state_dir: Path, history: History) -> None:
     accelerator.wait_for_everyone()
 
 
+@contextlib.contextmanager
+def _out_of_memory_is_bad_input(where: str):
+    """A micro-batch too large for the device is the recipe's size, not a bug: one line naming the
+    knobs (the last checkpoint stays; a rerun with smaller settings is another recipe)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        raise NormswapError(f"{where}: out of memory ({one_line(e)}); lower batch_size or seq_len "
+                            "(grad_accum keeps the batch)") from None
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
+            raise
+        raise NormswapError(f"{where}: out of memory ({one_line(e)}); lower batch_size or seq_len "
+                            "(grad_accum keeps the batch)") from None
+
+
 def _any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
@@ -277,14 +299,15 @@ def train(
                 group["lr"] = lr
             model.train()
             total = torch.zeros((), device=accelerator.device)
-            for k, ids in enumerate(batches.micro_batches(step, rank, world, ga)):
-                ids = ids.to(accelerator.device)
-                # Gradients are all-reduced only on the last micro-batch of the step.
-                sync = contextlib.nullcontext() if k == ga - 1 else accelerator.no_sync(model)
-                with sync, accelerator.autocast():
-                    value = loss_fn(model, ids, teacher)
-                    accelerator.backward(value / ga)
-                total += value.detach().float()
+            with _out_of_memory_is_bad_input(f"{desc}: step {step + 1}"):
+                for k, ids in enumerate(batches.micro_batches(step, rank, world, ga)):
+                    ids = ids.to(accelerator.device)
+                    # Gradients are all-reduced only on the last micro-batch of the step.
+                    sync = contextlib.nullcontext() if k == ga - 1 else accelerator.no_sync(model)
+                    with sync, accelerator.autocast():
+                        value = loss_fn(model, ids, teacher)
+                        accelerator.backward(value / ga)
+                    total += value.detach().float()
             if settings.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             optimizer.step()
