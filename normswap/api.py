@@ -241,7 +241,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap import walk
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
-    from normswap.loading import load_config, load_model, parse_device, resolve
+    from normswap.loading import build_meta_model, load_config, load_model, parse_device, resolve
     from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
@@ -272,15 +272,16 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if target is not None:
         _check_writable(target, folder=True)
     scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
+    if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
+        meta = build_meta_model(source, config)
+        if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
+            raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
+        del meta
 
     step(progress, "load", 0, 1)
     m = load_model(source, dtype=torch_dtype, device=device, config=config)
     step(progress, "load", 1, 1)
 
-    n = sum(1 for f in walk.find_norms(m, warn=False)
-            if f.spec is not None and (filter_fn is None or filter_fn(None, f.path)))
-    if n == 0 and filter_fn is not None:
-        raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
     original = copy.deepcopy(m) if scoring else None
     forms = rms_forms(converted) if rms and converted is not None else {}
     try:

@@ -234,9 +234,16 @@ def test_out_that_contains_the_model_is_refused_even_with_force(tmp_path):
     assert _listing(model_dir) == before
 
 
-def test_filters_that_leave_nothing_to_patch_are_an_error(src, tmp_path):
+def test_filters_that_leave_nothing_to_patch_are_an_error(src, tmp_path, monkeypatch):
+    from normswap import loading
+
+    def no_load(*a, **k):  # the filter is checked on the meta model, before the weights (a GGUF's take seconds)
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
     r = run(src, "--impl", "torch", "--only", "no_such_module", "--out", tmp_path / "out")
     assert_one_line_error(r, "--only/--exclude leave no recognised norm to patch")
+    assert "load" not in r.stderr
     assert not (tmp_path / "out").exists()
 
 
