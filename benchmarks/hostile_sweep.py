@@ -197,6 +197,8 @@ def fixtures(root: Path) -> dict:
         fx[f"{arch}_recipe"].write_text(
             f'name = "t"\narms = ["original", "exact+ft"]\n[model]\npath = "{fx[arch]}"\n[data]\n'
             f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 16\nbatch_size = 2\n')
+    fx["deep_recipe"] = texts / "deep.toml"  # tomllib recurses per level: a RecursionError, no TOMLDecodeError
+    fx["deep_recipe"].write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     fx["bad_recipe"] = texts / "bad.toml"
     fx["bad_recipe"].write_text("this is = not [valid toml")
     return fx
@@ -454,6 +456,11 @@ def cases(fx: dict) -> list[Case]:
              "(checkpoint [32, 48], config [32, 64])", ci=True),
         Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
+        Case("experiment: a recipe nested too deeply", ["experiment", fx["deep_recipe"], "--out", out / "x"],
+             "deep.toml: not valid TOML (nested too deeply)", ci=True),
+        Case("experiment: --set a value nested too deeply",
+             ["experiment", fx["gpt2_recipe"], "--set", "seed=" + "[" * 100_000 + "]" * 100_000, "--out", out / "x"],
+             "--set seed: the value is nested too deeply", ci=True),
         Case("experiment: --set without =", ["experiment", fx["recipe"], "--set", "garbage"], "garbage", ci=True),
         Case("experiment: --out's recipe.json nested too deeply", ["experiment", fx["recipe"], "--out", fx["deep_run"]],
              "recipe.json: malformed JSON (nested too deeply", ci=True),

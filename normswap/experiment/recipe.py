@@ -240,6 +240,8 @@ def _apply_override(table: dict, assignment: str) -> None:
         parsed = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
         parsed = {"v": raw}  # a bare word: a string (e.g. impl=triton)
+    except RecursionError:  # tomllib recurses per nesting level
+        raise RecipeError(f"--set {key}: the value is nested too deeply") from None
     if list(parsed) != ["v"]:  # "1e-3\nseed=5": more than one value, the others silently dropped
         raise RecipeError(f"--set {key}: {raw!r} is not one TOML value")
     value = parsed["v"]
@@ -322,6 +324,8 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise RecipeError(f"{path}: cannot read ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:  # tomllib recurses per nesting level: [[[[...]]]] past Python's limit
+        raise RecipeError(f"{path}: not valid TOML (nested too deeply)") from None
     for assignment in overrides:
         _apply_override(table, assignment)
     try:
