@@ -186,6 +186,21 @@ def test_human_table(saved):
     assert f"{2 * L + 1} norms ({2 * L + 1} rms; {2 * L + 1} LlamaRMSNorm); 0 unknown" in out
 
 
+def test_the_table_gives_eps_as_the_json_does(tmp_path):
+    """The table said 1e-05 where the JSON (and patch's table) said 9.999999747378752e-06, the
+    float32 1e-5 that SmolLM2's GGUF stores: one number, shown one way."""
+    directory = tmp_path / "llama"
+    save_tiny("llama", directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["rms_norm_eps"] = float(torch.tensor(1e-5, dtype=torch.float32))
+    (directory / "config.json").write_text(json.dumps(config))
+    eps = {n["eps"] for n in json.loads(run(str(directory), "--json").stdout)["norms"]}
+    assert eps == {9.999999747378752e-06}
+    result = run(str(directory))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(" 9.999999747378752e-06 ") == 2 * L + 1 and "1e-05" not in result.stdout
+
+
 # ---- bad input: one line on stderr, exit 2, nothing on stdout
 
 

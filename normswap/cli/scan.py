@@ -53,10 +53,12 @@ def render(doc: dict) -> None:
                 "consumers", "to rms"):
         table.add_column(col, overflow="fold")
     for n in doc["norms"]:
+        # eps exactly, as in the JSON and patch's table: SmolLM2's GGUF stores float32(1e-5),
+        # 9.999999747378752e-06, which a rounded "1e-05" would pass off as the config's 1e-5.
         consumers = "?" if n["consumers"] is None else (
             ", ".join(_short(c, n["path"]) for c in n["consumers"]) or "-")
         table.add_row(
-            n["path"], n["class"], n["kind"], f"{n['eps']:.3g}", f"{n['offset']:g}", n["casting"],
+            n["path"], n["class"], n["kind"], repr(n["eps"]), f"{n['offset']:g}", n["casting"],
             n["dtype"] or "-", "×".join(map(str, n["shape"])) or "-", _yes(n["weight"]), _yes(n["bias"]),
             consumers, _to_rms(n.get("to_rms")),
         )
