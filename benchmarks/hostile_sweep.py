@@ -467,6 +467,8 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: --arms ','", ["experiment", fx["recipe"], "--arms", ","], "--arms", ci=True),
         Case("experiment: --arms nope", ["experiment", fx["recipe"], "--arms", "nope"], "--arms: unknown arm 'nope'",
              ci=True),
+        Case("experiment: --out ''", ["experiment", fx["gpt2_recipe"], "--out", ""], "the output folder is empty",
+             ci=True, cwd=fx["user_dir"]),
         Case("experiment: --arms names one twice", ["experiment", fx["gpt2_recipe"], "--arms", "exact,original,exact",
                                                    "--out", out / "x"],
              "--arms: exact named twice", ci=True),

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, require_bool
 from normswap.jobs import keep_dtype, record_infos, run_jobs
 from normswap.manifest import rms_forms
 from normswap.plan import build_manifest, check_refusals, plan_conversion
@@ -35,6 +35,8 @@ def convert_model(model: torch.nn.Module, keep_gain: bool = False, partial: bool
 
     if getattr(require_module(model), "config", None) is None:
         raise TypeError(f"model: expected a transformers model (with a .config), got {type(model).__name__}")
+    for name, flag in (("keep_gain", keep_gain), ("partial", partial), ("check", check)):
+        require_bool(name, flag)
     plan = plan_conversion(model, model.config, keep_gain=keep_gain)
     check_refusals(plan, partial)
     apply_plan(model, plan)

@@ -20,6 +20,13 @@ class UnknownNormError(NormswapError):
     """A norm-like module that the registry does not recognise (raised under --strict)."""
 
 
+def require_bool(name: str, value) -> bool:
+    """`value` when it is True or False: a flag given "no" (truthy) would silently mean yes."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 # Library messages that point at output the user never sees (transformers' load report is
 # logged, and the CLI silences the log).
 _NOISE = re.compile(r"\s*For details look at the above report!?\s*")

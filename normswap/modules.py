@@ -20,6 +20,7 @@ from torch import nn
 
 from normswap import fuse
 from normswap.backends import Backend, get_backend
+from normswap.errors import require_bool
 from normswap.specs import NormSpec
 
 # Attribute values worth carrying over from the original: configuration, never callables (an
@@ -159,6 +160,10 @@ class RmsForm:
 
     weight: bool = True  # multiply by the module's weight (False: γ was folded, the weight is ones)
     bias: bool = True  # add the module's bias (False: β was folded, the bias is zeros)
+
+    def __post_init__(self) -> None:
+        require_bool("RmsForm.weight", self.weight)
+        require_bool("RmsForm.bias", self.bias)
 
     @classmethod
     def coerce(cls, value) -> RmsForm:

@@ -42,6 +42,8 @@ def bar(progress: bool | ProgressFn | None, stage: str, total: int | None, **tqd
     True, a silent one otherwise."""
     if callable(progress):
         return _CallbackBar(progress, stage, total)
+    if progress is not None and not isinstance(progress, bool):  # "no" would draw a bar
+        raise TypeError(f"progress: expected True, False or a function (stage, done, total), got {progress!r}")
     return stderr_bar(total=total, desc=stage, disable=not progress, **tqdm_kwargs)
 
 

@@ -12,7 +12,7 @@ never left half-patched with an unproven module in it.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -23,7 +23,7 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.dtypes import parse_dtype
-from normswap.errors import BadInputError, NormswapError, UnknownNormError
+from normswap.errors import BadInputError, NormswapError, UnknownNormError, require_bool
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.progress import ProgressFn, step
@@ -70,14 +70,18 @@ class PatchConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.impl, str) or not self.impl:
             raise ValueError(f"impl must be a backend name, got {self.impl!r}")
+        require_bool("strict", self.strict)
+        for name, allowed in (("paths", type(None)), ("rms_forms", ()), ("fuse_residual", bool)):
+            value = getattr(self, name)  # a str would be read letter by letter
+            if not isinstance(value, allowed) and (isinstance(value, str | bytes) or not isinstance(value, Iterable)):
+                raise TypeError(f"{name}: expected {_CONFIG_KINDS[name]}, got {value!r}")
         if self.paths is not None:
             object.__setattr__(self, "paths", tuple(sorted(str(p) for p in self.paths)))
-        pairs = self.rms_forms.items() if isinstance(self.rms_forms, Mapping) else self.rms_forms
+        pairs = _pairs("rms_forms", self.rms_forms)
         object.__setattr__(self, "rms_forms", tuple(sorted((str(p), RmsForm.coerce(f)) for p, f in pairs)))
         fused = self.fuse_residual
         if not isinstance(fused, bool):
-            pairs = fused.items() if isinstance(fused, Mapping) else fused
-            object.__setattr__(self, "fuse_residual", tuple(sorted((str(w), str(n)) for w, n in pairs)))
+            object.__setattr__(self, "fuse_residual", tuple(sorted((str(w), str(n)) for w, n in _pairs("fuse_residual", fused))))
 
     @property
     def forms(self) -> dict[str, RmsForm]:
@@ -106,6 +110,19 @@ class PatchConfig:
         elif not isinstance(kwargs["fuse_residual"], (bool, Mapping)):
             raise TypeError("fuse_residual must be a bool or map writer paths to norm paths")
         return cls(**kwargs)
+
+
+_CONFIG_KINDS = {"paths": "None or a list of module paths",
+                 "rms_forms": "a mapping path -> RmsForm (or (path, form) pairs)",
+                 "fuse_residual": "a bool or a mapping writer path -> norm path (or pairs)"}
+
+
+def _pairs(name: str, value) -> list[tuple]:
+    """A mapping's items, or (key, value) pairs: TypeError naming `name` for anything else."""
+    pairs = list(value.items()) if isinstance(value, Mapping) else list(value)
+    if not all(isinstance(p, tuple | list) and len(p) == 2 for p in pairs):
+        raise TypeError(f"{name}: expected {_CONFIG_KINDS[name]}, got {value!r}")
+    return pairs
 
 
 @dataclass
@@ -242,6 +259,10 @@ def patch(
     from normswap import walk
 
     walk.require_module(model)
+    require_bool("strict", strict)
+    require_bool("verify", verify)
+    if check_model is not None:
+        require_bool("check_model", check_model)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn: expected a function (module, path) -> bool, got {type(filter_fn).__name__} "
                         "(normswap.swap.regex_filter(only=...) makes one from a pattern)")
@@ -250,6 +271,7 @@ def patch(
     if not isinstance(fuse_residual, bool | Mapping):
         raise TypeError(f"fuse_residual: expected a bool or a mapping writer path -> norm path, "
                         f"got {type(fuse_residual).__name__}")
+    wanted = None
     if isinstance(impl, PatchConfig):
         config, impl = impl, impl.impl
         strict = strict or config.strict
@@ -285,6 +307,10 @@ def patch(
         f = unknown[0]
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise UnknownNormError(f"unknown norm class at {f.path} ({f.module_class}): {f.unknown_reason}{more}")
+    if wanted is not None:  # a path that names no norm would patch nothing, silently
+        absent = wanted - already - {f.path for f in found if f.spec is not None}
+        if absent:
+            raise NormswapError(f"paths names modules that are not norms here: {', '.join(sorted(absent))}")
     missing = set(rms_forms) - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
     if missing:
         raise NormswapError(f"rms_forms names paths that are not LayerNorms here: {', '.join(sorted(missing))}")

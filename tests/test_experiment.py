@@ -217,6 +217,7 @@ def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
     (dict(overrides="finetune.steps=1"), "overrides: expected a list of 'key=value' strings"),  # was read letter by letter
     (dict(overrides=[3]), "overrides: expected a list"),  # was an AttributeError
     (dict(on_step=3), "on_step: expected a function"),  # was found at the first training step, OUT made
+    (dict(out=" "), "the output folder is empty"),  # an unset $OUT: was the current directory (BadInputError)
 ])
 def test_run_experiment_refuses_a_wrong_kind_of_argument_naming_it(tmp_path, monkeypatch, kwargs, message):
     from normswap.experiment import runner
@@ -227,7 +228,9 @@ def test_run_experiment_refuses_a_wrong_kind_of_argument_naming_it(tmp_path, mon
     monkeypatch.setattr(runner, "make_accelerator", ran)
     call = dict(recipe=write_recipe(tmp_path / "r.toml", PRETRAIN), out=tmp_path / "out", arms=None, progress=False)
     call.update(kwargs)
-    with pytest.raises(TypeError, match=f"^{message}"):
+    from normswap.errors import BadInputError
+
+    with pytest.raises(BadInputError if call["out"] == " " else TypeError, match=f"^{message}"):
         run_experiment(**call)
     assert not (tmp_path / "out").exists()
 

@@ -92,10 +92,23 @@ def _hostile_calls(d, out):
         (lambda: P.diff_checkpoints(d, g, settings=settings), TypeError, "b: expected a model directory"),
         (lambda: P.bench_checkpoint(g, "torch", out=out / "b.json"), TypeError, "model: expected a model directory"),
         (lambda: P.bench_checkpoint(d, 3, out=out / "b.json"), TypeError, "impls: expected names"),
+        # a str read letter by letter, a flag given "no" (truthy: yes), a path that names no norm:
+        # each a patch that silently did something else than asked
+        (lambda: P.PatchConfig("torch", paths="transformer.ln_f"), TypeError, "paths: expected None or a list"),
+        (lambda: P.PatchConfig("torch", rms_forms="x"), TypeError, "rms_forms: expected a mapping"),
+        (lambda: P.PatchConfig("torch", fuse_residual="yes"), TypeError, "fuse_residual: expected a bool"),
+        (lambda: P.PatchConfig("torch", strict="no"), TypeError, "strict: expected True or False, got 'no'"),
+        (lambda: P.patch(g, P.PatchConfig("torch", paths=["nope.ln"])), P.NormswapError,
+         "paths names modules that are not norms here: nope.ln"),
+        (lambda: P.patch(g, "torch", strict="no"), TypeError, "strict: expected True or False"),
+        (lambda: P.patch(g, "torch", verify="no"), TypeError, "verify: expected True or False"),
+        (lambda: P.RmsForm(weight="x"), TypeError, "RmsForm.weight: expected True or False"),
+        (lambda: P.perplexity(g, tok, text, progress="no"), TypeError, "progress: expected True, False or a function"),
+        (lambda: P.convert_model(g, keep_gain="x"), TypeError, "keep_gain: expected True or False"),
     ]
 
 
-N_HOSTILE = 28
+N_HOSTILE = 38
 
 
 def test_every_hostile_case_is_listed():

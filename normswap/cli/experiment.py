@@ -32,7 +32,7 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
     stop = StopFlag()
     try:
         with stop.on_interrupt():
-            result = run_experiment(recipe, out or None, arms, overrides=overrides, progress=not no_progress,
+            result = run_experiment(recipe, out, arms, overrides=overrides, progress=not no_progress,
                                     stop=stop, option_names={"arms": "--arms"})
     except Interrupted as e:
         click.echo(f"normswap: {e}", err=True)

@@ -41,7 +41,7 @@ from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
-from normswap.fileio import made_folders
+from normswap.fileio import made_folders, target_path
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
         raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
-    out = Path(out if out is not None else recipe.default_out()).expanduser().resolve()
+    out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
     _check_out(out, recipe)
     loaded = train_ids = None
     # Bad texts, and arms the model cannot make, are refused here, before OUT is made: found when
