@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from normswap import jsonsafe
+from normswap.backends import get_backend
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -200,6 +201,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    get_backend(recipe.impl)  # an impl that cannot run here: refused now, not after pretraining at the first arm
     if out is not None and not isinstance(out, str | os.PathLike):
         raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
