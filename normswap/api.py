@@ -169,8 +169,16 @@ class ConvertResult:
     error: str | None = None
     notes: list[str] = field(default_factory=list)  # for the user, not part of the report
 
+    @property
+    def saved_to(self) -> Path | None:
+        """Where the checkpoint was written: the name PatchResult and CheckpointBench use."""
+        return self.out
+
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.section, model=self.model, out=str(self.out) if self.out else None)
+        # "saved_to" as in patch's and bench's reports; "out", its older name here, stays for
+        # scripts that read it.
+        saved = str(self.out) if self.out else None
+        d = dict(self.section, model=self.model, saved_to=saved, out=saved)
         if self.error is not None:
             d["error"] = self.error
         return d

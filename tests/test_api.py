@@ -113,8 +113,11 @@ def test_convert_checkpoint_is_the_convert_command(root, tmp_path):
     assert {"convert", "verify"} <= set(stages)
     doc = cli_json("convert", root / "gpt2", "--to", "rms", "--out", tmp_path / "cli")
     mine = as_json(result.to_dict())
-    assert mine.pop("out").endswith("lib") and doc.pop("out").endswith("cli")
-    assert mine == doc
+    # Where it was written is "saved_to", as in patch's and bench's reports ("out", its older name
+    # here, is still written, the same path).
+    assert result.saved_to == result.out
+    assert mine.pop("saved_to") == mine.pop("out") == str(result.out) and doc.pop("saved_to") == doc.pop("out")
+    assert doc == mine
     assert read_manifest(tmp_path / "lib")["convert"] == as_json(result.section)
 
 
@@ -150,7 +153,8 @@ def test_convert_checkpoint_refusal_carries_the_report(tmp_path):
     with pytest.raises(api.ConversionRefused) as e:
         api.convert_checkpoint(tmp_path / "bert", tmp_path / "out")
     doc = e.value.result.to_dict()
-    assert doc["out"] is None and doc["error"] == str(e.value) and all(n["why_not"] for n in doc["norms"])
+    assert doc["saved_to"] is None and doc["error"] == str(e.value) and all(n["why_not"] for n in doc["norms"])
+    assert doc["out"] is None  # the older name, still written
     assert not (tmp_path / "out").exists()
 
 

@@ -51,8 +51,8 @@ def _render(data: dict) -> None:
             f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
             f"(tolerance {v['tolerance_rms']:g})"
         )
-    if data.get("out"):
-        console.print(f"wrote {data['out']}")
+    if data.get("saved_to"):
+        console.print(f"wrote {data['saved_to']}")
     elif data.get("error"):
         console.print(f"nothing written: {data['error']}")
 
