@@ -508,6 +508,8 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
      "finetune: a step of .* cannot allocate it"),
     ("llama", ["original", "approx"], "", "approx: the model has no LayerNorm to replace"),
     ("llama", ["original", "exact+ft"], "", "nothing to convert: this llama model has no LayerNorm"),
+    ("bert", ["original"], "", "BertModel has no language-model head"),  # found at the first evaluation
+    ("t5", ["original"], "", "T5ForConditionalGeneration is an encoder-decoder model"),
 ])
 def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_path, monkeypatch, model, arms,
                                                                           override, message):
