@@ -536,21 +536,7 @@ def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=Non
         _check_same_tokenizer(tokenizer, source_b)
     kwargs = settings.window_kwargs
     check_before_loading(configs, tokenizer, corpus, **kwargs)
-    for config in configs:
-        _check_language_model_head(config)
     return corpus, tokenizer
-
-
-def _check_language_model_head(config) -> None:
-    """Refuse, before any weights load, a model that returns no logits: the class the config builds
-    must be one of transformers' generating classes (every causal LM is; a bare encoder such as
-    BertModel returns hidden states). Scoring a loaded model still checks for logits itself."""
-    from normswap.loading import model_class
-
-    cls = model_class(config)
-    if not cls.can_generate():
-        raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score); perplexity needs a "
-                            "causal language model")
 
 
 def _check_same_tokenizer(tokenizer_a, source_b) -> None:

@@ -535,12 +535,26 @@ def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | N
                          stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
                          text_field: str = "text", option_names: Mapping[str, str] | None = None) -> None:
     """Raise the NormswapError that `perplexity` / `diff_models` would raise for these options and
-    this data (encoder-decoder, unknown context length, stride past the window, text shorter than
-    one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
+    this data (encoder-decoder, no language-model head, unknown context length, stride past the
+    window, text shorter than one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
     loads any weights, so bad input fails fast and with nothing but its one line on stderr."""
     _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="",
              option_names=option_names)
+    for config in configs:
+        _check_language_model_head(config)
+
+
+def _check_language_model_head(config) -> None:
+    """Refuse, before any weights load, a model that returns no logits: the class the config builds
+    must be one of transformers' generating classes (every causal LM is; a bare encoder such as
+    BertModel returns hidden states). Scoring a loaded model still checks for logits itself."""
+    from normswap.loading import model_class
+
+    cls = model_class(config)
+    if not cls.can_generate():
+        raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score); perplexity needs a "
+                            "causal language model")
 
 
 def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,

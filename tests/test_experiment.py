@@ -235,6 +235,27 @@ def test_run_experiment_refuses_a_wrong_kind_of_argument_naming_it(tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
+def test_an_impl_that_cannot_run_here_is_refused_before_pretraining(tmp_path, monkeypatch):
+    """The recipe's impl was first used when the first arm was built: after OUT was made and the
+    pretraining (30 min for the shipped recipe) had run."""
+    from normswap.backends import available_backends
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    missing = [n for n, why in available_backends().items() if why is not None]
+    if not missing:
+        pytest.skip("every backend is available here")
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    with pytest.raises(NormswapError, match=f"^backend '{missing[0]}' is not available here"):
+        run_experiment(path, tmp_path / "out", overrides=[f"impl={missing[0]}"], progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_experiment_reads_a_recipe_path_with_its_overrides(tmp_path, monkeypatch, pretrained_dir):
     """One call does what the command does: a recipe path and its `--set` overrides are read by
     run_experiment itself (load_recipe), checked the same way, and the run is that recipe's."""
@@ -487,6 +508,8 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
      "finetune: a step of .* cannot allocate it"),
     ("llama", ["original", "approx"], "", "approx: the model has no LayerNorm to replace"),
     ("llama", ["original", "exact+ft"], "", "nothing to convert: this llama model has no LayerNorm"),
+    ("bert", ["original"], "", "BertModel has no language-model head"),  # found at the first evaluation
+    ("t5", ["original"], "", "T5ForConditionalGeneration is an encoder-decoder model"),
 ])
 def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_path, monkeypatch, model, arms,
                                                                           override, message):

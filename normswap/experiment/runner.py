@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from normswap import jsonsafe
+from normswap.backends import get_backend
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -200,6 +201,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
     arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    get_backend(recipe.impl)  # an impl that cannot run here: refused now, not after pretraining at the first arm
     if out is not None and not isinstance(out, str | os.PathLike):
         raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
@@ -214,6 +216,10 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         loaded = _load_model(recipe.model.path)
         check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
         check_arms(loaded[0], arms)
+        from normswap.evaluate import check_before_loading
+
+        # what the first evaluation would refuse (no language-model head, an encoder-decoder, ...)
+        check_before_loading([loaded[0].config], loaded[1], texts["eval"], **_eval_windows(recipe))
         if "train" in texts:
             windows = _train_windows(recipe, loaded[1], texts["train"])
             try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
@@ -225,6 +231,13 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step)
+
+
+def _eval_windows(recipe: Recipe) -> dict:
+    """The evaluation's window options, as diff_models takes them."""
+    d = recipe.data
+    return {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
+            "batch_size": d.eval_batch_size}
 
 
 def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
@@ -281,8 +294,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     d = recipe.data
     eval_ids = encode(tokenizer, texts["eval"])
 
-    windows = {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
-               "batch_size": d.eval_batch_size}
+    windows = _eval_windows(recipe)
     floor = None
     if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
         # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
