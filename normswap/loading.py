@@ -4,6 +4,8 @@ embedded default model. Scans build the model on the meta device from its config
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -176,7 +178,8 @@ def _load_gguf(directory: Path, gguf_name: str):
         raise NormswapError("loading .gguf files needs the gguf package (pip install 'normswap[gguf]')")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
+    with gguf_bar_follows_transformers():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
     # The weights are already de-quantised; drop the quantizer so the model can be re-saved.
     model.hf_quantizer = None
@@ -482,6 +485,30 @@ def _loaded_name(meta, state: dict):
     return loaded
 
 
+@contextlib.contextmanager
+def gguf_bar_follows_transformers():
+    """transformers' GGUF de-quantising bar is a plain tqdm that ignores its own progress-bar
+    switch: with transformers' bars off (every normswap command turns them off; its own bars
+    say what is loading), it is off too, rather than a bar of its own through normswap's
+    progress lines."""
+    import transformers
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to quiet
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or transformers.utils.logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def from_pretrained_checked(cls, path, ref: str, **kwargs):
     """cls.from_pretrained(path, **kwargs), refusing a checkpoint that does not fill the model its
     config describes. transformers only warns about missing keys (it initialises them randomly)
@@ -489,7 +516,8 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     "fine", and a save, a verification or a perplexity built on it is wrong. Every load that
     feeds one goes through here."""
     try:
-        model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+        with gguf_bar_follows_transformers():
+            model, info = cls.from_pretrained(path, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
     except NormswapError:
         raise
     except Exception as e:

@@ -323,6 +323,26 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
 
 
+def test_a_gguf_load_draws_no_bar_of_transformers_while_its_bars_are_off(tmp_path, capfd):
+    """transformers' de-quantising bar is a tqdm of its own that ignores transformers' switch,
+    which every normswap command turns off: it ran through the command's progress lines on
+    stderr. With the switch off it is off; with it on (a library user's default) it shows."""
+    import transformers
+
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    was = transformers.utils.logging.is_progress_bar_enabled()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+        capfd.readouterr()
+        loading.load_model(src)
+        assert "de-quantizing" not in capfd.readouterr().err
+        transformers.utils.logging.enable_progress_bar()
+        loading.load_model(src)
+        assert "de-quantizing" in capfd.readouterr().err
+    finally:
+        (transformers.utils.logging.enable_progress_bar if was else transformers.utils.logging.disable_progress_bar)()
+
+
 # ---- weights and tokenizer
 
 
