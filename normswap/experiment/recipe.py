@@ -198,7 +198,9 @@ def _check_value(where: str, f: dataclasses.Field, value: Any, base: Path):
         if not math.isfinite(value):
             raise RecipeError(f"{where}: expected a finite number, got {value!r}")
     if kind == "str" and not isinstance(value, str):
-        raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+        # --set name=2024 reads a TOML integer: say how to mean the text
+        hint = f" (quote it: '\"{value}\"')" if isinstance(value, int | float) else ""
+        raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}{hint}")
     if kind == "list" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
         raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
     if meta.get("choices") and value not in meta["choices"]:
