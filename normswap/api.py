@@ -436,17 +436,20 @@ def bench_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
-def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dtype: str | torch.dtype | None = None,
+def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, impl: str | None = None,
+                        dtype: str | torch.dtype | None = None,
                         progress: ProgressFn | None = None) -> CheckpointPerplexity:
     """Sliding-window perplexity of a checkpoint on `settings.data`; a directory normswap patched
-    runs its norms with the patch its normswap.json records (as normswap.load does)."""
+    runs its norms with the patch its normswap.json records (as normswap.load does), with `impl`
+    in place of the recorded implementation when given (normswap.load's impl)."""
     from normswap.evaluate import perplexity
     from normswap.loading import load_config, resolve
 
     _require_settings("settings", settings).check()
     source = resolve(model)
     config = load_config(source)
-    recorded = _recorded_patch(source)
+    recorded = _recorded_patch(source, impl)
+    _require_recorded(impl, [model], recorded)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
     step(progress, "load", 0, 1)
     loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress)
@@ -457,12 +460,13 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, dty
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
-                     patched: str | None = None, dtype: str | torch.dtype | None = None,
+                     patched: str | None = None, impl: str | None = None, dtype: str | torch.dtype | None = None,
                      noise_floor: bool | None = None, progress: ProgressFn | None = None) -> CheckpointDiff:
     """A against B, or against A patched in memory with `patched` (an impl; each module verified),
     on the same windows, tokenised with A's tokenizer. A directory normswap patched runs its norms
-    with the patch its normswap.json records (as normswap.load does). noise_floor (default: in half
-    precision) also scores A loaded in float32 (stock) and judges B against A's own distance from it."""
+    with the patch its normswap.json records (as normswap.load does), with `impl` in place of the
+    recorded implementation when given. noise_floor (default: in half precision) also scores A
+    loaded in float32 (stock) and judges B against A's own distance from it."""
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
     from normswap.loading import load_config, resolve
@@ -476,8 +480,9 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     source_b = resolve(b, "b") if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
-    recorded_a = _recorded_patch(source_a)
-    recorded_b = _recorded_patch(source_b) if source_b is not None else None
+    recorded_a = _recorded_patch(source_a, impl)
+    recorded_b = _recorded_patch(source_b, impl) if source_b is not None else None
+    _require_recorded(impl, [a] if b is None else [a, b], recorded_a or recorded_b)
     if patched is not None and recorded_a is not None:  # patch() leaves patched modules as they are
         raise NormswapError(f"{a} already runs the {recorded_a['impl']} patch its normswap.json records, so "
                             f"--patched {patched} would compare it with itself; give the unpatched model as A, "
@@ -498,21 +503,37 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
                           impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b)
 
 
-def _recorded_patch(source) -> dict | None:
+def _recorded_patch(source, impl: str | None = None) -> dict | None:
     """The patch a normswap-written directory records, read (and its backend checked) before any
     weights load: scoring runs what `normswap patch --out` wrote, as normswap.load does, not the
-    stock modules its weights also load into."""
+    stock modules its weights also load into. `impl` replaces the recorded implementation: a
+    patch made with liger on a GPU machine is still scored on a CPU-only one (with torch, the
+    same arithmetic), where stock modules would hide whatever the patch changed."""
     from normswap.backends import get_backend
     from normswap.loading import recorded_patch
 
+    if impl is not None:
+        get_backend(impl)  # an override that cannot run either fails before anything loads
     section = recorded_patch(source)
-    if section is not None:
-        try:
-            get_backend(section["impl"])
-        except NormswapError as e:
-            raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
-                                f"here: {e}") from None
+    if section is None:
+        return None
+    if impl is not None:
+        return {**section, "impl": impl}
+    try:
+        get_backend(section["impl"])
+    except NormswapError as e:
+        raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
+                            f"here ({e}); run its norms with another implementation: --impl torch "
+                            "(impl='torch' in the library)") from None
     return section
+
+
+def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:
+    """An override of nothing is refused rather than ignored: the user expected IMPL to run."""
+    if impl is not None and recorded is None:
+        raise NormswapError(f"--impl {impl} runs the patch a normswap.json records with another implementation, and "
+                            f"no normswap.json records one ({', '.join(map(str, models))}); to score a model patched "
+                            f"in memory, use normswap diff MODEL --patched {impl}")
 
 
 def _load_scored(source, dtype, config, recorded: dict | None, progress):

@@ -157,9 +157,9 @@ def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, 
     model_a, model_b = scored.pop()
     assert not patched(model_a) and patched(model_b)
     human = run("diff", root / "a", fast, "--data", TEXT, "--max-length", 32)
-    assert f"B: {fast} (norms: torch, from its normswap.json)\n" in human.stdout, human.stdout
+    assert f"B: {fast} (its normswap.json's patch, run with torch)\n" in human.stdout, human.stdout
     human = run("ppl", fast, "--data", TEXT, "--max-length", 32)
-    assert human.stdout.startswith(f"{fast} (norms: torch, from its normswap.json) on "), human.stdout
+    assert human.stdout.startswith(f"{fast} (its normswap.json's patch, run with torch) on "), human.stdout
     assert ok_json("diff", root / "a", "--patched", "torch", "--data", TEXT, "--max-length", 32)["impl_b"] == "torch"
     # A patch that cannot run here is named before any weight loads; a patched A is not patched again.
     manifest = json.loads((fast / "normswap.json").read_text())
@@ -170,8 +170,42 @@ def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, 
     (tmp_path / "liger" / "normswap.json").write_text(json.dumps(manifest))
     r = run("ppl", tmp_path / "liger", "--data", TEXT, "--json")
     assert r.exit_code == 2 and r.stdout == "" and "records a liger patch, which cannot run here" in r.stderr
+    assert "--impl torch" in r.stderr  # the way out, named
     r = run("diff", fast, "--patched", "torch", "--data", TEXT, "--json")
     assert r.exit_code == 2 and r.stdout == "" and "would compare it with itself" in r.stderr
+
+
+def test_a_recorded_patch_that_cannot_run_here_is_scored_with_impl(models, tmp_path, monkeypatch):
+    """A model patched with liger on a GPU machine, scored on a CPU-only one: --impl (normswap.load's
+    impl) runs the recorded patch with another implementation, rather than a refusal with no way out
+    or the stock modules, which would report no difference whatever the patch changed."""
+    import normswap
+    from normswap import evaluate
+
+    root, _, _ = models
+    fast = tmp_path / "liger"
+    normswap.patch_checkpoint(root / "a", "torch", out=fast)
+    manifest = json.loads((fast / "normswap.json").read_text())
+    manifest["patch"]["impl"] = "liger"
+    (fast / "normswap.json").write_text(json.dumps(manifest))
+    scored = []
+    real = evaluate.diff_models
+    monkeypatch.setattr(evaluate, "diff_models", lambda *a, **k: scored.append(a[:2]) or real(*a, **k))
+
+    d = ok_json("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32)
+    assert d["impl"] == "reference"
+    human = run("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32)
+    assert human.stdout.startswith(f"{fast} (its normswap.json's patch, run with reference) on "), human.stdout
+    d = ok_json("diff", root / "a", fast, "--impl", "torch", "--data", TEXT, "--max-length", 32)
+    assert (d["impl_a"], d["impl_b"]) == (None, "torch")
+    model_a, model_b = scored.pop()
+    kinds = {type(m).__name__ for m in model_b.modules() if hasattr(m, "original_class")}
+    assert kinds and not any(hasattr(m, "original_class") for m in model_a.modules())
+    assert normswap.evaluate_checkpoint(fast, normswap.EvalSettings(TEXT, max_length=32), impl="torch").impl == "torch"
+    # An override of nothing is refused, not ignored: the user expected IMPL to run.
+    for args in (("ppl", root / "a"), ("diff", root / "a", root / "b")):
+        r = run(*args, "--impl", "torch", "--data", TEXT, "--json")
+        assert r.exit_code == 2 and r.stdout == "" and "no normswap.json records one" in r.stderr, r.output
 
 
 def test_diff_patched(models):

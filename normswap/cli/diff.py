@@ -14,12 +14,12 @@ from normswap.cli.ppl import describe_windows, eval_options, named_model
 @cli.command()
 @click.argument("model_a", metavar="A")
 @click.argument("model_b", metavar="[B]", required=False)
-@click.option("--patched", "impl", type=click.Choice(BACKENDS), default=None,
+@click.option("--patched", type=click.Choice(BACKENDS), default=None,
               help="Compare A with A patched in memory by this implementation.")
 @eval_options
 @json_option
-def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype,
-         as_json) -> None:
+def diff(model_a, model_b, patched, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype,
+         recorded_impl, as_json) -> None:
     """Perplexity and next-token distributions of A against B (or against A --patched IMPL).
 
     Both models read the same windows, tokenised with A's tokenizer."""
@@ -28,7 +28,8 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
 
     settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
     with ProgressBars({"diff": "tok"}) as bars:
-        result = diff_checkpoints(model_a, model_b, settings=settings, patched=impl, dtype=dtype, progress=bars)
+        result = diff_checkpoints(model_a, model_b, settings=settings, patched=patched, impl=recorded_impl,
+                                  dtype=dtype, progress=bars)
     emit(result.to_dict(), as_json, render_diff)
 
 

@@ -6,12 +6,13 @@ from collections.abc import Callable
 
 import click
 
+from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
 from normswap.dtypes import RUN_DTYPES
 
 
 def eval_options(f: Callable) -> Callable:
-    """The options `ppl` and `diff` share: what to read and how to cut it into windows."""
+    """The options `ppl` and `diff` share: what to read, how to cut it into windows, and how to load the models."""
     options = [
         click.option("--data", "data_path", required=True, metavar="PATH",
                      help="A text file, a .jsonl file, a directory of .txt files, or a saved `datasets` dataset."),
@@ -24,6 +25,9 @@ def eval_options(f: Callable) -> Callable:
         click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass."),
         click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
                      help="Load the weights in this dtype (default: the checkpoint's)."),
+        click.option("--impl", "recorded_impl", type=click.Choice(BACKENDS), default=None,
+                     help="Run the patch a directory's normswap.json records with this implementation instead "
+                          "(e.g. torch where the recorded one cannot run)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -33,7 +37,7 @@ def eval_options(f: Callable) -> Callable:
 def named_model(name: str, impl: str | None) -> str:
     """A model's name, and the impl normswap runs its norms with when the name does not already
     say it (`A --patched IMPL` does; a directory whose normswap.json records a patch does not)."""
-    return name if impl is None or name.endswith(f" {impl}") else f"{name} (norms: {impl}, from its normswap.json)"
+    return name if impl is None or name.endswith(f" {impl}") else f"{name} (its normswap.json's patch, run with {impl})"
 
 
 def describe_windows(d: dict) -> str:
@@ -45,14 +49,15 @@ def describe_windows(d: dict) -> str:
 @click.argument("model")
 @eval_options
 @json_option
-def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, as_json) -> None:
+def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, recorded_impl,
+        as_json) -> None:
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
     from normswap.api import EvalSettings, evaluate_checkpoint
     from normswap.evaluate import CLI_NAMES
 
     settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
     with ProgressBars({"perplexity": "tok"}) as bars:
-        result = evaluate_checkpoint(model, settings, dtype=dtype, progress=bars)
+        result = evaluate_checkpoint(model, settings, impl=recorded_impl, dtype=dtype, progress=bars)
 
     def render(d: dict) -> None:
         click.echo(f"{named_model(d['model'], d['impl'])} on {d['data']} ({d['dtype']}): perplexity {d['ppl']:.4f} "
