@@ -36,7 +36,7 @@ import torch
 
 from normswap.bench import BenchResult
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, require_bool
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
 from normswap.progress import ProgressFn, step
@@ -80,6 +80,13 @@ def _require_settings(name: str, value, optional: bool = False) -> EvalSettings 
     if not (isinstance(value, EvalSettings) or (optional and value is None)):
         raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
     return value
+
+
+def _require_flags(**flags) -> None:
+    """Each flag True or False (None too: a default decided later); "no" would mean yes."""
+    for name, value in flags.items():
+        if value is not None:
+            require_bool(name, value)
 
 
 def _require_path(name: str, value, optional: bool = False) -> None:
@@ -255,6 +262,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
 
     _require_path("out", out, optional=True)
     _require_settings("evaluation", evaluation, optional=True)
+    _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
+                   noise_floor=noise_floor)
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
@@ -359,6 +368,7 @@ def convert_checkpoint(
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
+    _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model)
     config = load_config(source)
     meta = build_meta_model(source, config)
@@ -470,6 +480,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
     _require_settings("settings", settings).check()
+    _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
     source_a = resolve(a, "a")
