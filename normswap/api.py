@@ -310,7 +310,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     result = PatchResult(str(model), device or "cpu", report)
     if scoring:
         corpus, tokenizer = scoring
-        reference = _float32_reference(source, config, m, device, noise_floor)
+        reference = _float32_reference(source, config, m, device, noise_floor, progress)
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
@@ -501,7 +501,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     model_b = (_load_scored(source_b, torch_dtype, config_b, recorded_b, progress) if source_b is not None
                else patched_copy(model_a, patched))
     step(progress, "load", 2, 2)
-    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor)
+    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor, progress)
     diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
@@ -564,14 +564,18 @@ def _check_same_tokenizer(tokenizer_a, source_b) -> None:
                             f"tokens, or the same tokens numbered differently); a diff needs one tokenizer")
 
 
-def _float32_reference(source, config, model, device, wanted: bool | None):
-    """A's float32 self for the noise floor: by default only when A runs in half precision."""
+def _float32_reference(source, config, model, device, wanted: bool | None, progress=None):
+    """A's float32 self for the noise floor: by default only when A runs in half precision. A
+    stage of its own ("reference"): a second load of A, as long as the first."""
     from normswap.loading import load_model
 
     half = _model_dtype(model) in HALF_DTYPES
     if wanted is False or (wanted is None and not half):
         return None
-    return load_model(source, dtype=torch.float32, device=device, config=config)
+    step(progress, "reference", 0, 1)
+    reference = load_model(source, dtype=torch.float32, device=device, config=config)
+    step(progress, "reference", 1, 1)
+    return reference
 
 
 def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference, progress) -> DiffResult:

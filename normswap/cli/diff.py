@@ -22,7 +22,8 @@ def diff(model_a, model_b, impl, data_path, text_field, max_length, stride, max_
          as_json) -> None:
     """Perplexity and next-token distributions of A against B (or against A --patched IMPL).
 
-    Both models read the same windows, tokenised with A's tokenizer."""
+    Both models read the same windows, tokenised with A's tokenizer. A directory `normswap patch
+    --out` wrote runs the patch its normswap.json records."""
     from normswap.api import EvalSettings, diff_checkpoints
     from normswap.evaluate import CLI_NAMES
 

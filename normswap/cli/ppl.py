@@ -46,7 +46,9 @@ def describe_windows(d: dict) -> str:
 @eval_options
 @json_option
 def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, as_json) -> None:
-    """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
+    """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe).
+
+    A directory `normswap patch --out` wrote runs the patch its normswap.json records."""
     from normswap.api import EvalSettings, evaluate_checkpoint
     from normswap.evaluate import CLI_NAMES
 
