@@ -36,7 +36,7 @@ import torch
 
 from normswap.bench import BenchResult
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, require_bool
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
 from normswap.progress import ProgressFn, step
@@ -80,6 +80,13 @@ def _require_settings(name: str, value, optional: bool = False) -> EvalSettings 
     if not (isinstance(value, EvalSettings) or (optional and value is None)):
         raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
     return value
+
+
+def _require_flags(**flags) -> None:
+    """Each flag True or False (None too: a default decided later); "no" would mean yes."""
+    for name, value in flags.items():
+        if value is not None:
+            require_bool(name, value)
 
 
 def _require_path(name: str, value, optional: bool = False) -> None:
@@ -255,6 +262,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
 
     _require_path("out", out, optional=True)
     _require_settings("evaluation", evaluation, optional=True)
+    _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
+                   noise_floor=noise_floor)
     if out is not None and in_place:
         raise NormswapError("--out and --in-place are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
@@ -301,7 +310,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     result = PatchResult(str(model), device or "cpu", report)
     if scoring:
         corpus, tokenizer = scoring
-        reference = _float32_reference(source, config, m, device, noise_floor)
+        reference = _float32_reference(source, config, m, device, noise_floor, progress)
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
@@ -359,6 +368,7 @@ def convert_checkpoint(
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
+    _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model)
     config = load_config(source)
     meta = build_meta_model(source, config)
@@ -474,6 +484,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
     _require_settings("settings", settings).check()
+    _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
     source_a = resolve(a, "a")
@@ -495,7 +506,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     model_b = (_load_scored(source_b, torch_dtype, config_b, recorded_b, progress) if source_b is not None
                else patched_copy(model_a, patched))
     step(progress, "load", 2, 2)
-    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor)
+    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor, progress)
     diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
@@ -574,14 +585,18 @@ def _check_same_tokenizer(tokenizer_a, source_b) -> None:
                             f"tokens, or the same tokens numbered differently); a diff needs one tokenizer")
 
 
-def _float32_reference(source, config, model, device, wanted: bool | None):
-    """A's float32 self for the noise floor: by default only when A runs in half precision."""
+def _float32_reference(source, config, model, device, wanted: bool | None, progress=None):
+    """A's float32 self for the noise floor: by default only when A runs in half precision. A
+    stage of its own ("reference"): a second load of A, as long as the first."""
     from normswap.loading import load_model
 
     half = _model_dtype(model) in HALF_DTYPES
     if wanted is False or (wanted is None and not half):
         return None
-    return load_model(source, dtype=torch.float32, device=device, config=config)
+    step(progress, "reference", 0, 1)
+    reference = load_model(source, dtype=torch.float32, device=device, config=config)
+    step(progress, "reference", 1, 1)
+    return reference
 
 
 def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference, progress) -> DiffResult:

@@ -57,7 +57,7 @@ def stderr_bar(*, total: int | None, desc: str, unit: str = "step", unit_scale: 
     """A progress bar on stderr: tqdm's on a terminal; elsewhere a _LineBar. disable: a silent one."""
     from tqdm.auto import tqdm
 
-    if disable or _isatty(sys.stderr):
+    if disable or _isatty(sys.stderr) or _notebook(tqdm):
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
                     disable=disable, dynamic_ncols=True, leave=False)
     return _LineBar(total, desc, unit, unit_scale, initial)
@@ -68,6 +68,11 @@ def _isatty(stream) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+def _notebook(auto_tqdm) -> bool:
+    """Jupyter: its stderr is no terminal, but tqdm.auto draws a widget there, which stays."""
+    return any(c.__module__ == "tqdm.notebook" for c in auto_tqdm.__mro__)
 
 
 class _LineBar:

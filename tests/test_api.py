@@ -176,7 +176,11 @@ def test_evaluate_and_diff_are_the_ppl_and_diff_commands(root):
 
 def test_half_precision_diff_is_judged_against_the_noise_floor(root):
     settings = api.EvalSettings(root / "text.txt", max_length=32)
-    d = api.diff_checkpoints(root / "llama", settings=settings, patched="torch", dtype="bf16")
+    calls = []
+    d = api.diff_checkpoints(root / "llama", settings=settings, patched="torch", dtype="bf16",
+                             progress=lambda *a: calls.append(a))
+    # The float32 reference is a second load of A, as long as the first: a stage of its own.
+    assert [c for c in calls if c[0] == "reference"] == [("reference", 0, 1), ("reference", 1, 1)]
     noise = d.result.noise_floor
     assert noise is not None and noise.dtype == "bfloat16" and noise.limit == NOISE_KL_FACTOR
     # bf16 really is away from float32, and a faithful kernel is as far from it as the original
@@ -189,6 +193,7 @@ def test_half_precision_diff_is_judged_against_the_noise_floor(root):
     human = CliRunner().invoke(cli, ["diff", str(root / "llama"), "--patched", "torch", "--data",
                                      str(root / "text.txt"), "--max-length", "32", "--dtype", "bf16"])
     assert human.exit_code == 0 and noise.verdict in human.stdout
+    assert "load float32 reference (noise floor) ...\n" in human.stderr
 
 
 def test_patch_eval_in_half_precision_reports_the_noise_floor(root):

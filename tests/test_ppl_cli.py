@@ -115,6 +115,28 @@ def test_progress_lines_while_a_stage_runs_come_at_most_every_interval(monkeypat
     ]  # and the close at 30.0 s adds no line: the last one gave the final count
 
 
+def test_a_notebook_keeps_tqdms_widget(monkeypatch):
+    """Jupyter's stderr is no terminal either, but tqdm.auto draws a widget there: library users'
+    progress=True bars stay tqdm's."""
+    import tqdm.auto
+    import tqdm.notebook
+
+    from normswap import progress
+
+    assert isinstance(progress.stderr_bar(total=3, desc="perplexity"), progress._LineBar)
+
+    class NotebookBar(tqdm.notebook.tqdm_notebook):  # tqdm.auto's class under a Jupyter kernel
+        def __init__(self, *args, **kwargs):
+            self.kwargs = kwargs
+
+        def __del__(self):  # nothing was drawn: nothing to close
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", NotebookBar)
+    bar = progress.stderr_bar(total=3, desc="perplexity")
+    assert isinstance(bar, NotebookBar) and bar.kwargs["total"] == 3
+
+
 def test_diff_json(models):
     root, a, b = models
     same = ok_json("diff", root / "a", root / "a", "--data", TEXT, "--max-length", 32)

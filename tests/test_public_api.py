@@ -105,10 +105,18 @@ def _hostile_calls(d, out):
         (lambda: P.RmsForm(weight="x"), TypeError, "RmsForm.weight: expected True or False"),
         (lambda: P.perplexity(g, tok, text, progress="no"), TypeError, "progress: expected True, False or a function"),
         (lambda: P.convert_model(g, keep_gain="x"), TypeError, "keep_gain: expected True or False"),
+        (lambda: P.patch_checkpoint(d, "torch", out=out, force="no"), TypeError, "force: expected True or False"),
+        (lambda: P.convert_checkpoint(d, out, partial="no"), TypeError, "partial: expected True or False"),
+        (lambda: P.diff_checkpoints(d, patched="torch", settings=settings, noise_floor="no"), TypeError,
+         "noise_floor: expected True or False"),
+        # a dtype the weights cannot take (the original LayerNorm raised a RuntimeError from the probe)
+        (lambda: P.patch(g, "torch", dtype="fp64"), P.VerificationError,
+         r"the original itself raised on torch.float64 input \(RuntimeError: .*\); verify in the dtype the model"),
+        (lambda: P.tune_launches(ops=3), TypeError, "ops: expected a comma list or a list, got 3"),
     ]
 
 
-N_HOSTILE = 38
+N_HOSTILE = 43
 
 
 def test_every_hostile_case_is_listed():

@@ -22,7 +22,9 @@ def diff(model_a, model_b, patched, data_path, text_field, max_length, stride, m
          recorded_impl, as_json) -> None:
     """Perplexity and next-token distributions of A against B (or against A --patched IMPL).
 
-    Both models read the same windows, tokenised with A's tokenizer."""
+    Both models read the same windows, tokenised with A's tokenizer. A directory `normswap patch
+    --out` wrote runs the patch its normswap.json records (--impl: with another
+    implementation)."""
     from normswap.api import EvalSettings, diff_checkpoints
     from normswap.evaluate import CLI_NAMES
 

@@ -191,7 +191,8 @@ class ProgressBars:
 
     def __init__(self, units: dict[str, str] | None = None, labels: dict[str, str] | None = None,
                  announce: dict[str, str] | None = None):
-        self.units, self.labels, self.announce = units or {}, labels or {}, announce or {}
+        self.units, self.announce = units or {}, announce or {}
+        self.labels = {"reference": "load float32 reference (noise floor)", **(labels or {})}
         self.stage: str | None = None
         self.bar = None
 

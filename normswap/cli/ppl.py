@@ -51,7 +51,10 @@ def describe_windows(d: dict) -> str:
 @json_option
 def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, recorded_impl,
         as_json) -> None:
-    """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe)."""
+    """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe).
+
+    A directory `normswap patch --out` wrote runs the patch its normswap.json records (--impl: with
+    another implementation)."""
     from normswap.api import EvalSettings, evaluate_checkpoint
     from normswap.evaluate import CLI_NAMES
 
