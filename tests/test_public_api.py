@@ -112,10 +112,11 @@ def _hostile_calls(d, out):
         # a dtype the weights cannot take (the original LayerNorm raised a RuntimeError from the probe)
         (lambda: P.patch(g, "torch", dtype="fp64"), P.VerificationError,
          r"the original itself raised on torch.float64 input \(RuntimeError: .*\); verify in the dtype the model"),
+        (lambda: P.tune_launches(ops=3), TypeError, "ops: expected a comma list or a list, got 3"),
     ]
 
 
-N_HOSTILE = 42
+N_HOSTILE = 43
 
 
 def test_every_hostile_case_is_listed():

@@ -40,7 +40,7 @@ import re
 import tempfile
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
@@ -465,6 +465,8 @@ def _have(doc, meta, same_device_only: bool) -> set:
 
 def _split(value, what: str, allowed=None, cast=str) -> list:
     """A comma list (or a sequence) checked against `allowed`; BadInputError naming the bad item."""
+    if not isinstance(value, str) and not isinstance(value, Iterable):
+        raise TypeError(f"{what}: expected a comma list or a list, got {value!r}")
     items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
     if not items:
         raise BadInputError(f"{what}: empty list")
