@@ -103,10 +103,10 @@ class _LineBar:
                 self._write(self._status(time.monotonic()))
 
     def _status(self, now: float) -> str:
-        if self.unit_scale:  # bytes: 1.50MB/4.00MB
+        if self.unit_scale:  # bytes, in tqdm's (decimal) units: 1.50MB/4.00MB
             from tqdm import tqdm
 
-            done = "/".join(tqdm.format_sizeof(n, self.unit, 1024) for n in (self.n, self.total) if n is not None)
+            done = "/".join(tqdm.format_sizeof(n, self.unit, 1000) for n in (self.n, self.total) if n is not None)
         else:
             done = f"{self.n}/{self.total} {self.unit}" if self.total is not None else f"{self.n} {self.unit}"
         line = f"{self.desc}: {done}, {now - self.start:.1f} s"

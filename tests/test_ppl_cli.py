@@ -105,9 +105,9 @@ def test_progress_lines_while_a_stage_runs_come_at_most_every_interval(monkeypat
 
     clock = iter([0.0, 3.0, 9.0, 10.5, 12.0, 21.0, 30.0])
     monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
-    with progress.stderr_bar(total=5 << 20, desc="convert", unit="B", unit_scale=True) as bar:
+    with progress.stderr_bar(total=5_000_000, desc="convert", unit="B", unit_scale=True) as bar:
         for _ in range(5):
-            bar.update(1 << 20)
+            bar.update(1_000_000)  # MB as tqdm's bar on a terminal counts them (unit_divisor 1000)
     assert capsys.readouterr().err.splitlines() == [
         "convert ...",
         "convert: 3.00MB/5.00MB, 10.5 s",  # 3.0 and 9.0 s: under LINE_INTERVAL since the start
