@@ -199,12 +199,13 @@ class PatchReport:
         }
 
 
-def regex_filter(only: str | None = None, exclude: str | None = None) -> FilterFn | None:
+def regex_filter(only: str | re.Pattern | None = None, exclude: str | re.Pattern | None = None) -> FilterFn | None:
     """The CLI's --only/--exclude as a filter_fn (re.search on the module path)."""
     if only is None and exclude is None:
         return None
-    def compiled(name: str, pattern: str | None):
-        if pattern is not None and not isinstance(pattern, str):
+    def compiled(name: str, pattern: str | re.Pattern | None):
+        # re.compile takes a compiled pattern as it is, so the library always accepted one
+        if pattern is not None and not isinstance(pattern, str | re.Pattern):
             raise TypeError(f"{name.lstrip('-')}: expected a regular expression (str), got {type(pattern).__name__}")
         try:
             return re.compile(pattern) if pattern is not None else None
@@ -297,7 +298,9 @@ def patch(
         m = walk.get_submodule(model, p)
         # Patching again is idempotent; asked for another backend (or an RMS form), keeping the old
         # one and reporting the new impl would be a silently wrong patch.
-        if p in rms_forms or (m.impl != impl and (filter_fn is None or filter_fn(m, p))):
+        # The same call again (an RMS form it already has included) is the idempotent case.
+        if ((p in rms_forms and getattr(m, "rms_form", None) != rms_forms[p])
+                or (m.impl != impl and (filter_fn is None or filter_fn(m, p)))):
             raise NormswapError(f"{p} is already patched with {m.impl}; normswap.revert(model) first to patch "
                                 f"it with {impl}{' as an RMS norm' if p in rms_forms else ''}")
         report.modules.append(ModuleEntry(p, m.original_class.__name__, "already-patched", m.spec,
@@ -311,7 +314,7 @@ def patch(
         absent = wanted - already - {f.path for f in found if f.spec is not None}
         if absent:
             raise NormswapError(f"paths names modules that are not norms here: {', '.join(sorted(absent))}")
-    missing = set(rms_forms) - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
+    missing = set(rms_forms) - already - {f.path for f in found if f.spec is not None and f.spec.kind == "layer"}
     if missing:
         raise NormswapError(f"rms_forms names paths that are not LayerNorms here: {', '.join(sorted(missing))}")
 

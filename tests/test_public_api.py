@@ -151,3 +151,18 @@ def test_patching_again_with_another_impl_is_refused_not_ignored():
     assert {m.impl for _, m in patched_modules(model)} == {"torch"}
     assert len(normswap.revert(model)) == 5
     assert len(normswap.patch(model, "reference").patched) == 5
+
+
+def test_patching_again_with_the_same_rms_forms_stays_idempotent():
+    """Only a different RMS form (or impl) is refused: the same call again, as normswap.load's
+    config re-applied, changes nothing and says so."""
+    import re
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("gpt2")
+    normswap.patch(model, "torch", rms_forms=["transformer.ln_f"], check_model=False)
+    again = normswap.patch(model, "torch", rms_forms=["transformer.ln_f"], check_model=False)
+    assert not again.patched and "transformer.ln_f" in {e.path for e in again.by_status("already-patched")}
+    # a compiled pattern, which re.compile (and so --only's library form) always took
+    assert normswap.swap.regex_filter(only=re.compile(r"ln_f$"))(None, "transformer.ln_f")
