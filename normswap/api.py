@@ -462,8 +462,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     _require_recorded(impl, [model], recorded)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
     step(progress, "load", 0, 1)
-    loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress)
-    step(progress, "load", 1, 1)
+    loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress, (1, 1))
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
     return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result,
                                 impl=recorded["impl"] if recorded else None)
@@ -501,11 +500,12 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b)
     torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
-    model_a = _load_scored(source_a, torch_dtype, config_a, recorded_a, progress)
-    step(progress, "load", 1, 2)
-    model_b = (_load_scored(source_b, torch_dtype, config_b, recorded_b, progress) if source_b is not None
-               else patched_copy(model_a, patched))
-    step(progress, "load", 2, 2)
+    model_a = _load_scored(source_a, torch_dtype, config_a, recorded_a, progress, (1, 2))
+    if source_b is not None:
+        model_b = _load_scored(source_b, torch_dtype, config_b, recorded_b, progress, (2, 2))
+    else:
+        model_b = patched_copy(model_a, patched)
+        step(progress, "load", 2, 2)
     reference = _float32_reference(source_a, config_a, model_a, None, noise_floor, progress)
     diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
@@ -547,10 +547,13 @@ def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> 
                             f"in memory, use normswap diff MODEL --patched {impl}")
 
 
-def _load_scored(source, dtype, config, recorded: dict | None, progress):
+def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded: tuple[int, int]):
+    """Load one scored model; `loaded` is the "load" count it completes, given before the recorded
+    patch runs, so the patch's own stage follows a finished load instead of splitting it in two."""
     from normswap.loading import apply_recorded_patch, load_model
 
     model = load_model(source, dtype=dtype, config=config)
+    step(progress, "load", *loaded)
     return model if recorded is None else apply_recorded_patch(model, source.ref, recorded, progress=progress)
 
 

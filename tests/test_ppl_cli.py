@@ -100,6 +100,21 @@ def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(models):
     assert re.fullmatch(r"perplexity: 100/100 tok, \d+\.\d s", lines[3]), lines[3]
 
 
+def test_a_recorded_patch_runs_after_its_load_has_ended(models, tmp_path):
+    """The patch a directory's normswap.json records is a stage of its own after the load: it split
+    the load in two ('load ...', 'load: 0/1', 'patch ...', 'load ...', 'load: 1/1')."""
+    import normswap
+
+    root, _, _ = models
+    normswap.patch_checkpoint(root / "a", "torch", out=tmp_path / "fast")
+    for args, loads in ((("ppl", tmp_path / "fast"), ["load: 1/1"]),
+                        (("diff", root / "a", tmp_path / "fast"), ["load: 2/2"])):
+        result = run(*args, "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
+        assert result.exit_code == 0, result.output
+        starts = [line for line in result.stderr.splitlines() if line.startswith(("load", "patch"))]
+        assert [line.split(" step")[0] for line in starts] == ["load ...", *loads, "patch ...", "patch: 5/5"], starts
+
+
 def test_progress_lines_while_a_stage_runs_come_at_most_every_interval(monkeypatch, capsys):
     from normswap import progress
 
