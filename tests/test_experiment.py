@@ -118,6 +118,7 @@ def test_the_shipped_recipe_validates():
     ("finetune.steps=1.5", "finetune.steps: expected an integer"),
     ("finetune.steps=true", "finetune.steps: expected an integer"),
     ("name=2024", "name: expected a string, got 2024 \\(quote it: '\"2024\"'\\)"),
+    ("name=true", "name: expected a string, got True \\(quote it: '\"true\"'\\)"),  # TOML's word, not Python's
     ("finetune.schedule=sawtooth", "finetune.schedule: 'sawtooth' is not one of constant, linear, cosine"),
     ("finetune.optimizer=lion", "finetune.optimizer: 'lion' is not one of"),
     ("arms=original,approx+magic", r"unknown arm 'approx\+magic'"),

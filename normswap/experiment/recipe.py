@@ -199,7 +199,9 @@ def _check_value(where: str, f: dataclasses.Field, value: Any, base: Path):
             raise RecipeError(f"{where}: expected a finite number, got {value!r}")
     if kind == "str" and not isinstance(value, str):
         # --set name=2024 reads a TOML integer: say how to mean the text
-        hint = f" (quote it: '\"{value}\"')" if isinstance(value, int | float) else ""
+        # (as TOML spells it: true, not Python's True)
+        typed = str(value).lower() if isinstance(value, bool) else value
+        hint = f" (quote it: '\"{typed}\"')" if isinstance(value, int | float) else ""
         raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}{hint}")
     if kind == "list" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
         raise RecipeError(f"{where}: expected {_type_name(kind)}, got {value!r}")
