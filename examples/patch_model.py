@@ -16,7 +16,11 @@ from normswap.checkpoint import save_patched
 from normswap.loading import DEFAULT_MODEL, load_model, resolve
 
 model_ref = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL
-out_dir = sys.argv[2] if len(sys.argv) > 2 else f"{Path(model_ref).stem}-patched"
+# The model's own name: a folder's real name ("." included), a hub id's last part; only a .gguf
+# file's suffix goes (a stem would cut "Qwen2.5-0.5B" at its first dot).
+named = Path(model_ref).expanduser()
+out_dir = sys.argv[2] if len(sys.argv) > 2 else (
+    f"{(named.resolve() if named.exists() else named).name.removesuffix('.gguf')}-patched")
 
 source = resolve(model_ref)
 model = load_model(source, dtype=torch.bfloat16)

@@ -225,12 +225,12 @@ def test_patch_example_runs_on_a_model_that_is_not_llama_shaped(tiny_llama, monk
     GPT-2 does not have), and OUT_DIR defaults to the model's own name, not smollm2's."""
     from tiny_models import save_tiny
 
-    save_tiny("gpt2", tiny_llama.parent / "gpt2")
-    out = _run_example("patch_model.py", [str(tiny_llama.parent / "gpt2")], monkeypatch, capsys)
+    save_tiny("gpt2", tiny_llama.parent / "gpt2-0.5b")  # a dot in the name, as hub ids have ("Qwen2.5-0.5B")
+    out = _run_example("patch_model.py", [str(tiny_llama.parent / "gpt2-0.5b")], monkeypatch, capsys)
     lines = out.strip().splitlines()
     assert lines[-2].startswith("NormswapLayerNorm NormswapLayerNorm(") and "was=LayerNorm" in lines[-2], out
     assert lines[-1] == "LayerNorm"
-    assert (tiny_llama.parent / "gpt2-patched" / "normswap.json").is_file()
+    assert (tiny_llama.parent / "gpt2-0.5b-patched" / "normswap.json").is_file()
 
 
 def test_perplexity_example_runs(tiny_llama, monkeypatch, capsys):
