@@ -185,19 +185,19 @@ def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, 
     def patched(model) -> bool:
         return any(hasattr(m, "original_class") for m in model.modules())
 
-    d = ok_json("ppl", fast, "--data", TEXT, "--max-length", 32)
+    d = ok_json("ppl", fast, "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert d["impl"] == "torch" and patched(scored.pop()[0])
-    assert ok_json("ppl", root / "a", "--data", TEXT, "--max-length", 32)["impl"] is None
+    assert ok_json("ppl", root / "a", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)["impl"] is None
     assert not patched(scored.pop()[0])
-    d = ok_json("diff", root / "a", fast, "--data", TEXT, "--max-length", 32)
+    d = ok_json("diff", root / "a", fast, "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert (d["impl_a"], d["impl_b"], d["model_b"]) == (None, "torch", str(fast))
     model_a, model_b = scored.pop()
     assert not patched(model_a) and patched(model_b)
-    human = run("diff", root / "a", fast, "--data", TEXT, "--max-length", 32)
+    human = run("diff", root / "a", fast, "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert f"B: {fast} (its normswap.json's patch, run with torch)\n" in human.stdout, human.stdout
-    human = run("ppl", fast, "--data", TEXT, "--max-length", 32)
+    human = run("ppl", fast, "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert human.stdout.startswith(f"{fast} (its normswap.json's patch, run with torch) on "), human.stdout
-    assert ok_json("diff", root / "a", "--patched", "torch", "--data", TEXT, "--max-length", 32)["impl_b"] == "torch"
+    assert ok_json("diff", root / "a", "--patched", "torch", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)["impl_b"] == "torch"
     # A patch that cannot run here is named before any weight loads; a patched A is not patched again.
     manifest = json.loads((fast / "normswap.json").read_text())
     manifest["patch"]["impl"] = "liger"
@@ -229,16 +229,16 @@ def test_a_recorded_patch_that_cannot_run_here_is_scored_with_impl(models, tmp_p
     real = evaluate.diff_models
     monkeypatch.setattr(evaluate, "diff_models", lambda *a, **k: scored.append(a[:2]) or real(*a, **k))
 
-    d = ok_json("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32)
+    d = ok_json("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert d["impl"] == "reference"
-    human = run("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32)
+    human = run("ppl", fast, "--impl", "reference", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert human.stdout.startswith(f"{fast} (its normswap.json's patch, run with reference) on "), human.stdout
-    d = ok_json("diff", root / "a", fast, "--impl", "torch", "--data", TEXT, "--max-length", 32)
+    d = ok_json("diff", root / "a", fast, "--impl", "torch", "--data", TEXT, "--max-length", 32, "--max-tokens", 100)
     assert (d["impl_a"], d["impl_b"]) == (None, "torch")
     model_a, model_b = scored.pop()
     kinds = {type(m).__name__ for m in model_b.modules() if hasattr(m, "original_class")}
     assert kinds and not any(hasattr(m, "original_class") for m in model_a.modules())
-    assert normswap.evaluate_checkpoint(fast, normswap.EvalSettings(TEXT, max_length=32), impl="torch").impl == "torch"
+    assert normswap.evaluate_checkpoint(fast, normswap.EvalSettings(TEXT, max_length=32, max_tokens=100), impl="torch").impl == "torch"
     # An override of nothing is refused, not ignored: the user expected IMPL to run.
     for args in (("ppl", root / "a"), ("diff", root / "a", root / "b")):
         r = run(*args, "--impl", "torch", "--data", TEXT, "--json")
