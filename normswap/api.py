@@ -562,7 +562,7 @@ def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=Non
     tokenizer (and B's, which must be the same), the configs' context and vocabulary."""
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
-    from normswap.loading import load_tokenizer
+    from normswap.loading import load_tokenizer, model_class
 
     settings.check()
     corpus = open_corpus(settings.data, settings.text_field)
@@ -570,7 +570,7 @@ def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=Non
     if source_b is not None:
         _check_same_tokenizer(tokenizer, source_b)
     kwargs = settings.window_kwargs
-    check_before_loading(configs, tokenizer, corpus, **kwargs)
+    check_before_loading(configs, tokenizer, corpus, **kwargs, model_class=model_class)
     return corpus, tokenizer
 
 

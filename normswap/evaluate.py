@@ -34,7 +34,7 @@ import itertools
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -533,25 +533,26 @@ class _Scoring:
 
 def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | None = None,
                          stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
-                         text_field: str = "text", option_names: Mapping[str, str] | None = None) -> None:
+                         text_field: str = "text", option_names: Mapping[str, str] | None = None,
+                         model_class: Callable | None = None) -> None:
     """Raise the NormswapError that `perplexity` / `diff_models` would raise for these options and
     this data (encoder-decoder, no language-model head, unknown context length, stride past the
     window, text shorter than one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
-    loads any weights, so bad input fails fast and with nothing but its one line on stderr."""
+    loads any weights, so bad input fails fast and with nothing but its one line on stderr.
+
+    model_class(config): the class a config builds (normswap.loading.model_class), for the
+    language-model head check; the caller passes it because loading.py sits above this module."""
     _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="",
              option_names=option_names)
-    for config in configs:
-        _check_language_model_head(config)
+    for config in configs if model_class is not None else ():
+        _check_language_model_head(model_class(config))
 
 
-def _check_language_model_head(config) -> None:
+def _check_language_model_head(cls) -> None:
     """Refuse, before any weights load, a model that returns no logits: the class the config builds
     must be one of transformers' generating classes (every causal LM is; a bare encoder such as
     BertModel returns hidden states). Scoring a loaded model still checks for logits itself."""
-    from normswap.loading import model_class
-
-    cls = model_class(config)
     if not cls.can_generate():
         raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score); perplexity needs a "
                             "causal language model")

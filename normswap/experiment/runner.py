@@ -217,9 +217,11 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
         check_arms(loaded[0], arms)
         from normswap.evaluate import check_before_loading
+        from normswap.loading import model_class
 
         # what the first evaluation would refuse (no language-model head, an encoder-decoder, ...)
-        check_before_loading([loaded[0].config], loaded[1], texts["eval"], **_eval_windows(recipe))
+        check_before_loading([loaded[0].config], loaded[1], texts["eval"], **_eval_windows(recipe),
+                             model_class=model_class)
         if "train" in texts:
             windows = _train_windows(recipe, loaded[1], texts["train"])
             try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
