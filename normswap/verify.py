@@ -277,9 +277,12 @@ def verify_module(path: str, original: nn.Module, replacement: NormswapNorm, spe
         except Exception as e:  # noqa: BLE001 - e.g. nn.LayerNorm refuses mixed dtypes on CPU
             if scale == "mixed":
                 continue  # the original does not support this use; nothing to match
-            # patch(dtype=...) wider than the weights (fp64 on fp32, fp32 on bf16): nothing to prove in
+            # patch(dtype=...) wider than the weights (fp64 on fp32, fp32 on bf16): nothing to prove in;
+            # the dtype is named only when it differs, else the hint would blame it for any other failure
+            other = check.param_dtype is not None and str(x.dtype).removeprefix("torch.") != check.param_dtype
+            hint = f"; verify in the dtype the model runs in ({check.param_dtype})" if other else ""
             check.fail(f"the original itself raised on {_probe_name(scale, x)} ({e.__class__.__name__}: "
-                       f"{one_line(e)}); verify in the dtype the model runs in ({check.param_dtype})")
+                       f"{one_line(e)}){hint}")
             return check
         try:
             y_new = replacement(x.clone())

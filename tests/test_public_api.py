@@ -166,3 +166,19 @@ def test_patching_again_with_the_same_rms_forms_stays_idempotent():
     assert not again.patched and "transformer.ln_f" in {e.path for e in again.by_status("already-patched")}
     # a compiled pattern, which re.compile (and so --only's library form) always took
     assert normswap.swap.regex_filter(only=re.compile(r"ln_f$"))(None, "transformer.ln_f")
+
+
+def test_an_original_that_raises_in_its_own_dtype_is_not_blamed_on_the_dtype(monkeypatch):
+    """The dtype hint is for patch(dtype=...) the weights cannot take; an original that fails in the
+    dtype it runs in is a failed check with its own reason only."""
+    from tiny_models import tiny_model
+
+    from normswap import verify
+
+    def broken(original, x):
+        raise ValueError("this norm wants another input shape")
+
+    monkeypatch.setattr(verify, "_run_original", broken)
+    with pytest.raises(normswap.VerificationError, match="another input shape") as e:
+        normswap.patch(tiny_model("gpt2"), "torch")
+    assert "verify in the dtype" not in str(e.value)
