@@ -214,7 +214,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     texts = _read_texts(recipe, arms)
     if recipe.pretrain is None:  # a model that does not load or fit is reported before OUT is made
         loaded = _load_model(recipe.model.path)
-        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
+        _check_fits(recipe, loaded[0])
         check_arms(loaded[0], arms)
         from normswap.evaluate import check_before_loading
         from normswap.loading import model_class
@@ -233,6 +233,14 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step)
+
+
+def _check_fits(recipe: Recipe, model) -> None:
+    """finetune.seq_len within the model's context, read as the evaluation reads it (every
+    family's name for it: n_positions, n_ctx, seq_length, ..., not max_position_embeddings alone)."""
+    from normswap.evaluate import model_context_length
+
+    check_seq_len(recipe.finetune.seq_len, model_context_length(model))
 
 
 def _eval_windows(recipe: Recipe) -> dict:
@@ -287,7 +295,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                                                      recipe.data.eval, stop=stop, progress=progress)
         model_path = str(model_dir)
         loaded = _load_model(model_path)
-        check_seq_len(recipe.finetune.seq_len, getattr(loaded[0].config, "max_position_embeddings", None))
+        _check_fits(recipe, loaded[0])
     else:
         model_path = recipe.model.path
     original, tokenizer = loaded
