@@ -602,14 +602,33 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
 
 
-def recorded_patch(source: ModelSource) -> dict | None:
+def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
     """The patch section of the normswap.json in a model directory normswap wrote (None: no
-    manifest, or one without a patch). Read before the weights: a malformed manifest, or a newer
-    normswap's, is refused before any work."""
+    manifest, or one without a patch), for a run of its norms (ppl, diff): scoring runs what
+    `normswap patch --out` wrote, as normswap.load does, not the stock modules its weights also
+    load into. Read, and its backend checked, before the weights: a malformed manifest, a newer
+    normswap's, or a patch that cannot run here is refused before any work. `impl` replaces the
+    recorded implementation: a patch made with liger on a GPU machine is still scored on a
+    CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
+    patch changed."""
+    from normswap.backends import get_backend
     from normswap.manifest import read_manifest_if_any
 
+    if impl is not None:
+        get_backend(impl)  # an override that cannot run either fails before anything loads
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
-    return None if manifest is None else manifest.get("patch")
+    section = None if manifest is None else manifest.get("patch")
+    if section is None:
+        return None
+    if impl is not None:
+        return {**section, "impl": impl}
+    try:
+        get_backend(section["impl"])
+    except NormswapError as e:
+        raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
+                            f"here ({e}); run its norms with another implementation: --impl torch "
+                            "(impl='torch' in the library)") from None
+    return section
 
 
 def apply_recorded_patch(model, directory, section: dict, impl: str | None = None, verify: bool = False,
