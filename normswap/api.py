@@ -76,9 +76,13 @@ class EvalSettings:
 
 
 def _require_settings(name: str, value, optional: bool = False) -> EvalSettings | None:
-    """`value` when it is an EvalSettings (or None, when optional), else a TypeError naming `name`."""
+    """`value` when it is an EvalSettings (or None, when optional), checked (EvalSettings.check:
+    every entry point's options are checked before anything is read), else a TypeError naming
+    `name`."""
     if not (isinstance(value, EvalSettings) or (optional and value is None)):
         raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
+    if value is not None:
+        value.check()
     return value
 
 
@@ -455,7 +459,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.evaluate import perplexity
     from normswap.loading import load_config, recorded_patch, resolve
 
-    _require_settings("settings", settings).check()
+    _require_settings("settings", settings)
     source = resolve(model)
     config = load_config(source)
     recorded = recorded_patch(source, impl)
@@ -482,7 +486,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
-    _require_settings("settings", settings).check()
+    _require_settings("settings", settings)
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
@@ -533,13 +537,13 @@ def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded:
 
 
 def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None):
-    """(corpus, tokenizer), after every check that needs no weights: window options, the data, A's
-    tokenizer (and B's, which must be the same), the configs' context and vocabulary."""
+    """(corpus, tokenizer), after every check that needs no weights: the data, A's tokenizer (and
+    B's, which must be the same), the configs' context and vocabulary. The window options were
+    checked by each caller's _require_settings, before it read anything."""
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
     from normswap.loading import load_tokenizer, model_class
 
-    settings.check()
     corpus = open_corpus(settings.data, settings.text_field)
     tokenizer = load_tokenizer(source)
     if source_b is not None:
