@@ -275,7 +275,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
-    source = resolve(model)
+    source = resolve(model, progress=progress)
     config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
     # layout, is refused before any work.
@@ -373,7 +373,7 @@ def convert_checkpoint(
 
     _require_path("out", out)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
-    source = resolve(model)
+    source = resolve(model, progress=progress)
     config = load_config(source)
     meta = build_meta_model(source, config)
     check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
@@ -460,7 +460,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.loading import load_config, recorded_patch, resolve
 
     _require_settings("settings", settings)
-    source = resolve(model)
+    source = resolve(model, progress=progress)
     config = load_config(source)
     recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
@@ -490,8 +490,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
-    source_a = resolve(a, "a")
-    source_b = resolve(b, "b") if b is not None else None
+    source_a = resolve(a, "a", progress)
+    source_b = resolve(b, "b", progress) if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
     recorded_a = recorded_patch(source_a, impl)
