@@ -322,6 +322,6 @@ def layer_norm(
     residual_in_fp32: bool = False,
 ):
     """Triton LayerNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
-    C.check_norm_inputs("layer_norm", _ln_fwd_kernel, x, residual, out_dtype, {"weight": weight, "bias": bias})
+    C.check_norm_inputs("layer_norm", x, residual, out_dtype, {"weight": weight, "bias": bias})
     y, h, _, _ = layer_norm_fwd(x, weight, bias, residual, float(eps), float(offset), out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y
