@@ -106,6 +106,19 @@ def round_to(x, CODE: tl.constexpr):
 
 
 @triton.jit
+def rounded_product(a, b):
+    """a * b in fp32, rounded before any use. The GPU compiler otherwise fuses a product into the
+    add or subtract that consumes it (an FMA, which never rounds the product) while the same product
+    feeds a sum elsewhere rounded: two values that should be equal then differ by a rounding error.
+    An explicitly rounded PTX multiply is one it may not fuse. The interpreter never fuses."""
+    if HW_ROUND:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
 def load_param(P, rows, row_ok, cols, col_ok, w_rows, N, PER_ROW: tl.constexpr):
     """A per-column parameter in fp32, as a (len(rows), len(cols)) tile: P[cols] on every row, or
     with PER_ROW the row of a (w_rows, N) matrix each normalised row uses (row % w_rows: per-head
