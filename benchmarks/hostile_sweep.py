@@ -254,7 +254,7 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: unknown model_type", ["scan", fx["unknown_type"]], "no_such_xyz", ci=True),
         Case("scan: unreadable directory", ["scan", fx["locked"]], "Permission denied", ci=True,
              setup=lambda: _deny(fx["locked"])),
-        Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: Permission denied", ci=True,
+        Case("scan: unreadable config.json", ["scan", fx["locked"]], "config.json: cannot read (Permission denied)", ci=True,
              setup=lambda: _deny(fx["locked"] / "config.json")),
         Case("scan: config.json not UTF-8", ["scan", fx["latin1json"]], "not UTF-8", ci=True),
         Case("scan: config.json nested too deeply", ["scan", fx["deep_user"]], "config.json: malformed config.json "

@@ -453,12 +453,12 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     runs its norms with the patch its normswap.json records (as normswap.load does), with `impl`
     in place of the recorded implementation when given (normswap.load's impl)."""
     from normswap.evaluate import perplexity
-    from normswap.loading import load_config, resolve
+    from normswap.loading import load_config, recorded_patch, resolve
 
     _require_settings("settings", settings).check()
     source = resolve(model)
     config = load_config(source)
-    recorded = _recorded_patch(source, impl)
+    recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
     step(progress, "load", 0, 1)
@@ -478,7 +478,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     loaded in float32 (stock) and judges B against A's own distance from it."""
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
-    from normswap.loading import load_config, resolve
+    from normswap.loading import load_config, recorded_patch, resolve
 
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
@@ -490,8 +490,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     source_b = resolve(b, "b") if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
-    recorded_a = _recorded_patch(source_a, impl)
-    recorded_b = _recorded_patch(source_b, impl) if source_b is not None else None
+    recorded_a = recorded_patch(source_a, impl)
+    recorded_b = recorded_patch(source_b, impl) if source_b is not None else None
     _require_recorded(impl, [a] if b is None else [a, b], recorded_a or recorded_b)
     if patched is not None and recorded_a is not None:  # patch() leaves patched modules as they are
         raise NormswapError(f"{a} already runs the {recorded_a['impl']} patch its normswap.json records, so "
@@ -512,31 +512,6 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
     return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff,
                           impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b)
-
-
-def _recorded_patch(source, impl: str | None = None) -> dict | None:
-    """The patch a normswap-written directory records, read (and its backend checked) before any
-    weights load: scoring runs what `normswap patch --out` wrote, as normswap.load does, not the
-    stock modules its weights also load into. `impl` replaces the recorded implementation: a
-    patch made with liger on a GPU machine is still scored on a CPU-only one (with torch, the
-    same arithmetic), where stock modules would hide whatever the patch changed."""
-    from normswap.backends import get_backend
-    from normswap.loading import recorded_patch
-
-    if impl is not None:
-        get_backend(impl)  # an override that cannot run either fails before anything loads
-    section = recorded_patch(source)
-    if section is None:
-        return None
-    if impl is not None:
-        return {**section, "impl": impl}
-    try:
-        get_backend(section["impl"])
-    except NormswapError as e:
-        raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
-                            f"here ({e}); run its norms with another implementation: --impl torch "
-                            "(impl='torch' in the library)") from None
-    return section
 
 
 def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:

@@ -70,7 +70,7 @@ def convert_directory(
             out_dtype=policy, streaming=streaming, progress=progress,
         )
         record_infos(plan, infos)
-        cfg = jsonsafe.read_or_refuse(source.path / "config.json")  # load_config read it: changed since?
+        cfg = jsonsafe.read_or_refuse(source.path / "config.json", what="config.json")  # load_config read it: changed since?
         if plan.untie is not None:
             _untie_config_dict(cfg)
         if dtype is not None:

@@ -47,18 +47,19 @@ def read(path: str | os.PathLike) -> Any:
         return loads(f.read())
 
 
-def read_or_refuse(path: str | os.PathLike, remedy: str = "") -> Any:
-    """read(path), a failure raised as bad input naming the file: "PATH: cannot read (reason)" or
-    "PATH: malformed JSON (reason)", then "; REMEDY" when one is given (what the user can do)."""
+def read_or_refuse(path: str | os.PathLike, remedy: str = "", what: str = "JSON") -> Any:
+    """read(path), a failure raised as bad input naming the file and the reason: "PATH: cannot
+    read (reason)" or "PATH: malformed WHAT (reason)", then "; REMEDY" when one is given (what the
+    user can do). `what` names the file's role where that says more than "JSON" (config.json)."""
     from normswap.errors import NormswapError
 
     tail = f"; {remedy}" if remedy else ""
     try:
         return read(path)
-    except OSError as e:
+    except OSError as e:  # a permission error is not a malformed file
         raise NormswapError(f"{path}: cannot read ({e.strerror or e.__class__.__name__}){tail}") from None
     except ValueError as e:
-        raise NormswapError(f"{path}: malformed JSON ({e}){tail}") from None
+        raise NormswapError(f"{path}: malformed {what} ({e}){tail}") from None
 
 
 _TOO_DEEP = f"nested too deeply: more than {MAX_DEPTH} levels"

@@ -199,8 +199,8 @@ def load_config(source: ModelSource):
     """The model's config, with every failure turned into one line naming the file it came from
     (a GGUF's config is read from the .gguf itself)."""
     cfg_path = source.path / (source.gguf_file or "config.json")
-    if source.gguf_file is None:
-        _read_json(cfg_path, source.ref)
+    if source.gguf_file is None:  # checked here: transformers' own messages name neither the file nor the reason
+        jsonsafe.read_or_refuse(cfg_path, what=cfg_path.name)
     from transformers import AutoConfig
 
     try:
@@ -221,26 +221,14 @@ def load_config(source: ModelSource):
     return config
 
 
-def _read_json(path: Path, ref: str):
-    """The JSON value in `path`, or one line naming the file and what is wrong with it."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:  # a permission error is not a malformed file
-        raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
-    try:  # checked here: transformers' own messages for these name neither the file nor the reason
-        return jsonsafe.loads(raw)
-    except ValueError as e:
-        raise NormswapError(f"{path}: malformed {path.name} ({e})") from None
-
-
-def name_malformed_json(directory: Path, names, ref: str) -> None:
+def name_malformed_json(directory: Path, names) -> None:
     """After transformers failed to load from `directory`: one line naming the first of the JSON
     files `names` it reads there that is malformed, when one is. Its own error names no file, and
     for one nested past json's limit says only 'maximum recursion depth exceeded'. Asked only once
     a load failed: a tokenizer.json can be tens of megabytes."""
     for name in names:
         if (directory / name).is_file():
-            _read_json(directory / name, ref)
+            jsonsafe.read_or_refuse(directory / name, what=name)
 
 
 # The JSON files AutoTokenizer reads from a model folder; it refuses any of them that is malformed.
@@ -261,7 +249,7 @@ def check_generation_config(source: ModelSource) -> None:
     if not path.is_file():  # a folder, or a link to nothing: transformers would not see it either
         what = "Is a directory" if path.is_dir() else "not a regular file"
         raise NormswapError(f"{path}: cannot read: {what}")
-    fields = _read_json(path, source.ref)
+    fields = jsonsafe.read_or_refuse(path, what=GENERATION_CONFIG)
     if not isinstance(fields, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
             type(fields), "null")
@@ -528,7 +516,7 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
         raise
     except Exception as e:
         if "gguf_file" not in kwargs and not (Path(path) / "model.safetensors").exists():  # else it reads no index
-            name_malformed_json(Path(path), ("model.safetensors.index.json",), ref)
+            name_malformed_json(Path(path), ("model.safetensors.index.json",))
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model
@@ -569,7 +557,7 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
     except Exception as e:
         if source.gguf_file is None:
-            name_malformed_json(source.path, TOKENIZER_FILES, source.ref)
+            name_malformed_json(source.path, TOKENIZER_FILES)
         msg = one_line(e)
         raise NormswapError(f"{source.ref}: no usable tokenizer in the model directory: {msg}") from None
 
@@ -614,14 +602,33 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
 
 
-def recorded_patch(source: ModelSource) -> dict | None:
+def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
     """The patch section of the normswap.json in a model directory normswap wrote (None: no
-    manifest, or one without a patch). Read before the weights: a malformed manifest, or a newer
-    normswap's, is refused before any work."""
+    manifest, or one without a patch), for a run of its norms (ppl, diff): scoring runs what
+    `normswap patch --out` wrote, as normswap.load does, not the stock modules its weights also
+    load into. Read, and its backend checked, before the weights: a malformed manifest, a newer
+    normswap's, or a patch that cannot run here is refused before any work. `impl` replaces the
+    recorded implementation: a patch made with liger on a GPU machine is still scored on a
+    CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
+    patch changed."""
+    from normswap.backends import get_backend
     from normswap.manifest import read_manifest_if_any
 
+    if impl is not None:
+        get_backend(impl)  # an override that cannot run either fails before anything loads
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
-    return None if manifest is None else manifest.get("patch")
+    section = None if manifest is None else manifest.get("patch")
+    if section is None:
+        return None
+    if impl is not None:
+        return {**section, "impl": impl}
+    try:
+        get_backend(section["impl"])
+    except NormswapError as e:
+        raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
+                            f"here ({e}); run its norms with another implementation: --impl torch "
+                            "(impl='torch' in the library)") from None
+    return section
 
 
 def apply_recorded_patch(model, directory, section: dict, impl: str | None = None, verify: bool = False,

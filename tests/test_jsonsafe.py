@@ -1,6 +1,7 @@
 """normswap.jsonsafe.loads / read: the one reader of user JSON files. Whatever the input, it
 returns what json.loads returns or raises a ValueError with a one-line reason; never a
-RecursionError (json's nesting limit) or a codec message."""
+RecursionError (json's nesting limit) or a codec message. read_or_refuse: the same failures as one
+bad-input line naming the file and the reason."""
 
 from __future__ import annotations
 
@@ -94,3 +95,26 @@ def test_read_reads_a_file_and_leaves_oserror_to_the_caller(tmp_path):
         jsonsafe.read(tmp_path / "missing.json")
     with pytest.raises(IsADirectoryError):
         jsonsafe.read(tmp_path)
+
+
+def test_read_or_refuse_names_the_file_its_role_and_the_reason_on_one_line(tmp_path):
+    from normswap.errors import NormswapError
+
+    p = tmp_path / "config.json"
+    p.write_text('{"hidden_size": 8, "eps": [0.5]}')
+    assert jsonsafe.read_or_refuse(p, what="config.json") == {"hidden_size": 8, "eps": [0.5]}
+    p.write_text('{"model_type": "llama",')
+    with pytest.raises(NormswapError) as e:
+        jsonsafe.read_or_refuse(p, what="config.json")
+    assert str(e.value) == (f"{p}: malformed config.json (Expecting property name enclosed in double quotes: "
+                            "line 1 column 24 (char 23))")
+    with pytest.raises(NormswapError) as e:
+        jsonsafe.read_or_refuse(p, "delete it to start again")
+    assert str(e.value).startswith(f"{p}: malformed JSON (Expecting") and str(e.value).endswith(
+        "; delete it to start again")
+    with pytest.raises(NormswapError) as e:
+        jsonsafe.read_or_refuse(tmp_path / "missing.json", what="config.json")
+    assert str(e.value) == f"{tmp_path / 'missing.json'}: cannot read (No such file or directory)"
+    with pytest.raises(NormswapError) as e:
+        jsonsafe.read_or_refuse(tmp_path, "choose another")
+    assert str(e.value) == f"{tmp_path}: cannot read (Is a directory); choose another"

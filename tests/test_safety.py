@@ -365,7 +365,7 @@ def test_case5_unreadable_config_and_data_name_the_file(src, tmp_path):
     text.write_text("hello there " * 50)
     with _denied(d / "config.json"):
         r = run("scan", d)
-    assert_one_line_error(r, f"{d / 'config.json'}: Permission denied")
+    assert_one_line_error(r, f"{d / 'config.json'}: cannot read (Permission denied)")
     assert "malformed" not in r.stderr
     with _denied(text):
         r = run("ppl", src, "--data", text)
