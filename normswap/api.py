@@ -76,9 +76,13 @@ class EvalSettings:
 
 
 def _require_settings(name: str, value, optional: bool = False) -> EvalSettings | None:
-    """`value` when it is an EvalSettings (or None, when optional), else a TypeError naming `name`."""
+    """`value` when it is an EvalSettings (or None, when optional), checked (EvalSettings.check:
+    every entry point's options are checked before anything is read), else a TypeError naming
+    `name`."""
     if not (isinstance(value, EvalSettings) or (optional and value is None)):
         raise TypeError(f"{name}: expected normswap.EvalSettings(data, ...), got {type(value).__name__}")
+    if value is not None:
+        value.check()
     return value
 
 
@@ -256,7 +260,14 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap import walk
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
-    from normswap.loading import build_meta_model, load_config, load_model, parse_device, resolve
+    from normswap.loading import (
+        apply_recorded_patch,
+        build_meta_model,
+        load_config,
+        load_model,
+        parse_device,
+        resolve,
+    )
     from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
@@ -271,7 +282,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
-    source = resolve(model)
+    source = resolve(model, progress=progress)
     config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
     # layout, is refused before any work.
@@ -289,6 +300,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if target is not None:
         _check_writable(target, folder=True)
     scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
+    baseline = _eval_baseline(source) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
@@ -300,6 +312,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     step(progress, "load", 1, 1)
 
     original = copy.deepcopy(m) if scoring else None
+    if baseline is not None:  # no bar: a swap without the per-module proof takes no time
+        apply_recorded_patch(original, source.ref, baseline)
     forms = rms_forms(converted) if rms and converted is not None else {}
     try:
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
@@ -314,11 +328,24 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
-                                     impl_b=impl)
+                                     impl_a=baseline["impl"] if baseline else None, impl_b=impl)
     if target is not None:
         result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
                                        max_shard_size=max_shard_size, progress=progress)
     return result
+
+
+def _eval_baseline(source) -> dict | None:
+    """The patch --eval's A runs: the one the folder's normswap.json records (None: none). A is the
+    model as the folder loads, as ppl and diff score it and normswap.load loads it; the new patch
+    replaces the recorded one from the stock weights, so a stock A would credit (or blame) the new
+    patch for what the recorded one already did. Checked before the weights load: a recorded patch
+    that cannot run here leaves nothing honest to compare with."""
+    from normswap.loading import recorded_patch
+
+    return recorded_patch(source, way_out="--eval compares the new patch with the model as that folder loads, "
+                          "so there is nothing to compare it with here; drop --eval, or run where the recorded "
+                          "patch runs")
 
 
 def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
@@ -369,7 +396,7 @@ def convert_checkpoint(
 
     _require_path("out", out)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
-    source = resolve(model)
+    source = resolve(model, progress=progress)
     config = load_config(source)
     meta = build_meta_model(source, config)
     check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
@@ -455,8 +482,8 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.evaluate import perplexity
     from normswap.loading import load_config, recorded_patch, resolve
 
-    _require_settings("settings", settings).check()
-    source = resolve(model)
+    _require_settings("settings", settings)
+    source = resolve(model, progress=progress)
     config = load_config(source)
     recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
@@ -482,12 +509,12 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
-    _require_settings("settings", settings).check()
+    _require_settings("settings", settings)
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
-    source_a = resolve(a, "a")
-    source_b = resolve(b, "b") if b is not None else None
+    source_a = resolve(a, "a", progress)
+    source_b = resolve(b, "b", progress) if b is not None else None
     config_a = load_config(source_a)
     config_b = load_config(source_b) if source_b is not None else config_a
     recorded_a = recorded_patch(source_a, impl)
@@ -533,13 +560,13 @@ def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded:
 
 
 def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None):
-    """(corpus, tokenizer), after every check that needs no weights: window options, the data, A's
-    tokenizer (and B's, which must be the same), the configs' context and vocabulary."""
+    """(corpus, tokenizer), after every check that needs no weights: the data, A's tokenizer (and
+    B's, which must be the same), the configs' context and vocabulary. The window options were
+    checked by each caller's _require_settings, before it read anything."""
     from normswap.data import open_corpus
     from normswap.evaluate import check_before_loading
     from normswap.loading import load_tokenizer, model_class
 
-    settings.check()
     corpus = open_corpus(settings.data, settings.text_field)
     tokenizer = load_tokenizer(source)
     if source_b is not None:

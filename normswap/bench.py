@@ -207,11 +207,11 @@ def _device(name: str | None) -> torch.device:
         raise NormswapError(f"bad device {name!r}: {e}") from None
 
 
-def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device):
+def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None):
     """The model of cfg.model: its config with random weights (seeded), or its weights."""
     from normswap.loading import load_config, load_model, model_class, resolve
 
-    source = resolve(cfg.model)
+    source = resolve(cfg.model, progress=progress)
     config = load_config(source)
     _check_context(cfg, config)
     if cfg.load_weights:
@@ -336,7 +336,7 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
         get_backend(impl)  # an impl that cannot run here fails before the model is built
     dtype = parse_dtype(cfg.dtype)
     device = _device(cfg.device)
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device, progress)
     config = model.config
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 4:

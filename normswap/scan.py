@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from normswap.consumers import find_consumers
+from normswap.progress import ProgressFn
 from normswap.walk import FoundNorm, UnknownNormWarning, find_norms
 
 ROOT = "<model>"  # how a consumer that is the model's own forward is shown
@@ -89,11 +90,13 @@ def conversion_rows(model: nn.Module, config) -> dict[str, dict[str, Any]]:
     return {d.path: {"converts": d.rms, "category": d.category, "why_not": d.why_not} for d in plan.norms}
 
 
-def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True) -> dict[str, Any]:
-    """Scan a model reference (hub id, directory, .gguf, built-in name) without reading weights."""
+def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True,
+         progress: bool | ProgressFn | None = None) -> dict[str, Any]:
+    """Scan a model reference (hub id, directory, .gguf, built-in name) without reading weights.
+    progress (normswap.progress.bar) hears a built-in model's first-use conversion."""
     from normswap.loading import build_meta_model, resolve
 
-    source = resolve(ref)
+    source = resolve(ref, progress=progress)
     model = build_meta_model(source)
     doc = {"model": ref, "path": str(source.path)}
     doc.update(scan_model(model, strict=strict, with_consumers=with_consumers, warn=warn))

@@ -171,6 +171,30 @@ def test_evaluate_and_diff_are_the_ppl_and_diff_commands(root):
     assert diff.result.ppl_a == pytest.approx(ppl.result.ppl, rel=1e-12)
 
 
+@pytest.mark.parametrize("window, says", [(dict(max_length=1), "max_length 1: a window needs at least 2 tokens"),
+                                          (dict(stride=0), "stride 0: must be a positive number of tokens"),
+                                          (dict(max_tokens=2.5), "max_tokens must be a whole number of tokens")])
+def test_every_scoring_entry_point_checks_its_window_options_before_reading_anything(root, tmp_path, monkeypatch,
+                                                                                      window, says):
+    """The library's three scoring calls check EvalSettings first, as the commands check their
+    options: patch_checkpoint reached its only check after reading the model's config and
+    manifest, evaluate/diff checked twice."""
+    from normswap import loading
+    from normswap.errors import BadInputError
+
+    def no_read(*a, **k):
+        raise AssertionError("the model was read before the window options were checked")
+
+    monkeypatch.setattr(loading, "resolve", no_read)
+    settings = api.EvalSettings(root / "text.txt", **window)
+    for call in (lambda: api.patch_checkpoint(root / "llama", "torch", out=tmp_path / "o", evaluation=settings),
+                 lambda: api.evaluate_checkpoint(root / "llama", settings),
+                 lambda: api.diff_checkpoints(root / "llama", settings=settings, patched="torch")):
+        with pytest.raises(BadInputError, match=f"^{says}"):
+            call()
+    assert not (tmp_path / "o").exists()
+
+
 # -- the noise floor ------------------------------------------------------------------------------
 
 

@@ -479,18 +479,65 @@ def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix
         loading.check_stored_dtypes(src, loading.load_config(src))
 
 
-def test_the_built_in_models_first_use_says_what_it_is_doing(tmp_path, monkeypatch, capsys):
-    """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
-    begins: it was 20 s of nothing on stderr. Whole lines here (stderr is no terminal)."""
-    from tiny_models import tiny_model, tiny_tokenizer
+@pytest.fixture
+def tiny_builtin(tmp_path, monkeypatch):
+    """A built-in model "tiny-builtin": the tiny Llama GGUF, shipped in a package of its own as
+    smollm2-135m is, and a fresh normswap cache. The fixture's GGUF holds no tokenizer: the
+    conversion gets the tiny one."""
+    import transformers
+    from tiny_models import tiny_tokenizer
 
+    package = tmp_path / "tiny_builtin_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    write_tiny_llama_gguf(package / "tiny.gguf")
+    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(loading._BUILTINS, "tiny-builtin", ("json", "tiny.gguf"))  # any importable package
-    monkeypatch.setattr(loading, "_load_gguf", lambda directory, name: (tiny_model("llama"), tiny_tokenizer()))
-    target = loading.builtin_model_dir("tiny-builtin")
-    assert (target / "model.safetensors").is_file()
+    monkeypatch.setitem(loading._BUILTINS, "tiny-builtin", ("tiny_builtin_pkg", "tiny.gguf"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    was = transformers.utils.logging.is_progress_bar_enabled()
+    # transformers' own bars (de-quantising, writing shards) have a switch of their own, which
+    # every command turns off: off here too, so that what stderr holds is normswap's alone
+    transformers.utils.logging.disable_progress_bar()
+    yield loading.cache_dir() / "tiny-builtin"
+    (transformers.utils.logging.enable_progress_bar if was else transformers.utils.logging.disable_progress_bar)()
+
+
+def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):
+    """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
+    begins: the commands say what it is doing (it was 20 s of nothing on stderr), a library call
+    hears it through its own progress and, with progress off, prints nothing (it printed the
+    line whatever the caller asked)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+    from normswap.scan import scan
+
+    target = tiny_builtin
     what = f"tiny-builtin: first use, converting its GGUF to safetensors in {target}"
-    lines = capsys.readouterr().err.splitlines()
+    capfd.readouterr()
+    for quiet in (False, None):
+        doc = scan("tiny-builtin", warn=False, progress=quiet)
+        assert doc["path"] == str(target) and (target / "model.safetensors").is_file()
+        assert capfd.readouterr().err == ""
+        shutil.rmtree(target)
+    calls = []
+    assert loading.resolve("tiny-builtin", progress=lambda *a: calls.append(a)).path == target
+    assert calls == [(what, 0, 2), (what, 1, 2), (what, 2, 2)] and capfd.readouterr().err == ""
+    shutil.rmtree(target)
+    loading.builtin_model_dir("tiny-builtin", progress=True)  # as perplexity's progress=True: a bar on stderr
+    lines = capfd.readouterr().err.splitlines()  # whole lines: stderr is no terminal
     assert lines[0] == f"{what} ..." and lines[-1].startswith(f"{what}: 2/2 step, "), lines
-    assert loading.builtin_model_dir("tiny-builtin") == target
-    assert capsys.readouterr().err == ""  # converted once: nothing to say after
+    shutil.rmtree(target)
+    for command in (["scan", "tiny-builtin"], ["patch", "tiny-builtin", "--impl", "torch"]):
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == 0, r.output
+        lines = r.stderr.splitlines()
+        assert lines[0] == f"{what} ..." and lines[1].startswith(f"{what}: 2/2 step, "), lines
+        assert (target / "model.safetensors").is_file()
+        if command[0] == "scan":
+            shutil.rmtree(target)
+    r = CliRunner().invoke(cli, ["scan", "tiny-builtin"])  # converted once: nothing to say after
+    assert r.exit_code == 0 and r.stderr == "" and capfd.readouterr().err == ""

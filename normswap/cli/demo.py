@@ -29,7 +29,8 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     # Before the scan: a --max-tokens the library refuses is one line naming the flag as typed.
     evaluation = api.demo_evaluation(max_tokens, option_names={"max_tokens": "--max-tokens"})
     click.echo(f"\n$ normswap scan {DEFAULT_MODEL}", err=True)
-    doc = scanning.scan(DEFAULT_MODEL, warn=False)
+    with ProgressBars() as bars:  # the built-in model's first use converts it (~20 s): say so
+        doc = scanning.scan(DEFAULT_MODEL, warn=False, progress=bars)
     warn_unknown(doc)
     if not as_json:
         render_scan(doc)

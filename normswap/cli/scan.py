@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from normswap.cli.main import cli, emit, json_option, report_console
+from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.loading import DEFAULT_MODEL
 
 
@@ -23,7 +23,8 @@ def scan(model: str, strict: bool, no_consumers: bool, as_json: bool) -> None:
     the built-in default (smollm2-135m). Built on the meta device: no weights are read."""
     from normswap.scan import scan as run_scan
 
-    doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False)
+    with ProgressBars() as bars:  # a built-in model's first use converts it (~20 s): say so
+        doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False, progress=bars)
     warn_unknown(doc)
     emit(doc, as_json, render)
 

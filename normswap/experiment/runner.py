@@ -136,10 +136,10 @@ def _check_out(out: Path, recipe: Recipe) -> None:
                                 "or choose another --out")
 
 
-def _load_model(path: str):
+def _load_model(path: str, progress: bool):
     from normswap.loading import load_model, load_tokenizer, resolve
 
-    source = resolve(path)
+    source = resolve(path, progress=progress)
     return load_model(source, dtype=torch.float32), load_tokenizer(source)
 
 
@@ -213,7 +213,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     # an arm needs them, they would stop the run after pretraining and the arms before it.
     texts = _read_texts(recipe, arms)
     if recipe.pretrain is None:  # a model that does not load or fit is reported before OUT is made
-        loaded = _load_model(recipe.model.path)
+        loaded = _load_model(recipe.model.path, progress)
         _check_fits(recipe, loaded[0])
         check_arms(loaded[0], arms)
         from normswap.evaluate import check_before_loading
@@ -294,7 +294,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
                                                      recipe.data.eval, stop=stop, progress=progress)
         model_path = str(model_dir)
-        loaded = _load_model(model_path)
+        loaded = _load_model(model_path, progress)
         _check_fits(recipe, loaded[0])
     else:
         model_path = recipe.model.path
