@@ -411,7 +411,6 @@ _PTXAS_RE = {
 }
 # The opcode must end at a dot or a space: LDGDEPBAR (a cp.async fence) is no load.
 _MEM_RE = re.compile(r"\b(LDGSTS|LDG|STG|LDL|STL|ATOMG|REDG|RED|ATOM)((?:\.[A-Z0-9_]+)*)(?=\s)")
-_LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
 @functools.cache
@@ -500,33 +499,14 @@ def ptx_memory_ops(ptx: str) -> list[dict]:
 
 
 def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
-    """Every global/local memory instruction: {op, bits, line text}."""
+    """Every global/local memory instruction of the machine code: {op, bits} (what it is and how
+    wide; which source line, ptx_memory_ops says exactly)."""
     path = workdir / "k.cubin"
     path.write_bytes(cubin)
-    out = subprocess.run([str(triton_bin("nvdisasm")), "-g", "-c", str(path)], capture_output=True, text=True,
+    out = subprocess.run([str(triton_bin("nvdisasm")), "-c", str(path)], capture_output=True, text=True,
                          check=True).stdout
-    ops, where = [], None
-    sources: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        loc = _LINE_RE.search(line)
-        if loc:
-            where = (loc.group(1), int(loc.group(2)))
-            continue
-        hit = _MEM_RE.search(line)
-        if not hit:
-            continue
-        text = ""
-        if where is not None:
-            if where[0] not in sources:
-                try:
-                    sources[where[0]] = Path(where[0]).read_text().splitlines()
-                except OSError:
-                    sources[where[0]] = []
-            lines = sources[where[0]]
-            text = lines[where[1] - 1].strip() if 0 < where[1] <= len(lines) else ""
-        op = hit.group(1)
-        ops.append({"op": op, "bits": _width_bits(hit.group(2)), "source": text})
-    return ops
+    return [{"op": hit.group(1), "bits": _width_bits(hit.group(2))}
+            for hit in map(_MEM_RE.search, out.splitlines()) if hit]
 
 
 def is_scratch(source: str) -> bool:
