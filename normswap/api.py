@@ -260,7 +260,14 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap import walk
     from normswap.backends import get_backend
     from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
-    from normswap.loading import build_meta_model, load_config, load_model, parse_device, resolve
+    from normswap.loading import (
+        apply_recorded_patch,
+        build_meta_model,
+        load_config,
+        load_model,
+        parse_device,
+        resolve,
+    )
     from normswap.manifest import conversion_section, rms_forms
     from normswap.swap import patch, regex_filter
 
@@ -293,6 +300,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if target is not None:
         _check_writable(target, folder=True)
     scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
+    baseline = _eval_baseline(source) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
@@ -304,6 +312,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     step(progress, "load", 1, 1)
 
     original = copy.deepcopy(m) if scoring else None
+    if baseline is not None:  # no bar: a swap without the per-module proof takes no time
+        apply_recorded_patch(original, source.ref, baseline)
     forms = rms_forms(converted) if rms and converted is not None else {}
     try:
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
@@ -318,11 +328,24 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
-                                     impl_b=impl)
+                                     impl_a=baseline["impl"] if baseline else None, impl_b=impl)
     if target is not None:
         result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
                                        max_shard_size=max_shard_size, progress=progress)
     return result
+
+
+def _eval_baseline(source) -> dict | None:
+    """The patch --eval's A runs: the one the folder's normswap.json records (None: none). A is the
+    model as the folder loads, as ppl and diff score it and normswap.load loads it; the new patch
+    replaces the recorded one from the stock weights, so a stock A would credit (or blame) the new
+    patch for what the recorded one already did. Checked before the weights load: a recorded patch
+    that cannot run here leaves nothing honest to compare with."""
+    from normswap.loading import recorded_patch
+
+    return recorded_patch(source, way_out="--eval compares the new patch with the model as that folder loads, "
+                          "so there is nothing to compare it with here; drop --eval, or run where the recorded "
+                          "patch runs")
 
 
 def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:

@@ -607,7 +607,9 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
 
 
-def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
+def recorded_patch(source: ModelSource, impl: str | None = None, *,
+                   way_out: str = "run its norms with another implementation: --impl torch (impl='torch' in the "
+                                  "library)") -> dict | None:
     """The patch section of the normswap.json in a model directory normswap wrote (None: no
     manifest, or one without a patch), for a run of its norms (ppl, diff): scoring runs what
     `normswap patch --out` wrote, as normswap.load does, not the stock modules its weights also
@@ -615,7 +617,8 @@ def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
     normswap's, or a patch that cannot run here is refused before any work. `impl` replaces the
     recorded implementation: a patch made with liger on a GPU machine is still scored on a
     CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
-    patch changed."""
+    patch changed. way_out: what the refusal of a recorded patch that cannot run here suggests (the
+    caller's own option for it)."""
     from normswap.backends import get_backend
     from normswap.manifest import read_manifest_if_any
 
@@ -631,8 +634,7 @@ def recorded_patch(source: ModelSource, impl: str | None = None) -> dict | None:
         get_backend(section["impl"])
     except NormswapError as e:
         raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
-                            f"here ({e}); run its norms with another implementation: --impl torch "
-                            "(impl='torch' in the library)") from None
+                            f"here ({e}); {way_out}") from None
     return section
 
 

@@ -51,3 +51,62 @@ def test_bad_eval_input_fails_before_loading(model_and_text, args, says):
     result = run(model, "--impl", "torch", *args)
     assert result.exit_code == 2 and says in result.stderr and "Traceback" not in result.stderr
     assert "patch+verify" not in result.stderr  # refused before the model was loaded and patched
+
+
+def _impls(model) -> set:
+    """The implementations the model's norms run with (None: a norm of its own class)."""
+    return {getattr(m, "impl", None) for m in model.modules() if "norm" in type(m).__name__.lower()}
+
+
+def test_eval_on_a_folder_patch_wrote_compares_with_the_folder_as_it_loads(model_and_text, tmp_path, monkeypatch):
+    """`patch --out fast`, then `patch fast --impl IMPL --eval`: A is fast as ppl, diff and
+    normswap.load run it (its recorded patch), not its stock modules, which credited the new patch
+    with whatever the recorded one already did. The new patch still replaces the recorded one, from
+    the stock weights, and is what --out saves."""
+    import normswap
+    from normswap import evaluate
+
+    model, text = model_and_text
+    fast = tmp_path / "fast"
+    normswap.patch_checkpoint(model, "torch", out=fast)
+    scored = []
+    real = evaluate.diff_models
+    monkeypatch.setattr(evaluate, "diff_models", lambda *a, **k: scored.append(a[:2]) or real(*a, **k))
+    result = run(fast, "--impl", "reference", "--eval", text, "--eval-max-length", 32, "--out", tmp_path / "again",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    ev = doc["eval"]
+    assert (ev["model_a"], ev["impl_a"], ev["impl_b"]) == (str(fast), "torch", "reference")
+    model_a, model_b = scored.pop()
+    assert _impls(model_a) == {"torch"} and _impls(model_b) == {"reference"}
+    assert all(m["status"] == "patched" for m in doc["modules"])  # patched afresh, each module verified
+    saved = json.loads((tmp_path / "again" / "normswap.json").read_text())["patch"]
+    assert saved["impl"] == "reference" and saved["source"] == str(fast)
+    human = run(fast, "--impl", "reference", "--eval", text, "--eval-max-length", 32)
+    assert human.exit_code == 0, human.stderr
+    assert "perplexity diff, as it loads (A) vs patched (B):" in human.stdout
+    assert f"A: {fast} (its normswap.json's patch, run with torch)\nB: {fast} --impl reference\n" in human.stdout
+    # an unpatched model is still compared with its own modules
+    assert run(model, "--impl", "torch", "--eval", text, "--eval-max-length", 32, "--json").exit_code == 0
+    assert _impls(scored.pop()[0]) == {None}
+
+
+def test_eval_on_a_folder_whose_recorded_patch_cannot_run_here_is_refused(model_and_text, tmp_path):
+    """With no way to run the recorded patch (liger, on a CPU-only machine) there is no honest
+    baseline: --eval is refused before anything loads, saying why; patching without --eval still
+    works (the new patch replaces the recorded one, from the stock weights)."""
+    import normswap
+
+    model, text = model_and_text
+    fast = tmp_path / "fast"
+    normswap.patch_checkpoint(model, "torch", out=fast)
+    manifest = json.loads((fast / "normswap.json").read_text())
+    manifest["patch"]["impl"] = "liger"
+    (fast / "normswap.json").write_text(json.dumps(manifest))
+    result = run(fast, "--impl", "torch", "--eval", text, "--eval-max-length", 32, "--json")
+    assert result.exit_code == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert "records a liger patch, which cannot run here" in result.stderr and "drop --eval" in result.stderr
+    assert "patch+verify" not in result.stderr and "--impl torch" not in result.stderr  # refused before the load
+    result = run(fast, "--impl", "torch", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["ok"], result.stderr

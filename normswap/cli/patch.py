@@ -127,7 +127,9 @@ def render(data: dict) -> None:
     if data.get("eval"):
         from normswap.cli.diff import render_diff
 
-        console.print("perplexity diff, original (A) vs patched (B):")
+        # A is the model as MODEL loads: a folder an earlier patch wrote runs its recorded patch
+        baseline = "as it loads" if data["eval"].get("impl_a") else "original"
+        console.print(f"perplexity diff, {baseline} (A) vs patched (B):")
         render_diff(data["eval"])
     if data["saved_to"]:
         console.print(f"saved to {data['saved_to']} (stock checkpoint + normswap.json; reload check passed)")
