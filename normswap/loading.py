@@ -119,7 +119,7 @@ def _directory_source(ref: str, p: Path) -> ModelSource:
     os.listdir(p)  # an unreadable directory is reported as such, not as "no config.json"
     config = p / "config.json"
     if config.exists() and not config.is_file():  # there, but no file: say so, not "no config.json"
-        raise NormswapError(f"{config}: cannot read: {'Is a directory' if config.is_dir() else 'not a regular file'}")
+        raise NormswapError(f"{config}: cannot read ({'Is a directory' if config.is_dir() else 'not a regular file'})")
     if not config.is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -253,7 +253,7 @@ def check_generation_config(source: ModelSource) -> None:
         return
     if not path.is_file():  # a folder, or a link to nothing: transformers would not see it either
         what = "Is a directory" if path.is_dir() else "not a regular file"
-        raise NormswapError(f"{path}: cannot read: {what}")
+        raise NormswapError(f"{path}: cannot read ({what})")
     fields = jsonsafe.read_or_refuse(path, what=GENERATION_CONFIG)
     if not isinstance(fields, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
