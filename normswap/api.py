@@ -283,7 +283,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
     source = resolve(model, progress=progress)
-    config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
     # layout, is refused before any work.
     converted = None if source.gguf_file else conversion_section(source.path)
@@ -397,7 +397,7 @@ def convert_checkpoint(
     _require_path("out", out)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model, progress=progress)
-    config = load_config(source)
+    config = load_config(source, progress)
     meta = build_meta_model(source, config)
     check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
@@ -484,7 +484,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
 
     _require_settings("settings", settings)
     source = resolve(model, progress=progress)
-    config = load_config(source)
+    config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
     corpus, tokenizer = _prepare_scoring(settings, source, [config])
@@ -515,8 +515,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
         get_backend(patched)  # an unavailable implementation fails before anything loads
     source_a = resolve(a, "a", progress)
     source_b = resolve(b, "b", progress) if b is not None else None
-    config_a = load_config(source_a)
-    config_b = load_config(source_b) if source_b is not None else config_a
+    config_a = load_config(source_a, progress)
+    config_b = load_config(source_b, progress) if source_b is not None else config_a
     recorded_a = recorded_patch(source_a, impl)
     recorded_b = recorded_patch(source_b, impl) if source_b is not None else None
     _require_recorded(impl, [a] if b is None else [a, b], recorded_a or recorded_b)
