@@ -241,7 +241,8 @@ def patch_checkpoint(
     progress: ProgressFn | None = None,
 ) -> PatchResult:
     """Load `model`, swap every recognised norm for an `impl` module, verify each one and the
-    whole model, optionally diff against the original (`evaluation`) and save (`out`, or
+    whole model, optionally diff against the model as it loads (`evaluation`: the original, or a
+    folder's recorded patch, as evaluate/diff_checkpoints score it) and save (`out`, or
     `in_place` over the model's own directory, atomically).
 
     only/exclude: regular expressions on module paths. rms: run the LayerNorms a `normswap
