@@ -277,6 +277,8 @@ class Run:
         else:
             self.env.pop("TRITON_INTERPRET", None)  # native kernels: never the interpreter on the GPU
         self.versions = self._versions(commit)
+        if commit:  # what every child records as its provenance (the copy's own .git can be stale)
+            self.env["NORMSWAP_COMMIT"] = commit
         self.prefix = f"{slug(self.versions['device'])}-{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}"
         # Named by the parts run: every call's files keep their own names once copied back together.
         self.log_path = out / f"{self.prefix}-log-{label}.txt"

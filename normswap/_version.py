@@ -2,15 +2,24 @@
 and the benchmarks read them without importing the package (whose __init__ imports the modules
 that write manifests)."""
 
+import os
 import subprocess
 from pathlib import Path
 
 __version__ = "0.1.0"
 
 
+# A copy of the tree made elsewhere (the GPU machine's) may carry no .git, or a stale one: whoever
+# made the copy knows its commit and says so here (benchmarks/gpu.py sets it from --commit).
+COMMIT_ENV = "NORMSWAP_COMMIT"
+
+
 def git_commit() -> str | None:
     """HEAD of the checkout normswap runs from ("-dirty" with uncommitted changes to tracked
-    files), or None outside a git checkout: the provenance every benchmark result records."""
+    files), or None outside a git checkout: the provenance every benchmark result records.
+    $NORMSWAP_COMMIT, when set, is the answer instead."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,

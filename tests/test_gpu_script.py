@@ -5,6 +5,8 @@ stopped at its time cap keeps what finished). Nothing here measures a GPU."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from benchmark_scripts import load_script
@@ -177,6 +179,13 @@ def test_dry_run_writes_outcomes_as_they_happen(gpu, isolated, monkeypatch):
     assert "DRY RUN" in text and "commit abc123" in text
     assert "## stuck: stopped at its time cap" in text and "outcomes so far: 1 passed" in text
     assert "test_quick PASSED" in run.log_path.read_text() and run.log_path.name.endswith("-log-run.txt")
+
+    # Every child records the commit given, not what a stale .git in the tree copy says (the first
+    # H100 run's kernels.py JSON said a9893d0-dirty for a copy of d28bbfb).
+    assert run.env["NORMSWAP_COMMIT"] == "abc123"
+    probe = "from normswap._version import git_commit; print(git_commit())"
+    assert subprocess.run([sys.executable, "-c", probe], env=run.env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "abc123"
 
     assert gpu.main(["run", str(out), "tests-kernels", "--dry-run", "--budget", "200", "--commit", "abc123"]) == 0
     text = run.tests_path.read_text()  # same device and date: the same file, rewritten by the new run

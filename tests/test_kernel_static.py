@@ -227,3 +227,32 @@ def test_one_of_each_kernel_variant_class_compiles_for_sm_90(tmp_path):
     assert some("_rms_bwd_kernel", HAS_DR=True) and some("_ln_bwd_kernel", HAS_DR=True)
     assert any(r["kernel"].endswith("bwd_kernel") and r["args"]["DY"] != r["args"]["Z"] for r in rows)
     assert some("_ln_bwd_kernel", HAS_DB=True, HAS_DW=False) and some("_rms_bwd_kernel", HAS_DW=False, HAS_W=True)
+
+
+_WDY_SCRIPT = """
+import json, sys
+from normswap.kernels import static_check as S
+out = []
+for n, heads in ((1, 0), (4096, 0), (4096, 2), (65536, 0)):
+    for launch in S.plan("layer_norm", "bwd", "fp32", 64, n, True, True, False, variant=S.Variant(heads=heads)):
+        if launch.kernel.fn.__name__ == "_ln_bwd_kernel":
+            ptx = S.compile_launch(launch).asm["ptx"]
+            out.append(dict(n=n, heads=heads, chunks=launch.kwargs["CHUNKS"], rounded=ptx.count("mul.rn.f32")))
+print(json.dumps(out))
+"""
+
+
+def test_layer_norm_backward_rounds_the_weighted_gradient_before_centering_it(tmp_path):
+    """dx = rstd * (wdy - mean(wdy) - xhat * mean(xhat * wdy)). Where a row's terms cancel (a 1-wide
+    row, a constant row) the first difference must be exactly 0; the GPU compiler fused wdy = dy * w
+    into that subtract (an FMA: the product unrounded there, rounded in the mean), so on an H100 a
+    1-wide row's dx came out ~1e-5 instead of 0 (rstd = 1/sqrt(eps) amplifies the rounding error).
+    The kernel now computes wdy with an explicitly rounded multiply, which the compiler may not
+    fuse: it must be in the machine code of every layout (one tile, per-head weights, split rows)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _WDY_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert {r["chunks"] > 1 for r in rows} == {False, True} and any(r["heads"] for r in rows)
+    assert all(r["rounded"] > 0 for r in rows), rows

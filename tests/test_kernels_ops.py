@@ -266,3 +266,64 @@ def test_residual_that_is_x_itself_gets_both_gradients(op):
     h3 = x3 + x3
     (g_ref,) = torch.autograd.grad(ref(h3).sum() + h3.sum(), x3)
     torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fullgraph_compile_traces_with_gpu_kernels(monkeypatch):
+    """torch.compile(fullgraph=True) traces the functional API's Python up to the ops. On a GPU its
+    tracer models each @triton.jit kernel the code touches as a Triton kernel variable, which has
+    no Python type: a check that asked type() of one broke the trace there and nowhere on the
+    interpreter (found natively on an H100). Here every kernel is swapped for a real JITFunction,
+    as the tracer sees kernels on a GPU, whose launches still run through the interpreter."""
+    import torch._dynamo
+    from triton.runtime.jit import JITFunction
+
+    from normswap.kernels import layer_norm as L
+    from normswap.kernels import rms_norm as R
+    from normswap.kernels.layer_norm import layer_norm
+
+    if not _common.INTERPRETED:
+        pytest.skip("on a GPU the kernels are JITFunctions already (tests/test_kernels_gpu.py)")
+
+    class InterpretedFunction(JITFunction):
+        """A JITFunction to the tracer; to launch planning, which runs eagerly inside the ops and
+        asks a kernel's type name, the interpreted kernel it wraps and launches."""
+
+        def __init__(self, interpreted):
+            super().__init__(interpreted.fn)
+            self.interpreted = interpreted
+
+        def __getitem__(self, grid):
+            return self.interpreted[grid]
+
+    # The launched kernels only: the interpreter calls the @triton.jit helpers they use by name.
+    for mod, names in ((R, ("_rms_fwd_kernel", "_rms_bwd_kernel")), (L, ("_ln_fwd_kernel", "_ln_bwd_kernel"))):
+        for name in names:
+            monkeypatch.setattr(mod, name, InterpretedFunction(getattr(mod, name)))
+    torch._dynamo.reset()
+
+    def block(x, w, b, r):
+        y, h = rms_norm(x * 2.0, w, 1e-6, residual=r)
+        return (layer_norm(y, w, b, 1e-5).float() * h.float()).sum()
+
+    gen = torch.Generator().manual_seed(11)
+    args = [_rand((6, 40), FP32, gen), _rand(40, FP32, gen, 0.3, 1.0), _rand(40, FP32, gen), _rand((6, 40), FP32, gen)]
+    args = [a.requires_grad_() for a in args]
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*args)
+    got = torch.autograd.grad(loss, args)
+    torch._dynamo.reset()
+    want_loss = block(*args)
+    want = torch.autograd.grad(want_loss, args)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_tensors_on_a_device_the_kernels_cannot_use_are_one_clear_error():
+    from normswap.errors import NormswapError
+    from normswap.kernels.layer_norm import layer_norm
+
+    x = torch.ones(2, 8, device="meta") if _common.INTERPRETED else torch.ones(2, 8)
+    want = "interpreter runs on CPU tensors, got a tensor on meta" if _common.INTERPRETED else "need CUDA tensors"
+    for call in (lambda: rms_norm(x, None, 1e-6), lambda: layer_norm(x, None, None, 1e-5)):
+        with pytest.raises(NormswapError, match=want):
+            call()

@@ -64,7 +64,8 @@ POISON_OUTPUTS = False
 
 def interpreting(kernel) -> bool:
     """True when `kernel` (a @triton.jit function) was built for the CPU interpreter, which triton
-    decides from TRITON_INTERPRET when the decorator runs."""
+    decides from TRITON_INTERPRET when the decorator runs. Asked by launch planning, of the kernel
+    at hand (tests plan GPU launches in an interpreter process with stand-ins for compiled kernels)."""
     return type(kernel).__name__ == "InterpretedFunction"
 
 
@@ -73,9 +74,15 @@ def _probe():
     pass
 
 
+# Whether this process's kernels run on the interpreter (triton decides once, at import): what the
+# functional API's checks ask. Never asked of a kernel there: torch.compile traces those checks,
+# and its tracer models a GPU kernel as an object with no Python type (type() of one breaks a
+# fullgraph=True trace; found natively on an H100).
+INTERPRETED = interpreting(_probe)
+
 # Hardware fp32 -> bf16 conversion (round-to-nearest-even) on GPUs; integer rounding on the
 # interpreter, whose cast truncates. Decided once per process, like TRITON_INTERPRET itself.
-HW_ROUND = tl.constexpr(not interpreting(_probe))
+HW_ROUND = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
@@ -96,6 +103,19 @@ def round_to(x, CODE: tl.constexpr):
             return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         return x
+
+
+@triton.jit
+def rounded_product(a, b):
+    """a * b in fp32, rounded before any use. The GPU compiler otherwise fuses a product into the
+    add or subtract that consumes it (an FMA, which never rounds the product) while the same product
+    feeds a sum elsewhere rounded: two values that should be equal then differ by a rounding error.
+    An explicitly rounded PTX multiply is one it may not fuse. The interpreter never fuses."""
+    if HW_ROUND:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
 
 
 @triton.jit
@@ -236,8 +256,8 @@ def triton_unavailable_reason(kernel) -> str | None:
     )
 
 
-def check_device(x: torch.Tensor, kernel) -> None:
-    if interpreting(kernel):
+def check_device(x: torch.Tensor) -> None:
+    if INTERPRETED:
         if x.device.type != "cpu":
             raise NormswapError(f"the Triton interpreter runs on CPU tensors, got a tensor on {x.device}")
     elif x.device.type != "cuda":
@@ -515,13 +535,13 @@ def _launch_config(rows: int, n: int, elem_bytes: int, pass_: str, interp: bool,
 _PLURAL = {"weight": "weights", "bias": "biases"}
 
 
-def check_norm_inputs(op: str, kernel, x: torch.Tensor, residual: torch.Tensor | None,
+def check_norm_inputs(op: str, x: torch.Tensor, residual: torch.Tensor | None,
                       out_dtype: torch.dtype | None, params: dict[str, torch.Tensor | None]) -> None:
     """The functional API's argument checks, one clear NormswapError each. `params` maps the
     per-column parameters' names ("weight", "bias") to the tensors (or None)."""
     if x.dim() < 1 or x.shape[-1] < 1:
         raise NormswapError(f"{op} needs a non-empty last dimension, got shape {tuple(x.shape)}")
-    check_device(x, kernel)
+    check_device(x)
     check_dtype(x, "inputs")
     for what, t in params.items():
         check_dtype(t, _PLURAL[what])

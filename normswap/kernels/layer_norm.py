@@ -24,6 +24,7 @@ from normswap.kernels._common import (
     load_rows,
     publish_and_gather,
     round_to,
+    rounded_product,
     split_rows,
     store_input_grads,
 )
@@ -123,16 +124,18 @@ def _ln_fwd_kernel(
 def _ln_bwd_tile(DY, Z, W, rows, row_ok, c, col_ok, mask, mean, rstd, w, w_rows, N, stride_dy, stride_z, offset,
                  HAS_W: tl.constexpr, PER_ROW_W: tl.constexpr):
     """(xhat, wdy, dy) for one tile; padded columns give zeros everywhere. `w` is the program's
-    `offset + w` (per-row weights are loaded here instead)."""
+    `offset + w` (per-row weights are loaded here instead). wdy is rounded once (rounded_product):
+    dx subtracts its row mean from it, and where the row's terms cancel (a constant row, a 1-wide
+    one) that difference must be exactly 0, not a rounding error amplified by rstd."""
     z = load_rows(Z, rows, c, mask, stride_z)
     dy = load_rows(DY, rows, c, mask, stride_dy)
     xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
     wdy = dy
     if HAS_W:
         if PER_ROW_W:
-            wdy = dy * (load_param(W, rows, row_ok, c, col_ok, w_rows, N, True) + offset)
+            wdy = rounded_product(dy, load_param(W, rows, row_ok, c, col_ok, w_rows, N, True) + offset)
         else:
-            wdy = dy * w
+            wdy = rounded_product(dy, w)
     return xhat, wdy, dy
 
 
@@ -322,6 +325,6 @@ def layer_norm(
     residual_in_fp32: bool = False,
 ):
     """Triton LayerNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
-    C.check_norm_inputs("layer_norm", _ln_fwd_kernel, x, residual, out_dtype, {"weight": weight, "bias": bias})
+    C.check_norm_inputs("layer_norm", x, residual, out_dtype, {"weight": weight, "bias": bias})
     y, h, _, _ = layer_norm_fwd(x, weight, bias, residual, float(eps), float(offset), out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y

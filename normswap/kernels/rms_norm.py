@@ -315,6 +315,6 @@ def rms_norm(
     """Triton RMSNorm over the last dim. With `residual`: returns (norm(x + residual), x + residual)."""
     if casting not in CASTINGS:
         raise NormswapError(f"unknown casting mode {casting!r}; expected one of {', '.join(CASTINGS)}")
-    C.check_norm_inputs("rms_norm", _rms_fwd_kernel, x, residual, out_dtype, {"weight": weight})
+    C.check_norm_inputs("rms_norm", x, residual, out_dtype, {"weight": weight})
     y, h, _ = rms_norm_fwd(x, weight, residual, float(eps), float(offset), casting, out_dtype, bool(residual_in_fp32))
     return (y, h) if residual is not None else y

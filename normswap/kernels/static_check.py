@@ -8,10 +8,14 @@ launcher's argument types and 16-byte alignment specialisations), and read back:
 - registers, spill bytes, stack and shared memory from ptxas (`-v`; the ptxas triton's JIT runs for the
   target: triton_bin),
 - programs per SM, from registers, warps and shared memory against the target's per-SM limits,
-- every global memory instruction in the SASS (`nvdisasm -g`), with its width and the Triton
-  source line it comes from: loads/stores of row elements (x, residual, y, h, dy, dx, weight,
-  bias) are told from those of per-row statistics and fp32 scratch (rstd, mean, partial sums,
-  arrival counters) by the names on that source line.
+- every global memory instruction in the PTX, with its width and the Triton source line it comes
+  from (the .loc triton writes before each instruction): loads/stores of row elements (x,
+  residual, y, h, dy, dx, weight, bias) are told from those of per-row statistics and fp32 scratch
+  (rstd, mean, partial sums, arrival counters) by the names on that source line. Read from the
+  PTX, not the SASS: ptxas keeps a global access's width, but the line table it writes for
+  scheduled code is approximate (a 4-byte rstd copy was once attributed to the row-load helper
+  when only the line numbers of another file had changed). Spills (local memory) are read from
+  the SASS.
 `problems` is the rule: no spills, 16-byte row accesses wherever the hidden size is a multiple of
 16, split rows launched cooperatively with a bounded GPU-scope wait.
 
@@ -407,7 +411,6 @@ _PTXAS_RE = {
 }
 # The opcode must end at a dot or a space: LDGDEPBAR (a cp.async fence) is no load.
 _MEM_RE = re.compile(r"\b(LDGSTS|LDG|STG|LDL|STL|ATOMG|REDG|RED|ATOM)((?:\.[A-Z0-9_]+)*)(?=\s)")
-_LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
 @functools.cache
@@ -449,24 +452,41 @@ def _width_bits(suffixes: str) -> int:
     return 32
 
 
-def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
-    """Every global/local memory instruction: {op, bits, line text}."""
-    path = workdir / "k.cubin"
-    path.write_bytes(cubin)
-    out = subprocess.run([str(triton_bin("nvdisasm")), "-g", "-c", str(path)], capture_output=True, text=True,
-                         check=True).stdout
-    ops, where = [], None
+_PTX_FILE_RE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', re.M)
+_PTX_LOC_RE = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\b")
+# A global access as the SASS names it: ld / st / cp.async (global to shared) / atom / red.
+_PTX_MEM_RE = re.compile(r"\b(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global|atom\.global|red\.global)(\S*)")
+_PTX_OP = {"ld.global": "LDG", "st.global": "STG", "atom.global": "ATOMG", "red.global": "REDG"}
+_CP_SIZE_RE = re.compile(r",\s*(0x[0-9a-fA-F]+|\d+)\s*[,;]")
+
+
+def _ptx_width_bits(suffixes: str) -> int:
+    """Access width from a PTX global op's suffixes (.v4.b32: 128; .b16: 16)."""
+    vec = re.search(r"\.v(\d)\b", suffixes)
+    elem = re.findall(r"\.[bfsu](8|16|32|64)\b", suffixes)
+    return (int(vec.group(1)) if vec else 1) * (int(elem[-1]) if elem else 32)
+
+
+def ptx_memory_ops(ptx: str) -> list[dict]:
+    """Every global memory instruction of the PTX: {op (its SASS name), bits, line text}."""
+    files = {int(n): path for n, path in _PTX_FILE_RE.findall(ptx)}
     sources: dict[str, list[str]] = {}
-    for line in out.splitlines():
-        loc = _LINE_RE.search(line)
+    ops, where = [], None
+    for line in ptx.splitlines():
+        loc = _PTX_LOC_RE.match(line)
         if loc:
-            where = (loc.group(1), int(loc.group(2)))
+            where = (files.get(int(loc.group(1))), int(loc.group(2)))
             continue
-        hit = _MEM_RE.search(line)
+        hit = _PTX_MEM_RE.search(line.split("//")[0])
         if not hit:
             continue
+        if hit.group(1).startswith("cp.async"):
+            op, size = "LDGSTS", _CP_SIZE_RE.search(line)
+            bits = int(size.group(1), 0) * 8 if size else 32
+        else:
+            op, bits = _PTX_OP[hit.group(1)], _ptx_width_bits(hit.group(2))
         text = ""
-        if where is not None:
+        if where is not None and where[0]:
             if where[0] not in sources:
                 try:
                     sources[where[0]] = Path(where[0]).read_text().splitlines()
@@ -474,9 +494,19 @@ def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
                     sources[where[0]] = []
             lines = sources[where[0]]
             text = lines[where[1] - 1].strip() if 0 < where[1] <= len(lines) else ""
-        op = hit.group(1)
-        ops.append({"op": op, "bits": _width_bits(hit.group(2)), "source": text})
+        ops.append({"op": op, "bits": bits, "source": text})
     return ops
+
+
+def sass_memory_ops(cubin: bytes, workdir: Path) -> list[dict]:
+    """Every global/local memory instruction of the machine code: {op, bits} (what it is and how
+    wide; which source line, ptx_memory_ops says exactly)."""
+    path = workdir / "k.cubin"
+    path.write_bytes(cubin)
+    out = subprocess.run([str(triton_bin("nvdisasm")), "-c", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return [{"op": hit.group(1), "bits": _width_bits(hit.group(2))}
+            for hit in map(_MEM_RE.search, out.splitlines()) if hit]
 
 
 def is_scratch(source: str) -> bool:
@@ -500,7 +530,8 @@ def analyse(launch: Launch, workdir: Path, target: Target | None = None) -> dict
     rep = ptxas_report(k.asm["ptx"], workdir, target)
     shared = max(rep["smem"], int(getattr(k.metadata, "shared", 0) or 0))
     mem = sass_memory_ops(k.asm["cubin"], workdir)
-    row_ops = [o for o in mem if o["op"] in ("LDG", "STG", "LDGSTS") and not is_scratch(o["source"])]
+    row_ops = [o for o in ptx_memory_ops(k.asm["ptx"])
+               if o["op"] in ("LDG", "STG", "LDGSTS") and not is_scratch(o["source"])]
     warps = launch.kwargs.get("num_warps", 4)
     consts = {k2: v for k2, v in launch.kwargs.items() if k2 in ("BLOCK_M", "BLOCK_N", "CHUNKS", "SINGLE")}
     grid = launch.grid if isinstance(launch.grid, tuple) else ()
