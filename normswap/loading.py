@@ -563,11 +563,19 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
                             "is the config from another model size?")
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, progress=None):
+    """The model's tokenizer. A GGUF's is a stage of `progress` (normswap.progress.bar): transformers
+    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
     from transformers import AutoTokenizer
 
+    from normswap.progress import bar as progress_bar
+
+    stage = f"{source.gguf_file}: reading its tokenizer (GGUF metadata)"
     try:
-        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
+        with progress_bar(progress if source.gguf_file else None, stage, 1) as reading:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
+            reading.update(1)
+        return tokenizer
     except Exception as e:
         if source.gguf_file is None:
             name_malformed_json(source.path, TOKENIZER_FILES)
