@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from normswap.errors import NormswapError
 from normswap.kernels import _common as C
 from normswap.kernels import launch_table as T
 from tests.fake_device import RMS, cuda_devices
@@ -232,6 +233,47 @@ def test_a_table_written_meanwhile_by_another_tuner_keeps_its_entries(tune, tmp_
     entries = T.read(out)["archs"]["sm_90"]["entries"]
     assert {(e["op"], e["measured"]["device"]) for e in entries} == {("rms_norm", "injected (test)"),
                                                                        ("layer_norm", "the other tuner's GPU")}
+
+
+def _tune_one_key(tune, out, pass_="fwd"):
+    """tune_keys on one key (rms_norm PASS_ bf16 4096, >2048 rows) into `out`, the GPU work injected."""
+    keys = [k for k in tune.grid_keys(["rms_norm"], [pass_], ["bf16"]) if k["hidden"] == 4096 and k["rows"] == ">2048"]
+    meta = {"device": "injected (test)", "arch": "sm_90", "date": "-", "torch": "-", "triton": "-", "commit": "-"}
+    doc = T.read(out) if out.exists() else T.empty(C.ROW_BUCKETS)
+    return tune.tune_keys(keys, doc, meta, out, out.with_suffix(".md"), retune=False, deadline=math.inf,
+                          fits=lambda k, m: True, static_check=lambda key: lambda ts: [[] for _ in ts],
+                          measure=lambda key, n: lambda tile, m: 1.0, outputs=lambda key, n, m: lambda tile: [0],
+                          agree=lambda dt: lambda a, b: None, log=lambda s: None)
+
+
+@pytest.mark.parametrize("error, raised", [(OSError(28, "No space left on device"), OSError),
+                                           (ValueError("refusing to write an invalid launch table: x"), NormswapError),
+                                           (KeyboardInterrupt(), KeyboardInterrupt)])
+def test_a_failed_first_table_write_leaves_nothing_the_run_made(tune, tmp_path, monkeypatch, error, raised):
+    """The first write of a table in a new folder fails (a full disk, a refused table, Ctrl-C):
+    no folder is left behind; filelock's OUT.lock kept the folder that the write made. In a folder
+    that was there, the folder stays as it was; a table that was there keeps its lock file."""
+    def failing(*a, **k):
+        raise error
+
+    new = tmp_path / "new" / "deeper"
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "keep.txt").write_text("mine")
+    for out in (new / "table.json", there / "table.json"):
+        with monkeypatch.context() as m:
+            m.setattr(T, "write", failing)
+            with pytest.raises(raised):
+                _tune_one_key(tune, out)
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in there.iterdir()) == ["keep.txt"]
+    assert _tune_one_key(tune, new / "table.json")[0]["entry"] is not None  # a write that succeeds: all stays
+    assert (new / "table.json").is_file() and (new / "table.json.lock").exists()
+    with monkeypatch.context() as m:
+        m.setattr(T, "write", failing)
+        with pytest.raises(raised):
+            _tune_one_key(tune, new / "table.json", "bwd")
+    assert (new / "table.json").is_file() and (new / "table.json.lock").exists()  # a later write's failure: kept
 
 
 def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
