@@ -241,7 +241,8 @@ def patch_checkpoint(
     progress: ProgressFn | None = None,
 ) -> PatchResult:
     """Load `model`, swap every recognised norm for an `impl` module, verify each one and the
-    whole model, optionally diff against the original (`evaluation`) and save (`out`, or
+    whole model, optionally diff against the model as it loads (`evaluation`: the original, or a
+    folder's recorded patch, as evaluate/diff_checkpoints score it) and save (`out`, or
     `in_place` over the model's own directory, atomically).
 
     only/exclude: regular expressions on module paths. rms: run the LayerNorms a `normswap
@@ -283,7 +284,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
     source = resolve(model, progress=progress)
-    config = load_config(source)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
     # layout, is refused before any work.
     converted = None if source.gguf_file else conversion_section(source.path)
@@ -299,7 +300,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target, folder=True)
-    scoring = _prepare_scoring(evaluation, source, [config]) if evaluation is not None else None
+    scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
@@ -397,7 +398,7 @@ def convert_checkpoint(
     _require_path("out", out)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model, progress=progress)
-    config = load_config(source)
+    config = load_config(source, progress)
     meta = build_meta_model(source, config)
     check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
@@ -484,10 +485,10 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
 
     _require_settings("settings", settings)
     source = resolve(model, progress=progress)
-    config = load_config(source)
+    config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
-    corpus, tokenizer = _prepare_scoring(settings, source, [config])
+    corpus, tokenizer = _prepare_scoring(settings, source, [config], progress=progress)
     step(progress, "load", 0, 1)
     loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress, (1, 1))
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
@@ -515,8 +516,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
         get_backend(patched)  # an unavailable implementation fails before anything loads
     source_a = resolve(a, "a", progress)
     source_b = resolve(b, "b", progress) if b is not None else None
-    config_a = load_config(source_a)
-    config_b = load_config(source_b) if source_b is not None else config_a
+    config_a = load_config(source_a, progress)
+    config_b = load_config(source_b, progress) if source_b is not None else config_a
     # --patched refuses an A that runs a patch (below): its way out is another A, never --impl
     way_a = {} if patched is None else {"way_out": "--patched patches a model that runs no patch: give the "
                                                    "unpatched model as A, or a second model B"}
@@ -527,7 +528,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
         raise NormswapError(f"{a} already runs the {recorded_a['impl']} patch its normswap.json records, so "
                             f"--patched {patched} would compare it with itself; give the unpatched model as A, "
                             "or a second model B")
-    corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b)
+    corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b, progress)
     torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
     model_a = _load_scored(source_a, torch_dtype, config_a, recorded_a, progress, (1, 2))
@@ -562,7 +563,7 @@ def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded:
     return model if recorded is None else apply_recorded_patch(model, source.ref, recorded, progress=progress)
 
 
-def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None):
+def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=None, progress=None):
     """(corpus, tokenizer), after every check that needs no weights: the data, A's tokenizer (and
     B's, which must be the same), the configs' context and vocabulary. The window options were
     checked by each caller's _require_settings, before it read anything."""
@@ -571,21 +572,21 @@ def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=Non
     from normswap.loading import load_tokenizer, model_class
 
     corpus = open_corpus(settings.data, settings.text_field)
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(source, progress)
     if source_b is not None:
-        _check_same_tokenizer(tokenizer, source_b)
+        _check_same_tokenizer(tokenizer, source_b, progress)
     kwargs = settings.window_kwargs
     check_before_loading(configs, tokenizer, corpus, **kwargs, model_class=model_class)
     return corpus, tokenizer
 
 
-def _check_same_tokenizer(tokenizer_a, source_b) -> None:
+def _check_same_tokenizer(tokenizer_a, source_b, progress=None) -> None:
     """Both models read A's token ids: B must map them to the same strings, or the numbers compare
     unrelated predictions (same-sized vocabularies would not even fail the logit-width check)."""
     from normswap.loading import load_tokenizer
 
     try:
-        tokenizer_b = load_tokenizer(source_b)
+        tokenizer_b = load_tokenizer(source_b, progress)
     except NormswapError:
         return  # B ships no tokenizer (a bare re-save of A's weights): it reads A's ids by design
     if tokenizer_a.get_vocab() != tokenizer_b.get_vocab():

@@ -212,7 +212,7 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, prog
     from normswap.loading import load_config, load_model, model_class, resolve
 
     source = resolve(cfg.model, progress=progress)
-    config = load_config(source)
+    config = load_config(source, progress)
     _check_context(cfg, config)
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)

@@ -200,16 +200,24 @@ def _load_gguf(directory: Path, gguf_name: str):
     return model, tokenizer
 
 
-def load_config(source: ModelSource):
+def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     """The model's config, with every failure turned into one line naming the file it came from
-    (a GGUF's config is read from the .gguf itself)."""
+    (a GGUF's config is read from the .gguf itself). progress (normswap.progress.bar) hears the
+    read of a GGUF's, a stage of its own: transformers parses the file's whole metadata for it,
+    tokenizer included, seconds before anything else can be said about the model."""
     cfg_path = source.path / (source.gguf_file or "config.json")
     if source.gguf_file is None:  # checked here: transformers' own messages name neither the file nor the reason
         jsonsafe.read_or_refuse(cfg_path, what=cfg_path.name)
     from transformers import AutoConfig
 
+    from normswap.progress import bar as progress_bar
+
+    # a config.json reads in milliseconds: no stage, no lines in a log for it
+    stage = f"{source.gguf_file}: reading its config (GGUF metadata)"
     try:
-        config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
+        with progress_bar(progress if source.gguf_file else None, stage, 1) as reading:
+            config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
+            reading.update(1)
     except OSError as e:
         raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
@@ -555,11 +563,19 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
                             "is the config from another model size?")
 
 
-def load_tokenizer(source: ModelSource):
+def load_tokenizer(source: ModelSource, progress=None):
+    """The model's tokenizer. A GGUF's is a stage of `progress` (normswap.progress.bar): transformers
+    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
     from transformers import AutoTokenizer
 
+    from normswap.progress import bar as progress_bar
+
+    stage = f"{source.gguf_file}: reading its tokenizer (GGUF metadata)"
     try:
-        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
+        with progress_bar(progress if source.gguf_file else None, stage, 1) as reading:
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
+            reading.update(1)
+        return tokenizer
     except Exception as e:
         if source.gguf_file is None:
             name_malformed_json(source.path, TOKENIZER_FILES)

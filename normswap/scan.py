@@ -93,11 +93,12 @@ def conversion_rows(model: nn.Module, config) -> dict[str, dict[str, Any]]:
 def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True,
          progress: bool | ProgressFn | None = None) -> dict[str, Any]:
     """Scan a model reference (hub id, directory, .gguf, built-in name) without reading weights.
-    progress (normswap.progress.bar) hears a built-in model's first-use conversion."""
-    from normswap.loading import build_meta_model, resolve
+    progress (normswap.progress.bar) hears a built-in model's first-use conversion and the read of
+    a GGUF's config (normswap.loading.load_config), the slow parts of a scan."""
+    from normswap.loading import build_meta_model, load_config, resolve
 
     source = resolve(ref, progress=progress)
-    model = build_meta_model(source)
+    model = build_meta_model(source, load_config(source, progress))
     doc = {"model": ref, "path": str(source.path)}
     doc.update(scan_model(model, strict=strict, with_consumers=with_consumers, warn=warn))
     return doc

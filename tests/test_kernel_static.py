@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,54 @@ def test_layer_norm_backward_rounds_the_weighted_gradient_before_centering_it(tm
     rows = json.loads(out.stdout)
     assert {r["chunks"] > 1 for r in rows} == {False, True} and any(r["heads"] for r in rows)
     assert all(r["rounded"] > 0 for r in rows), rows
+
+
+def test_ptx_accesses_are_attributed_to_their_op_line_inside_inline_asm(tmp_path):
+    """Triton writes every global access as an inline-asm block (movs for the masked-off value,
+    then the load). triton 3.6's LLVM puts the op's .loc before the block; 3.9's writes one .loc
+    per asm line, counting up from the op's line, so the load itself sat under a line 4 further
+    down (a blank line, an `if`, or another op's line: a scratch access could pass for a row one,
+    or a row access for scratch). Both forms must name the tl.load's own line."""
+    from normswap.kernels.static_check import ptx_memory_ops
+
+    src = tmp_path / "k.py"
+    src.write_text("z = tl.load(X + offs, mask=mask, other=0.0,\n    eviction_policy='evict_first')\n\n"
+                   "if HAS_R:\n    rstd = tl.load(RSTD + rows)\n")
+    load = "\t@%p1 ld.global.L1::evict_first.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
+    movs = [f"\tmov.u32 %r{i}, %r9;\n" for i in range(1, 5)]
+    llvm_3_9 = "".join(f"\t.loc\t1 {1 + i} 9, function_name $L__info_string0, inlined_at 2 7 3\n{m}"
+                       for i, m in enumerate(movs))
+    ptx = (f'\t.file\t1 "{src}"\n\t.loc\t1 1 9\n\t// begin inline asm\n{"".join(movs)}{load}\t// end inline asm\n'
+           f"\t// begin inline asm\n{llvm_3_9}{load}\t// end inline asm\n"
+           "\t.loc\t1 5 12\n\t// begin inline asm\n\t@%p2 cp.async.ca.shared.global [ %r5 + 0 ], [ %rd2 + 0 ], 0x4, %r6;\n"
+           "\t// end inline asm\n")
+    ops = ptx_memory_ops(ptx)
+    assert [(o["op"], o["bits"]) for o in ops] == [("LDG", 128), ("LDG", 128), ("LDGSTS", 32)]
+    assert [o["source"] for o in ops] == ["z = tl.load(X + offs, mask=mask, other=0.0,"] * 2 + \
+        ["rstd = tl.load(RSTD + rows)"]
+
+
+_SOURCES_SCRIPT = """
+import json
+import re
+from normswap.kernels import static_check as S
+out = []
+for op, pass_, dtype, n in (("rms_norm", "fwd", "fp32", 4096), ("rms_norm", "bwd", "bf16", 65536)):
+    for launch in S.plan(op, pass_, dtype, 64, n, True, False, True):
+        out += [o["source"] for o in S.ptx_memory_ops(S.compile_launch(launch).asm["ptx"])]
+print(json.dumps(out))
+"""
+
+
+def test_every_global_access_of_a_compiled_kernel_names_a_load_or_store_line(tmp_path):
+    """What tells row accesses from scratch is the source line each global access names: compiled
+    with the triton at hand (vector loads with a masked-off value, stores, cp.async copies, split
+    rows' scratch), every one must name a tl.load / tl.store / atomic line."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _SOURCES_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sources = json.loads(out.stdout)
+    assert len(sources) > 20 and any("RSTD" in s for s in sources)
+    bad = sorted({s for s in sources if not re.search(r"\btl\.(load|store|atomic_\w+)\(", s)})
+    assert not bad, bad

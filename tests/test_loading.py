@@ -541,3 +541,36 @@ def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_b
             shutil.rmtree(target)
     r = CliRunner().invoke(cli, ["scan", "tiny-builtin"])  # converted once: nothing to say after
     assert r.exit_code == 0 and r.stderr == "" and capfd.readouterr().err == ""
+
+
+def test_a_gguf_tokenizer_read_is_a_stage_of_the_callers_progress(tmp_path, monkeypatch):
+    """ppl, diff and patch --eval on a .gguf rebuild its tokenizer from the file's metadata (~5 s
+    for SmolLM2-135M) before scoring: a stage of their progress, as the config read is, where it was
+    seconds of nothing on stderr; a folder's tokenizer reads with no stage. (The fixture's GGUF holds
+    no tokenizer: transformers' reader is stood in for by the tiny one.)"""
+    import json
+
+    import transformers
+    from click.testing import CliRunner
+    from tiny_models import save_tiny, tiny_tokenizer
+
+    from normswap.cli import cli
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 40)
+    what = "tiny.gguf: reading its tokenizer (GGUF metadata)"
+    window = ["--max-length", "32", "--max-tokens", "96"]
+    for args in (["ppl", str(gguf), "--data", str(text), *window],
+                 ["diff", str(gguf), str(gguf), "--data", str(text), *window],
+                 ["patch", str(gguf), "--impl", "torch", "--eval", str(text), "--eval-max-length", "32",
+                  "--eval-max-tokens", "96"]):
+        result = CliRunner().invoke(cli, [*args, "--json"])
+        assert result.exit_code == 0, (args[0], result.stderr)
+        json.loads(result.stdout)  # stdout is the document, whole
+        starts = [line for line in result.stderr.splitlines() if line.endswith(" ...")]
+        assert f"{what} ..." in starts, (args[0], result.stderr)
+    save_tiny("llama", tmp_path / "llama")
+    folder = CliRunner().invoke(cli, ["ppl", str(tmp_path / "llama"), "--data", str(text), *window, "--json"])
+    assert folder.exit_code == 0 and "reading its tokenizer" not in folder.stderr, folder.stderr

@@ -401,3 +401,36 @@ def test_scan_shows_discovered_refusals_with_reasons(tmp_path):
     assert doc["summary"]["to_rms"] == {"converts": 2 * L + 1, "refused": {"not-stream": 2 * L}}
     qk = [n for n in doc["norms"] if "_layernorm" in n["path"] and "self_attn" in n["path"]]
     assert len(qk) == 2 * L and all("not a sum of residual-stream writers" in n["to_rms"]["why_not"] for n in qk)
+
+
+def test_a_gguf_scan_says_on_stderr_what_it_reads(tmp_path, capfd):
+    """transformers reads a .gguf's config from the file's whole metadata, tokenizer included:
+    seconds (SmolLM2-135M's Q4_1: about 5) in which scan showed nothing. That read is a stage of
+    the caller's progress: the command draws it on stderr (whole lines off a terminal) and --json's
+    stdout stays the one document; patch draws it before its load; a library scan without
+    progress, and any config.json, print nothing."""
+    from test_loading import write_tiny_llama_gguf
+
+    from normswap.scan import scan
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    what = "tiny.gguf: reading its config (GGUF metadata)"
+    result = run(str(gguf), "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["summary"]["norms"] == 2 * L + 1  # stdout is the document, whole
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0] == f"{what} ..." and lines[1].startswith(f"{what}: 1/1 step, "), lines
+    human = run(str(gguf))
+    assert human.exit_code == 0 and what not in human.stdout and human.stderr.startswith(f"{what} ...\n")
+    calls = []
+    scan(str(gguf), warn=False, progress=lambda *a: calls.append(a))
+    assert calls == [(what, 0, 1), (what, 1, 1)]
+    capfd.readouterr()
+    scan(str(gguf), warn=False)
+    save_tiny("llama", tmp_path / "llama")
+    assert run(str(tmp_path / "llama"), "--json").stderr == ""
+    assert capfd.readouterr().err == ""
+    patched = CliRunner().invoke(cli, ["patch", str(gguf), "--impl", "torch", "--json"])
+    assert patched.exit_code == 0 and json.loads(patched.stdout)["ok"], patched.stderr
+    starts = [line for line in patched.stderr.splitlines() if line.endswith(" ...")]
+    assert starts[:2] == [f"{what} ...", "load ..."], patched.stderr

@@ -48,7 +48,9 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     dtype's ulp at the largest output (pass needs <= 1; negative: the replacement is closer).
 
     With --eval PATH the patched model is also scored against an untouched copy of the original
-    (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes.
+    (perplexity of both, KL, top-1 agreement); the copy doubles the memory the model takes. A
+    folder an earlier patch --out wrote is patched afresh from its stock weights, and --eval
+    compares with it as it loads (its recorded patch), as ppl and diff score it.
 
     With --fuse-residual each residual add is computed by the kernel of the norm that reads the
     sum (within a layer and across layers); the fused output is checked against the unfused patch,

@@ -14,8 +14,10 @@ launcher's argument types and 16-byte alignment specialisations), and read back:
   (rstd, mean, partial sums, arrival counters) by the names on that source line. Read from the
   PTX, not the SASS: ptxas keeps a global access's width, but the line table it writes for
   scheduled code is approximate (a 4-byte rstd copy was once attributed to the row-load helper
-  when only the line numbers of another file had changed). Spills (local memory) are read from
-  the SASS.
+  when only the line numbers of another file had changed). Inside an inline-asm block (triton
+  writes every global access as one) only the block's first .loc counts: newer LLVMs (triton
+  3.9's) write one .loc per asm line, counting up from the op's line, so a v4 load's 4-line block
+  would otherwise point 4 lines past its tl.load. Spills (local memory) are read from the SASS.
 `problems` is the rule: no spills, 16-byte row accesses wherever the hidden size is a multiple of
 16, split rows launched cooperatively with a bounded GPU-scope wait.
 
@@ -458,6 +460,7 @@ _PTX_LOC_RE = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\b")
 _PTX_MEM_RE = re.compile(r"\b(ld\.global|st\.global|cp\.async\.c[ag]\.shared\.global|atom\.global|red\.global)(\S*)")
 _PTX_OP = {"ld.global": "LDG", "st.global": "STG", "atom.global": "ATOMG", "red.global": "REDG"}
 _CP_SIZE_RE = re.compile(r",\s*(0x[0-9a-fA-F]+|\d+)\s*[,;]")
+_PTX_ASM_RE = re.compile(r"^\s*// (begin|end) inline asm\s*$")
 
 
 def _ptx_width_bits(suffixes: str) -> int:
@@ -472,11 +475,21 @@ def ptx_memory_ops(ptx: str) -> list[dict]:
     files = {int(n): path for n, path in _PTX_FILE_RE.findall(ptx)}
     sources: dict[str, list[str]] = {}
     ops, where = [], None
+    in_asm = asm_started = False  # inside an inline-asm block; past its first instruction or .loc
     for line in ptx.splitlines():
+        asm = _PTX_ASM_RE.match(line)
+        if asm:
+            in_asm, asm_started = asm.group(1) == "begin", False
+            continue
         loc = _PTX_LOC_RE.match(line)
         if loc:
-            where = (files.get(int(loc.group(1))), int(loc.group(2)))
+            # A block's own op is where its first line says; the .loc lines after it count up from
+            # there one per asm line (LLVM's numbering of the asm text, no source line).
+            if not (in_asm and asm_started):
+                where = (files.get(int(loc.group(1))), int(loc.group(2)))
+            asm_started = in_asm
             continue
+        asm_started = in_asm and (asm_started or bool(line.strip()))
         hit = _PTX_MEM_RE.search(line.split("//")[0])
         if not hit:
             continue
