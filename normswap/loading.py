@@ -95,8 +95,8 @@ def resolve(ref: str | os.PathLike, name: str = "model", progress: bool | Progre
         raise BadInputError("the model is empty; pass a model directory, a .gguf file or a hub id")
     try:
         return _resolve(ref, progress)
-    except OSError as e:
-        raise NormswapError(f"{ref}: cannot read {one_line(e)}") from None
+    except OSError as e:  # as jsonsafe.read_or_refuse says it for a file: the path, then the reason
+        raise NormswapError(f"{e.filename or ref}: cannot read ({e.strerror or one_line(e)})") from None
 
 
 def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
