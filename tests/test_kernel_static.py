@@ -244,8 +244,8 @@ print(json.dumps(out))
 
 
 def test_layer_norm_backward_rounds_the_weighted_gradient_before_centering_it(tmp_path):
-    """dx = rstd * (wdy - mean(wdy) - xhat * mean(xhat * wdy)). Where a row's terms cancel (a 1-wide
-    row, a constant row) the first difference must be exactly 0; the GPU compiler fused wdy = dy * w
+    """dx = rstd * (wdy - mean(wdy) - xhat * mean(xhat * wdy)). Where the mean is wdy itself (a 1-wide
+    row) the first difference must be exactly 0; the GPU compiler fused wdy = dy * w
     into that subtract (an FMA: the product unrounded there, rounded in the mean), so on an H100 a
     1-wide row's dx came out ~1e-5 instead of 0 (rstd = 1/sqrt(eps) amplifies the rounding error).
     The kernel now computes wdy with an explicitly rounded multiply, which the compiler may not
