@@ -518,7 +518,10 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     source_b = resolve(b, "b", progress) if b is not None else None
     config_a = load_config(source_a, progress)
     config_b = load_config(source_b, progress) if source_b is not None else config_a
-    recorded_a = recorded_patch(source_a, impl)
+    # --patched refuses an A that runs a patch (below): its way out is another A, never --impl
+    way_a = {} if patched is None else {"way_out": "--patched patches a model that runs no patch: give the "
+                                                   "unpatched model as A, or a second model B"}
+    recorded_a = recorded_patch(source_a, impl, **way_a)
     recorded_b = recorded_patch(source_b, impl) if source_b is not None else None
     _require_recorded(impl, [a] if b is None else [a, b], recorded_a or recorded_b)
     if patched is not None and recorded_a is not None:  # patch() leaves patched modules as they are

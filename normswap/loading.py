@@ -119,7 +119,7 @@ def _directory_source(ref: str, p: Path) -> ModelSource:
     os.listdir(p)  # an unreadable directory is reported as such, not as "no config.json"
     config = p / "config.json"
     if config.exists() and not config.is_file():  # there, but no file: say so, not "no config.json"
-        raise NormswapError(f"{config}: cannot read: {'Is a directory' if config.is_dir() else 'not a regular file'}")
+        raise NormswapError(f"{config}: cannot read ({'Is a directory' if config.is_dir() else 'not a regular file'})")
     if not config.is_file():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -261,7 +261,7 @@ def check_generation_config(source: ModelSource) -> None:
         return
     if not path.is_file():  # a folder, or a link to nothing: transformers would not see it either
         what = "Is a directory" if path.is_dir() else "not a regular file"
-        raise NormswapError(f"{path}: cannot read: {what}")
+        raise NormswapError(f"{path}: cannot read ({what})")
     fields = jsonsafe.read_or_refuse(path, what=GENERATION_CONFIG)
     if not isinstance(fields, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
@@ -613,8 +613,10 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
     source = resolve(directory, "directory", progress)
     manifest = read_manifest(source.path)
+    # before the weights: a patch that cannot run here (or an impl that cannot) is refused first
+    section = runnable_patch(manifest.get("patch"), source.ref, impl,
+                             "load it with another implementation: impl='torch'")
     model = load_model(source, dtype=dtype, device=device)
-    section = manifest.get("patch")
     if section is None:  # converted only: the speedup path without a recorded patch
         forms = rms_forms(manifest)
         config = PatchConfig(impl or "torch", paths=tuple(forms), rms_forms=forms)
@@ -635,13 +637,22 @@ def recorded_patch(source: ModelSource, impl: str | None = None, *,
     CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
     patch changed. way_out: what the refusal of a recorded patch that cannot run here suggests (the
     caller's own option for it)."""
-    from normswap.backends import get_backend
     from normswap.manifest import read_manifest_if_any
 
-    if impl is not None:
-        get_backend(impl)  # an override that cannot run either fails before anything loads
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
-    section = None if manifest is None else manifest.get("patch")
+    return runnable_patch(None if manifest is None else manifest.get("patch"), source.ref, impl, way_out)
+
+
+def runnable_patch(section: dict | None, ref: str, impl: str | None, way_out: str) -> dict | None:
+    """A manifest's patch section (None: none) as it will run here: with `impl` in place of the
+    recorded implementation when given, else refused as one line naming `ref` when the recorded
+    one cannot run here, followed by `way_out` (the caller's own option for it). An impl that
+    cannot run is refused too, patch section or not: every check here runs before any weights
+    load."""
+    from normswap.backends import get_backend
+
+    if impl is not None:
+        get_backend(impl)
     if section is None:
         return None
     if impl is not None:
@@ -649,7 +660,7 @@ def recorded_patch(source: ModelSource, impl: str | None = None, *,
     try:
         get_backend(section["impl"])
     except NormswapError as e:
-        raise NormswapError(f"{source.ref}: its normswap.json records a {section['impl']} patch, which cannot run "
+        raise NormswapError(f"{ref}: its normswap.json records a {section['impl']} patch, which cannot run "
                             f"here ({e}); {way_out}") from None
     return section
 

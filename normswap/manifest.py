@@ -134,13 +134,7 @@ def read_manifest(where: str | os.PathLike) -> dict[str, Any]:
         path = path / MANIFEST_NAME
     if not path.is_file():
         raise NormswapError(f"{path.parent}: not a normswap checkpoint (no {MANIFEST_NAME})")
-    try:
-        data = jsonsafe.read(path)
-    except OSError as e:
-        raise NormswapError(f"{path}: unreadable manifest ({e.strerror or e.__class__.__name__})") from None
-    except ValueError as e:
-        raise NormswapError(f"{path}: unreadable manifest ({e})") from None
-    return _upgrade(_validate(data, path))
+    return _upgrade(_validate(jsonsafe.read_or_refuse(path, what="manifest"), path))
 
 
 def read_manifest_if_any(directory: str | os.PathLike) -> dict[str, Any] | None:

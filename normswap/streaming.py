@@ -57,11 +57,7 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
     index = src / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = jsonsafe.read(index)["weight_map"]
-        except OSError as e:
-            raise NormswapError(f"{index}: cannot read ({e.strerror or e.__class__.__name__})") from None
-        except ValueError as e:
-            raise NormswapError(f"{index}: malformed index ({e})") from None
+            weight_map = jsonsafe.read_or_refuse(index, what="index")["weight_map"]
         except (KeyError, TypeError):
             raise NormswapError(f"{index}: malformed index (no weight_map)") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

@@ -210,8 +210,40 @@ def test_load_rejects_missing_or_tampered_manifest(tmp_path):
     with pytest.raises(NormswapError, match="no longer matches"):
         load(out, impl="torch")
     (out / MANIFEST_NAME).write_text("{not json")
-    with pytest.raises(NormswapError, match="unreadable manifest"):
+    with pytest.raises(NormswapError, match=r"normswap.json: malformed manifest \(Expecting property name"):
         load(out, impl="torch")
+
+
+def test_load_refuses_a_recorded_patch_that_cannot_run_here_before_the_weights(tmp_path, monkeypatch):
+    """A folder patched with liger on a GPU machine, loaded on a CPU-only one: refused naming the
+    folder and the way out (impl='torch'), before any weight is read; it failed after the load,
+    with the backend's own message alone. impl='torch' loads it; an impl that cannot run is
+    refused before the load too."""
+    import sys
+
+    from normswap import loading
+
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not importable, on a GPU machine with it too
+    src = tmp_path / "src"
+    save_tiny("llama", src)
+    source = resolve(src)
+    model = load_model(source)
+    out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
+    data = json.loads((out / MANIFEST_NAME).read_text())
+    data["patch"]["impl"] = "liger"
+    (out / MANIFEST_NAME).write_text(json.dumps(data))
+    real = loading.load_model
+    with monkeypatch.context() as m:
+        m.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the weights loaded before the refusal"))
+        with pytest.raises(NormswapError) as e:
+            load(out)
+        assert str(e.value).startswith(f"{out}: its normswap.json records a liger patch, which cannot run here (")
+        assert str(e.value).endswith("; load it with another implementation: impl='torch'")
+        with pytest.raises(NormswapError, match="^backend 'liger' is not available here"):
+            load(out, impl="liger")
+    assert loading.load_model is real
+    loaded = load(out, impl="torch")
+    assert {m.impl for m in loaded.modules() if isinstance(m, NormswapNorm)} == {"torch"}
 
 
 def test_convert_section_is_kept_and_an_old_patch_section_replaced(tmp_path):

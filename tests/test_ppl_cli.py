@@ -171,9 +171,12 @@ def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, 
     """`normswap patch --out fast`, then `normswap diff original fast`: B must run the kernels
     fast's normswap.json records (as normswap.load does), not the stock modules its weights also
     load into, which made the diff exactly zero whatever the kernels do."""
+    import sys
+
     import normswap
     from normswap import evaluate
 
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not importable, on a GPU machine with it too
     root, _, _ = models
     fast = tmp_path / "fast"
     normswap.patch_checkpoint(root / "a", "torch", out=fast)
@@ -208,6 +211,11 @@ def test_a_directory_normswap_patched_is_scored_with_its_recorded_patch(models, 
     r = run("ppl", tmp_path / "liger", "--data", TEXT, "--json")
     assert r.exit_code == 2 and r.stdout == "" and "records a liger patch, which cannot run here" in r.stderr
     assert "--impl torch" in r.stderr  # the way out, named
+    # --patched refuses an A that runs a patch whatever it is: its way out is another A, not --impl
+    # (which ran the recorded patch with torch, and was refused in turn as comparing A with itself)
+    r = run("diff", tmp_path / "liger", "--patched", "torch", "--data", TEXT, "--json")
+    assert r.exit_code == 2 and r.stdout == "" and "records a liger patch, which cannot run here" in r.stderr
+    assert "give the unpatched model as A" in r.stderr and "--impl" not in r.stderr
     r = run("diff", fast, "--patched", "torch", "--data", TEXT, "--json")
     assert r.exit_code == 2 and r.stdout == "" and "would compare it with itself" in r.stderr
 

@@ -790,8 +790,8 @@ def test_a_generation_config_folder_survives_in_place(src, tmp_path):
     (d / "generation_config.json").mkdir()
     (d / "generation_config.json" / "notes.txt").write_text("mine")
     before = _tree(d)
-    assert_one_line_error(run("patch", d, "--impl", "torch", "--in-place"), "generation_config.json: cannot read: "
-                                                                              "Is a directory")
+    assert_one_line_error(run("patch", d, "--impl", "torch", "--in-place"), "generation_config.json: cannot read "
+                                                                              "(Is a directory)")
     assert _tree(d) == before
 
 
