@@ -244,8 +244,8 @@ print(json.dumps(out))
 
 
 def test_layer_norm_backward_rounds_the_weighted_gradient_before_centering_it(tmp_path):
-    """dx = rstd * (wdy - mean(wdy) - xhat * mean(xhat * wdy)). Where a row's terms cancel (a 1-wide
-    row, a constant row) the first difference must be exactly 0; the GPU compiler fused wdy = dy * w
+    """dx = rstd * (wdy - mean(wdy) - xhat * mean(xhat * wdy)). Where the mean is wdy itself (a 1-wide
+    row) the first difference must be exactly 0; the GPU compiler fused wdy = dy * w
     into that subtract (an FMA: the product unrounded there, rounded in the mean), so on an H100 a
     1-wide row's dx came out ~1e-5 instead of 0 (rstd = 1/sqrt(eps) amplifies the rounding error).
     The kernel now computes wdy with an explicitly rounded multiply, which the compiler may not
@@ -308,3 +308,19 @@ def test_every_global_access_of_a_compiled_kernel_names_a_load_or_store_line(tmp
     assert len(sources) > 20 and any("RSTD" in s for s in sources)
     bad = sorted({s for s in sources if not re.search(r"\btl\.(load|store|atomic_\w+)\(", s)})
     assert not bad, bad
+
+
+def test_ptx_source_lines_come_from_this_checkout_when_the_compile_was_cached_by_another():
+    """Triton's compile cache is shared by every checkout on a machine and keyed by the kernels'
+    source and line numbers, not their path: a launch compiled first in another checkout (since
+    removed) names that checkout's files. Their lines are this checkout's, read from here (before:
+    no line at all, so a 4-byte access of scratch counted as a narrow row access)."""
+    from normswap.kernels import _common
+    from normswap.kernels.static_check import ptx_memory_ops
+
+    lines = Path(_common.__file__).read_text().splitlines()
+    at = next(i for i, line in enumerate(lines, 1) if "tl.load(PART" in line)
+    ld = "\t@%p1 ld.global.b32 { %r1 }, [ %rd1 + 0 ];\n"
+    ptx = (f'\t.file\t1 "/gone/checkout/normswap/kernels/_common.py"\n\t.file\t2 "/gone/checkout/other.py"\n'
+           f"\t.loc\t1 {at} 9\n{ld}\t.loc\t2 {at} 9\n{ld}")
+    assert [o["source"] for o in ptx_memory_ops(ptx)] == [lines[at - 1].strip(), ""]

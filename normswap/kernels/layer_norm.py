@@ -125,8 +125,9 @@ def _ln_bwd_tile(DY, Z, W, rows, row_ok, c, col_ok, mask, mean, rstd, w, w_rows,
                  HAS_W: tl.constexpr, PER_ROW_W: tl.constexpr):
     """(xhat, wdy, dy) for one tile; padded columns give zeros everywhere. `w` is the program's
     `offset + w` (per-row weights are loaded here instead). wdy is rounded once (rounded_product):
-    dx subtracts its row mean from it, and where the row's terms cancel (a constant row, a 1-wide
-    one) that difference must be exactly 0, not a rounding error amplified by rstd."""
+    dx subtracts its row mean from it, and where that mean is wdy itself (a 1-wide row, or every
+    wdy of the row equal with an exact sum) the difference must be exactly 0, not a rounding error
+    amplified by rstd (1/sqrt(eps) for a 1-wide row)."""
     z = load_rows(Z, rows, c, mask, stride_z)
     dy = load_rows(DY, rows, c, mask, stride_dy)
     xhat = tl.where(mask, (z - mean[:, None]) * rstd[:, None], 0.0)
