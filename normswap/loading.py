@@ -563,7 +563,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
                             "is the config from another model size?")
 
 
-def load_tokenizer(source: ModelSource, progress=None):
+def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = None):
     """The model's tokenizer. A GGUF's is a stage of `progress` (normswap.progress.bar): transformers
     rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
     from transformers import AutoTokenizer
