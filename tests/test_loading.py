@@ -574,3 +574,23 @@ def test_a_gguf_tokenizer_read_is_a_stage_of_the_callers_progress(tmp_path, monk
     save_tiny("llama", tmp_path / "llama")
     folder = CliRunner().invoke(cli, ["ppl", str(tmp_path / "llama"), "--data", str(text), *window, "--json"])
     assert folder.exit_code == 0 and "reading its tokenizer" not in folder.stderr, folder.stderr
+
+
+def test_an_experiments_gguf_reads_are_stages_of_its_progress(tmp_path, monkeypatch, capsys):
+    """normswap experiment loads its model as the commands do: a .gguf's config and tokenizer
+    reads (seconds each on a real model) are stages on stderr when it shows progress, and silent
+    when it does not."""
+    import transformers
+    from tiny_models import tiny_tokenizer
+
+    from normswap.experiment import runner
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model, tokenizer = runner._load_model(str(gguf), True)
+    err = capsys.readouterr().err
+    for what in ("config", "tokenizer"):
+        assert f"tiny.gguf: reading its {what} (GGUF metadata) ..." in err.splitlines(), err
+    assert model.config.num_hidden_layers == 2 and len(tokenizer) > 0
+    runner._load_model(str(gguf), False)
+    assert "reading its" not in capsys.readouterr().err

@@ -137,10 +137,11 @@ def _check_out(out: Path, recipe: Recipe) -> None:
 
 
 def _load_model(path: str, progress: bool):
-    from normswap.loading import load_model, load_tokenizer, resolve
+    from normswap.loading import load_config, load_model, load_tokenizer, resolve
 
     source = resolve(path, progress=progress)
-    return load_model(source, dtype=torch.float32), load_tokenizer(source)
+    config = load_config(source, progress)  # a .gguf's read takes seconds: a stage, as in every command
+    return load_model(source, dtype=torch.float32, config=config), load_tokenizer(source, progress)
 
 
 def _dtype_name(dtype: str) -> str:
