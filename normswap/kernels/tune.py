@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError, NormswapError
-from normswap.fileio import made_folders, target_path, unwritable, write_text_atomic
+from normswap.fileio import target_path, unwritable, write_text_atomic
 from normswap.kernels import launch_table as T
 
 # A candidate replaces the baseline only when faster by more than this (geometric mean over the
@@ -439,10 +439,9 @@ def tune_keys(keys, doc, meta, out: Path, report_path: Path, *, retune, deadline
             # Merged into the file as it is now (read again under its lock), not written from this
             # run's copy: another tuner writing the same table meanwhile keeps its entries.
             try:
-                with _first_write_undone(out):
-                    doc = T.update(out, arch, [dict(zip(T.KEY_FIELDS, kt, strict=True), tile=entry["tile"],
-                                                    measured=measured)], C.ROW_BUCKETS, base=doc,
-                                   per_device=same_device_only)
+                doc = T.update(out, arch, [dict(zip(T.KEY_FIELDS, kt, strict=True), tile=entry["tile"],
+                                                measured=measured)], C.ROW_BUCKETS, base=doc,
+                               per_device=same_device_only)
             except ValueError as e:
                 raise NormswapError(f"{e}; the key just tuned is not written") from None
         report(report_path, meta, done)
@@ -515,25 +514,6 @@ def _this_device() -> dict:
     return {"device": C.device_name(device), "arch": C.device_arch(device), "l2": l2_bytes("cuda"),
             "target": device_target(device.index), "uuid": f"{uuid}" if uuid else f"{C.device_name(device)} {device.index}",
             "torch": torch.__version__, "triton": triton.__version__}
-
-
-@contextlib.contextmanager
-def _first_write_undone(out: Path):
-    """A write of the table at `out` that fails where there was no table leaves nothing this run
-    made: launch_table.update removes the folders it made only while they are empty, and filelock
-    leaves its lock file (OUT.lock) behind, so a first write failing in a new folder left the
-    folder, holding that file alone. The folders are made here, so that they are removed here once
-    the lock file is gone. (Another tuner waiting on that lock file at that moment would go on
-    holding a lock no later tuner sees: two tuners starting one new table while the first write
-    fails, accepted for a run that leaves no stray folder.)"""
-    first = not out.exists()
-    with made_folders(out.parent):
-        try:
-            yield
-        except BaseException:
-            if first and not out.exists():  # else a table is there (another tuner's): its lock stays with it
-                Path(f"{out}.lock").unlink(missing_ok=True)
-            raise
 
 
 def timing_lock_path(here: dict) -> Path:
