@@ -210,12 +210,8 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
         jsonsafe.read_or_refuse(cfg_path, what=cfg_path.name)
     from transformers import AutoConfig
 
-    from normswap.progress import bar as progress_bar
-
-    # a config.json reads in milliseconds: no stage, no lines in a log for it
-    stage = f"{source.gguf_file}: reading its config (GGUF metadata)"
     try:
-        with progress_bar(progress if source.gguf_file else None, stage, 1) as reading:
+        with _gguf_read(source, "config", progress) as reading:
             config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
     except OSError as e:
@@ -232,6 +228,16 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     if source.gguf_file is None and getattr(cls, "can_generate", lambda: True)():
         check_generation_config(source)
     return config
+
+
+def _gguf_read(source: ModelSource, what: str, progress):
+    """The read of a .gguf's config or tokenizer as a one-step stage of `progress`
+    (normswap.progress.bar): transformers rebuilds either from the file's whole metadata, seconds
+    on a real model. A folder's reads in milliseconds: no stage, no lines in a log for it."""
+    from normswap.progress import bar as progress_bar
+
+    return progress_bar(progress if source.gguf_file else None,
+                        f"{source.gguf_file}: reading its {what} (GGUF metadata)", 1)
 
 
 def name_malformed_json(directory: Path, names) -> None:
@@ -568,11 +574,8 @@ def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = Non
     rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
     from transformers import AutoTokenizer
 
-    from normswap.progress import bar as progress_bar
-
-    stage = f"{source.gguf_file}: reading its tokenizer (GGUF metadata)"
     try:
-        with progress_bar(progress if source.gguf_file else None, stage, 1) as reading:
+        with _gguf_read(source, "tokenizer", progress) as reading:
             tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
         return tokenizer
