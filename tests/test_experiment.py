@@ -423,6 +423,27 @@ def test_rerun_skips_finished_arms(every_arm):
     assert again.data["arms"]["approx+ft"] == before["approx+ft"]
 
 
+def test_the_reports_cover_every_arm_finished_in_out(tmp_path, pretrained_dir):
+    """OUT is one run of the recipe: an arm finished by an earlier call with other arms stays in
+    results.json, summary.md and results.csv (it was dropped from them, though still on disk), in
+    the recipe's order; a folder under arms/ that names no arm is not part of the run."""
+    path = model_recipe(tmp_path, pretrained_dir, ["original", "exact", "approx"])
+    out = tmp_path / "out"
+    first = run_experiment(load_recipe(path), out, ["approx"], progress=False)
+    (out / "arms" / "notes").mkdir()
+    (out / "arms" / "notes" / "result.json").write_text("{}")
+    second = run_experiment(load_recipe(path), out, ["exact", "original"], progress=False)
+    assert list(second.data["arms"]) == ["original", "exact", "approx"]
+    assert second.data["arms"]["approx"] == first.data["arms"]["approx"]
+    assert [r["arm"] for r in second.summary] == ["original", "exact", "approx"]
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["arms"]) == ["original", "exact", "approx"]
+    summary = (out / "summary.md").read_text()
+    assert "| approx | 0 |" in summary and "| original | 0 |" in summary
+    assert [line.split(",")[0] for line in (out / "results.csv").read_text().splitlines()[1:]] == \
+        ["original", "exact", "approx"]
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 
