@@ -1076,3 +1076,22 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
                                                                            lines[1]), r.stderr
     assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
                                                               lines[3]), r.stderr
+
+
+def test_a_library_warning_is_one_line_on_stderr(tmp_path, monkeypatch):
+    """normswap's own warnings (here: a pretraining of one step does not beat the unigram baseline)
+    are one `normswap: warning:` line, as scan's are; they were Python's two lines, naming
+    runner.py's path and line and quoting its source. stdout stays one JSON document."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path / "tiny.toml", PRETRAIN.replace("steps = 80", "steps = 1"), ["original"])
+    (tmp_path / "short.txt").write_text(GENESIS.read_text()[:3000])  # the held-out scoring: seconds, not 30
+    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--no-progress",
+                                 "--set", 'data.eval="short.txt"'])
+    assert r.exit_code == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["pretrain"]["steps"] == 1
+    assert re.fullmatch(r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity "
+                        r"[\d.]+ vs [\d.]+\): more steps or another learning rate\n", r.stderr), r.stderr
