@@ -521,6 +521,64 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="the run started"):
         run_experiment(recipe, tmp_path / "empty", progress=False)
 
+def _hold_lock(lock: Path) -> int:
+    """Lock as another normswap run holding `lock` does (flock conflicts between open files, also
+    within one process), its pid written in it."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_second_run_into_the_same_out_is_refused_at_once(tmp_path, monkeypatch):
+    """Two `normswap experiment` runs into one OUT (a rerun started while the first still runs)
+    trained the same arm into one state folder, each removing the other's checkpoints, and wrote
+    each other's reports: the second is now refused at once by the lock patch and convert take."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    out = tmp_path / "runs" / "x"
+    fd = _hold_lock(tmp_path / "runs" / ".x.normswap.lock")
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing .*runs/x"):
+            run_experiment(recipe, out, progress=False)
+    finally:
+        os.close(fd)
+    assert not out.exists()
+    with pytest.raises(AssertionError, match="the run started"):  # released: the run goes ahead
+        run_experiment(recipe, out, progress=False)
+    assert list((tmp_path / "runs").iterdir()) == []  # the failed run's OUT and its lock file are gone
+
+
+def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeypatch):
+    """Two experiments sharing a [pretrain] section (two --out folders) trained into one .partial
+    cache folder at once."""
+    from types import SimpleNamespace
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing"):
+            pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
+                                       recipe.name, recipe.data.eval, progress=False)
+    finally:
+        os.close(fd)
+    assert not final.with_name(final.name + ".partial").exists()
+
+
 @pytest.mark.parametrize("model, arms, override, message", [
     ("gpt2", ["original"], "data.eval=bin.txt", "data.eval: .*bin.txt: a binary file"),
     ("gpt2", ["original", "exact+ft"], "data.train=bin.txt", "data.train: .*bin.txt: a binary file"),

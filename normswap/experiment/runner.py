@@ -20,6 +20,7 @@ evaluations carry none.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.backends import get_backend
+from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -209,6 +211,30 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
         raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
+    with contextlib.ExitStack() as held:
+        if _is_main_process(accelerator):
+            # Two runs writing one OUT would train an arm into one state folder, each removing the
+            # other's checkpoints, and write each other's reports: the second is refused at once,
+            # by the lock beside OUT that patch and convert take for --out.
+            try:
+                held.enter_context(made_folders(out.parent))
+            except OSError as e:
+                raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+            held.enter_context(target_lock(out))
+        return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
+                            on_step=on_step)
+
+
+def _is_main_process(accelerator) -> bool:
+    """Before an Accelerator exists, the rank a launcher (accelerate launch, torchrun) gave this process."""
+    if accelerator is not None:
+        return accelerator.is_main_process
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
+                 on_step) -> ExperimentResult:
+    """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
     _check_out(out, recipe)
     loaded = train_ids = None
     # Bad texts, and arms the model cannot make, are refused here, before OUT is made: found when
