@@ -1153,3 +1153,25 @@ def test_a_library_warning_is_one_line_on_stderr(tmp_path, monkeypatch):
     assert json.loads(r.stdout)["pretrain"]["steps"] == 1
     assert re.fullmatch(r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity "
                         r"[\d.]+ vs [\d.]+\): more steps or another learning rate\n", r.stderr), r.stderr
+
+
+def test_the_kl_plot_shows_small_distances_and_whole_steps():
+    """curves.png's KL axis is logarithmic down to the smallest distance drawn: with a fixed linear
+    part below 1e-3, approx-bias's 1e-5 was drawn at 0 on top of exact's 1e-13. The step axis has
+    whole-number ticks (it had 0.5, 1.5, ... on a 4-step run)."""
+    from normswap.experiment.report import curves_figure
+
+    def arm(steps, kls):
+        return {"evals": [{"step": s, "ppl": 50.0 + k, "kl_mean": k} for s, k in zip(steps, kls, strict=True)]}
+
+    result = {"recipe": {"name": "t"}, "noise_floor": None,
+              "arms": {"original": arm([0], [0.0]), "exact": arm([0], [1e-13]), "approx-bias": arm([0], [1.1e-5]),
+                       "approx+ft": arm([0, 2, 4], [1e-2, 3e-2, 2e-2])}}
+    fig = curves_figure(result)
+    ax_kl = fig.axes[1]
+    assert ax_kl.get_yscale() == "symlog"
+    linthresh = ax_kl.yaxis.get_transform().linthresh
+    assert linthresh <= 1e-13  # every positive KL on the log part, apart from each other
+    assert ax_kl.get_ylim()[0] == 0
+    for ax in fig.axes[:2]:
+        assert list(ax.get_xticks()) == [0, 2, 4]
