@@ -620,7 +620,7 @@ def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_pat
 # --------------------------------------------------------------------------- resume
 
 
-def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_dir):
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_dir, capsys):
     path = model_recipe(tmp_path, pretrained_dir, ["approx+ft"])
     full = run_experiment(load_recipe(path, ["finetune.steps=6"]), tmp_path / "full", progress=False)
 
@@ -638,8 +638,11 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     state = tmp_path / "cut" / "arms" / "approx+ft" / "state"
     assert (state / "LATEST").read_text() == "step-000003"
     seen.clear()
-    resumed = run_experiment(recipe, tmp_path / "cut", progress=False, on_step=lambda a, s, loss: seen.append(s))
+    capsys.readouterr()
+    resumed = run_experiment(recipe, tmp_path / "cut", on_step=lambda a, s, loss: seen.append(s))
     assert seen == [4, 5, 6]  # continued, not restarted
+    # and says so (stderr is no terminal here: the bar's first line; it looked like a fresh start)
+    assert "[1/1] approx+ft (resumed at step 3) ...\n" in capsys.readouterr().err
     a, b = full.data["arms"]["approx+ft"], resumed.data["arms"]["approx+ft"]
     assert a["losses"] == b["losses"]
     assert [e["ppl"] for e in a["evals"]] == [e["ppl"] for e in b["evals"]]
@@ -1132,27 +1135,42 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
     lines = r.stderr.splitlines()
     assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
                                                                            lines[1]), r.stderr
-    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
+    # the loss to 5 significant digits (a distillation loss of 8e-6 showed as 0.0000)
+    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d\.\d{4}",
                                                               lines[3]), r.stderr
 
 
-def test_a_library_warning_is_one_line_on_stderr(tmp_path, monkeypatch):
+def test_a_library_warning_is_one_line_and_every_stage_shows(tmp_path, monkeypatch):
     """normswap's own warnings (here: a pretraining of one step does not beat the unigram baseline)
     are one `normswap: warning:` line, as scan's are; they were Python's two lines, naming
-    runner.py's path and line and quoting its source. stdout stays one JSON document."""
+    runner.py's path and line and quoting its source. Scoring the pretrained model on every
+    held-out token (a minute on a CPU for the shipped recipe) has a bar named for it (it ran
+    silently after the last step), and a rerun of a finished run says each arm is done (it printed
+    nothing at all). stdout stays one JSON document."""
     from click.testing import CliRunner
 
     from normswap.cli import cli
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
-    recipe = write_recipe(tmp_path / "tiny.toml", PRETRAIN.replace("steps = 80", "steps = 1"), ["original"])
+    one_step = PRETRAIN.replace("steps = 80", "steps = 1").replace("warmup_steps = 4", "warmup_steps = 0")
+    recipe = write_recipe(tmp_path / "tiny.toml", one_step, ["original"])
     (tmp_path / "short.txt").write_text(GENESIS.read_text()[:3000])  # the held-out scoring: seconds, not 30
-    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--no-progress",
-                                 "--set", 'data.eval="short.txt"'])
+    command = ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--set", 'data.eval="short.txt"']
+    r = CliRunner().invoke(cli, command)
     assert r.exit_code == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["pretrain"]["steps"] == 1
-    assert re.fullmatch(r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity "
-                        r"[\d.]+ vs [\d.]+\): more steps or another learning rate\n", r.stderr), r.stderr
+    lines = r.stderr.splitlines()
+    warned = [line for line in lines if "warning" in line.lower()]
+    assert len(warned) == 1 and re.fullmatch(
+        r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity [\d.]+ vs [\d.]+\): "
+        r"more steps or another learning rate", warned[0]), r.stderr
+    at = lines.index("pretrain: held-out perplexity ...")
+    assert re.fullmatch(r"pretrain: held-out perplexity: \d+ tok, \d+\.\d s", lines[at + 1]), r.stderr
+    # The same command again: every arm finished, and it says so.
+    again = CliRunner().invoke(cli, command)
+    assert again.exit_code == 0, again.stderr[-2000:]
+    arm_dir = tmp_path / "out" / "arms" / "original"
+    assert again.stderr == f"[1/1] original: finished by an earlier run (delete {arm_dir} to run it again)\n"
 
 
 def test_the_kl_plot_shows_small_distances_and_whole_steps():
