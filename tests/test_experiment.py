@@ -444,6 +444,14 @@ def test_the_reports_cover_every_arm_finished_in_out(tmp_path, pretrained_dir):
         ["original", "exact", "approx"]
 
 
+def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
+    """summary.md states the fine-tuning settings used, whatever the recipe's description says (the
+    shipped one says 100 steps; after --set finetune.steps=4 its summary still said only that)."""
+    summary = (every_arm.out / "summary.md").read_text()
+    assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
+            "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 

@@ -76,6 +76,16 @@ def summary_markdown(result: dict) -> str:
         lines += [f"Pretrained model: {pre['parameters'] / 1e6:.2f} M parameters, {pre['steps']} steps "
                   f"({pre['tokens_seen'] / 1e6:.2f} M tokens, {pre['train_seconds'] / 60:.1f} min); held-out "
                   f"perplexity {pre['heldout_ppl']:.2f} against a unigram baseline of {pre['unigram_ppl']:.1f}.", ""]
+    ft = result["recipe"].get("finetune")
+    if ft and any("+" in name for name in result["arms"]):
+        # What the trained arms ran, from the values used (the description is the recipe file's
+        # prose: after --set finetune.steps=4 it still said 100 steps).
+        processes = (result.get("environment") or {}).get("num_processes") or 1
+        lines += [f"Fine-tuning: {ft['steps']} steps of {ft['batch_size'] * ft['grad_accum'] * processes} sequences × "
+                  f"{ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} accumulated × "
+                  f"{processes} process{'es' if processes > 1 else ''}), {ft['optimizer']} at lr {ft['lr']:g} "
+                  f"({ft['schedule']} after {ft['warmup_steps']} warm-up steps), {ft['dtype']}; evaluated every "
+                  f"{ft['eval_every']} steps.", ""]
     ev = result["eval"]
     floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "
