@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -450,6 +451,23 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     summary = (every_arm.out / "summary.md").read_text()
     assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
             "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["finetune.steps=4", "finetune.warmup_steps=10"],
+     r"finetune.steps \(4\) is not more than finetune.warmup_steps \(10\): the whole run is the warm-up, its "
+     r"learning rate rising to 0.0004 at the last step \(finetune.lr 0.001\), and the cosine schedule after it never runs"),
+    (["pretrain.steps=3", "pretrain.warmup_steps=3"], r"pretrain.steps \(3\) is not more than pretrain.warmup_steps"),
+])
+def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides, says):
+    """A quick trial (--set finetune.steps=4 on the shipped recipe, which warms up for 10 steps)
+    runs, but its learning rate is not the recipe's: said, not silent."""
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    with pytest.warns(UserWarning, match=says):
+        load_recipe(path, overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
 
 
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
