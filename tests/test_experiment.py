@@ -451,6 +451,8 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     summary = (every_arm.out / "summary.md").read_text()
     assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
             "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+    # and the units of its KL column (it gave none)
+    assert "KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens" in summary
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -89,7 +89,8 @@ def summary_markdown(result: dict) -> str:
     ev = result["eval"]
     floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "
-              f"KL and top-1 are against the original model{' in float32' if floor else ''}.", ""]
+              f"KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens whose most likely "
+              f"next token is the original's; both against the original model{' in float32' if floor else ''}.", ""]
     if floor:
         lines += [f"Every arm runs in {floor['dtype']}; {floor['description']} (float32 perplexity "
                   f"{floor['ppl_reference']:.4f}). An arm is within the {floor['dtype']} noise while its KL to "
