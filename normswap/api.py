@@ -419,7 +419,7 @@ def convert_checkpoint(
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,
-                                    planned=(meta, plan))
+                                    planned=(meta, plan), target=target)
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config)
         step(progress, "verify", 1, 1)

@@ -11,7 +11,9 @@ config.json of its own: that is a model of its own, such as a sentence-transform
 whole; its config.json and normswap.json
 (written anew), hidden entries (.git, .cache/huggingface: they describe the source's files), and
 what cannot be copied as content: a link to nothing, a link that loops back into a folder the
-copy is inside, a pipe, socket or device node (reading a pipe would block forever).
+copy is inside, a pipe, socket or device node (reading a pipe would block forever), and the
+output folder itself where it lies inside the source (`--out MODEL/fast`): carried, each run
+would copy the previous result into the new one, one level deeper every time.
 
 Over the model's own folder (--in-place) the published folder is the user's only copy, so every
 entry is kept as it is (hidden ones, links as links, pipes) except the stock weight files the new
@@ -36,13 +38,16 @@ STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\
 _REWRITTEN = ("config.json", MANIFEST_NAME)
 
 
-def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False) -> list[str]:
+def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False, *,
+               target: str | os.PathLike | None = None) -> list[str]:
     """Carry what the writer did not write from `source` (a loading.ModelSource, or a folder) into
     `out_dir` by the module's rule; returns the top-level names carried. A GGUF file holds its
-    tokenizer inside: it is written out as files (a GGUF without a usable one carries nothing)."""
+    tokenizer inside: it is written out as files (a GGUF without a usable one carries nothing).
+    target: where `out_dir` (a staging folder) is published, left out where the source holds it."""
     out_dir = Path(out_dir)
+    target = Path(target).resolve() if target is not None else None
     if isinstance(source, (str, os.PathLike)):
-        return _carry_folder(Path(source), out_dir, in_place)
+        return _carry_folder(Path(source), out_dir, in_place, target)
     if source.gguf_file:
         from normswap.errors import NormswapError
         from normswap.loading import load_tokenizer
@@ -53,18 +58,20 @@ def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False) -> li
         except NormswapError:
             return []
         return sorted(set(os.listdir(out_dir)) - before)
-    return _carry_folder(source.path, out_dir, in_place)
+    return _carry_folder(source.path, out_dir, in_place, target)
 
 
-def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool) -> list[str]:
+def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool, target: Path | None = None) -> list[str]:
     carried = []
     entries = sorted(source_dir.iterdir())
-    left_out = _left_out(source_dir, out_dir)
+    left_out = _left_out(source_dir, out_dir, target)
     skipped = {p.name for p in entries if STOCK_WEIGHTS.fullmatch(p.name)} if in_place else \
         left_out(source_dir, [p.name for p in entries])
     for p in entries:
         if p.name in _REWRITTEN or p.name in skipped or os.path.lexists(out_dir / p.name):
             continue  # the writer's own file wins over the source's
+        if not in_place and target is not None and p.resolve() == target:
+            continue  # the output itself (--out MODEL/fast): an earlier result must not nest in the new one
         if in_place:
             _keep(p, out_dir / p.name)
         else:
@@ -90,11 +97,12 @@ def _keep(p: Path, dst: Path) -> None:
         os.link(p, dst)  # a pipe, socket or device node: the user's entry, kept as is
 
 
-def _left_out(source_dir: Path, out_dir: Path):
+def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None):
     """copytree's ignore(folder, names) for a new folder: the names the module's rule leaves
     behind. A link is judged by what it points at; one to a folder that holds the source, the
     output, or any folder the copy is already inside is left out (followed, it would copy a tree
-    into itself until the path grew too long: the source's parent may hold every other model)."""
+    into itself until the path grew too long: the source's parent may hold every other model).
+    So is `target`, the published output, deeper in the source (--out MODEL/runs/fast)."""
     roots = (source_dir.resolve(), out_dir.resolve())
 
     def ignore(folder, names):
@@ -109,6 +117,8 @@ def _left_out(source_dir: Path, out_dir: Path):
             p = folder / name
             if name.startswith(".") or not own_model and (name.endswith(WEIGHT_SUFFIXES)
                                                           or STOCK_WEIGHTS.fullmatch(name)):
+                skip.add(name)
+            elif target is not None and p.resolve() == target:
                 skip.add(name)
             elif p.is_dir():
                 if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):

@@ -391,7 +391,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
             write_model_files(model, tmp, max_shard_size)
             step(progress, "save", 1, 4)
             if source is not None:
-                carry_over(source, tmp, in_place=in_place)
+                carry_over(source, tmp, in_place=in_place, target=target)
             # A converted source keeps its convert section: the weights are still the converted
             # ones, and it is what says which LayerNorms may run as RMS norms.
             write_manifest(tmp, new_manifest(

@@ -40,13 +40,16 @@ def convert_directory(
     config=None,
     manifest: bool = True,
     planned: tuple | None = None,
+    target: str | os.PathLike | None = None,
 ) -> dict:
     """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
     directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, and (unless
     manifest=False: the caller writes it once, verified) the manifest. Returns the convert section.
     Safetensors checkpoints are converted shard by shard; anything else is loaded whole.
     config: loading.load_config(source), and planned: (meta model, plan) with that keep_gain and
-    its refusals checked, when the caller already has them (each is built once per conversion)."""
+    its refusals checked, when the caller already has them (each is built once per conversion).
+    target: where `out_dir` (a staging folder) will be published: not carried over from the source
+    when the source holds it."""
     from normswap import loading
 
     out = Path(out_dir)
@@ -86,7 +89,7 @@ def convert_directory(
         if dtype is not None:
             model.to(dtype)
         model.save_pretrained(out)
-    carry_over(source, out)  # tokenizer, README, chat template, code: by patch --out's rule
+    carry_over(source, out, target=target)  # tokenizer, README, chat template, code: by patch --out's rule
     section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).

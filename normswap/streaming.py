@@ -47,15 +47,22 @@ def read_header(path: Path) -> dict:
         if n > 100_000_000:
             raise NormswapError(f"{path}: not a safetensors file (header length {n})")
         try:
-            return jsonsafe.loads(f.read(n))
+            header = jsonsafe.loads(f.read(n))
         except ValueError as e:
             raise NormswapError(f"{path}: not a safetensors file (unreadable header: {e})") from None
+    if not isinstance(header, dict):
+        raise NormswapError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header
 
 
 def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
-    """(shard file names in order, key -> file name, sharded?) for a safetensors checkpoint dir."""
+    """(shard file names in order, key -> file name, sharded?) for a safetensors checkpoint dir.
+    A model.safetensors beside an index is what transformers loads (it looks for the single file
+    first), so it is what is read here too: the conversion must fold the weights the verification
+    and every later load see."""
     index = src / INDEX_NAME
-    if index.is_file():
+    single = src / SINGLE_NAME
+    if index.is_file() and not single.is_file():
         try:
             weight_map = jsonsafe.read_or_refuse(index, what="index")["weight_map"]
         except (KeyError, TypeError):
@@ -67,7 +74,6 @@ def checkpoint_layout(src: Path) -> tuple[list[str], dict[str, str], bool]:
         if missing:  # said here: a missing shard would otherwise surface as a failed write
             raise NormswapError(f"{index}: names {len(missing)} shard(s) that are not there (e.g. {missing[0]})")
         return files, dict(weight_map), True
-    single = src / SINGLE_NAME
     if single.is_file():
         keys = [k for k in read_header(single) if k != "__metadata__"]
         return [SINGLE_NAME], {k: SINGLE_NAME for k in keys}, False
@@ -108,9 +114,13 @@ class CheckpointReader:
 
     def meta(self, name: str) -> tuple[torch.dtype, list[int]]:
         file, key = self._locate(name)
-        h = self.header(file)[key]
-        if h["dtype"] not in ST_DTYPES:
-            raise NormswapError(f"{name}: unsupported safetensors dtype {h['dtype']}")
+        h = self.header(file).get(key)
+        if h is None:  # an index that names the wrong shard for this tensor
+            raise NormswapError(f"{self.src / INDEX_NAME}: names {file} for {key}, which that file does not hold")
+        if not (isinstance(h, dict) and isinstance(h.get("shape"), list)):
+            raise NormswapError(f"{self.src / file}: not a safetensors file (malformed header entry {key})")
+        if h.get("dtype") not in ST_DTYPES:
+            raise NormswapError(f"{name}: unsupported safetensors dtype {h.get('dtype')}")
         return ST_DTYPES[h["dtype"]], list(h["shape"])
 
     def file_of(self, name: str) -> str:

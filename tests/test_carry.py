@@ -95,6 +95,28 @@ def test_patch_out_and_convert_carry_the_same_files(tmp_path, weights):
     assert not (tmp_path / "conv" / "merges_link.txt").is_symlink()  # a link is carried as its content
 
 
+@pytest.mark.parametrize("command,where", [("patch", "fast"), ("convert", "runs/fast")])
+def test_an_out_inside_the_model_folder_is_not_carried_into_itself(tmp_path, monkeypatch, command, where):
+    """`cd model && normswap patch . --out fast`, run again with --force: the earlier result (a
+    subfolder with a config.json, carried whole as another model) was copied into the new one, one
+    level deeper each run (fast/fast/fast/...), and the model folder grew by a model every time."""
+    src = tmp_path / "m"
+    save_tiny("gpt2", src)
+    (src / "runs").mkdir()
+    (src / "runs" / "notes.txt").write_text("the user's")
+    monkeypatch.chdir(src)
+    args = ["patch", ".", "--impl", "torch"] if command == "patch" else ["convert", ".", "--to", "rms"]
+    for _ in range(2):
+        r = CliRunner().invoke(cli, [*args, "--out", where, "--force"])
+        assert r.exit_code == 0, r.output
+    out = src / where
+    assert (out / "config.json").is_file() and (out / "normswap.json").is_file()
+    assert not any(p.name == "fast" for p in out.rglob("*")), sorted(_tree(out))
+    # what else the folder holds is still carried
+    assert (out / "tokenizer.json").is_file()
+    assert where == "runs/fast" or (out / "runs" / "notes.txt").read_text() == "the user's"
+
+
 def test_in_place_keeps_every_entry_but_the_stock_weights(tmp_path):
     """--in-place shares the module with --out but keeps the user's folder as it is: hidden
     entries, weight-like files that are not stock weights, links as links, pipes."""

@@ -423,6 +423,27 @@ def test_rerun_skips_finished_arms(every_arm):
     assert again.data["arms"]["approx+ft"] == before["approx+ft"]
 
 
+def test_the_reports_cover_every_arm_finished_in_out(tmp_path, pretrained_dir):
+    """OUT is one run of the recipe: an arm finished by an earlier call with other arms stays in
+    results.json, summary.md and results.csv (it was dropped from them, though still on disk), in
+    the recipe's order; a folder under arms/ that names no arm is not part of the run."""
+    path = model_recipe(tmp_path, pretrained_dir, ["original", "exact", "approx"])
+    out = tmp_path / "out"
+    first = run_experiment(load_recipe(path), out, ["approx"], progress=False)
+    (out / "arms" / "notes").mkdir()
+    (out / "arms" / "notes" / "result.json").write_text("{}")
+    second = run_experiment(load_recipe(path), out, ["exact", "original"], progress=False)
+    assert list(second.data["arms"]) == ["original", "exact", "approx"]
+    assert second.data["arms"]["approx"] == first.data["arms"]["approx"]
+    assert [r["arm"] for r in second.summary] == ["original", "exact", "approx"]
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["arms"]) == ["original", "exact", "approx"]
+    summary = (out / "summary.md").read_text()
+    assert "| approx | 0 |" in summary and "| original | 0 |" in summary
+    assert [line.split(",")[0] for line in (out / "results.csv").read_text().splitlines()[1:]] == \
+        ["original", "exact", "approx"]
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 
@@ -499,6 +520,64 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AssertionError, match="the run started"):
         run_experiment(recipe, tmp_path / "empty", progress=False)
+
+def _hold_lock(lock: Path) -> int:
+    """Lock as another normswap run holding `lock` does (flock conflicts between open files, also
+    within one process), its pid written in it."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_second_run_into_the_same_out_is_refused_at_once(tmp_path, monkeypatch):
+    """Two `normswap experiment` runs into one OUT (a rerun started while the first still runs)
+    trained the same arm into one state folder, each removing the other's checkpoints, and wrote
+    each other's reports: the second is now refused at once by the lock patch and convert take."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    out = tmp_path / "runs" / "x"
+    fd = _hold_lock(tmp_path / "runs" / ".x.normswap.lock")
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing .*runs/x"):
+            run_experiment(recipe, out, progress=False)
+    finally:
+        os.close(fd)
+    assert not out.exists()
+    with pytest.raises(AssertionError, match="the run started"):  # released: the run goes ahead
+        run_experiment(recipe, out, progress=False)
+    assert list((tmp_path / "runs").iterdir()) == []  # the failed run's OUT and its lock file are gone
+
+
+def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeypatch):
+    """Two experiments sharing a [pretrain] section (two --out folders) trained into one .partial
+    cache folder at once."""
+    from types import SimpleNamespace
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing"):
+            pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
+                                       recipe.name, recipe.data.eval, progress=False)
+    finally:
+        os.close(fd)
+    assert not final.with_name(final.name + ".partial").exists()
+
 
 @pytest.mark.parametrize("model, arms, override, message", [
     ("gpt2", ["original"], "data.eval=bin.txt", "data.eval: .*bin.txt: a binary file"),
@@ -1055,3 +1134,22 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
                                                                            lines[1]), r.stderr
     assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
                                                               lines[3]), r.stderr
+
+
+def test_a_library_warning_is_one_line_on_stderr(tmp_path, monkeypatch):
+    """normswap's own warnings (here: a pretraining of one step does not beat the unigram baseline)
+    are one `normswap: warning:` line, as scan's are; they were Python's two lines, naming
+    runner.py's path and line and quoting its source. stdout stays one JSON document."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path / "tiny.toml", PRETRAIN.replace("steps = 80", "steps = 1"), ["original"])
+    (tmp_path / "short.txt").write_text(GENESIS.read_text()[:3000])  # the held-out scoring: seconds, not 30
+    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--no-progress",
+                                 "--set", 'data.eval="short.txt"'])
+    assert r.exit_code == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["pretrain"]["steps"] == 1
+    assert re.fullmatch(r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity "
+                        r"[\d.]+ vs [\d.]+\): more steps or another learning rate\n", r.stderr), r.stderr

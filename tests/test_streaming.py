@@ -13,7 +13,7 @@ from normswap import streaming as st
 from normswap.convert import convert_model
 from normswap.convert_dir import convert_directory, verify_conversion
 from normswap.loading import resolve
-from tests.tiny_models import save_tiny, tiny_model
+from tests.tiny_models import save_tiny, tiny_model, tiny_tokenizer
 
 
 def read_dir(d):
@@ -74,6 +74,7 @@ def test_single_file_and_sharded_give_the_same_tensors(tmp_path):
 
 def test_streamed_checkpoint_reloads_and_verifies(tmp_path):
     save_tiny("gpt2", tmp_path / "src").save_pretrained(tmp_path / "src", max_shard_size="30KB")
+    (tmp_path / "src" / st.SINGLE_NAME).unlink()  # save_pretrained leaves it: transformers would load it, not the shards
     (tmp_path / "out").mkdir()
     manifest = convert_directory(resolve(tmp_path / "src"), tmp_path / "out")
     v = verify_conversion(resolve(tmp_path / "src"), tmp_path / "out", manifest)
@@ -184,6 +185,7 @@ def test_streaming_holds_one_group_at_a_time(tmp_path, monkeypatch, streaming):
 
     model = save_tiny("gpt2", tmp_path / "src")
     model.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    (tmp_path / "src" / st.SINGLE_NAME).unlink()
     alive: weakref.WeakSet = weakref.WeakSet()
     peak = [0]
     real_read = st.CheckpointReader.read
@@ -222,6 +224,7 @@ def test_sliced_float64_work_is_still_exact(arch, tmp_path, monkeypatch):
     assert manifest["zero_mean_check"]["passed"]
     # same slices on the checkpoint paths: streaming and in-memory still agree to the byte
     save_tiny(arch, tmp_path / "src").save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    (tmp_path / "src" / st.SINGLE_NAME).unlink()
     for mode in (True, False):
         (tmp_path / f"o{mode}").mkdir()
         convert_directory(resolve(tmp_path / "src"), tmp_path / f"o{mode}", streaming=mode)
@@ -266,3 +269,53 @@ def test_an_index_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path, index):
     (tmp_path / st.INDEX_NAME).write_text(index)
     with pytest.raises(NormswapError, match="malformed index"):
         st.checkpoint_layout(tmp_path)
+
+
+def _sharded(tmp_path, seed=0):
+    d = tmp_path / "src"
+    tiny_model("gpt2", seed=seed).save_pretrained(d, max_shard_size="20KB")
+    return d
+
+
+def test_an_index_that_names_the_wrong_shard_is_bad_input(tmp_path):
+    """An index that sends a tensor to a shard that does not hold it (two shards' keys listed
+    under one) was a KeyError: `normswap convert` on it an internal error, exit 1."""
+    from normswap.errors import NormswapError
+
+    d = _sharded(tmp_path)
+    index = json.loads((d / st.INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    first, last = shards[0], shards[-1]
+    index["weight_map"] = {k: first if v == last else v for k, v in index["weight_map"].items()}
+    (d / st.INDEX_NAME).write_text(json.dumps(index))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(NormswapError, match=f"index.json: names {first} for .*, which that file does not hold"):
+        convert_directory(resolve(d), tmp_path / "out")
+
+
+def test_a_header_that_is_not_an_object_is_not_a_safetensors_file(tmp_path):
+    header = b"[1, 2]"
+    (tmp_path / st.SINGLE_NAME).write_bytes(len(header).to_bytes(8, "little") + header)
+    from normswap.errors import NormswapError
+
+    with pytest.raises(NormswapError, match="not a safetensors file .its header is not a JSON object"):
+        st.checkpoint_layout(tmp_path)
+
+
+def test_a_model_safetensors_beside_an_index_is_what_is_converted(tmp_path):
+    """transformers loads model.safetensors when it sits beside an index (a leftover of an earlier
+    save: save_pretrained leaves it). The conversion read the shards instead, so its verification,
+    which loads the single file, failed on a folder transformers loads without a word."""
+    from normswap.api import convert_checkpoint
+
+    d = _sharded(tmp_path)
+    tiny_model("gpt2", seed=7).save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / st.SINGLE_NAME).rename(d / st.SINGLE_NAME)
+    tiny_tokenizer().save_pretrained(d)
+    assert st.checkpoint_layout(d)[0] == [st.SINGLE_NAME]
+    r = convert_checkpoint(d, tmp_path / "out")
+    assert r.section["verification"]["passed"]
+    want = tiny_model("gpt2", seed=7)
+    convert_model(want)
+    got = read_dir(tmp_path / "out")
+    assert all(same_bytes(got[k], t) for k, t in want.state_dict().items() if k in got)

@@ -11,6 +11,7 @@ tokenizer) cached under ~/.cache/normswap/pretrain/<name>-<key>/, where the key 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -96,13 +97,28 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
                       *, stop: StopFlag | None = None, progress: bool = True) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
     and its info (steps, time, held-out perplexity, unigram baseline)."""
-    from transformers import PreTrainedTokenizerFast
-
-    from normswap.checkpoint import staged_dir
+    from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name)
     if (final / INFO_FILE).is_file():
         return final, _read_info(final)
+    lock = contextlib.nullcontext()
+    if accelerator.is_main_process:
+        # Two experiments sharing a [pretrain] section (two --out folders, two terminals) would train
+        # into one .partial folder, each resuming from and removing the other's checkpoints.
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = target_lock(final.resolve())  # the key staged_dir takes it under below (re-entrant)
+    with lock:
+        return _pretrain(accelerator, section, seed, final, eval_text, stop=stop, progress=progress)
+
+
+def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str | Path, *,
+              stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
+    """ensure_pretrained's training, under the cache entry's lock."""
+    from transformers import PreTrainedTokenizerFast
+
+    from normswap.checkpoint import staged_dir
+
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
     text = read_text(section.text)

@@ -3,7 +3,7 @@
 Layout of OUT:
   recipe.json              the validated recipe (a rerun with a different one is refused)
   arms/<arm>/state/        the arm's resumable checkpoint while it trains
-  arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it)
+  arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it; the reports include it)
   logs/                    accelerate trackers (TensorBoard event files when installed)
   results.json results.csv summary.md curves.png
 
@@ -20,6 +20,7 @@ evaluations carry none.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.backends import get_backend
+from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError
 from normswap.experiment import report
@@ -189,7 +191,8 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
                    on_step: Callable[[str, int, float], None] | None = None,
                    option_names: Mapping[str, str] | None = None) -> ExperimentResult:
     """Run (or resume) every arm of `recipe` (or the `arms` subset: a list or "a,b"), write the
-    reports into `out` (default: recipe.default_out(), runs/<name>).
+    reports into `out` (default: recipe.default_out(), runs/<name>). The reports cover every arm
+    finished in `out`: those run now and those an earlier call finished there (with other `arms`).
     recipe: a validated Recipe, or the path of a TOML recipe, read with load_recipe(recipe,
     overrides) (`key=value`, dotted: what `--set` gives); overrides need a path (a Recipe is
     already validated: dataclasses.replace it).
@@ -208,6 +211,30 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
         raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
+    with contextlib.ExitStack() as held:
+        if _is_main_process(accelerator):
+            # Two runs writing one OUT would train an arm into one state folder, each removing the
+            # other's checkpoints, and write each other's reports: the second is refused at once,
+            # by the lock beside OUT that patch and convert take for --out.
+            try:
+                held.enter_context(made_folders(out.parent))
+            except OSError as e:
+                raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+            held.enter_context(target_lock(out))
+        return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
+                            on_step=on_step)
+
+
+def _is_main_process(accelerator) -> bool:
+    """Before an Accelerator exists, the rank a launcher (accelerate launch, torchrun) gave this process."""
+    if accelerator is not None:
+        return accelerator.is_main_process
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
+                 on_step) -> ExperimentResult:
+    """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
     _check_out(out, recipe)
     loaded = train_ids = None
     # Bad texts, and arms the model cannot make, are refused here, before OUT is made: found when
@@ -271,6 +298,34 @@ def _train_windows(recipe: Recipe, tokenizer, text: str) -> RandomWindows:
         raise NormswapError(f"data.train: {e}") from None
 
 
+def _read_arm_result(done: Path, arm: str) -> dict:
+    """An arm's result.json, as a finished arm left it (NormswapError naming it when malformed)."""
+    result = jsonsafe.read_or_refuse(done, f"delete it to run the arm {arm} again")
+    if not isinstance(result, dict):
+        raise NormswapError(f"{done}: not an arm result (a JSON object); delete it to run the arm {arm} again")
+    return result
+
+
+def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> dict[str, dict]:
+    """The arms this invocation ran, plus every arm an earlier invocation finished in OUT (with
+    another --arms: OUT is one run of the recipe, whose arm selection is not part of it), in the
+    recipe's order, then this invocation's, then by name. Without them a run made arm by arm
+    (`--arms original`, then `--arms approx+ft`) would report only its last arm, and its Δ and
+    recovered columns, which need `original` and `original+ft`, would be empty."""
+    finished = dict(results)
+    for arm_dir in sorted((out / "arms").iterdir()) if (out / "arms").is_dir() else ():
+        done = arm_dir / RESULT_FILE
+        if arm_dir.name in finished or not done.is_file():
+            continue
+        try:
+            parse_arm(arm_dir.name)
+        except RecipeError:  # not an arm's folder (a user's, or a stray one): not part of the run
+            continue
+        finished[arm_dir.name] = _read_arm_result(done, arm_dir.name)
+    order = list(dict.fromkeys([*recipe.arms, *results, *finished]))
+    return {arm: finished[arm] for arm in order if arm in finished}
+
+
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids, *, progress, stop,
          accelerator, plot, on_step) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
@@ -325,9 +380,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         arm_dir = out / "arms" / arm
         done = arm_dir / RESULT_FILE
         if done.is_file():
-            results[arm] = jsonsafe.read_or_refuse(done, f"delete it to run the arm {arm} again")
-            if not isinstance(results[arm], dict):
-                raise NormswapError(f"{done}: not an arm result (a JSON object); delete it to run the arm {arm} again")
+            results[arm] = _read_arm_result(done, arm)
             continue
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)
@@ -366,6 +419,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         del model
     data, files = {}, {}
     if accelerator.is_main_process:
+        results = _with_earlier_arms(results, out, recipe)
         window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
         data = {
             "recipe": recipe.to_dict(),
