@@ -18,6 +18,6 @@ for (kind, casting, offset, eps), n in Counter(
 ).items():
     print(f"  {n:4d} x {kind} norm, casting={casting}, offset={offset:g}, eps={eps:.3g}")
 final = doc["norms"][-1]
-print(f"final norm {final['path']} is read by {', '.join(final['consumers'] or ['?'])}")
+print(f"final norm {final['path']} is read by {', '.join(final['readers'] or ['?'])}")
 for u in doc["unknown"]:
     print(f"  not recognised: {u['path']} ({u['class']}): {u['reason']}")

@@ -1,15 +1,24 @@
-"""Where each LayerNorm's input comes from and where its output goes, found by running the model.
+"""Where each norm's input comes from and where its output goes, found by running the model.
 
 One forward on a tiny input (the meta device is enough: shapes only, no weights read) is traced
 at the level of aten operations. Every tensor an operation makes is remembered with the operation
 that made it and the module whose own code ran it (the module on top of a stack kept by forward
-hooks), so the trace is a dataflow graph. From it, for every LayerNorm-like module:
+hooks), so the trace is a dataflow graph. The one trace serves two questions.
+
+A norm's *readers* (norm_readers, for any norm: what `normswap scan` lists): the modules whose
+own code reads the norm's output, followed through views and casts. So a decoder layer that merely
+hands the tensor to its attention is not a reader, its q/k/v projections are; a layer that adds the
+norm's output to the residual stream (Gemma 2's post-norms, BLOOM's embedding norm) is; OUTPUT when
+the output leaves the model as is.
+
+Whether a LayerNorm can become an RMSNorm exactly (discover, what `normswap convert` plans from),
+for every LayerNorm-like module:
 
 - its input is taken apart, back through adds, views, casts and scalings, into the *terms* it is
   a sum of: embedding lookups, the outputs of Linear / Conv1D writers, other norms' outputs, and
   anything else (a gated product, positions computed on the fly, a constant);
-- its output is followed forward, through views and casts, to every operation that reads it: a
-  Linear / Conv1D can absorb γ and β, anything else cannot.
+- its readers: a Linear / Conv1D can absorb γ and β (those of a converted norm are the layers
+  it folds into), anything else cannot.
 
 The conversion centers every term (an embedding table's rows, a writer's output rows and bias) and
 folds γ/β into the readers, so it is exact only where every term can be centered, every reader
@@ -21,6 +30,7 @@ into jobs, and normswap/archs/*.toml can override it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,7 +39,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normswap import fold, registry
-from normswap.consumers import SEQ_LEN, dummy_inputs, tensors_in
 
 # Refusal categories: why a LayerNorm cannot become an RMSNorm exactly.
 REFUSALS = {
@@ -48,7 +57,7 @@ REFUSALS = {
     "arch-data": "normswap/archs/<model_type>.toml refuses it, or does not describe this model",
 }
 
-OUTPUT = "<output>"  # a norm whose output leaves the model as is: γ and β stay in the norm
+OUTPUT = "<output>"  # the reader of a norm output that leaves the model as is (γ and β stay in the norm)
 STREAM = "<residual stream>"  # a baked embedding norm's "reader"
 
 # Operations that pass a value on unchanged (up to dtype or layout). Whether the hidden (last)
@@ -85,12 +94,62 @@ def _key(t: torch.Tensor):
     return (id(t), t._version)
 
 
+SEQ_LEN = 4
+
+
+def tensors_in(obj) -> Iterable[torch.Tensor]:
+    """Every tensor in a nest of lists, tuples, dicts and transformers ModelOutputs."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from tensors_in(o)
+    elif hasattr(obj, "to_tuple"):  # a ModelOutput that is not a dict subclass
+        yield from tensors_in(obj.to_tuple())
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def dummy_inputs(model: nn.Module) -> dict:
+    """input_ids (and decoder_input_ids for encoder-decoders) on the model's device."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    ids = torch.ones((1, SEQ_LEN), dtype=torch.long, device=device)
+    inputs = {"input_ids": ids}
+    config = getattr(model, "config", None)
+    params = _forward_params(model)
+    if "attention_mask" in params:
+        # Explicit, so that no model warns that the dummy ids (1, a common pad id) may be padding.
+        inputs["attention_mask"] = torch.ones_like(ids)
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return inputs
+
+
 class _Recorder(TorchDispatchMode):
-    """Records every aten operation as a _Node (see the module docstring)."""
+    """Records every aten operation as a _Node (see the module docstring).
+
+    It also answers the value questions a forward asks of meta tensors (.item(), `if mask.all()`):
+    transformers inspects ids, masks and positions to pick fast paths (padding? packed sequences?),
+    and meta tensors hold no values. The answers (True, 1.0, the sequence length) pick the plain
+    causal path; they steer only those checks, never which module reads which tensor.
+    """
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # as in consumers._Tracer: nothing is compiled during a trace
+        # torch wraps every __torch_dispatch__ in a dynamo-disable guard, which costs more than
+        # the rest of a meta forward; nothing is compiled during a trace, so go without it.
+        return False
 
     def __init__(self):
         super().__init__()
@@ -103,7 +162,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args and args[0].is_meta:
-            t = args[0]  # value questions a forward asks of meta tensors (see consumers._Tracer)
+            t = args[0]  # a value question a forward asks of a meta tensor (see the class docstring)
             if t.dtype == torch.bool:
                 return True
             return 1.0 if t.dtype.is_floating_point else SEQ_LEN
@@ -275,6 +334,20 @@ def is_layer_norm(mod: nn.Module) -> bool:
 def layer_norm_paths(model: nn.Module) -> list[str]:
     """Paths of the LayerNorm-like modules of `model`, in module order."""
     return [p for p, m in model.named_modules() if is_layer_norm(m)]
+
+
+def norm_readers(model: nn.Module, norm_paths: list[str],
+                 tr: Trace | None = None) -> tuple[dict[str, list[str]] | None, str | None]:
+    """({norm path: its readers}, None), or (None, a note saying why they are unknown): for any
+    norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
+    forward) in module order, after OUTPUT when the output leaves the model as is. A converted
+    LayerNorm folds into exactly these (discover's NormFinding.readers). `tr`: a trace of `model`
+    already made (the scan passes the one its conversion rows use)."""
+    tr = tr if tr is not None else trace(model)
+    if tr.error is not None:
+        return None, f"readers unknown: {tr.error}"
+    analysis = _Analysis(model, dict(model.named_modules()), tr)
+    return {p: analysis.readers_of(p) for p in norm_paths}, None
 
 
 def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:
@@ -449,6 +522,16 @@ class _Analysis:
                 else:
                     uses.append((i, k))
         return seen, uses
+
+    def readers_of(self, path: str) -> list[str]:
+        """The readers of module `path`'s output (norm_readers), over every run of it."""
+        leaves, found = False, set()
+        for c in self.tr.calls.get(path, []):
+            passed, uses = self.closure(c.outs[:1], through_adds=False)
+            leaves |= bool(passed & self.tr.output_keys)
+            found |= {self.nodes[i].module for i, _k in uses}
+        order = {q: j for j, q in enumerate(self.modules)}
+        return [OUTPUT] * leaves + sorted(found, key=lambda q: order.get(q, len(order)))
 
     def _layer_norm_input(self, i: int, k) -> bool:
         """Node i is a layer norm over the last dimension reading k: blind to a per-row shift."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from normswap.archs import ArchData, expand, load_arch, pattern_regex
-from normswap.discover import OUTPUT, STREAM, discover, fold_orientation, layer_norm_paths
+from normswap.discover import OUTPUT, STREAM, Trace, discover, fold_orientation, layer_norm_paths
 from normswap.errors import NormswapError
 
 # ---------------------------------------------------------------------------------------------
@@ -115,11 +115,13 @@ class Layout:
     also_untied: dict[str, str] = field(default_factory=dict)  # other tied tensors, saved on their own
 
 
-def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arch_data: bool = True) -> Plan:
+def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arch_data: bool = True,
+                    trace: Trace | None = None) -> Plan:
     """Decide, per LayerNorm, what folds where; `model` may live on the meta device.
 
-    The layout comes from one traced forward (normswap.discover); a file in normswap/archs/ for
-    the model_type overrides it (arch_data=False ignores the files)."""
+    The layout comes from one traced forward (normswap.discover; `trace`: one already made of this
+    model); a file in normswap/archs/ for the model_type overrides it (arch_data=False ignores the
+    files)."""
     model_type = getattr(config, "model_type", "?")
     modules = dict(model.named_modules())
     arch = load_arch(model_type) if arch_data else None
@@ -129,7 +131,7 @@ def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arc
             _nothing_to_convert(model_type, modules)
         layout = _layout_from_arch(arch, model, config, modules, lns)
     else:
-        layout = _layout_from_discovery(model)
+        layout = _layout_from_discovery(model, trace)
         lns = {p: modules[p] for p in layout.norms}
         if not lns:
             _nothing_to_convert(model_type, modules)
@@ -159,8 +161,8 @@ def _nothing_to_convert(model_type: str, modules: dict) -> None:
     )
 
 
-def _layout_from_discovery(model) -> Layout:
-    d = discover(model)
+def _layout_from_discovery(model, tr: Trace | None = None) -> Layout:
+    d = discover(model, tr=tr)
     layout = Layout(None, tables=list(d.tables), writers=list(d.writers), params=list(d.params),
                     norms=list(d.norms))
     if d.untie is not None:

@@ -1,5 +1,8 @@
-"""The scan: every norm of a model with its spec, its consumers and (for a LayerNorm) whether
+"""The scan: every norm of a model with its spec, its readers and (for a LayerNorm) whether
 `normswap convert` makes it an RMSNorm and why not, as one JSON-ready document.
+
+Readers and conversion come from one traced forward (normswap.discover): the readers a converted
+LayerNorm folds into are the readers listed here.
 
 Built on the meta device from the config alone, so it reads no weights and a 70B config scans in
 about a second.
@@ -13,47 +16,44 @@ from typing import Any
 
 from torch import nn
 
-from normswap.consumers import find_consumers
+from normswap.discover import norm_readers, trace
 from normswap.progress import ProgressFn
 from normswap.walk import FoundNorm, UnknownNormWarning, find_norms
 
-ROOT = "<model>"  # how a consumer that is the model's own forward is shown
+ROOT = "<model>"  # how a reader that is the model's own forward ("" in the trace) is shown
 
 
-def norm_row(found: FoundNorm, consumers: list[str] | None) -> dict[str, Any]:
-    s = found.spec
+def norm_row(found: FoundNorm, readers: list[str] | None) -> dict[str, Any]:
+    """One norm: its NormSpec's fields under the spec's own names (has_weight, has_bias: what a
+    patch manifest's "spec" holds), then its readers."""
     return {
         "path": found.path,
         "class": found.module_class,
-        "kind": s.kind,
-        "eps": s.eps,
-        "eps_attr": s.eps_attr,
-        "offset": s.offset,
-        "casting": s.casting,
-        "dtype": s.dtype,
-        "shape": list(s.shape),
-        "weight": s.has_weight,
-        "bias": s.has_bias,
-        "consumers": None if consumers is None else [c or ROOT for c in consumers],
+        **found.spec.to_dict(),
+        "readers": None if readers is None else [r or ROOT for r in readers],
         "recognised_by": found.recognised_by,
         "bit_exact": found.bit_exact,
     }
 
 
-def scan_model(model: nn.Module, strict: bool = False, with_consumers: bool = True,
+def scan_model(model: nn.Module, strict: bool = False, with_readers: bool = True,
                warn: bool = True) -> dict[str, Any]:
-    """The scan document of a model (any device; meta is the usual one)."""
+    """The scan document of a model (any device; meta is the usual one). with_readers=False skips
+    the traced forward: no readers, no conversion rows."""
     with warnings.catch_warnings():
         if not warn:
             warnings.simplefilter("ignore", UnknownNormWarning)
         found = find_norms(model, strict=strict, warn=warn)
     known = [f for f in found if f.spec is not None]
     unknown = [f for f in found if f.spec is None]
-    consumers, note = (None, "consumers not computed") if not with_consumers else \
-        find_consumers(model, [f.path for f in known])
     config = getattr(model, "config", None)
-    to_rms = conversion_rows(model, config) if with_consumers else {}
-    rows = [norm_row(f, None if consumers is None else consumers[f.path]) for f in known]
+    if with_readers:
+        tr = trace(model)
+        readers, note = norm_readers(model, [f.path for f in known], tr)
+        to_rms = conversion_rows(model, config, tr)
+    else:
+        readers, note, to_rms = None, "readers not computed", {}
+    rows = [norm_row(f, None if readers is None else readers[f.path]) for f in known]
     for row in rows:
         row["to_rms"] = to_rms.get(row["path"])
     converting = [r for r in to_rms.values() if r["converts"]]
@@ -71,26 +71,27 @@ def scan_model(model: nn.Module, strict: bool = False, with_consumers: bool = Tr
             "to_rms": {"converts": len(converting), "refused": dict(Counter(
                 r["category"] for r in to_rms.values() if not r["converts"]))},
         },
-        "consumers_note": note,
+        "readers_note": note,
     }
 
 
-def conversion_rows(model: nn.Module, config) -> dict[str, dict[str, Any]]:
+def conversion_rows(model: nn.Module, config, tr=None) -> dict[str, dict[str, Any]]:
     """Per LayerNorm, whether `normswap convert` turns it into an RMSNorm and why not: the plan it
-    would make (the same discovery, and any normswap/archs override)."""
+    would make (the same discovery, from the trace `tr` when given, and any normswap/archs
+    override)."""
     from normswap.errors import NormswapError
     from normswap.plan import plan_conversion
 
     if config is None:
         return {}
     try:
-        plan = plan_conversion(model, config)
+        plan = plan_conversion(model, config, trace=tr)
     except NormswapError:  # nothing to convert (no LayerNorm), or an override file that does not fit
         return {}
     return {d.path: {"converts": d.rms, "category": d.category, "why_not": d.why_not} for d in plan.norms}
 
 
-def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool = True,
+def scan(ref: str, strict: bool = False, with_readers: bool = True, warn: bool = True,
          progress: bool | ProgressFn | None = None) -> dict[str, Any]:
     """Scan a model reference (hub id, directory, .gguf, built-in name) without reading weights.
     progress (normswap.progress.bar) hears a built-in model's first-use conversion and the read of
@@ -100,5 +101,5 @@ def scan(ref: str, strict: bool = False, with_consumers: bool = True, warn: bool
     source = resolve(ref, progress=progress)
     model = build_meta_model(source, load_config(source, progress))
     doc = {"model": ref, "path": str(source.path)}
-    doc.update(scan_model(model, strict=strict, with_consumers=with_consumers, warn=warn))
+    doc.update(scan_model(model, strict=strict, with_readers=with_readers, warn=warn))
     return doc

@@ -288,7 +288,7 @@ main()
 @pytest.mark.parametrize("driver", [_SIGINT_ON_TORCH_IMPORT, _SIGINT_AT_EXIT], ids=["start-up", "after-success"])
 def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", driver, "scan", str(src), "--json", "--no-consumers"],
+    p = subprocess.run([sys.executable, "-c", driver, "scan", str(src), "--json", "--no-readers"],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
     assert p.stderr.strip() == "normswap: interrupted", p.stderr[-3000:]
@@ -650,7 +650,7 @@ def test_a_layer_count_no_model_has_is_refused_before_building(src, tmp_path, ch
     """A typo such as 320000 for 32 made scan build the module tree on the meta device for ever
     (10**12 layers: 23 GB of memory after ten minutes, still going). Refused from the config."""
     d = _edited_copy(src, tmp_path / "m", **change)
-    r = run("scan", d, "--no-consumers")
+    r = run("scan", d, "--no-readers")
     assert_one_line_error(r, f"num_hidden_layers is {change['num_hidden_layers']}; normswap takes at most")
 
 

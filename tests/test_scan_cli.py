@@ -1,5 +1,5 @@
 """`normswap scan` end to end through click: --json parsed and checked against the tiny models,
-consumers for the architectures the convert command folds into, bad inputs, --strict."""
+readers for the architectures the convert command folds into, bad inputs, --strict."""
 
 from __future__ import annotations
 
@@ -63,9 +63,25 @@ def test_scan_json_matches_the_checkpoint(saved, arch):
     for n in doc["norms"]:
         m = modules[n["path"]]
         assert type(m).__name__ == n["class"]
-        assert n["shape"] == list(m.weight.shape) and n["weight"] is True
-        assert n["bias"] == (getattr(m, "bias", None) is not None)
-        assert n["consumers"], f"{arch}: {n['path']} has no consumer"
+        assert n["shape"] == list(m.weight.shape) and n["has_weight"] is True
+        assert n["has_bias"] == (getattr(m, "bias", None) is not None)
+        assert n["readers"], f"{arch}: {n['path']} has no reader"
+
+
+def test_a_scan_row_holds_the_norm_spec_under_its_own_names(saved):
+    """One name per concept: a row's spec fields are NormSpec's (has_weight, has_bias, as a patch
+    manifest's "spec" holds them), so the row rebuilds the very spec the registry recognised."""
+    from dataclasses import fields
+
+    from normswap.registry import recognise
+    from normswap.specs import NormSpec
+
+    directory, model = saved("gpt2")
+    names = {f.name for f in fields(NormSpec)}
+    for n in scan_json(directory)["norms"]:
+        assert set(n) == {"path", "class", *names, "readers", "recognised_by", "bit_exact", "to_rms"}
+        spec = NormSpec.from_dict({k: n[k] for k in names})
+        assert spec == recognise(model.get_submodule(n["path"])).spec
 
 
 def test_scan_family_fields(saved):
@@ -86,9 +102,10 @@ def test_scan_family_fields(saved):
     assert {(n["recognised_by"], n["bit_exact"]) for n in gpt2["norms"]} == {("torch-class", False)}
 
 
-# What reads each norm, per architecture: layer 0's norms and the final one. These are the modules
-# `normswap convert` folds gains and biases into.
-EXPECTED_CONSUMERS = {
+# What reads each norm, per architecture: layer 0's norms and the final one. For a LayerNorm that
+# converts, these are the modules `normswap convert` folds gains and biases into
+# (test_scan_readers_are_the_fold_readers).
+EXPECTED_READERS = {
     "llama": {
         "model.layers.0.input_layernorm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
         "model.layers.0.post_attention_layernorm": ["mlp.gate_proj", "mlp.up_proj"],
@@ -104,10 +121,12 @@ EXPECTED_CONSUMERS = {
         "model.layers.0.self_attn.k_norm": [""],
         "model.layers.0.input_layernorm": ["self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"],
     },
-    "t5": {  # the encoder's final norm feeds every decoder cross-attention's k and v
+    "t5": {  # the encoder's final norm feeds every decoder cross-attention's k and v, and leaves the
+        # model as is (the output's encoder_last_hidden_state)
         "encoder.block.0.layer.0.layer_norm": ["SelfAttention.k", "SelfAttention.q", "SelfAttention.v"],
         "decoder.block.0.layer.2.layer_norm": ["DenseReluDense.wi"],
-        "encoder.final_layer_norm": [f"=decoder.block.{i}.layer.1.EncDecAttention.{p}" for i in range(L) for p in "kv"],
+        "encoder.final_layer_norm": ["=<output>", *(f"=decoder.block.{i}.layer.1.EncDecAttention.{p}"
+                                                    for i in range(L) for p in "kv")],
     },
     "bert": {  # post-LN: the norm's output is the stream the next block reads
         "encoder.layer.0.attention.output.LayerNorm": ["=encoder.layer.0.intermediate.dense",
@@ -151,7 +170,7 @@ EXPECTED_CONSUMERS = {
 
 
 def _absolute(norm_path: str, rel: str) -> str:
-    """Consumers are written relative to the norm's parent ("" is the parent itself); "=path" and
+    """Readers are written relative to the norm's parent ("" is the parent itself); "=path" and
     lm_head are absolute."""
     parent = norm_path.rpartition(".")[0]
     if rel == "lm_head" or rel.startswith("="):
@@ -159,19 +178,44 @@ def _absolute(norm_path: str, rel: str) -> str:
     return f"{parent}.{rel}" if rel else parent
 
 
-@pytest.mark.parametrize("arch", sorted(EXPECTED_CONSUMERS))
-def test_consumers(saved, arch):
+@pytest.mark.parametrize("arch", sorted(EXPECTED_READERS))
+def test_readers(saved, arch):
     doc = scan_json(saved(arch)[0])
-    rows = {n["path"]: n["consumers"] for n in doc["norms"]}
-    assert doc["consumers_note"] is None
-    for norm, rel in EXPECTED_CONSUMERS[arch].items():
-        assert rows[norm] == sorted(_absolute(norm, r) for r in rel), (norm, rows[norm])
+    rows = {n["path"]: n["readers"] for n in doc["norms"]}
+    assert doc["readers_note"] is None
+    for norm, rel in EXPECTED_READERS[arch].items():  # listed in module order: compared as sets
+        assert sorted(rows[norm]) == sorted(_absolute(norm, r) for r in rel), (norm, rows[norm])
+        assert len(set(rows[norm])) == len(rows[norm])
+
+
+LAYER_NORM_ARCHS = ("gpt2", "opt", "gpt_neox", "bloom", "falcon", "falcon_new", "phi")
+
+
+@pytest.mark.parametrize("arch", LAYER_NORM_ARCHS)
+def test_scan_readers_are_the_fold_readers(arch):
+    """One concept, one trace: a LayerNorm that convert's discovery converts folds into exactly the
+    readers the scan lists, in the same order (BLOOM's baked embedding norm excepted: it folds into
+    its token table, "<residual stream>", while the scan lists the modules that read that stream)."""
+    import transformers
+
+    from normswap.discover import STREAM
+    from normswap.plan import plan_conversion
+    from normswap.scan import scan_model
+
+    with torch.device("meta"):
+        model = getattr(transformers, ARCHS[arch][1])(tiny_config(arch))
+    plan = plan_conversion(model, model.config, arch_data=False)
+    readers = {n["path"]: n["readers"] for n in scan_model(model, warn=False)["norms"]}
+    converted = [d for d in plan.norms if d.rms and d.readers != [STREAM]]
+    assert converted, arch
+    for d in converted:
+        assert d.readers == readers[d.path], (d.path, d.readers, readers[d.path])
 
 
 def test_sandwich_post_norms_are_read_by_their_layer(saved):
     """Gemma 2/3 post-norms write into the residual stream: the layer's own add reads them."""
     doc = scan_json(saved("gemma3_text")[0])
-    rows = {n["path"]: n["consumers"] for n in doc["norms"]}
+    rows = {n["path"]: n["readers"] for n in doc["norms"]}
     assert rows["model.layers.0.post_attention_layernorm"] == ["model.layers.0"]
     assert rows["model.layers.1.post_feedforward_layernorm"] == ["model.layers.1"]
 
@@ -281,7 +325,7 @@ def test_70b_config_scans_without_weights(tmp_path):
     assert doc["summary"]["by_class"] == {"LlamaRMSNorm": 2 * 80 + 1}
     assert {tuple(n["shape"]) for n in doc["norms"]} == {(8192,)}
     assert {n["dtype"] for n in doc["norms"]} == {"bfloat16"}
-    assert doc["norms"][-1]["consumers"] == ["lm_head"]
+    assert doc["norms"][-1]["readers"] == ["lm_head"]
 
 
 @pytest.mark.slow
@@ -294,11 +338,11 @@ def test_real_smollm2_scan():
     assert doc["summary"]["by_class"] == {"LlamaRMSNorm": 61}
     assert doc["summary"]["by_kind"] == {"rms": 61} and doc["summary"]["by_casting"] == {"llama": 61}
     assert all(abs(n["eps"] - 1e-5) < 1e-9 for n in doc["norms"])
-    assert doc["norms"][-1]["path"] == "model.norm" and doc["norms"][-1]["consumers"] == ["lm_head"]
+    assert doc["norms"][-1]["path"] == "model.norm" and doc["norms"][-1]["readers"] == ["lm_head"]
 
 
 def test_all_archs_listed_here_exist():
-    assert set(EXPECTED_CONSUMERS) <= set(ARCHS)
+    assert set(EXPECTED_READERS) <= set(ARCHS) and set(LAYER_NORM_ARCHS) <= set(ARCHS)
 
 
 def test_example_script_runs(saved, monkeypatch, capsys):
@@ -314,27 +358,64 @@ def test_example_script_runs(saved, monkeypatch, capsys):
     assert "final norm model.norm is read by lm_head" in out
 
 
-def test_consumers_unknown_when_the_forward_cannot_run():
-    """A model whose forward does not take token ids: norms still listed, consumers None with a note."""
+def test_readers_unknown_when_the_forward_cannot_run():
+    """A model whose forward does not take token ids: norms still listed, readers None with a note."""
     from normswap.scan import scan_model
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
     doc = scan_model(model)
     assert [n["path"] for n in doc["norms"]] == ["1"]
-    assert doc["norms"][0]["consumers"] is None
-    assert doc["consumers_note"].startswith("consumers unknown: the model's forward did not run")
+    assert doc["norms"][0]["readers"] is None
+    assert doc["readers_note"].startswith("readers unknown: the forward did not run on a dummy input")
 
 
-def test_consumers_on_a_real_cpu_model():
+def test_readers_on_a_real_cpu_model():
     """Not only meta: on a model with weights the same trace runs for real (and leaves it in its mode)."""
     from tiny_models import tiny_model
 
-    from normswap.consumers import find_consumers
+    from normswap.discover import norm_readers
 
     model = tiny_model("gpt2").train()
-    consumers, note = find_consumers(model, ["transformer.h.0.ln_1", "transformer.ln_f"])
+    readers, note = norm_readers(model, ["transformer.h.0.ln_1", "transformer.ln_f"])
     assert note is None and model.training
-    assert consumers == {"transformer.h.0.ln_1": ["transformer.h.0.attn.c_attn"], "transformer.ln_f": ["lm_head"]}
+    assert readers == {"transformer.h.0.ln_1": ["transformer.h.0.attn.c_attn"], "transformer.ln_f": ["lm_head"]}
+
+
+def test_readers_follow_the_value_not_the_tensor():
+    """A norm's output changed in place (a padding mask multiplied in, XLM's embedding norm) is no
+    longer the norm's output: the modules reading the changed value are the mask's readers, not the
+    norm's; ops that look only at its shape (new_zeros, ProphetNet's relative positions) read nothing."""
+    from normswap.discover import norm_readers
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.q, self.side = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids):
+            x = self.norm(torch.ones(*input_ids.shape, 8))
+            pad = x.new_zeros(x.shape[:-1])  # shape only
+            side = self.side(x)  # reads the norm's output
+            x *= (input_ids > 0).unsqueeze(-1)  # the model's own code reads (and changes) it
+            return self.q(x) + side + pad.unsqueeze(-1)
+
+    readers, note = norm_readers(Masked(), ["norm"])
+    assert note is None and readers == {"norm": ["", "side"]}
+
+
+def test_no_readers_and_its_old_name(saved):
+    """--no-readers skips the traced forward; --no-consumers, scan's name for it before readers
+    became the one name, still works and is hidden from --help."""
+    directory, _ = saved("gpt2")
+    docs = []
+    for flag in ("--no-readers", "--no-consumers"):
+        doc = json.loads(run(str(directory), "--json", flag).stdout)
+        assert doc["readers_note"] == "readers not computed"
+        assert {n["readers"] for n in doc["norms"]} == {None} and {n["to_rms"] for n in doc["norms"]} == {None}
+        docs.append(doc)
+    assert docs[0] == docs[1]
+    help_text = run("--help").stdout
+    assert "--no-readers" in help_text and "--no-consumers" not in help_text
 
 
 def test_scan_warns_about_nothing_on_a_clean_model(saved, capfd):

@@ -6,7 +6,9 @@ import functools
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -83,6 +85,37 @@ def _escaped(message: str) -> str:
     return message.replace("\r", "\\r").replace("\n", "\\n")
 
 
+_PACKAGE = Path(normswap.__file__).resolve().parent
+
+
+def one_line_warnings(python_form: Callable) -> Callable:
+    """A warnings.showwarning for the commands: a warning normswap raises is one line,
+    `normswap: warning: ...`, as scan's are; Python's form (`/path/runner.py:295: UserWarning: ...`
+    and the source line below it) names our code, not what the user can do. Warnings from other
+    packages keep Python's form (`python_form`, the showwarning in place before): where they come
+    from is part of what they say."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        try:
+            ours = Path(filename).resolve().is_relative_to(_PACKAGE)
+        except (OSError, ValueError):
+            ours = False
+        if ours:
+            _warning_line(message)
+        else:
+            python_form(message, category, filename, lineno, file, line)
+
+    return show
+
+
+def _warning_line(message) -> None:
+    text = str(message).removeprefix("normswap: ")
+    try:
+        click.echo(f"normswap: warning: {_escaped(text)}", err=True)
+    except (OSError, ValueError):  # stderr closed: a warning is never worth failing the work for
+        pass
+
+
 class NormswapGroup(click.Group):
     """Turns every NormswapError (and any OSError: a permission, a full disk, an unreadable file)
     into one line on stderr and exit code 2, Ctrl-C into one line and 130; anything else is an
@@ -118,7 +151,9 @@ class NormswapGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             quiet_transformers()
-            return super().invoke(ctx)
+            with warnings.catch_warnings():
+                warnings.showwarning = one_line_warnings(warnings.showwarning)
+                return super().invoke(ctx)
         except NormswapError as e:
             click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)

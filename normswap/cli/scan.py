@@ -1,4 +1,4 @@
-"""`normswap scan MODEL`: every norm of a model, its spec and its consumers (no weights read)."""
+"""`normswap scan MODEL`: every norm of a model, its spec and its readers (no weights read)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,23 @@ from normswap.loading import DEFAULT_MODEL
 @cli.command()
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--strict", is_flag=True, help="Fail (exit 2) on a norm-like module normswap does not recognise.")
-@click.option("--no-consumers", "no_consumers", is_flag=True,
-              help="Skip finding which modules read each norm's output.")
+@click.option("--no-readers", "no_readers", is_flag=True,
+              help="Skip the traced forward that finds which modules read each norm's output "
+                   "(and whether convert makes each LayerNorm an RMSNorm).")
+# The flag's name before "readers" became the one name (scan said "consumers"): kept for scripts.
+@click.option("--no-consumers", "no_consumers", is_flag=True, hidden=True)
 @json_option
-def scan(model: str, strict: bool, no_consumers: bool, as_json: bool) -> None:
-    """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, weight,
-    bias, consumers, and for each LayerNorm whether `normswap convert` makes it an RMSNorm (and why
-    not). MODEL is a local directory, a .gguf file, a cached hub id (org/name), or
-    the built-in default (smollm2-135m). Built on the meta device: no weights are read."""
+def scan(model: str, strict: bool, no_readers: bool, no_consumers: bool, as_json: bool) -> None:
+    """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, whether it
+    has a weight and a bias, its readers, and for each LayerNorm whether `normswap convert` makes
+    it an RMSNorm (and why not). MODEL is a local directory, a .gguf file, a cached hub id
+    (org/name), or the built-in default (smollm2-135m). Built on the meta device: no weights are
+    read."""
     from normswap.scan import scan as run_scan
 
     with ProgressBars() as bars:  # a built-in model's first use converts it (~20 s): say so
-        doc = run_scan(model, strict=strict, with_consumers=not no_consumers, warn=False, progress=bars)
+        doc = run_scan(model, strict=strict, with_readers=not (no_readers or no_consumers), warn=False,
+                       progress=bars)
     warn_unknown(doc)
     emit(doc, as_json, render)
 
@@ -35,13 +40,13 @@ def warn_unknown(doc: dict) -> None:
                    f"recognised and will be left alone: {u['reason']}", err=True)
 
 
-def _short(consumer: str, norm_path: str) -> str:
-    """A consumer's path relative to the norm's parent (q_proj under the same layer reads as
+def _short(reader: str, norm_path: str) -> str:
+    """A reader's path relative to the norm's parent (q_proj under the same layer reads as
     self_attn.q_proj)."""
     parent = norm_path.rpartition(".")[0]
-    if parent and consumer.startswith(parent + "."):
-        return consumer[len(parent) + 1:]
-    return consumer
+    if parent and reader.startswith(parent + "."):
+        return reader[len(parent) + 1:]
+    return reader
 
 
 def render(doc: dict) -> None:
@@ -51,17 +56,17 @@ def render(doc: dict) -> None:
     title = f"{doc['model']}: {doc['model_class']} ({doc['model_type']})"
     table = Table(title=title, title_justify="left", show_lines=False)
     for col in ("path", "class", "kind", "eps", "offset", "casting", "dtype", "shape", "weight", "bias",
-                "consumers", "to rms"):
+                "readers", "to rms"):
         table.add_column(col, overflow="fold")
     for n in doc["norms"]:
         # eps exactly, as in the JSON and patch's table: SmolLM2's GGUF stores float32(1e-5),
         # 9.999999747378752e-06, which a rounded "1e-05" would pass off as the config's 1e-5.
-        consumers = "?" if n["consumers"] is None else (
-            ", ".join(_short(c, n["path"]) for c in n["consumers"]) or "-")
+        readers = "?" if n["readers"] is None else (
+            ", ".join(_short(r, n["path"]) for r in n["readers"]) or "-")
         table.add_row(
             n["path"], n["class"], n["kind"], repr(n["eps"]), f"{n['offset']:g}", n["casting"],
-            n["dtype"] or "-", "×".join(map(str, n["shape"])) or "-", _yes(n["weight"]), _yes(n["bias"]),
-            consumers, _to_rms(n.get("to_rms")),
+            n["dtype"] or "-", "×".join(map(str, n["shape"])) or "-", _yes(n["has_weight"]), _yes(n["has_bias"]),
+            readers, _to_rms(n.get("to_rms")),
         )
     for u in doc["unknown"]:
         table.add_row(u["path"], u["class"], "[red]unknown[/red]", "", "", "", "", "", "", "", u["reason"], "")
@@ -82,8 +87,8 @@ def render(doc: dict) -> None:
     for (cat, why), paths in reasons.items():
         more = f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
         console.print(f"  {cat}: {paths[0]}{more}: {why}")
-    if doc.get("consumers_note"):
-        console.print(f"note: {doc['consumers_note']}")
+    if doc.get("readers_note"):
+        console.print(f"note: {doc['readers_note']}")
 
 
 def _to_rms(t: dict | None) -> str:
