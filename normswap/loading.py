@@ -386,14 +386,52 @@ def _known_architectures(config) -> str:
 def _name_gguf_architecture(source: ModelSource, config) -> None:
     """A GGUF file holds a causal LM (llama.cpp's format), but the config transformers reads from
     it names no architecture, so model_class would build the bare base model: no lm_head, no
-    logits, and norm paths without the `model.` prefix the built-in (converted) copy has."""
-    if not source.gguf_file or getattr(config, "architectures", None):
+    logits, and norm paths without the `model.` prefix the built-in (converted) copy has.
+    So does a folder whose config.json names none (a config saved on its own) when its weights
+    were saved from a language model (_head_class_of_weights)."""
+    if getattr(config, "architectures", None):
         return
     from transformers import AutoModelForCausalLM
 
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) if source.gguf_file else \
+        _head_class_of_weights(source, config)
     if cls is not None:
         config.architectures = [cls.__name__]
+
+
+def _head_class_of_weights(source: ModelSource, config) -> type | None:
+    """The causal (else sequence-to-sequence) LM class of the config's model_type when the folder's
+    safetensors were saved from it: every tensor name is one that class holds, and not every one
+    is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
+    Built as the base model, such a folder lost its head: a Llama was refused ("no place for
+    lm_head.weight"), a GPT-2 re-saved as a GPT2Model, and ppl found no logits to score; stock
+    AutoModelForCausalLM loads it with its head. Only the files' headers are read; None when the
+    weights say nothing (config only, pickled weights) or fit no such class."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from normswap import streaming as st
+
+    try:
+        _, weight_map, _ = st.checkpoint_layout(source.path)
+    except NormswapError:
+        return None
+    keys = set(weight_map)
+    base = AutoModel._model_mapping.get(type(config), None)
+    prefix = getattr(base, "base_model_prefix", "")
+    if not keys or not any(k.startswith(("lm_head.", f"{prefix}.")) for k in keys):
+        return None
+    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM):
+        cls = auto._model_mapping.get(type(config), None)
+        if cls is None:
+            continue
+        try:
+            with torch.device("meta"):
+                holds = set(cls._from_config(config).state_dict())
+        except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
+            continue
+        if keys <= holds:
+            return cls
+    return None
 
 
 def build_meta_model(source: ModelSource, config=None):

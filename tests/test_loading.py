@@ -243,6 +243,31 @@ def test_model_class_takes_the_first_known_architecture_else_the_base_model(tmp_
     assert type(loading.build_meta_model(src)).__name__ == "LlamaModel"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # a tied T5's names are its base model's: ambiguous
+def test_a_config_without_architectures_builds_the_class_its_weights_were_saved_from(tmp_path, arch):
+    """config.json without `architectures` (a config saved on its own) built the bare base model
+    even with a language model's weights beside it: a Llama was refused ("no place for
+    lm_head.weight"), a GPT-2 patched and re-saved as a GPT2Model, ppl found no head. Stock
+    AutoModelForCausalLM loads such a folder with its head; the weights' names now decide. A
+    base model's own weights still build the base model."""
+    import transformers
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch)
+    for name, m in (("head", model), ("base", model.base_model)):
+        m.save_pretrained(tmp_path / name)
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        del cfg["architectures"]
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    src = loading.resolve(tmp_path / "head")
+    assert type(loading.build_meta_model(src)) is type(model)
+    loaded = loading.load_model(src)
+    assert type(loaded) is type(model)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+    base = loading.build_meta_model(loading.resolve(tmp_path / "base"))
+    assert type(base) is transformers.AutoModel._model_mapping[type(model.config)]
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
