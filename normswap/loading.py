@@ -219,7 +219,7 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
         raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
-    _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
+    _name_architecture(source, config)  # what a config-level check reads builds the model load_model will
     try:  # every command reads the config first: an unknown architectures name is refused here, naming the file
         cls = model_class(config)
     except NormswapError as e:
@@ -383,7 +383,7 @@ def _known_architectures(config) -> str:
     return ""
 
 
-def _name_gguf_architecture(source: ModelSource, config) -> None:
+def _name_architecture(source: ModelSource, config) -> None:
     """A GGUF file holds a causal LM (llama.cpp's format), but the config transformers reads from
     it names no architecture, so model_class would build the bare base model: no lm_head, no
     logits, and norm paths without the `model.` prefix the built-in (converted) copy has.
@@ -438,7 +438,7 @@ def build_meta_model(source: ModelSource, config=None):
     """The model's module tree on the meta device: no weights read, any size in seconds.
     `config`: load_config(source) when the caller already read it, as for load_model."""
     config = load_config(source) if config is None else config
-    _name_gguf_architecture(source, config)
+    _name_architecture(source, config)
     cls = model_class(config)
     try:
         with torch.device("meta"):
@@ -453,7 +453,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     """The model with its weights, in eval mode. `config`: load_config(source) when the caller
     already read it (reading a GGUF's takes seconds)."""
     config = load_config(source) if config is None else config
-    _name_gguf_architecture(source, config)
+    _name_architecture(source, config)
     check_stored_dtypes(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
