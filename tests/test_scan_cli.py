@@ -384,7 +384,7 @@ def test_readers_on_a_real_cpu_model():
 def test_readers_follow_the_value_not_the_tensor():
     """A norm's output changed in place (a padding mask multiplied in, XLM's embedding norm) is no
     longer the norm's output: the modules reading the changed value are the mask's readers, not the
-    norm's; ops that look only at its shape (new_zeros, ProphetNet's relative positions) read nothing."""
+    norm's; ops that look only at its shape (new_zeros, GIT's zeros_like) read nothing."""
     from normswap.discover import norm_readers
 
     class Masked(torch.nn.Module):
@@ -401,6 +401,50 @@ def test_readers_follow_the_value_not_the_tensor():
 
     readers, note = norm_readers(Masked(), ["norm"])
     assert note is None and readers == {"norm": ["", "side"]}
+
+
+def test_readers_over_every_run_of_a_norm():
+    """A norm module run twice (a shared layer, ALBERT's way) is read by the readers of both runs."""
+    from normswap.discover import norm_readers
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.a, self.b = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids):
+            x = torch.ones(*input_ids.shape, 8)
+            return self.b(self.norm(self.a(self.norm(x))))
+
+    readers, note = norm_readers(Twice(), ["norm"])
+    assert note is None and readers == {"norm": ["a", "b"]}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neo"])
+def test_a_scan_traces_the_forward_once(arch, monkeypatch):
+    """Readers and conversion rows come from one traced forward: an RMSNorm model (whose conversion
+    rows discovery decides, finding no LayerNorm) and a LayerNorm model no normswap/archs file
+    describes (GPT-Neo: discovery plans it) each run their forward once per scan."""
+    import transformers
+
+    from normswap import discover
+    from normswap.scan import scan_model
+    from sweep_models import build
+
+    if arch in ARCHS:
+        with torch.device("meta"):
+            model = getattr(transformers, ARCHS[arch][1])(tiny_config(arch))
+    else:
+        model = build(arch, "GPTNeoForCausalLM")
+    runs = []
+    model.register_forward_pre_hook(lambda *_: runs.append(1))
+    monkeypatch.setattr(discover._Recorder, "__init__", lambda self, _init=discover._Recorder.__init__: (
+        runs.append("trace"), _init(self))[1])
+    doc = scan_model(model, warn=False)
+    assert doc["readers_note"] is None and all(n["readers"] for n in doc["norms"])
+    assert runs == ["trace", 1]
+    if arch == "gpt_neo":  # the conversion rows were made (from the same trace)
+        assert all(n["to_rms"] is not None for n in doc["norms"] if n["kind"] == "layer")
 
 
 def test_no_readers_and_its_old_name(saved):
