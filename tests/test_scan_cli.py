@@ -403,6 +403,22 @@ def test_readers_follow_the_value_not_the_tensor():
     assert note is None and readers == {"norm": ["", "side"]}
 
 
+def test_readers_follow_pieces_cut_by_position():
+    """ProphetNet's decoder layers chunk their input by position (main and predicted streams) and
+    hand the pieces to relative_pos_embeddings: a reader of the norm before them, as the q/k/v
+    projections are. A walk that stops at the split lists only the attention module that cut it."""
+    from sweep_models import build
+
+    from normswap.discover import norm_readers
+
+    model = build("prophetnet", "ProphetNetForCausalLM")
+    norm = "prophetnet.decoder.embeddings_layer_norm"
+    readers, note = norm_readers(model, [norm])
+    attn = "prophetnet.decoder.layers.0.self_attn"
+    assert note is None and set(readers[norm]) >= {f"{attn}.{p}" for p in (
+        "query_proj", "key_proj", "value_proj", "relative_pos_embeddings")}, readers[norm]
+
+
 def test_readers_over_every_run_of_a_norm():
     """A norm module run twice (a shared layer, ALBERT's way) is read by the readers of both runs."""
     from normswap.discover import norm_readers
@@ -426,10 +442,10 @@ def test_a_scan_traces_the_forward_once(arch, monkeypatch):
     rows discovery decides, finding no LayerNorm) and a LayerNorm model no normswap/archs file
     describes (GPT-Neo: discovery plans it) each run their forward once per scan."""
     import transformers
+    from sweep_models import build
 
     from normswap import discover
     from normswap.scan import scan_model
-    from sweep_models import build
 
     if arch in ARCHS:
         with torch.device("meta"):
