@@ -342,17 +342,25 @@ def layer_norm_paths(model: nn.Module) -> list[str]:
 
 
 def norm_readers(model: nn.Module, norm_paths: list[str],
-                 tr: Trace | None = None) -> tuple[dict[str, list[str]] | None, str | None]:
-    """({norm path: its readers}, None), or (None, a note saying why they are unknown): for any
+                 tr: Trace | None = None) -> tuple[dict[str, list[str] | None] | None, str | None]:
+    """({norm path: its readers}, a note or None), or (None, a note saying why they are unknown): for any
     norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
     forward) in module order, after OUTPUT when the output leaves the model as is. A converted
-    LayerNorm folds into exactly these (discover's NormFinding.readers). `tr`: a trace of `model`
-    already made (the scan passes the one its conversion rows use)."""
+    LayerNorm folds into exactly these (discover's NormFinding.readers). A norm the forward never
+    ran (a tower the dummy input does not reach) has readers None, and the note names it: nobody
+    saw its output, which is not the same as nobody reading it. `tr`: a trace of `model` already
+    made (the scan passes the one its conversion rows use)."""
     tr = tr if tr is not None else trace(model)
     if tr.error is not None:
         return None, f"readers unknown: {tr.error}"
     analysis = _Analysis(model, dict(model.named_modules()), tr)
-    return {p: analysis.readers_of(p) for p in norm_paths}, None
+    readers = {p: analysis.readers_of(p) if tr.calls.get(p) else None for p in norm_paths}
+    never = [p for p, r in readers.items() if r is None]
+    if not never:
+        return readers, None
+    more = f" (and {len(never) - 1} more)" if len(never) > 1 else ""
+    return readers, (f"readers unknown for {len(never)} norm{'s' * (len(never) > 1)} that the traced forward "
+                     f"on a dummy input did not run: {never[0]}{more}")
 
 
 def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:

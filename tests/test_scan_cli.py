@@ -369,6 +369,27 @@ def test_readers_unknown_when_the_forward_cannot_run():
     assert doc["readers_note"].startswith("readers unknown: the forward did not run on a dummy input")
 
 
+def test_readers_unknown_for_a_norm_the_forward_never_runs():
+    """A norm the dummy forward skips (a vision or audio tower fed no pixels or audio) has readers
+    nobody saw: unknown ("?", null), with a note naming it, never "-" (read by nothing)."""
+    from normswap.scan import scan_model
+
+    class Towers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text_norm, self.head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+            self.vision_norm, self.vision_proj = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids, pixel_values=None):
+            x = self.head(self.text_norm(torch.ones(*input_ids.shape, 8)))
+            return x if pixel_values is None else x + self.vision_proj(self.vision_norm(pixel_values))
+
+    doc = scan_model(Towers())
+    assert {n["path"]: n["readers"] for n in doc["norms"]} == {"text_norm": ["head"], "vision_norm": None}
+    assert doc["readers_note"] == ("readers unknown for 1 norm that the traced forward on a dummy input did "
+                                   "not run: vision_norm")
+
+
 def test_readers_on_a_real_cpu_model():
     """Not only meta: on a model with weights the same trace runs for real (and leaves it in its mode)."""
     from tiny_models import tiny_model
