@@ -341,6 +341,9 @@ def parse_shard_size(value: str | int) -> int:
     Checked before anything is loaded: it is only used at the very end, after the long work."""
     from transformers.utils.hub import convert_file_size_to_int
 
+    if isinstance(value, bool) or not isinstance(value, str | int):  # 1.5 reached transformers' str-only parser
+        raise TypeError(f"max_shard_size: expected a size such as '5GB' or a number of bytes (int), "
+                        f"got {type(value).__name__}")
     try:
         size = int(value) if isinstance(value, str) and value.strip().isdigit() else convert_file_size_to_int(value)
     except (ValueError, TypeError):

@@ -185,7 +185,8 @@ def check_window_options(max_length: int | None, stride: int | None, max_tokens:
     """The checks that need no model: a CLI runs them before loading anything."""
     n = _names(names)
     for key, value in zip(WINDOW_OPTIONS, (max_length, stride, max_tokens, batch_size), strict=True):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        # batch_size has no "default" None: None there is a wrong value, not a missing one
+        if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)):
             raise BadInputError(f"{n[key]} must be a whole number of tokens, got {value!r}")
     if max_length is not None and max_length < 2:
         raise BadInputError(f"{n['max_length']} {max_length}: a window needs at least 2 tokens")

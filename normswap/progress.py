@@ -126,6 +126,27 @@ class _LineBar:
         self.close()
 
 
+class TitledBar:
+    """A ProgressFn that draws whatever stage calls it as one stderr bar titled `desc`: the caller's
+    name for the work ("pretrain: held-out perplexity") says more than the library stage's own
+    ("perplexity"). A context manager: leaving it closes the bar. enabled=False: draws nothing."""
+
+    def __init__(self, desc: str, unit: str = "tok", enabled: bool = True):
+        self.desc, self.unit, self.enabled, self.bar = desc, unit, enabled, None
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        if self.bar is None:
+            self.bar = stderr_bar(total=total, desc=self.desc, unit=self.unit, disable=not self.enabled)
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> TitledBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def step(progress: ProgressFn | None, stage: str, done: int, total: int | None) -> None:
     """One call of the callback, when there is one."""
     if progress is not None:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -103,11 +104,19 @@ def model_recipe(tmp_path: Path, model_dir: Path, arms, head: str = "") -> Path:
 # --------------------------------------------------------------------------- recipes
 
 
-def test_the_shipped_recipe_validates():
-    r = load_recipe(ROOT / "recipes" / "ln2rms-kjv-gpt2.toml")
-    assert r.arms == ALL_ARMS
-    assert r.pretrain is not None and Path(r.pretrain.text).is_file() and Path(r.data.eval).is_file()
-    assert r.pretrain.n_layer == 6 and r.pretrain.n_embd == 256
+@pytest.mark.parametrize("name", [p.name for p in sorted((ROOT / "recipes").glob("*.toml"))])
+def test_every_shipped_recipe_validates_without_a_warning(name):
+    """recipes/*.toml load as shipped, their texts there, with nothing to warn about (a warm-up as
+    long as the run, say); smoke-kjv-tiny.toml is the few-minute trial the README offers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = load_recipe(ROOT / "recipes" / name)
+    assert r.arms == ALL_ARMS and r.pretrain is not None
+    assert Path(r.pretrain.text).is_file() and Path(r.data.train).is_file() and Path(r.data.eval).is_file()
+    if name == "smoke-kjv-tiny.toml":
+        assert r.pretrain.n_layer * r.pretrain.n_embd <= 256 and r.finetune.steps <= 20
+    if name == "ln2rms-kjv-gpt2.toml":
+        assert r.pretrain.n_layer == 6 and r.pretrain.n_embd == 256
 
 
 @pytest.mark.parametrize("override, message", [
@@ -444,6 +453,33 @@ def test_the_reports_cover_every_arm_finished_in_out(tmp_path, pretrained_dir):
         ["original", "exact", "approx"]
 
 
+def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
+    """summary.md states the fine-tuning settings used, whatever the recipe's description says (the
+    shipped one says 100 steps; after --set finetune.steps=4 its summary still said only that)."""
+    summary = (every_arm.out / "summary.md").read_text()
+    assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
+            "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+    # and the units of its KL column (it gave none)
+    assert "KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens" in summary
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["finetune.steps=4", "finetune.warmup_steps=10"],
+     r"finetune.steps \(4\) is not more than finetune.warmup_steps \(10\): the whole run is the warm-up, its "
+     r"learning rate rising to 0.0004 at the last step \(finetune.lr 0.001\), and the cosine schedule after it never runs"),
+    (["pretrain.steps=3", "pretrain.warmup_steps=3"], r"pretrain.steps \(3\) is not more than pretrain.warmup_steps"),
+])
+def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides, says):
+    """A quick trial (--set finetune.steps=4 on the shipped recipe, which warms up for 10 steps)
+    runs, but its learning rate is not the recipe's: said, not silent."""
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    with pytest.warns(UserWarning, match=says):
+        load_recipe(path, overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 
@@ -620,7 +656,7 @@ def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_pat
 # --------------------------------------------------------------------------- resume
 
 
-def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_dir):
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_dir, capsys):
     path = model_recipe(tmp_path, pretrained_dir, ["approx+ft"])
     full = run_experiment(load_recipe(path, ["finetune.steps=6"]), tmp_path / "full", progress=False)
 
@@ -638,8 +674,11 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     state = tmp_path / "cut" / "arms" / "approx+ft" / "state"
     assert (state / "LATEST").read_text() == "step-000003"
     seen.clear()
-    resumed = run_experiment(recipe, tmp_path / "cut", progress=False, on_step=lambda a, s, loss: seen.append(s))
+    capsys.readouterr()
+    resumed = run_experiment(recipe, tmp_path / "cut", on_step=lambda a, s, loss: seen.append(s))
     assert seen == [4, 5, 6]  # continued, not restarted
+    # and says so (stderr is no terminal here: the bar's first line; it looked like a fresh start)
+    assert "[1/1] approx+ft (resumed at step 3) ...\n" in capsys.readouterr().err
     a, b = full.data["arms"]["approx+ft"], resumed.data["arms"]["approx+ft"]
     assert a["losses"] == b["losses"]
     assert [e["ppl"] for e in a["evals"]] == [e["ppl"] for e in b["evals"]]
@@ -1132,24 +1171,61 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
     lines = r.stderr.splitlines()
     assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
                                                                            lines[1]), r.stderr
-    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d+\.\d{4}",
+    # the loss to 5 significant digits (a distillation loss of 8e-6 showed as 0.0000)
+    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d\.\d{4}",
                                                               lines[3]), r.stderr
 
 
-def test_a_library_warning_is_one_line_on_stderr(tmp_path, monkeypatch):
+def test_a_library_warning_is_one_line_and_every_stage_shows(tmp_path, monkeypatch):
     """normswap's own warnings (here: a pretraining of one step does not beat the unigram baseline)
     are one `normswap: warning:` line, as scan's are; they were Python's two lines, naming
-    runner.py's path and line and quoting its source. stdout stays one JSON document."""
+    runner.py's path and line and quoting its source. Scoring the pretrained model on every
+    held-out token (a minute on a CPU for the shipped recipe) has a bar named for it (it ran
+    silently after the last step), and a rerun of a finished run says each arm is done (it printed
+    nothing at all). stdout stays one JSON document."""
     from click.testing import CliRunner
 
     from normswap.cli import cli
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
-    recipe = write_recipe(tmp_path / "tiny.toml", PRETRAIN.replace("steps = 80", "steps = 1"), ["original"])
+    one_step = PRETRAIN.replace("steps = 80", "steps = 1").replace("warmup_steps = 4", "warmup_steps = 0")
+    recipe = write_recipe(tmp_path / "tiny.toml", one_step, ["original"])
     (tmp_path / "short.txt").write_text(GENESIS.read_text()[:3000])  # the held-out scoring: seconds, not 30
-    r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--no-progress",
-                                 "--set", 'data.eval="short.txt"'])
+    command = ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--json", "--set", 'data.eval="short.txt"']
+    r = CliRunner().invoke(cli, command)
     assert r.exit_code == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["pretrain"]["steps"] == 1
-    assert re.fullmatch(r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity "
-                        r"[\d.]+ vs [\d.]+\): more steps or another learning rate\n", r.stderr), r.stderr
+    lines = r.stderr.splitlines()
+    warned = [line for line in lines if "warning" in line.lower()]
+    assert len(warned) == 1 and re.fullmatch(
+        r"normswap: warning: pretraining did not beat the unigram baseline \(held-out perplexity [\d.]+ vs [\d.]+\): "
+        r"more steps or another learning rate", warned[0]), r.stderr
+    at = lines.index("pretrain: held-out perplexity ...")
+    assert re.fullmatch(r"pretrain: held-out perplexity: \d+ tok, \d+\.\d s", lines[at + 1]), r.stderr
+    # The same command again: every arm finished, and it says so.
+    again = CliRunner().invoke(cli, command)
+    assert again.exit_code == 0, again.stderr[-2000:]
+    arm_dir = tmp_path / "out" / "arms" / "original"
+    assert again.stderr == f"[1/1] original: finished by an earlier run (delete {arm_dir} to run it again)\n"
+
+
+def test_the_kl_plot_shows_small_distances_and_whole_steps():
+    """curves.png's KL axis is logarithmic down to the smallest distance drawn: with a fixed linear
+    part below 1e-3, approx-bias's 1e-5 was drawn at 0 on top of exact's 1e-13. The step axis has
+    whole-number ticks (it had 0.5, 1.5, ... on a 4-step run)."""
+    from normswap.experiment.report import curves_figure
+
+    def arm(steps, kls):
+        return {"evals": [{"step": s, "ppl": 50.0 + k, "kl_mean": k} for s, k in zip(steps, kls, strict=True)]}
+
+    result = {"recipe": {"name": "t"}, "noise_floor": None,
+              "arms": {"original": arm([0], [0.0]), "exact": arm([0], [1e-13]), "approx-bias": arm([0], [1.1e-5]),
+                       "approx+ft": arm([0, 2, 4], [1e-2, 3e-2, 2e-2])}}
+    fig = curves_figure(result)
+    ax_kl = fig.axes[1]
+    assert ax_kl.get_yscale() == "symlog"
+    linthresh = ax_kl.yaxis.get_transform().linthresh
+    assert linthresh <= 1e-13  # every positive KL on the log part, apart from each other
+    assert ax_kl.get_ylim()[0] == 0
+    for ax in fig.axes[:2]:
+        assert list(ax.get_xticks()) == [0, 2, 4]

@@ -113,10 +113,18 @@ def _hostile_calls(d, out):
         (lambda: P.patch(g, "torch", dtype="fp64"), P.VerificationError,
          r"the original itself raised on torch.float64 input \(RuntimeError: .*\); verify in the dtype the model"),
         (lambda: P.tune_launches(ops=3), TypeError, "ops: expected a comma list or a list, got 3"),
+        # a float reached transformers' parser of "5GB" strings (AttributeError: no .upper), and
+        # True was taken as 1 byte: a shard per tensor
+        (lambda: P.patch_checkpoint(d, "torch", out=out, max_shard_size=1.5), TypeError,
+         r"max_shard_size: expected a size such as '5GB' or a number of bytes \(int\), got float"),
+        (lambda: P.patch_checkpoint(d, "torch", out=out, max_shard_size=True), TypeError, "max_shard_size: .*got bool"),
+        # None compared with 1: a TypeError naming no argument
+        (lambda: P.evaluate_checkpoint(d, EvalSettings(d.parent / "t.txt", batch_size=None)), P.NormswapError,
+         "batch_size must be a whole number of tokens, got None"),
     ]
 
 
-N_HOSTILE = 43
+N_HOSTILE = 46
 
 
 def test_every_hostile_case_is_listed():

@@ -60,6 +60,26 @@ def test_faithful_replacement_passes(spec, dtype):
     assert 0 < c.max_err_original and c.max_err_replacement <= c.max_err_original + ulp(8.0, dtype)
 
 
+@pytest.mark.parametrize("spec", [LLAMA, GEMMA, T5], ids=lambda s: s.casting)
+def test_a_float64_rms_norm_that_computes_in_float32_is_said_so(spec):
+    """Transformers' RMS norms cast a float64 input to float32: a float64 checkpoint of Llama,
+    Gemma, T5, Qwen ... failed every patch with "the spec does not describe this module", as if
+    normswap had misread the norm. A LayerNorm computes float64 in float64 and still passes."""
+    m = _module(spec, torch.float64)
+    c = verify_module("n", m, build_replacement(m, spec, "reference"), spec, torch.float64, CFG)
+    assert not c.passed
+    assert any(f.startswith("float64: on torch.float64 input the original computes in float32") and
+               f.endswith("run the model in fp32 (--dtype fp32)") for f in c.failures), c.failures
+    assert not any(f.startswith("reference:") for f in c.failures)
+    m = _module(LN, torch.float64)
+    assert verify_module("n", m, build_replacement(m, LN, "reference"), LN, torch.float64, CFG).passed
+    # a wrong spec in float64 is still a wrong spec: the original is far from its reference in float32 ulps too
+    m = _module(GEMMA, torch.float64)
+    wrong = dataclasses.replace(GEMMA, offset=0.0)
+    failures = verify_module("n", m, build_replacement(m, wrong, "reference"), wrong, torch.float64, CFG).failures
+    assert any(f.startswith("reference:") for f in failures) and not any(f.startswith("float64:") for f in failures)
+
+
 def test_wrong_offset_fails():
     m = _module(GEMMA, torch.bfloat16)
     wrong = dataclasses.replace(GEMMA, offset=0.0)  # forgets Gemma's (1 + w)

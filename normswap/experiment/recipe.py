@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,6 +302,14 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
         raise RecipeError(f"pretrain.text: {recipe.pretrain.text}: no such file or directory")
     if recipe.data.eval_stride > recipe.data.eval_max_length:
         raise RecipeError("data.eval_stride: larger than data.eval_max_length")
+    for section, s in (("pretrain", recipe.pretrain), ("finetune", recipe.finetune)):
+        if s is not None and 0 < s.steps <= s.warmup_steps:
+            # Kept (a quick trial run: --set finetune.steps=4 on a recipe warming up for 10), but
+            # said: the run's learning rate is not the recipe's.
+            warnings.warn(f"{section}.steps ({s.steps}) is not more than {section}.warmup_steps ({s.warmup_steps}): "
+                          f"the whole run is the warm-up, its learning rate rising to {s.lr * s.steps / s.warmup_steps:.3g} "
+                          f"at the last step ({section}.lr {s.lr:g}), and the {s.schedule} schedule after it never runs",
+                          stacklevel=2)
     return recipe
 
 

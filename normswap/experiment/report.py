@@ -76,10 +76,21 @@ def summary_markdown(result: dict) -> str:
         lines += [f"Pretrained model: {pre['parameters'] / 1e6:.2f} M parameters, {pre['steps']} steps "
                   f"({pre['tokens_seen'] / 1e6:.2f} M tokens, {pre['train_seconds'] / 60:.1f} min); held-out "
                   f"perplexity {pre['heldout_ppl']:.2f} against a unigram baseline of {pre['unigram_ppl']:.1f}.", ""]
+    ft = result["recipe"].get("finetune")
+    if ft and any("+" in name for name in result["arms"]):
+        # What the trained arms ran, from the values used (the description is the recipe file's
+        # prose: after --set finetune.steps=4 it still said 100 steps).
+        processes = (result.get("environment") or {}).get("num_processes") or 1
+        lines += [f"Fine-tuning: {ft['steps']} steps of {ft['batch_size'] * ft['grad_accum'] * processes} sequences × "
+                  f"{ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} accumulated × "
+                  f"{processes} process{'es' if processes > 1 else ''}), {ft['optimizer']} at lr {ft['lr']:g} "
+                  f"({ft['schedule']} after {ft['warmup_steps']} warm-up steps), {ft['dtype']}; evaluated every "
+                  f"{ft['eval_every']} steps.", ""]
     ev = result["eval"]
     floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "
-              f"KL and top-1 are against the original model{' in float32' if floor else ''}.", ""]
+              f"KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens whose most likely "
+              f"next token is the original's; both against the original model{' in float32' if floor else ''}.", ""]
     if floor:
         lines += [f"Every arm runs in {floor['dtype']}; {floor['description']} (float32 perplexity "
                   f"{floor['ppl_reference']:.4f}). An arm is within the {floor['dtype']} noise while its KL to "
@@ -124,8 +135,17 @@ def results_csv(result: dict) -> str:
 
 
 def plot_curves(result: dict, path: Path) -> None:
+    """curves.png: curves_figure(result), saved."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(result)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curves_figure(result: dict):
     """Eval perplexity (log scale) and KL(original‖arm) against the fine-tuning step, one line per
-    arm; untrained arms are horizontal dashed lines at their step-0 value."""
+    arm; untrained arms are horizontal dashed lines at their step-0 value. A matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,23 +172,33 @@ def plot_curves(result: dict, path: Path) -> None:
     floor = result.get("noise_floor")
     who = "float32 original" if floor else "original"
     ax_kl.set(xlabel="fine-tuning step", ylabel=f"mean KL({who} ‖ arm), nats/token", title=f"distance from the {who}")
-    linthresh = 1e-3
+    # Log scale down to the decade of the smallest distance drawn (only an exact 0 sits on the
+    # linear part at the bottom): with a fixed 1e-3 an arm 1e-5 from the original (approx-bias) was
+    # drawn at 0, on top of `exact`'s 1e-13, hiding the difference the experiment measures.
+    positive = [e["kl_mean"] for a in arms.values() for e in a["evals"] if e.get("kl_mean") and e["kl_mean"] > 0]
     if floor and floor["original"]["kl_mean"] > 0:
-        # The half-precision floor and its limit as lines, on a log scale reaching down to them.
+        positive.append(floor["original"]["kl_mean"])
+    linthresh = min([1e-3, *(10.0 ** math.floor(math.log10(kl)) for kl in positive)])
+    if floor and floor["original"]["kl_mean"] > 0:
+        # The half-precision floor and its limit as lines.
         kl = floor["original"]["kl_mean"]
-        linthresh = min(linthresh, 10.0 ** math.floor(math.log10(kl)))
         ax_kl.axhline(kl, color="grey", linestyle=":", label=f"{floor['dtype']} noise floor")
         ax_kl.axhline(floor["limit"] * kl, color="grey", linestyle="-.", linewidth=0.8,
                       label=f"{floor['limit']:g}x the floor")
         ax_kl.legend(fontsize=8)
     ax_kl.set_yscale("symlog", linthresh=linthresh)
-    if floor:
-        ax_kl.set_ylim(bottom=0)  # a KL is never negative: no empty half below the floor
+    ax_kl.set_ylim(bottom=0)  # a KL is never negative: no empty half below 0
+    # Steps are whole numbers (no tick at step 0.5): the evaluated steps when they are few, else round ones.
+    evaluated = sorted({e["step"] for a in arms.values() for e in a["evals"]} | {last})
+    for ax in (ax_ppl, ax_kl):
+        if len(evaluated) <= 12:
+            ax.set_xticks(evaluated)
+        else:
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     ax_ppl.legend(fontsize=8)
     fig.suptitle(result["recipe"]["name"])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:

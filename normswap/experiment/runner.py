@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -381,6 +382,9 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         done = arm_dir / RESULT_FILE
         if done.is_file():
             results[arm] = _read_arm_result(done, arm)
+            if progress and accelerator.is_main_process:  # else a rerun of a finished run said nothing at all
+                print(f"[{i + 1}/{len(arms)}] {arm}: finished by an earlier run (delete {arm_dir} to run it again)",
+                      file=sys.stderr)
             continue
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)

@@ -79,7 +79,9 @@ class StopFlag:
                     signal.raise_signal(signum)
                 return
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
-            print(f"\nnormswap: stopping after this step (checkpointing; {again} to stop now)", file=sys.stderr)
+            # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
+            print(f"{_line_break()}normswap: stopping after this step (checkpointing; {again} to stop now)",
+                  file=sys.stderr)
             self.signal = signum
             self.set()
 
@@ -90,6 +92,13 @@ class StopFlag:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def _line_break() -> str:
+    try:
+        return "\n" if sys.stderr.isatty() else ""
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return ""
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
@@ -287,7 +296,9 @@ def train(
 
     if history.step == 0 and not history.evals:
         run_eval(0)
-    bar = stderr_bar(total=settings.steps, initial=history.step, desc=desc, unit="step",
+    # A resumed run says so: its bar starts part-way and its time counts from the resume.
+    resumed = f" (resumed at step {history.step})" if history.step else ""
+    bar = stderr_bar(total=settings.steps, initial=history.step, desc=desc + resumed, unit="step",
                      disable=not (progress and accelerator.is_main_process))
     started = time.perf_counter()
     base_seconds = history.train_seconds
@@ -320,7 +331,8 @@ def train(
             history.step = step + 1
             history.train_seconds = base_seconds + time.perf_counter() - started
             accelerator.log({f"{log_prefix}train/loss": step_loss, f"{log_prefix}train/lr": lr}, step=history.step)
-            bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+            # significant digits: a distillation loss of 8e-6 showed as loss=0.0000
+            bar.set_postfix(loss=f"{step_loss:.5g}", refresh=False)
             bar.update(1)
             if on_step is not None:
                 on_step(history.step, step_loss)
