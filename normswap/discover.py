@@ -6,7 +6,8 @@ that made it and the module whose own code ran it (the module on top of a stack 
 hooks), so the trace is a dataflow graph. The one trace serves two questions.
 
 A norm's *readers* (norm_readers, for any norm: what `normswap scan` lists): the modules whose
-own code reads the norm's output, followed through views and casts. So a decoder layer that merely
+own code reads the norm's output, followed through views, casts and pieces cut by position
+(split, chunk, unbind: each piece is rows of the output). So a decoder layer that merely
 hands the tensor to its attention is not a reader, its q/k/v projections are; a layer that adds the
 norm's output to the residual stream (Gemma 2's post-norms, BLOOM's embedding norm) is; OUTPUT when
 the output leaves the model as is.
@@ -65,6 +66,10 @@ STREAM = "<residual stream>"  # a baked embedding norm's "reader"
 _PASS = {"clone", "alias", "detach", "_to_copy", "lift_fresh", "contiguous", "dropout", "native_dropout",
          "_unsafe_view", "view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "t",
          "transpose", "permute", "index", "to", "type_as", "copy"}
+# Operations that cut a value into pieces (torch.split, chunk, unbind). A cut that leaves the
+# hidden dimension whole and last (_splits_rows) makes pieces of rows: each is read as the value
+# is (ProphetNet chunks its stream by position before its relative-position projection).
+_SPLIT = {"split", "split_with_sizes", "unbind"}
 _ADD = {"add", "sub", "add_", "sub_"}
 _SCALE = {"mul", "div", "mul_", "div_"}
 # Operations that look at a tensor's shape, dtype or device only, never its values.
@@ -337,17 +342,25 @@ def layer_norm_paths(model: nn.Module) -> list[str]:
 
 
 def norm_readers(model: nn.Module, norm_paths: list[str],
-                 tr: Trace | None = None) -> tuple[dict[str, list[str]] | None, str | None]:
-    """({norm path: its readers}, None), or (None, a note saying why they are unknown): for any
+                 tr: Trace | None = None) -> tuple[dict[str, list[str] | None] | None, str | None]:
+    """({norm path: its readers}, a note or None), or (None, a note saying why they are unknown): for any
     norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
     forward) in module order, after OUTPUT when the output leaves the model as is. A converted
-    LayerNorm folds into exactly these (discover's NormFinding.readers). `tr`: a trace of `model`
-    already made (the scan passes the one its conversion rows use)."""
+    LayerNorm folds into exactly these (discover's NormFinding.readers). A norm the forward never
+    ran (a tower the dummy input does not reach) has readers None, and the note names it: nobody
+    saw its output, which is not the same as nobody reading it. `tr`: a trace of `model` already
+    made (the scan passes the one its conversion rows use)."""
     tr = tr if tr is not None else trace(model)
     if tr.error is not None:
         return None, f"readers unknown: {tr.error}"
     analysis = _Analysis(model, dict(model.named_modules()), tr)
-    return {p: analysis.readers_of(p) for p in norm_paths}, None
+    readers = {p: analysis.readers_of(p) if tr.calls.get(p) else None for p in norm_paths}
+    never = [p for p, r in readers.items() if r is None]
+    if not never:
+        return readers, None
+    more = f" (and {len(never) - 1} more)" if len(never) > 1 else ""
+    return readers, (f"readers unknown for {len(never)} norm{'s' * (len(never) > 1)} that the traced forward "
+                     f"on a dummy input did not run: {never[0]}{more}")
 
 
 def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:
@@ -415,6 +428,17 @@ class _Analysis:
             return True  # same last size: the hidden dimension was not cut
         return True
 
+    @staticmethod
+    def _splits_rows(n: _Node) -> bool:
+        """A split, chunk or unbind across a dimension other than the last: every piece is rows."""
+        src = n.shapes_in[0] if n.shapes_in else None
+        if n.op not in _SPLIT or not src or not n.shapes_out:
+            return False
+        slot = 1 if n.op == "unbind" else 2  # split(self, size, dim=0), unbind(self, dim=0)
+        dim = n.kw.get("dim", n.ins[slot] if len(n.ins) > slot else 0)
+        return isinstance(dim, int) and dim % len(src) != len(src) - 1 and all(
+            out and out[-1] == src[-1] for out in n.shapes_out)
+
     def pass_input(self, n: _Node):
         """The tensor a pass-through node passes on (None when it is not one)."""
         if n.op in _PASS and n.ins and _is_key(n.ins[0]) and self._keeps_rows(n):
@@ -452,6 +476,8 @@ class _Analysis:
         n = self.nodes[i]
         visited.add(key)
         src = self.pass_input(n)
+        if src is None and self._splits_rows(n) and _is_key(n.ins[0]):
+            src = n.ins[0]  # a piece of rows: its terms are the whole's
         if src is not None:
             return self.terms(src, hidden, visited, adds)
         if n.op in _ADD:
@@ -513,6 +539,9 @@ class _Analysis:
             for i in self.tr.users.get(k, ()):
                 n = self.nodes[i]
                 if n.op in _SHAPE_ONLY:
+                    continue
+                if n.ins and n.ins[0] == k and self._splits_rows(n):
+                    todo += n.outs  # every piece
                     continue
                 if self.pass_input(n) == k or through_adds and (n.op in _ADD and k in n.ins[:2]) or through_adds and (
                         n.op in _SCALE and n.ins and n.ins[0] == k

@@ -102,3 +102,65 @@ def test_a_real_model_is_discovered_as_its_meta_twin():
     assert {p: f.category for p, f in got.norms.items()} == {p: f.category for p, f in meta.norms.items()}
     assert got.params == meta.params == [bias]
     assert all(f.category is None for f in got.norms.values())
+
+
+class _Chunked(torch.nn.Module):
+    """A pre-LN toy: an embedding is the stream, one LayerNorm reads it, and its output is cut by
+    position (torch.chunk, as ProphetNet cuts its stream) into two pieces read by two Linears.
+    dim=-1 cuts across the hidden dimension instead; stray=True also reads a piece of the stream
+    itself, with no norm in front."""
+
+    def __init__(self, dim: int = 1, stray: bool = False, hidden: int = 8):
+        super().__init__()
+        self.dim, self.stray = dim, stray
+        self.emb = torch.nn.Embedding(16, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        width = hidden if dim != -1 else hidden // 2
+        self.a, self.b = torch.nn.Linear(width, 5), torch.nn.Linear(width, 5)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        first, second = self.norm(x).chunk(2, dim=self.dim)
+        out = torch.cat([self.a(first), self.b(second)], dim=self.dim)
+        if self.stray:
+            return out, x.chunk(2, dim=1)[1].sum(-1)
+        return out
+
+
+def _toy_plan(model):
+    from types import SimpleNamespace
+
+    return plan_conversion(model, SimpleNamespace(model_type="normswap-toy"), arch_data=False)
+
+
+def test_a_norm_output_cut_by_position_folds_into_every_piece_exactly():
+    """Pieces of a norm's output cut across positions are rows of it: the Linears reading them are
+    its readers, so γ and β fold into both (the walk stopped at the split before, refusing the norm
+    as a nonlinear reader) and the converted model computes what it did, its norm's input zero-mean."""
+    from normswap.convert import apply_plan
+    from tests.tiny_models import randomize_norms_and_biases
+
+    torch.manual_seed(0)
+    model = randomize_norms_and_biases(_Chunked().double(), 0).eval()
+    (d,) = _toy_plan(model).norms
+    assert (d.rms, d.category, d.readers) == (True, None, ["a", "b"]), (d.category, d.why_not)
+    ids = torch.randint(0, 16, (3, 6))
+    before = model(ids)
+    seen = {}
+    model.norm.register_forward_pre_hook(lambda _m, args: seen.update(x=args[0]))
+    apply_plan(model, _toy_plan(model))
+    after = model(ids)
+    assert torch.allclose(after, before, rtol=0, atol=1e-12), (after - before).abs().max()
+    assert seen["x"].mean(-1).abs().max() < 1e-12 * seen["x"].abs().max()
+    x = seen["x"]  # and the norm now is an RMSNorm of that input: γ and β live in the readers
+    assert torch.allclose(model.norm(x), x / (x.pow(2).mean(-1, keepdim=True) + model.norm.eps).sqrt(),
+                          rtol=0, atol=1e-12)
+
+
+def test_a_cut_across_the_hidden_dimension_or_a_stray_piece_still_refuses():
+    """A piece of the hidden dimension is not rows (γ/β cannot fold into half a reader's inputs),
+    and a piece of the stream read without a norm is still a stray reader of that stream."""
+    (d,) = _toy_plan(_Chunked(dim=-1)).norms
+    assert d.category == "nonlinear-reader" and "split" in d.why_not, (d.category, d.why_not)
+    (d,) = _toy_plan(_Chunked(stray=True)).norms
+    assert d.category == "stray-reader" and "sum" in d.why_not, (d.category, d.why_not)

@@ -104,11 +104,19 @@ def model_recipe(tmp_path: Path, model_dir: Path, arms, head: str = "") -> Path:
 # --------------------------------------------------------------------------- recipes
 
 
-def test_the_shipped_recipe_validates():
-    r = load_recipe(ROOT / "recipes" / "ln2rms-kjv-gpt2.toml")
-    assert r.arms == ALL_ARMS
-    assert r.pretrain is not None and Path(r.pretrain.text).is_file() and Path(r.data.eval).is_file()
-    assert r.pretrain.n_layer == 6 and r.pretrain.n_embd == 256
+@pytest.mark.parametrize("name", [p.name for p in sorted((ROOT / "recipes").glob("*.toml"))])
+def test_every_shipped_recipe_validates_without_a_warning(name):
+    """recipes/*.toml load as shipped, their texts there, with nothing to warn about (a warm-up as
+    long as the run, say); smoke-kjv-tiny.toml is the few-minute trial the README offers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = load_recipe(ROOT / "recipes" / name)
+    assert r.arms == ALL_ARMS and r.pretrain is not None
+    assert Path(r.pretrain.text).is_file() and Path(r.data.train).is_file() and Path(r.data.eval).is_file()
+    if name == "smoke-kjv-tiny.toml":
+        assert r.pretrain.n_layer * r.pretrain.n_embd <= 256 and r.finetune.steps <= 20
+    if name == "ln2rms-kjv-gpt2.toml":
+        assert r.pretrain.n_layer == 6 and r.pretrain.n_embd == 256
 
 
 @pytest.mark.parametrize("override, message", [
@@ -675,6 +683,26 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     assert a["losses"] == b["losses"]
     assert [e["ppl"] for e in a["evals"]] == [e["ppl"] for e in b["evals"]]
     assert [e["step"] for e in b["evals"]] == [0, 2, 4, 6]
+
+
+def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
+    """Ctrl-C during an arm's last step, or during an evaluation, stops before the next arm: training
+    checks the flag only after its steps, so an arm that only evaluates ran on, and a run whose
+    remaining arms only evaluate finished with exit 0 as if nothing had been asked."""
+    path = model_recipe(tmp_path, pretrained_dir, ["approx+ft", "exact"])
+    recipe = load_recipe(path, ["finetune.steps=2"])
+    stop = StopFlag()
+
+    def hook(arm, step, loss):
+        if step == 2:
+            stop.set()  # Ctrl-C during the last step: the arm completes, the next one must not start
+
+    with pytest.raises(Interrupted, match=r"stopped before \[2/2\] exact; run the same command again to resume"):
+        run_experiment(recipe, tmp_path / "out", progress=False, stop=stop, on_step=hook)
+    assert (tmp_path / "out" / "arms" / "approx+ft" / "result.json").is_file()
+    assert not (tmp_path / "out" / "arms" / "exact").exists()
+    again = run_experiment(recipe, tmp_path / "out", progress=False)
+    assert list(again.data["arms"]) == ["approx+ft", "exact"]
 
 
 # --------------------------------------------------------------------------- kernels

@@ -369,6 +369,27 @@ def test_readers_unknown_when_the_forward_cannot_run():
     assert doc["readers_note"].startswith("readers unknown: the forward did not run on a dummy input")
 
 
+def test_readers_unknown_for_a_norm_the_forward_never_runs():
+    """A norm the dummy forward skips (a vision or audio tower fed no pixels or audio) has readers
+    nobody saw: unknown ("?", null), with a note naming it, never "-" (read by nothing)."""
+    from normswap.scan import scan_model
+
+    class Towers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text_norm, self.head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+            self.vision_norm, self.vision_proj = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids, pixel_values=None):
+            x = self.head(self.text_norm(torch.ones(*input_ids.shape, 8)))
+            return x if pixel_values is None else x + self.vision_proj(self.vision_norm(pixel_values))
+
+    doc = scan_model(Towers())
+    assert {n["path"]: n["readers"] for n in doc["norms"]} == {"text_norm": ["head"], "vision_norm": None}
+    assert doc["readers_note"] == ("readers unknown for 1 norm that the traced forward on a dummy input did "
+                                   "not run: vision_norm")
+
+
 def test_readers_on_a_real_cpu_model():
     """Not only meta: on a model with weights the same trace runs for real (and leaves it in its mode)."""
     from tiny_models import tiny_model
@@ -384,7 +405,7 @@ def test_readers_on_a_real_cpu_model():
 def test_readers_follow_the_value_not_the_tensor():
     """A norm's output changed in place (a padding mask multiplied in, XLM's embedding norm) is no
     longer the norm's output: the modules reading the changed value are the mask's readers, not the
-    norm's; ops that look only at its shape (new_zeros, ProphetNet's relative positions) read nothing."""
+    norm's; ops that look only at its shape (new_zeros, GIT's zeros_like) read nothing."""
     from normswap.discover import norm_readers
 
     class Masked(torch.nn.Module):
@@ -401,6 +422,66 @@ def test_readers_follow_the_value_not_the_tensor():
 
     readers, note = norm_readers(Masked(), ["norm"])
     assert note is None and readers == {"norm": ["", "side"]}
+
+
+def test_readers_follow_pieces_cut_by_position():
+    """ProphetNet's decoder layers chunk their input by position (main and predicted streams) and
+    hand the pieces to relative_pos_embeddings: a reader of the norm before them, as the q/k/v
+    projections are. A walk that stops at the split lists only the attention module that cut it."""
+    from sweep_models import build
+
+    from normswap.discover import norm_readers
+
+    model = build("prophetnet", "ProphetNetForCausalLM")
+    norm = "prophetnet.decoder.embeddings_layer_norm"
+    readers, note = norm_readers(model, [norm])
+    attn = "prophetnet.decoder.layers.0.self_attn"
+    assert note is None and set(readers[norm]) >= {f"{attn}.{p}" for p in (
+        "query_proj", "key_proj", "value_proj", "relative_pos_embeddings")}, readers[norm]
+
+
+def test_readers_over_every_run_of_a_norm():
+    """A norm module run twice (a shared layer, ALBERT's way) is read by the readers of both runs."""
+    from normswap.discover import norm_readers
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.a, self.b = torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids):
+            x = torch.ones(*input_ids.shape, 8)
+            return self.b(self.norm(self.a(self.norm(x))))
+
+    readers, note = norm_readers(Twice(), ["norm"])
+    assert note is None and readers == {"norm": ["a", "b"]}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neo"])
+def test_a_scan_traces_the_forward_once(arch, monkeypatch):
+    """Readers and conversion rows come from one traced forward: an RMSNorm model (whose conversion
+    rows discovery decides, finding no LayerNorm) and a LayerNorm model no normswap/archs file
+    describes (GPT-Neo: discovery plans it) each run their forward once per scan."""
+    import transformers
+    from sweep_models import build
+
+    from normswap import discover
+    from normswap.scan import scan_model
+
+    if arch in ARCHS:
+        with torch.device("meta"):
+            model = getattr(transformers, ARCHS[arch][1])(tiny_config(arch))
+    else:
+        model = build(arch, "GPTNeoForCausalLM")
+    runs = []
+    model.register_forward_pre_hook(lambda *_: runs.append(1))
+    monkeypatch.setattr(discover._Recorder, "__init__", lambda self, _init=discover._Recorder.__init__: (
+        runs.append("trace"), _init(self))[1])
+    doc = scan_model(model, warn=False)
+    assert doc["readers_note"] is None and all(n["readers"] for n in doc["norms"])
+    assert runs == ["trace", 1]
+    if arch == "gpt_neo":  # the conversion rows were made (from the same trace)
+        assert all(n["to_rms"] is not None for n in doc["norms"] if n["kind"] == "layer")
 
 
 def test_no_readers_and_its_old_name(saved):
