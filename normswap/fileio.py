@@ -15,7 +15,6 @@ from pathlib import Path
 
 from normswap.errors import BadInputError
 
-
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.
 _SIBLING_NAME_BYTES = 100
