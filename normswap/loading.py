@@ -5,6 +5,7 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib.util
 import math
@@ -151,7 +152,7 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
     """
     package, gguf_name = _BUILTINS[name]
     target = cache_dir() / name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
@@ -173,14 +174,26 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if target.exists():  # a half-made directory from an older run
+            if target.exists() and not _converted(target):  # a half-made directory from an older normswap
                 shutil.rmtree(target)
-            os.replace(tmp, target)
+            try:
+                os.rename(tmp, target)  # fails on a folder with files: never replaces another run's copy
+            except OSError as e:
+                # Another process (a second command started meanwhile) converted it first: its copy
+                # is the same model, and that process may be reading it; removing it under it
+                # failed that run, and a rename onto it failed this one.
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not _converted(target):
+                    raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         bar.update(1)
     return target
+
+
+def _converted(target: Path) -> bool:
+    """A built-in model's safetensors copy is there (published whole: a rename of a finished folder)."""
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
 
 
 def _load_gguf(directory: Path, gguf_name: str):

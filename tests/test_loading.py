@@ -528,6 +528,35 @@ def tiny_builtin(tmp_path, monkeypatch):
     (transformers.utils.logging.enable_progress_bar if was else transformers.utils.logging.disable_progress_bar)()
 
 
+def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, monkeypatch):
+    """Two commands started at once on a fresh machine (`make demo` beside a test run) each convert
+    the GGUF; the second to finish removed the first's published copy, which the first may be
+    reading (its next file gone), and a rename onto a copy published in between failed. The copy
+    that is there now stays; this run's is dropped."""
+    import shutil
+
+    real = loading._load_gguf
+
+    def another_process_publishes_first(*a, **k):
+        got = real(*a, **k)
+        other = tiny_builtin.parent / ".other"
+        got[0].save_pretrained(other)
+        (other / "in-use").write_text("the first process reads this copy")
+        other.rename(tiny_builtin)
+        return got
+
+    monkeypatch.setattr(loading, "_load_gguf", another_process_publishes_first)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert (tiny_builtin / "in-use").is_file() and (tiny_builtin / "model.safetensors").is_file()
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # no staging left
+    # a half-made folder of an older normswap (no weights) is still replaced
+    shutil.rmtree(tiny_builtin)
+    tiny_builtin.mkdir()
+    (tiny_builtin / "config.json").write_text("{}")
+    monkeypatch.setattr(loading, "_load_gguf", real)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
+
+
 def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):
     """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
     begins: the commands say what it is doing (it was 20 s of nothing on stderr), a library call
