@@ -268,6 +268,24 @@ def test_a_config_without_architectures_builds_the_class_its_weights_were_saved_
     assert type(base) is transformers.AutoModel._model_mapping[type(model.config)]
 
 
+@pytest.mark.parametrize("weight_map, says", [('["x"]', r"malformed index \(weight_map must map tensor names to"),
+                                              (None, r"names 1 shard\(s\) that are not there")])
+def test_a_sharded_index_that_cannot_be_read_is_named_when_loading(tmp_path, weight_map, says):
+    """What convert says of an index whose weight_map is not a map, or that names a missing shard,
+    patch and ppl said as transformers' own words ("'list' object has no attribute 'values'", "No
+    such file or directory: ...")."""
+    from tiny_models import tiny_model
+
+    d = tmp_path / "m"
+    tiny_model("llama").save_pretrained(d, max_shard_size="30KB")
+    if weight_map is None:
+        sorted(d.glob("model-*.safetensors"))[-1].unlink()
+    else:
+        (d / "model.safetensors.index.json").write_text(f'{{"metadata": {{}}, "weight_map": {weight_map}}}')
+    with pytest.raises(NormswapError, match=f"model.safetensors.index.json: {says}"):
+        loading.load_model(loading.resolve(d))
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
