@@ -43,7 +43,7 @@ from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
-from normswap.fileio import made_folders, target_path, umask
+from normswap.fileio import made_folders, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -121,7 +121,7 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         return
     # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
     # `target` is missing, but the complete old tree is at `aside` the whole time.
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    aside = Path(tempfile.mkdtemp(prefix=f".{sibling_name(target.name)}.old-", dir=target.parent))
     os.rmdir(aside)
     os.replace(target, aside)
     os.replace(tmp, target)
@@ -197,7 +197,7 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
     except ImportError:  # no flock (Windows): the no-replace publish still refuses a second run
         yield
         return
-    path = target.parent / f".{target.name}.normswap.lock"
+    path = target.parent / f".{sibling_name(target.name)}.normswap.lock"
     while True:
         try:
             # never through a link: one planted at this name in a shared folder would make the pid
@@ -300,7 +300,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
 
 
 def _staging_prefix(target: Path) -> str:
-    return f".{target.name}.normswap-"
+    return f".{sibling_name(target.name)}.normswap-"
 
 
 def remove_stale_staging(target: Path) -> list[Path]:

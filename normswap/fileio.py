@@ -15,6 +15,26 @@ from pathlib import Path
 
 from normswap.errors import BadInputError
 
+# What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
+# staging folder, the lock file and the temporary file beside it add their own tags to it.
+_SIBLING_NAME_BYTES = 100
+
+
+def sibling_name(name: str) -> str:
+    """`name` as the hidden entries beside it (`.NAME.normswap.lock`, `.NAME.normswap-PID-...`, a
+    temporary file) spell it: as it is, or a long one shortened and told apart by a hash of it (a
+    legal 240-byte --out was refused as "not writable (File name too long)"). Deterministic: the
+    next run on the same name finds the same lock and a killed run's staging folder."""
+    if len(name.encode()) <= _SIBLING_NAME_BYTES:
+        return name
+    import hashlib
+
+    digest = hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:12]
+    short = name
+    while len(short.encode(errors="surrogateescape")) > _SIBLING_NAME_BYTES - 13:
+        short = short[:-1]
+    return f"{short}~{digest}"
+
 
 def umask() -> int:
     """The process umask (only readable by setting it: set and restored at once)."""
@@ -31,7 +51,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     gets what a plain open would give it (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     with made_folders(path.parent):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sibling_name(path.name)}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -102,7 +122,7 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     if not parent.is_dir():
         return f"{parent} is a link to nothing" if parent.is_symlink() else f"{parent} is not a folder"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.normswap-probe-", dir=parent))
+        os.rmdir(tempfile.mkdtemp(prefix=f".{sibling_name(path.name)}.normswap-probe-", dir=parent))
     except OSError as e:
         return f"{parent} is not writable ({e.strerror or e})"
     return None

@@ -5,6 +5,7 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib.util
 import math
@@ -151,7 +152,7 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
     """
     package, gguf_name = _BUILTINS[name]
     target = cache_dir() / name
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _converted(target):
         return target
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
@@ -173,14 +174,26 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if target.exists():  # a half-made directory from an older run
+            if target.exists() and not _converted(target):  # a half-made directory from an older normswap
                 shutil.rmtree(target)
-            os.replace(tmp, target)
+            try:
+                os.rename(tmp, target)  # fails on a folder with files: never replaces another run's copy
+            except OSError as e:
+                # Another process (a second command started meanwhile) converted it first: its copy
+                # is the same model, and that process may be reading it; removing it under it
+                # failed that run, and a rename onto it failed this one.
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not _converted(target):
+                    raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         bar.update(1)
     return target
+
+
+def _converted(target: Path) -> bool:
+    """A built-in model's safetensors copy is there (published whole: a rename of a finished folder)."""
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
 
 
 def _load_gguf(directory: Path, gguf_name: str):
@@ -219,7 +232,7 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
         raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
-    _name_gguf_architecture(source, config)  # what a config-level check reads builds the model load_model will
+    _name_architecture(source, config)  # what a config-level check reads builds the model load_model will
     try:  # every command reads the config first: an unknown architectures name is refused here, naming the file
         cls = model_class(config)
     except NormswapError as e:
@@ -383,24 +396,62 @@ def _known_architectures(config) -> str:
     return ""
 
 
-def _name_gguf_architecture(source: ModelSource, config) -> None:
+def _name_architecture(source: ModelSource, config) -> None:
     """A GGUF file holds a causal LM (llama.cpp's format), but the config transformers reads from
     it names no architecture, so model_class would build the bare base model: no lm_head, no
-    logits, and norm paths without the `model.` prefix the built-in (converted) copy has."""
-    if not source.gguf_file or getattr(config, "architectures", None):
+    logits, and norm paths without the `model.` prefix the built-in (converted) copy has.
+    So does a folder whose config.json names none (a config saved on its own) when its weights
+    were saved from a language model (_head_class_of_weights)."""
+    if getattr(config, "architectures", None):
         return
     from transformers import AutoModelForCausalLM
 
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) if source.gguf_file else \
+        _head_class_of_weights(source, config)
     if cls is not None:
         config.architectures = [cls.__name__]
+
+
+def _head_class_of_weights(source: ModelSource, config) -> type | None:
+    """The causal (else sequence-to-sequence) LM class of the config's model_type when the folder's
+    safetensors were saved from it: every tensor name is one that class holds, and not every one
+    is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
+    Built as the base model, such a folder lost its head: a Llama was refused ("no place for
+    lm_head.weight"), a GPT-2 re-saved as a GPT2Model, and ppl found no logits to score; stock
+    AutoModelForCausalLM loads it with its head. Only the files' headers are read; None when the
+    weights say nothing (config only, pickled weights) or fit no such class."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from normswap import streaming as st
+
+    try:
+        _, weight_map, _ = st.checkpoint_layout(source.path)
+    except NormswapError:
+        return None
+    keys = set(weight_map)
+    base = AutoModel._model_mapping.get(type(config), None)
+    prefix = getattr(base, "base_model_prefix", "")
+    if not keys or not any(k.startswith(("lm_head.", f"{prefix}.")) for k in keys):
+        return None
+    for auto in (AutoModelForCausalLM, AutoModelForSeq2SeqLM):
+        cls = auto._model_mapping.get(type(config), None)
+        if cls is None:
+            continue
+        try:
+            with torch.device("meta"):
+                holds = set(cls._from_config(config).state_dict())
+        except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
+            continue
+        if keys <= holds:
+            return cls
+    return None
 
 
 def build_meta_model(source: ModelSource, config=None):
     """The model's module tree on the meta device: no weights read, any size in seconds.
     `config`: load_config(source) when the caller already read it, as for load_model."""
     config = load_config(source) if config is None else config
-    _name_gguf_architecture(source, config)
+    _name_architecture(source, config)
     cls = model_class(config)
     try:
         with torch.device("meta"):
@@ -415,7 +466,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     """The model with its weights, in eval mode. `config`: load_config(source) when the caller
     already read it (reading a GGUF's takes seconds)."""
     config = load_config(source) if config is None else config
-    _name_gguf_architecture(source, config)
+    _name_architecture(source, config)
     check_stored_dtypes(source, config)
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
@@ -536,6 +587,10 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     except Exception as e:
         if "gguf_file" not in kwargs and not (Path(path) / "model.safetensors").exists():  # else it reads no index
             name_malformed_json(Path(path), ("model.safetensors.index.json",))
+            if (Path(path) / "model.safetensors.index.json").is_file():
+                from normswap import streaming as st
+
+                st.checkpoint_layout(Path(path))  # an index of the wrong shape, said as convert says it
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model

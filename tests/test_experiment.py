@@ -685,6 +685,26 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     assert [e["step"] for e in b["evals"]] == [0, 2, 4, 6]
 
 
+def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
+    """Ctrl-C during an arm's last step, or during an evaluation, stops before the next arm: training
+    checks the flag only after its steps, so an arm that only evaluates ran on, and a run whose
+    remaining arms only evaluate finished with exit 0 as if nothing had been asked."""
+    path = model_recipe(tmp_path, pretrained_dir, ["approx+ft", "exact"])
+    recipe = load_recipe(path, ["finetune.steps=2"])
+    stop = StopFlag()
+
+    def hook(arm, step, loss):
+        if step == 2:
+            stop.set()  # Ctrl-C during the last step: the arm completes, the next one must not start
+
+    with pytest.raises(Interrupted, match=r"stopped before \[2/2\] exact; run the same command again to resume"):
+        run_experiment(recipe, tmp_path / "out", progress=False, stop=stop, on_step=hook)
+    assert (tmp_path / "out" / "arms" / "approx+ft" / "result.json").is_file()
+    assert not (tmp_path / "out" / "arms" / "exact").exists()
+    again = run_experiment(recipe, tmp_path / "out", progress=False)
+    assert list(again.data["arms"]) == ["approx+ft", "exact"]
+
+
 # --------------------------------------------------------------------------- kernels
 
 

@@ -117,3 +117,25 @@ def test_a_failed_atomic_write_leaves_no_folder_it_made(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         write_text_atomic(tmp_path / "a" / "b" / "r.json", "{}")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["n" * 250, "é" * 120 + ".json"])  # 250 and 245 bytes: legal names
+def test_a_long_legal_name_can_be_written(tmp_path, name):
+    """The hidden entries beside a target add their tags to its name (`.NAME.normswap-PID-...`,
+    `.NAME.normswap.lock`, `.NAME.XXXX.tmp`): for a name near the 255-byte limit they could not be
+    made, and a legal --out was refused as "<folder> is not writable (File name too long)"."""
+    from normswap.checkpoint import remove_stale_staging, staged_dir, target_lock
+
+    target = tmp_path / name
+    assert unwritable(target) is None and unwritable(target, folder=True) is None
+    assert write_text_atomic(target, "x").read_text() == "x"
+    target.unlink()
+    from normswap.fileio import sibling_name
+    stale = tmp_path / f".{sibling_name(name)}.normswap-999999999-abc"  # a killed run's (no such pid)
+    stale.mkdir()
+    with target_lock(target), staged_dir(target) as tmp:
+        (tmp / "config.json").write_text("{}")
+        assert len(sibling_name(name).encode()) <= 100 and sibling_name(name) != sibling_name(name + "x")
+    assert (target / "config.json").read_text() == "{}"
+    assert not stale.exists() and remove_stale_staging(target) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no lock file or staging left

@@ -243,6 +243,49 @@ def test_model_class_takes_the_first_known_architecture_else_the_base_model(tmp_
     assert type(loading.build_meta_model(src)).__name__ == "LlamaModel"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # a tied T5's names are its base model's: ambiguous
+def test_a_config_without_architectures_builds_the_class_its_weights_were_saved_from(tmp_path, arch):
+    """config.json without `architectures` (a config saved on its own) built the bare base model
+    even with a language model's weights beside it: a Llama was refused ("no place for
+    lm_head.weight"), a GPT-2 patched and re-saved as a GPT2Model, ppl found no head. Stock
+    AutoModelForCausalLM loads such a folder with its head; the weights' names now decide. A
+    base model's own weights still build the base model."""
+    import transformers
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch)
+    for name, m in (("head", model), ("base", model.base_model)):
+        m.save_pretrained(tmp_path / name)
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        del cfg["architectures"]
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    src = loading.resolve(tmp_path / "head")
+    assert type(loading.build_meta_model(src)) is type(model)
+    loaded = loading.load_model(src)
+    assert type(loaded) is type(model)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+    base = loading.build_meta_model(loading.resolve(tmp_path / "base"))
+    assert type(base) is transformers.AutoModel._model_mapping[type(model.config)]
+
+
+@pytest.mark.parametrize("weight_map, says", [('["x"]', r"malformed index \(weight_map must map tensor names to"),
+                                              (None, r"names 1 shard\(s\) that are not there")])
+def test_a_sharded_index_that_cannot_be_read_is_named_when_loading(tmp_path, weight_map, says):
+    """What convert says of an index whose weight_map is not a map, or that names a missing shard,
+    patch and ppl said as transformers' own words ("'list' object has no attribute 'values'", "No
+    such file or directory: ...")."""
+    from tiny_models import tiny_model
+
+    d = tmp_path / "m"
+    tiny_model("llama").save_pretrained(d, max_shard_size="30KB")
+    if weight_map is None:
+        sorted(d.glob("model-*.safetensors"))[-1].unlink()
+    else:
+        (d / "model.safetensors.index.json").write_text(f'{{"metadata": {{}}, "weight_map": {weight_map}}}')
+    with pytest.raises(NormswapError, match=f"model.safetensors.index.json: {says}"):
+        loading.load_model(loading.resolve(d))
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
@@ -501,6 +544,35 @@ def tiny_builtin(tmp_path, monkeypatch):
     transformers.utils.logging.disable_progress_bar()
     yield loading.cache_dir() / "tiny-builtin"
     (transformers.utils.logging.enable_progress_bar if was else transformers.utils.logging.disable_progress_bar)()
+
+
+def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, monkeypatch):
+    """Two commands started at once on a fresh machine (`make demo` beside a test run) each convert
+    the GGUF; the second to finish removed the first's published copy, which the first may be
+    reading (its next file gone), and a rename onto a copy published in between failed. The copy
+    that is there now stays; this run's is dropped."""
+    import shutil
+
+    real = loading._load_gguf
+
+    def another_process_publishes_first(*a, **k):
+        got = real(*a, **k)
+        other = tiny_builtin.parent / ".other"
+        got[0].save_pretrained(other)
+        (other / "in-use").write_text("the first process reads this copy")
+        other.rename(tiny_builtin)
+        return got
+
+    monkeypatch.setattr(loading, "_load_gguf", another_process_publishes_first)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert (tiny_builtin / "in-use").is_file() and (tiny_builtin / "model.safetensors").is_file()
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # no staging left
+    # a half-made folder of an older normswap (no weights) is still replaced
+    shutil.rmtree(tiny_builtin)
+    tiny_builtin.mkdir()
+    (tiny_builtin / "config.json").write_text("{}")
+    monkeypatch.setattr(loading, "_load_gguf", real)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
 
 
 def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):

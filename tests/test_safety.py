@@ -739,6 +739,21 @@ def test_a_closed_stdout_ends_quietly_with_141(src, args):
     assert (p.returncode, p.stderr) == (141, "")
 
 
+@pytest.mark.parametrize("args, code, stderr", [(["scan", "{m}", "--json"], 0, ""),
+                                                (["scan", "{m}-missing"], 2, "normswap: error: ")],
+                         ids=["done", "bad-input"])
+def test_a_stdout_closed_before_the_start_is_dev_null(src, args, code, stderr):
+    """`normswap ... >&-` (a daemon's closed stdout): Python leaves sys.stdout None, and the report's
+    write, even a bad-input line's final flush, was an internal error with a traceback, exit 1.
+    Now it is /dev/null from the start, as `>/dev/null` is (and no file opened later can take
+    descriptor 1)."""
+    p = subprocess.run(["/bin/sh", "-c", 'exec "$0" -m normswap "$@" >&-', sys.executable,
+                        *(a.format(m=src) for a in args)], stderr=subprocess.PIPE, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == code and "Traceback" not in p.stderr and p.stderr.startswith(stderr), p.stderr[-2000:]
+    assert len(p.stderr.splitlines()) == (code != 0)
+
+
 def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(src, monkeypatch):
     """Only a closed stdout is the reader's choice: a BrokenPipeError from any other pipe (here the
     library's) stays a one-line error, not a silent 141."""

@@ -32,7 +32,24 @@ def _interrupted(signum=signal.SIGINT, _frame=None) -> None:
     _exit_now(*interruption(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()))
 
 
+def _reopen_closed_std_streams() -> None:
+    """A standard stream closed at start-up (`normswap ... >&-`, a daemon's) is /dev/null from here
+    on. Python leaves sys.stdout None there, so writing the report was an internal error with a
+    traceback, even after the work was done; and the next file opened would take descriptor 1,
+    where whatever a library prints would be written into it (a weights file being saved)."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: `fd` itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115  (the stream for the process)
+
+
 def main() -> None:
+    _reopen_closed_std_streams()
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         from normswap.cli.main import run

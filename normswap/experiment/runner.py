@@ -44,7 +44,7 @@ from normswap.experiment import report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
-from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.experiment.trainer import Interrupted, RandomWindows, StopFlag, any_process, train
 from normswap.fileio import made_folders, target_path
 from normswap.jsonsafe import finite_or_null
 
@@ -386,6 +386,11 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                 print(f"[{i + 1}/{len(arms)}] {arm}: finished by an earlier run (delete {arm_dir} to run it again)",
                       file=sys.stderr)
             continue
+        # A Ctrl-C or SIGTERM during an evaluation (or a pretraining's held-out scoring, or an arm's
+        # last step) stops here: training checks only after its steps, so an arm that only
+        # evaluates ran on, and a run whose remaining arms only evaluate ignored the signal.
+        if any_process(accelerator, stop.is_set()):
+            raise Interrupted(f"stopped before [{i + 1}/{len(arms)}] {arm}; run the same command again to resume")
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)
         model = build_arm(original, arm, recipe.impl, ft.dtype)

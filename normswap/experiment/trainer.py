@@ -80,7 +80,7 @@ class StopFlag:
                 return
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
             # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
-            print(f"{_line_break()}normswap: stopping after this step (checkpointing; {again} to stop now)",
+            print(f"{_line_break()}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
                   file=sys.stderr)
             self.signal = signum
             self.set()
@@ -233,7 +233,7 @@ def _out_of_memory_is_bad_input(where: str):
                             "(grad_accum keeps the batch)") from None
 
 
-def _any_process(accelerator, flag: bool) -> bool:
+def any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
     barrier while another started the next step's all-reduce, and both would hang."""
@@ -338,7 +338,7 @@ def train(
                 on_step(history.step, step_loss)
             if eval_every and (history.step % eval_every == 0 or history.step == settings.steps):
                 run_eval(history.step)
-            stopping = _any_process(accelerator, stop.is_set())
+            stopping = any_process(accelerator, stop.is_set())
             if history.step % settings.checkpoint_every == 0 or history.step == settings.steps:
                 _save(accelerator, state_dir, history)
             elif stopping:
