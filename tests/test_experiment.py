@@ -480,6 +480,24 @@ def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides
         load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
 
 
+def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeypatch):
+    """`accelerate launch -m normswap experiment` runs the command in every process, and each reads
+    the recipe: the warm-up warning came once per process. Rank 0 says it; the others do not (an
+    error is still said by every process). Here the run stops at an unknown arm, after the recipe."""
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    command = ["experiment", str(path), "--out", str(tmp_path / "out"), "--arms", "nonesuch",
+               "--set", "finetune.steps=1", "--set", "finetune.warmup_steps=5"]
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == 2, r.stderr
+        said[rank] = [line for line in r.stderr.splitlines() if line.startswith("normswap: warning:")]
+        assert r.stderr.splitlines()[-1].startswith("normswap: error: --arms: "), r.stderr
+    assert said["1"] == []
+    assert len(said["0"]) == 1 and "finetune.steps (1) is not more than finetune.warmup_steps (5)" in said["0"][0]
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 
