@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
@@ -1267,3 +1268,27 @@ def test_the_kl_plot_shows_small_distances_and_whole_steps():
     assert ax_kl.get_ylim()[0] == 0
     for ax in fig.axes[:2]:
         assert list(ax.get_xticks()) == [0, 2, 4]
+
+
+def test_curves_figure_leaves_the_callers_matplotlib_alone_and_takes_any_kl(monkeypatch):
+    """report.curves_figure is public (draw a run's curves in a notebook): it switched matplotlib's
+    backend to Agg (a notebook's plots stopped showing) and left its figure open in pyplot. An
+    evaluation of this run that is not finite (an infinite KL: results.json holds null for it)
+    stopped the plot with an OverflowError after the other reports were written."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from normswap.experiment.report import curves_figure
+
+    def arm(kls):
+        return {"evals": [{"step": 2 * i, "ppl": 50.0, "kl_mean": k} for i, k in enumerate(kls)]}
+
+    result = {"recipe": {"name": "t"}, "noise_floor": None,
+              "arms": {"original": arm([0.0]), "approx+ft": arm([1e-2, math.inf, float("nan")]),
+                       "exact+ft": arm([1e-9, None, 1e-6])}}
+    monkeypatch.setitem(matplotlib.rcParams, "backend", "pdf")  # the caller's (not Agg, which the test runs)
+    figures = plt.get_fignums()
+    fig = curves_figure(result)
+    assert matplotlib.get_backend() == "pdf" and plt.get_fignums() == figures
+    assert fig.axes[1].yaxis.get_transform().linthresh == pytest.approx(1e-9)  # the finite ones decide it
+    fig.savefig(io.BytesIO(), format="png")  # it draws
