@@ -8,6 +8,9 @@ Deciding needs torch (is there a CUDA device?), and importing torch takes second
 normswap` must stay instant (the command line answers Ctrl-C during its start-up with one line,
 which it can only do once its own code runs). So importing normswap installs a finder that makes
 the decision at the moment something first imports triton, before triton reads the variable.
+
+launched_main: whether this process is the first (or only) one of a launch, read from the launcher's
+variables, for work done before an Accelerator exists.
 """
 
 import importlib.abc
@@ -48,3 +51,8 @@ def install_triton_hook() -> None:
 
 def remove_triton_hook() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _BeforeTriton)]
+
+
+def launched_main() -> bool:
+    """True unless a launcher (accelerate launch, torchrun) gave this process a rank other than 0."""
+    return os.environ.get("RANK", "0") == "0"

@@ -116,12 +116,12 @@ class Layout:
 
 
 def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arch_data: bool = True,
-                    trace: Trace | None = None) -> Plan:
+                    tr: Trace | None = None) -> Plan:
     """Decide, per LayerNorm, what folds where; `model` may live on the meta device.
 
-    The layout comes from one traced forward (normswap.discover; `trace`: one already made of this
-    model); a file in normswap/archs/ for the model_type overrides it (arch_data=False ignores the
-    files)."""
+    The layout comes from one traced forward (normswap.discover; `tr`: one already made of this
+    model, as discover and norm_readers take it); a file in normswap/archs/ for the model_type
+    overrides it (arch_data=False ignores the files)."""
     model_type = getattr(config, "model_type", "?")
     modules = dict(model.named_modules())
     arch = load_arch(model_type) if arch_data else None
@@ -131,7 +131,7 @@ def plan_conversion(model: torch.nn.Module, config, keep_gain: bool = False, arc
             _nothing_to_convert(model_type, modules)
         layout = _layout_from_arch(arch, model, config, modules, lns)
     else:
-        layout = _layout_from_discovery(model, trace)
+        layout = _layout_from_discovery(model, tr)
         lns = {p: modules[p] for p in layout.norms}
         if not lns:
             _nothing_to_convert(model_type, modules)

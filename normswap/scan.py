@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from normswap.discover import norm_readers, trace
+from normswap.discover import Trace, norm_readers, trace
 from normswap.progress import ProgressFn
 from normswap.walk import FoundNorm, UnknownNormWarning, find_norms
 
@@ -75,7 +75,7 @@ def scan_model(model: nn.Module, strict: bool = False, with_readers: bool = True
     }
 
 
-def conversion_rows(model: nn.Module, config, tr=None) -> dict[str, dict[str, Any]]:
+def conversion_rows(model: nn.Module, config, tr: Trace | None = None) -> dict[str, dict[str, Any]]:
     """Per LayerNorm, whether `normswap convert` turns it into an RMSNorm and why not: the plan it
     would make (the same discovery, from the trace `tr` when given, and any normswap/archs
     override)."""
@@ -85,7 +85,7 @@ def conversion_rows(model: nn.Module, config, tr=None) -> dict[str, dict[str, An
     if config is None:
         return {}
     try:
-        plan = plan_conversion(model, config, trace=tr)
+        plan = plan_conversion(model, config, tr=tr)
     except NormswapError:  # nothing to convert (no LayerNorm), or an override file that does not fit
         return {}
     return {d.path: {"converts": d.rms, "category": d.category, "why_not": d.why_not} for d in plan.norms}

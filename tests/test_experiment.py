@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
@@ -478,6 +479,24 @@ def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
+
+
+def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeypatch):
+    """`accelerate launch -m normswap experiment` runs the command in every process, and each reads
+    the recipe: the warm-up warning came once per process. Rank 0 says it; the others do not (an
+    error is still said by every process). Here the run stops at an unknown arm, after the recipe."""
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    command = ["experiment", str(path), "--out", str(tmp_path / "out"), "--arms", "nonesuch",
+               "--set", "finetune.steps=1", "--set", "finetune.warmup_steps=5"]
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == 2, r.stderr
+        said[rank] = [line for line in r.stderr.splitlines() if line.startswith("normswap: warning:")]
+        assert r.stderr.splitlines()[-1].startswith("normswap: error: --arms: "), r.stderr
+    assert said["1"] == []
+    assert len(said["0"]) == 1 and "finetune.steps (1) is not more than finetune.warmup_steps (5)" in said["0"][0]
 
 
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
@@ -1249,3 +1268,27 @@ def test_the_kl_plot_shows_small_distances_and_whole_steps():
     assert ax_kl.get_ylim()[0] == 0
     for ax in fig.axes[:2]:
         assert list(ax.get_xticks()) == [0, 2, 4]
+
+
+def test_curves_figure_leaves_the_callers_matplotlib_alone_and_takes_any_kl(monkeypatch):
+    """report.curves_figure is public (draw a run's curves in a notebook): it switched matplotlib's
+    backend to Agg (a notebook's plots stopped showing) and left its figure open in pyplot. An
+    evaluation of this run that is not finite (an infinite KL: results.json holds null for it)
+    stopped the plot with an OverflowError after the other reports were written."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from normswap.experiment.report import curves_figure
+
+    def arm(kls):
+        return {"evals": [{"step": 2 * i, "ppl": 50.0, "kl_mean": k} for i, k in enumerate(kls)]}
+
+    result = {"recipe": {"name": "t"}, "noise_floor": None,
+              "arms": {"original": arm([0.0]), "approx+ft": arm([1e-2, math.inf, float("nan")]),
+                       "exact+ft": arm([1e-9, None, 1e-6])}}
+    monkeypatch.setitem(matplotlib.rcParams, "backend", "pdf")  # the caller's (not Agg, which the test runs)
+    figures = plt.get_fignums()
+    fig = curves_figure(result)
+    assert matplotlib.get_backend() == "pdf" and plt.get_fignums() == figures
+    assert fig.axes[1].yaxis.get_transform().linthresh == pytest.approx(1e-9)  # the finite ones decide it
+    fig.savefig(io.BytesIO(), format="png")  # it draws

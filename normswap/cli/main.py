@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
+from normswap._env import launched_main
 from normswap.cli.signals import interruption
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
@@ -93,7 +94,8 @@ def one_line_warnings(python_form: Callable) -> Callable:
     `normswap: warning: ...`, as scan's are; Python's form (`/path/runner.py:295: UserWarning: ...`
     and the source line below it) names our code, not what the user can do. Warnings from other
     packages keep Python's form (`python_form`, the showwarning in place before): where they come
-    from is part of what they say."""
+    from is part of what they say. Under a launcher (`accelerate launch -m normswap experiment`)
+    every process runs the command and would say the same warning: only rank 0 says normswap's."""
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         try:
@@ -101,7 +103,8 @@ def one_line_warnings(python_form: Callable) -> Callable:
         except (OSError, ValueError):
             ours = False
         if ours:
-            _warning_line(message)
+            if launched_main():
+                _warning_line(message)
         else:
             python_form(message, category, filename, lineno, file, line)
 

@@ -136,26 +136,24 @@ def results_csv(result: dict) -> str:
 
 def plot_curves(result: dict, path: Path) -> None:
     """curves.png: curves_figure(result), saved."""
-    import matplotlib.pyplot as plt
-
-    fig = curves_figure(result)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    curves_figure(result).savefig(path, dpi=120)
 
 
 def curves_figure(result: dict):
     """Eval perplexity (log scale) and KL(original‖arm) against the fine-tuning step, one line per
-    arm; untrained arms are horizontal dashed lines at their step-0 value. A matplotlib Figure."""
-    import matplotlib
+    arm; untrained arms are horizontal dashed lines at their step-0 value. A matplotlib Figure.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Made without pyplot: pyplot would need a backend (switching a notebook's to Agg stopped its
+    plots showing) and would keep every figure open until closed; a notebook still shows this one."""
+    import matplotlib
     import matplotlib.ticker
+    from matplotlib.figure import Figure
 
     arms = result["arms"]
     last = max([e["step"] for a in arms.values() for e in a["evals"]] + [1])
-    fig, (ax_ppl, ax_kl) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(12, 4.8))
+    ax_ppl, ax_kl = fig.subplots(1, 2)
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, arm) in enumerate(arms.items()):
         steps = [e["step"] for e in arm["evals"]]
         color = colors[i % len(colors)]
@@ -175,9 +173,11 @@ def curves_figure(result: dict):
     # Log scale down to the decade of the smallest distance drawn (only an exact 0 sits on the
     # linear part at the bottom): with a fixed 1e-3 an arm 1e-5 from the original (approx-bias) was
     # drawn at 0, on top of `exact`'s 1e-13, hiding the difference the experiment measures.
-    positive = [e["kl_mean"] for a in arms.values() for e in a["evals"] if e.get("kl_mean") and e["kl_mean"] > 0]
-    if floor and floor["original"]["kl_mean"] > 0:
-        positive.append(floor["original"]["kl_mean"])
+    # (An evaluation that is not finite, null once in results.json, is not drawn and decides nothing.)
+    kls = [e.get("kl_mean") for a in arms.values() for e in a["evals"]]
+    if floor:
+        kls.append(floor["original"]["kl_mean"])
+    positive = [kl for kl in kls if kl is not None and 0 < kl < math.inf]
     linthresh = min([1e-3, *(10.0 ** math.floor(math.log10(kl)) for kl in positive)])
     if floor and floor["original"]["kl_mean"] > 0:
         # The half-precision floor and its limit as lines.

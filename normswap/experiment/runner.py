@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from normswap import jsonsafe
+from normswap._env import launched_main
 from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
@@ -230,7 +231,7 @@ def _is_main_process(accelerator) -> bool:
     """Before an Accelerator exists, the rank a launcher (accelerate launch, torchrun) gave this process."""
     if accelerator is not None:
         return accelerator.is_main_process
-    return os.environ.get("RANK", "0") == "0"
+    return launched_main()
 
 
 def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
