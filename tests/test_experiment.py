@@ -1202,17 +1202,22 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
 
     from normswap.cli import cli
 
-    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft", "approx+distill"])
     r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--set",
                                  "finetune.steps=2", "--json"])
     assert r.exit_code == 0, r.stderr[-2000:]
-    json.loads(r.stdout)
+    losses = {arm: a["losses"][-1] for arm, a in json.loads(r.stdout)["arms"].items() if a["losses"]}
     lines = r.stderr.splitlines()
-    assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
+    assert lines[:2] == ["[1/3] original ...", lines[1]] and re.fullmatch(r"\[1/3\] original: 1/1 eval, \d+\.\d s",
                                                                            lines[1]), r.stderr
-    # the loss to 5 significant digits (a distillation loss of 8e-6 showed as 0.0000)
-    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d\.\d{4}",
-                                                              lines[3]), r.stderr
+    for at, arm in ((2, "approx+ft"), (4, "approx+distill")):
+        assert lines[at] == f"[{at // 2 + 1}/3] {arm} ...", r.stderr
+        shown = re.fullmatch(rf"\[{at // 2 + 1}/3\] {re.escape(arm)}: 2/2 step, \d+\.\d s, loss=(\S+)", lines[at + 1])
+        assert shown, r.stderr
+        # the last step's loss to 5 significant digits: the distillation loss, far below 1, showed
+        # as loss=0.0000 or with one or two digits (4 decimals)
+        assert float(shown[1]) == pytest.approx(losses[arm], rel=1e-4), (shown[1], losses[arm])
+    assert losses["approx+distill"] < 0.1
 
 
 def test_a_library_warning_is_one_line_and_every_stage_shows(tmp_path, monkeypatch):
