@@ -704,6 +704,22 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     assert [e["step"] for e in b["evals"]] == [0, 2, 4, 6]
 
 
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_stop_notice_is_one_line_that_ends_an_open_bar_only_on_a_terminal(capsys, monkeypatch, terminal):
+    """The first Ctrl-C's notice: on a terminal the bar's line is open and is ended first; in a log
+    or a pipe the leading line break was a blank line. It says an evaluation under way finishes too."""
+    import signal
+
+    stop = StopFlag()
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    with stop.on_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert stop.is_set() and stop.signal == signal.SIGINT
+    assert capsys.readouterr().err == ("\n" if terminal else "") + \
+        "normswap: stopping after this step or evaluation (checkpointing; Ctrl-C to stop now)\n"
+
+
 def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
     """Ctrl-C during an arm's last step, or during an evaluation, stops before the next arm: training
     checks the flag only after its steps, so an arm that only evaluates ran on, and a run whose
