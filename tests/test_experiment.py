@@ -459,9 +459,18 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     shipped one says 100 steps; after --set finetune.steps=4 its summary still said only that)."""
     summary = (every_arm.out / "summary.md").read_text()
     assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
-            "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+            "adamw at lr 0.001 (cosine, after 1 warm-up step), fp32; evaluated every 2 steps.") in summary
     # and the units of its KL column (it gave none)
     assert "KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens" in summary
+    from normswap.experiment.report import summary_markdown
+
+    result = json.loads((every_arm.out / "results.json").read_text())
+    result["recipe"]["finetune"].update(steps=1, warmup_steps=0, eval_every=1)
+    result["environment"]["num_processes"] = 2
+    assert ("Fine-tuning: 1 step of 4 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 2 processes), "
+            "adamw at lr 0.001 (cosine, no warm-up), fp32; evaluated every step.") in summary_markdown(result)
+    result["arms"] = {arm: a for arm, a in result["arms"].items() if parse_arm(arm)[1] is None}
+    assert "Fine-tuning:" not in summary_markdown(result)  # no arm trained
 
 
 @pytest.mark.parametrize("overrides, says", [
