@@ -68,6 +68,8 @@ def convert_directory(
     if has_safetensors:
         names = list(meta.state_dict().keys())
         arch = load_arch(plan.model_type)
+        if plan.untie is not None:
+            _refuse_a_head_stored_apart(source, names, arch.prefix if arch else "", plan.untie)
         infos = st.convert_files(
             source.path, out, plan, names, prefix=arch.prefix if arch else "",
             out_dtype=policy, streaming=streaming, progress=progress,
@@ -96,6 +98,23 @@ def convert_directory(
     if manifest:
         write_manifest(out, new_manifest(convert=section))
     return section
+
+
+def _refuse_a_head_stored_apart(source, names: list[str], prefix: str, untie: tuple[str, str]) -> None:
+    """config.json ties the head to the embedding (tie_word_embeddings), yet the checkpoint stores
+    the head with values of its own: transformers then loads the two untied (it warns so), while
+    the plan folds the embedding's values into the head. The conversion would not be of the model
+    transformers loads; its verification refused it with only "logits differ". A head stored with
+    the embedding's own values (an older save of a tied model) is tied, and converts."""
+    head, table = untie
+    reader = st.CheckpointReader(source.path, names, prefix=prefix)
+    if head not in reader.raw or table not in reader.raw:
+        return
+    a, b = reader.read(head), reader.read(table)
+    if a.shape != b.shape or not torch.equal(a, b):
+        raise NormswapError(f"{source.path / 'config.json'}: tie_word_embeddings is true, but the checkpoint stores "
+                            f"{head} apart from {table}, with other values (transformers loads them untied); set "
+                            "\"tie_word_embeddings\": false there to convert it")
 
 
 def _untie_config_dict(cfg: dict) -> None:

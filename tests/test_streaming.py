@@ -319,3 +319,38 @@ def test_a_model_safetensors_beside_an_index_is_what_is_converted(tmp_path):
     convert_model(want)
     got = read_dir(tmp_path / "out")
     assert all(same_bytes(got[k], t) for k, t in want.state_dict().items() if k in got)
+
+
+@pytest.mark.parametrize("head", ["other", "same"])
+def test_a_tied_config_with_a_head_stored_apart(tmp_path, head):
+    """config.json says tie_word_embeddings, the checkpoint stores lm_head.weight with values of its
+    own: transformers loads them untied, the conversion folded the embedding into the head and its
+    verification refused with only "logits differ". Now refused naming the key and the fix; a head
+    stored with the embedding's own values (an older save of a tied model) still converts."""
+    import transformers
+
+    from normswap.api import convert_checkpoint
+    from normswap.errors import NormswapError
+    from tests.tiny_models import randomize_norms_and_biases, tiny_config
+
+    cfg = tiny_config("gpt2")
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = randomize_norms_and_biases(transformers.GPT2LMHeadModel(cfg))
+    if head == "same":
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.transformer.wte.weight)
+    d = tmp_path / "src"
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    if head == "same":
+        assert convert_checkpoint(d, tmp_path / "out").section["verification"]["passed"]
+        return
+    with pytest.raises(NormswapError, match=r"config.json: tie_word_embeddings is true, but the checkpoint stores "
+                                            r"lm_head.weight apart from transformer.wte.weight, with other values"):
+        convert_checkpoint(d, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))  # the way out it names
+    assert convert_checkpoint(d, tmp_path / "out").section["verification"]["passed"]
