@@ -57,13 +57,14 @@ def stderr_bar(*, total: int | None, desc: str, unit: str = "step", unit_scale: 
     """A progress bar on stderr: tqdm's on a terminal; elsewhere a _LineBar. disable: a silent one."""
     from tqdm.auto import tqdm
 
-    if disable or _isatty(sys.stderr) or _notebook(tqdm):
+    if disable or isatty(sys.stderr) or _notebook(tqdm):
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale, file=sys.stderr,
                     disable=disable, dynamic_ncols=True, leave=False)
     return _LineBar(total, desc, unit, unit_scale, initial)
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
+    """Whether `stream` is a terminal; False for one that cannot say (closed, or no isatty)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream

@@ -459,9 +459,18 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     shipped one says 100 steps; after --set finetune.steps=4 its summary still said only that)."""
     summary = (every_arm.out / "summary.md").read_text()
     assert ("Fine-tuning: 4 steps of 2 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 process), "
-            "adamw at lr 0.001 (cosine after 1 warm-up steps), fp32; evaluated every 2 steps.") in summary
+            "adamw at lr 0.001 (cosine, after 1 warm-up step), fp32; evaluated every 2 steps.") in summary
     # and the units of its KL column (it gave none)
     assert "KL: the mean KL(original‖arm) per token, in nats; top-1: the share of tokens" in summary
+    from normswap.experiment.report import summary_markdown
+
+    result = json.loads((every_arm.out / "results.json").read_text())
+    result["recipe"]["finetune"].update(steps=1, warmup_steps=0, eval_every=1)
+    result["environment"]["num_processes"] = 2
+    assert ("Fine-tuning: 1 step of 4 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 2 processes), "
+            "adamw at lr 0.001 (cosine, no warm-up), fp32; evaluated every step.") in summary_markdown(result)
+    result["arms"] = {arm: a for arm, a in result["arms"].items() if parse_arm(arm)[1] is None}
+    assert "Fine-tuning:" not in summary_markdown(result)  # no arm trained
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -729,6 +738,22 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path, pretrained_
     assert a["losses"] == b["losses"]
     assert [e["ppl"] for e in a["evals"]] == [e["ppl"] for e in b["evals"]]
     assert [e["step"] for e in b["evals"]] == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_the_stop_notice_is_one_line_that_ends_an_open_bar_only_on_a_terminal(capsys, monkeypatch, terminal):
+    """The first Ctrl-C's notice: on a terminal the bar's line is open and is ended first; in a log
+    or a pipe the leading line break was a blank line. It says an evaluation under way finishes too."""
+    import signal
+
+    stop = StopFlag()
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    with stop.on_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert stop.is_set() and stop.signal == signal.SIGINT
+    assert capsys.readouterr().err == ("\n" if terminal else "") + \
+        "normswap: stopping after this step or evaluation (checkpointing; Ctrl-C to stop now)\n"
 
 
 def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
@@ -1229,17 +1254,22 @@ def test_every_arm_shows_progress_on_stderr(tmp_path, pretrained_dir):
 
     from normswap.cli import cli
 
-    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    recipe = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft", "approx+distill"])
     r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(tmp_path / "out"), "--set",
                                  "finetune.steps=2", "--json"])
     assert r.exit_code == 0, r.stderr[-2000:]
-    json.loads(r.stdout)
+    losses = {arm: a["losses"][-1] for arm, a in json.loads(r.stdout)["arms"].items() if a["losses"]}
     lines = r.stderr.splitlines()
-    assert lines[:2] == ["[1/2] original ...", lines[1]] and re.fullmatch(r"\[1/2\] original: 1/1 eval, \d+\.\d s",
+    assert lines[:2] == ["[1/3] original ...", lines[1]] and re.fullmatch(r"\[1/3\] original: 1/1 eval, \d+\.\d s",
                                                                            lines[1]), r.stderr
-    # the loss to 5 significant digits (a distillation loss of 8e-6 showed as 0.0000)
-    assert lines[2] == "[2/2] approx+ft ..." and re.fullmatch(r"\[2/2\] approx\+ft: 2/2 step, \d+\.\d s, loss=\d\.\d{4}",
-                                                              lines[3]), r.stderr
+    for at, arm in ((2, "approx+ft"), (4, "approx+distill")):
+        assert lines[at] == f"[{at // 2 + 1}/3] {arm} ...", r.stderr
+        shown = re.fullmatch(rf"\[{at // 2 + 1}/3\] {re.escape(arm)}: 2/2 step, \d+\.\d s, loss=(\S+)", lines[at + 1])
+        assert shown, r.stderr
+        # the last step's loss to 5 significant digits: the distillation loss, far below 1, showed
+        # as loss=0.0000 or with one or two digits (4 decimals)
+        assert float(shown[1]) == pytest.approx(losses[arm], rel=1e-4), (shown[1], losses[arm])
+    assert losses["approx+distill"] < 0.1
 
 
 def test_a_library_warning_is_one_line_and_every_stage_shows(tmp_path, monkeypatch):

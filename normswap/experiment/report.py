@@ -66,6 +66,11 @@ def _fmt(v, spec: str, signed: bool = False) -> str:
     return format(v, ("+" if signed else "") + spec)
 
 
+def _count(n: int, noun: str) -> str:
+    """1 step, 2 steps; 1 process, 2 processes."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def summary_markdown(result: dict) -> str:
     rows = summary_rows(result["arms"])
     lines = [f"# {result['recipe']['name']}", ""]
@@ -77,15 +82,16 @@ def summary_markdown(result: dict) -> str:
                   f"({pre['tokens_seen'] / 1e6:.2f} M tokens, {pre['train_seconds'] / 60:.1f} min); held-out "
                   f"perplexity {pre['heldout_ppl']:.2f} against a unigram baseline of {pre['unigram_ppl']:.1f}.", ""]
     ft = result["recipe"].get("finetune")
-    if ft and any("+" in name for name in result["arms"]):
+    if ft and any(parse_arm(name)[1] for name in result["arms"]):
         # What the trained arms ran, from the values used (the description is the recipe file's
         # prose: after --set finetune.steps=4 it still said 100 steps).
         processes = (result.get("environment") or {}).get("num_processes") or 1
-        lines += [f"Fine-tuning: {ft['steps']} steps of {ft['batch_size'] * ft['grad_accum'] * processes} sequences × "
-                  f"{ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} accumulated × "
-                  f"{processes} process{'es' if processes > 1 else ''}), {ft['optimizer']} at lr {ft['lr']:g} "
-                  f"({ft['schedule']} after {ft['warmup_steps']} warm-up steps), {ft['dtype']}; evaluated every "
-                  f"{ft['eval_every']} steps.", ""]
+        warmup = f"after {_count(ft['warmup_steps'], 'warm-up step')}" if ft["warmup_steps"] else "no warm-up"
+        lines += [f"Fine-tuning: {_count(ft['steps'], 'step')} of {ft['batch_size'] * ft['grad_accum'] * processes} "
+                  f"sequences × {ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} "
+                  f"accumulated × {_count(processes, 'process')}), {ft['optimizer']} at lr {ft['lr']:g} "
+                  f"({ft['schedule']}, {warmup}), {ft['dtype']}; evaluated every "
+                  f"{_count(ft['eval_every'], 'step') if ft['eval_every'] > 1 else 'step'}.", ""]
     ev = result["eval"]
     floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "

@@ -35,6 +35,7 @@ import torch
 from normswap import jsonsafe
 from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings
+from normswap.progress import isatty
 
 LATEST = "LATEST"
 TRAINER_STATE = "trainer.json"
@@ -46,7 +47,7 @@ class Interrupted(NormswapError):
 
 class StopFlag:
     """Set by Ctrl-C or SIGTERM (or by a caller, e.g. a test simulating Ctrl-C); checked after every
-    step. `signal` is the signal that set it (None when a caller did)."""
+    step and, by run_experiment, before every arm. `signal` is the signal that set it (None when a caller did)."""
 
     def __init__(self):
         self._event = threading.Event()
@@ -80,7 +81,8 @@ class StopFlag:
                 return
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
             # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
-            print(f"{_line_break()}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
+            line_break = "\n" if isatty(sys.stderr) else ""
+            print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
                   file=sys.stderr)
             self.signal = signum
             self.set()
@@ -94,11 +96,6 @@ class StopFlag:
                 signal.signal(s, h)
 
 
-def _line_break() -> str:
-    try:
-        return "\n" if sys.stderr.isatty() else ""
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return ""
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
