@@ -562,6 +562,33 @@ def test_a_malformed_record_of_an_earlier_run_is_bad_input(every_arm, cache, tmp
     assert lines[0].startswith(f"normswap: error: {bad}: {says}") and lines[0].endswith(remedy), lines
 
 
+def test_a_rerun_on_a_full_disk_keeps_the_record_of_the_earlier_run(tmp_path):
+    """A rerun (a resume) writes recipe.json again first; on a full disk the plain write truncated
+    it, and every later run was refused ("recipe.json: malformed JSON; remove OUT"): the way out
+    offered lost every finished arm. Written through a temporary file, it stays as it was."""
+    import resource
+
+    from tiny_models import save_tiny
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    path = model_recipe(tmp_path, tmp_path / "gpt2", ["original"])
+    out = tmp_path / "out"
+    code = (f"from normswap.experiment import run_experiment; "
+            f"run_experiment({str(path)!r}, {str(out)!r}, progress=False, plot=False)")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300, capture_output=True)
+    record = (out / "recipe.json").read_bytes()
+
+    def full_disk():  # no file may grow past 100 bytes: recipe.json is larger
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    p = subprocess.run([sys.executable, "-c", code], env=env, timeout=300, capture_output=True, text=True,
+                       preexec_fn=full_disk)
+    assert p.returncode != 0 and "File too large" in p.stderr, p.stderr[-2000:]
+    assert (out / "recipe.json").read_bytes() == record
+    assert [q.name for q in out.iterdir() if q.name.startswith(".")] == []  # no temporary file left
+
+
 def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     """`--out ~/thesis`: a folder with files in it and no recipe.json is not an earlier run, and a
     run writes results.csv, summary.md, curves.png, logs/ and arms/ into it, replacing the user's

@@ -46,7 +46,7 @@ from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import Interrupted, RandomWindows, StopFlag, any_process, train
-from normswap.fileio import made_folders, target_path
+from normswap.fileio import made_folders, target_path, write_text_atomic
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -339,8 +339,10 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
 
     accelerator = accelerator or make_accelerator(recipe, out)
     if accelerator.is_main_process:
-        (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint(), "source": recipe.source,
-                                                     "recipe": recipe.to_dict()}, indent=1))
+        # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
+        write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(),
+                                                          "source": recipe.source, "recipe": recipe.to_dict()},
+                                                         indent=1))
     accelerator.wait_for_everyone()
     if accelerator.trackers == [] and accelerator.log_with:
         accelerator.init_trackers(recipe.name)
