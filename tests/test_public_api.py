@@ -129,10 +129,13 @@ def _hostile_calls(d, out):
          r"repeats: expected a whole number \(int\), got 1.5"),
         (lambda: P.bench_checkpoint(d, "torch", modes="prefill", seq=4, warmup=True, out=out / "b.json"), TypeError,
          "warmup: expected a whole number .*got True"),
+        # torch.device(None): torch's TypeError, naming no argument
+        (lambda: P.patch_checkpoint(d, "torch", out=out, device=None), TypeError,
+         r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got NoneType"),
     ]
 
 
-N_HOSTILE = 49
+N_HOSTILE = 50
 
 
 def test_every_hostile_case_is_listed():
