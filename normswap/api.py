@@ -450,6 +450,7 @@ def bench_checkpoint(
     raise NormswapError before anything is measured."""
     from normswap.bench import (
         BenchConfig,
+        check_config,
         check_result_target,
         default_output,
         parse_list,
@@ -460,6 +461,7 @@ def bench_checkpoint(
 
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
+    check_config(config)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:

@@ -314,6 +314,26 @@ def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tup
     return seconds, method, peak, fused
 
 
+def check_config(cfg: BenchConfig) -> None:
+    """The checks that need no model: bench_checkpoint runs them before anything is read."""
+    from normswap.backends import BACKENDS
+    from normswap.errors import BadInputError
+
+    for name in ("batch", "seq", "warmup", "repeats"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
+            raise TypeError(f"{name}: expected a whole number (int), got {value!r}")
+    if not cfg.impls:  # only the unpatched model would be timed: nothing to compare it with
+        raise BadInputError(f"impls names no implementation; expected one or more of {', '.join(BACKENDS)}")
+    bad = [m for m in cfg.modes if m not in MODES]
+    if not cfg.modes:
+        raise NormswapError(f"--mode names no workload; expected {', '.join(MODES)}")
+    if bad:
+        raise NormswapError(f"unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
+    if cfg.batch < 1 or cfg.seq < 2 or cfg.repeats < 1 or cfg.warmup < 0:
+        raise NormswapError("--batch must be >= 1, --seq >= 2, --repeats >= 1 and --warmup >= 0")
+
+
 def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResult:
     """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
     patched (an impl unavailable here, a failed verification) gets rows with its error.
@@ -325,13 +345,7 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert
 
-    bad = [m for m in cfg.modes if m not in MODES]
-    if not cfg.modes:
-        raise NormswapError(f"--mode names no workload; expected {', '.join(MODES)}")
-    if bad:
-        raise NormswapError(f"unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
-    if cfg.batch < 1 or cfg.seq < 2 or cfg.repeats < 1 or cfg.warmup < 0:
-        raise NormswapError("--batch must be >= 1, --seq >= 2, --repeats >= 1 and --warmup >= 0")
+    check_config(cfg)
     for impl in cfg.impls:
         get_backend(impl)  # an impl that cannot run here fails before the model is built
     dtype = parse_dtype(cfg.dtype)

@@ -52,6 +52,8 @@ class ModelSource:
 def parse_device(name: str) -> str | None:
     """'auto' (CUDA when there is one: natively the Triton kernels only take CUDA tensors), 'cpu',
     'cuda' or 'cuda:N'; None means the CPU, where from_pretrained puts weights by default."""
+    if not isinstance(name, str | torch.device):  # torch.device(None) raised a TypeError naming no argument
+        raise TypeError(f"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' (str), got {type(name).__name__}")
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else None
     try:

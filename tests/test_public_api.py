@@ -121,10 +121,21 @@ def _hostile_calls(d, out):
         # None compared with 1: a TypeError naming no argument
         (lambda: P.evaluate_checkpoint(d, EvalSettings(d.parent / "t.txt", batch_size=None)), P.NormswapError,
          "batch_size must be a whole number of tokens, got None"),
+        # impls=[] timed the unpatched model alone, and repeats=1.5 reached range() after the
+        # model was built: a TypeError naming no argument
+        (lambda: P.bench_checkpoint(d, [], modes="prefill", seq=4, out=out / "b.json"), ValueError,
+         "impls names no implementation; expected one or more of "),
+        (lambda: P.bench_checkpoint(d, "torch", modes="prefill", seq=4, repeats=1.5, out=out / "b.json"), TypeError,
+         r"repeats: expected a whole number \(int\), got 1.5"),
+        (lambda: P.bench_checkpoint(d, "torch", modes="prefill", seq=4, warmup=True, out=out / "b.json"), TypeError,
+         "warmup: expected a whole number .*got True"),
+        # torch.device(None): torch's TypeError, naming no argument
+        (lambda: P.patch_checkpoint(d, "torch", out=out, device=None), TypeError,
+         r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got NoneType"),
     ]
 
 
-N_HOSTILE = 46
+N_HOSTILE = 50
 
 
 def test_every_hostile_case_is_listed():
