@@ -129,6 +129,7 @@ def test_a_long_legal_name_can_be_written(tmp_path, name):
     shortened name is the same in another process: the next run must find this one's lock."""
     import subprocess
     import sys
+
     from normswap.checkpoint import remove_stale_staging, staged_dir, target_lock
 
     target = tmp_path / name
