@@ -71,11 +71,25 @@ def parse_device(name: str) -> str | None:
     return str(device)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("NORMSWAP_CACHE") or os.path.join(
+def cache_dir(check: bool = True) -> Path:
+    """normswap's cache folder: $NORMSWAP_CACHE, else $XDG_CACHE_HOME/normswap (~/.cache/normswap).
+    check: refuse one that is, or lies under, something other than a folder, naming the variable
+    that set it (creating a folder there failed with the bare reason "File exists" or "Not a
+    directory", reported as a model that cannot be read). check=False: only where it is named."""
+    env = "NORMSWAP_CACHE" if os.environ.get("NORMSWAP_CACHE") else "XDG_CACHE_HOME" if os.environ.get(
+        "XDG_CACHE_HOME") else None
+    root = Path(os.environ.get("NORMSWAP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"
-    )
-    return Path(root)
+    ))
+    if check:
+        present = root
+        while not present.exists() and present != present.parent:  # the nearest part that is there
+            present = present.parent
+        if present.exists() and not present.is_dir():
+            where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
+            raise NormswapError(f"{where}: the cache path is not a folder ({present} is a file); "
+                                "point NORMSWAP_CACHE at a folder")
+    return root
 
 
 def require_reference(ref, name: str = "model"):

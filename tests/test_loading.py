@@ -129,6 +129,19 @@ def test_builtin_without_its_package(tmp_path, monkeypatch):
     _one_line(e)
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_cache_path_that_is_a_file_is_named_as_such(tmp_path, monkeypatch, under):
+    """NORMSWAP_CACHE naming a file (or a path under one) said "cache: cannot read (File exists)"
+    (or "Not a directory"), as if the model could not be read: the variable is named instead."""
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache" / under))
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)  # never the 20 s conversion
+    with pytest.raises(NormswapError, match=rf"^NORMSWAP_CACHE={tmp_path / 'cache'}.*: the cache path is not a folder "
+                                            rf"\({tmp_path / 'cache'} is a file\)") as e:
+        loading.resolve(loading.DEFAULT_MODEL)
+    _one_line(e)
+
+
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
