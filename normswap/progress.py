@@ -1,5 +1,5 @@
 """Progress of long work, without drawing anything: the library calls progress(stage, done, total)
-and the command line draws the bars (normswap.cli.main.ProgressBars). Library users who pass
+and the command line draws the bars (ProgressBars). Library users who pass
 progress=True to perplexity / diff_models / convert_directory get a bar on stderr instead.
 
 Every bar normswap draws comes from stderr_bar: a redrawn tqdm bar on a terminal, plain lines
@@ -76,6 +76,14 @@ def _notebook(auto_tqdm) -> bool:
     return any(c.__module__ == "tqdm.notebook" for c in auto_tqdm.__mro__)
 
 
+def _write_line(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: progress is never worth failing the work for
+        pass
+
+
 class _LineBar:
     """The part of tqdm's interface normswap uses, written as whole lines: one when the stage
     starts, one at most every LINE_INTERVAL seconds while it runs, one when it ends (with the
@@ -114,11 +122,7 @@ class _LineBar:
         return f"{line}, {self.postfix}" if self.postfix else line
 
     def _write(self, line: str) -> None:
-        try:
-            sys.stderr.write(line + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):  # stderr closed: progress is never worth failing the work for
-            pass
+        _write_line(line)
 
     def __enter__(self) -> _LineBar:
         return self
@@ -127,25 +131,46 @@ class _LineBar:
         self.close()
 
 
-class TitledBar:
-    """A ProgressFn that draws whatever stage calls it as one stderr bar titled `desc`: the caller's
-    name for the work ("pretrain: held-out perplexity") says more than the library stage's own
-    ("perplexity"). A context manager: leaving it closes the bar. enabled=False: draws nothing."""
+class ProgressBars:
+    """A ProgressFn drawing the library's progress(stage, done, total) calls as bars on stderr
+    (stderr_bar's), one bar per stage (a new stage closes the previous bar): what the commands pass
+    as `progress`, and what a library stage run under another's name passes (labels={"perplexity":
+    "pretrain: held-out perplexity"}). Use as a context manager: the last bar closes.
 
-    def __init__(self, desc: str, unit: str = "tok", enabled: bool = True):
-        self.desc, self.unit, self.enabled, self.bar = desc, unit, enabled, None
+    units: stage -> what it counts ("module", "tok", "B"); labels: stage -> the bar's title;
+    announce: stage -> a line written to stderr when the stage starts."""
+
+    def __init__(self, units: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 announce: dict[str, str] | None = None):
+        self.units, self.announce = units or {}, announce or {}
+        self.labels = {"reference": "load float32 reference (noise floor)", **(labels or {})}
+        self.stage: str | None = None
+        self.bar = None
 
     def __call__(self, stage: str, done: int, total: int | None) -> None:
-        if self.bar is None:
-            self.bar = stderr_bar(total=total, desc=self.desc, unit=self.unit, disable=not self.enabled)
+        if stage != self.stage:
+            self.close()
+            if stage in self.announce:
+                _write_line(self.announce[stage])
+            unit = self.units.get(stage, "step")
+            # initial: a stage may start part-way through a count (bench's "<variant> <mode>" stages
+            # share one count of measurements)
+            self.bar = stderr_bar(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
+                                  unit_scale=unit == "B")
+            self.stage = stage
+        self.bar.total = total
         self.bar.update(done - self.bar.n)
 
-    def __enter__(self) -> TitledBar:
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar, self.stage = None, None
+
+    def __enter__(self) -> ProgressBars:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.close()
 
 
 def step(progress: ProgressFn | None, stage: str, done: int, total: int | None) -> None:

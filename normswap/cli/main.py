@@ -18,6 +18,7 @@ from normswap._env import launched_main
 from normswap.cli.signals import interruption
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
+from normswap.progress import ProgressBars  # noqa: F401  (every command draws the library's progress with it)
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
@@ -218,48 +219,6 @@ def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
 
 def run() -> None:
     cli(prog_name="normswap")
-
-
-class ProgressBars:
-    """The library's progress(stage, done, total) calls drawn as tqdm bars on stderr, one bar per
-    stage (a new stage closes the previous bar). Use as a context manager: the last bar closes.
-
-    units: stage -> what it counts ("module", "tok", "B"); labels: stage -> the bar's title;
-    announce: stage -> a line written to stderr when the stage starts."""
-
-    def __init__(self, units: dict[str, str] | None = None, labels: dict[str, str] | None = None,
-                 announce: dict[str, str] | None = None):
-        self.units, self.announce = units or {}, announce or {}
-        self.labels = {"reference": "load float32 reference (noise floor)", **(labels or {})}
-        self.stage: str | None = None
-        self.bar = None
-
-    def __call__(self, stage: str, done: int, total: int | None) -> None:
-        if stage != self.stage:
-            self.close()
-            from normswap.progress import stderr_bar
-
-            if stage in self.announce:
-                click.echo(self.announce[stage], err=True)
-            unit = self.units.get(stage, "step")
-            # initial: a stage may start part-way through a count (bench's "<variant> <mode>" stages
-            # share one count of measurements)
-            self.bar = stderr_bar(total=total, initial=done, desc=self.labels.get(stage, stage), unit=unit,
-                                  unit_scale=unit == "B")
-            self.stage = stage
-        self.bar.total = total
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.bar, self.stage = None, None
-
-    def __enter__(self) -> ProgressBars:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def quiet_transformers() -> None:

@@ -27,7 +27,7 @@ from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.experiment.recipe import PretrainSection, file_digest
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
-from normswap.progress import TitledBar
+from normswap.progress import ProgressBars
 
 EOS = "<|endoftext|>"
 INFO_FILE = "normswap-pretrain.json"
@@ -144,8 +144,9 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
         from normswap.evaluate import perplexity
 
         # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
-        with TitledBar("pretrain: held-out perplexity", enabled=progress) as bar:
-            ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context, progress=bar, batch_size=8)
+        with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
+            ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context,
+                             progress=bars if progress else False, batch_size=8)
         info = {
             "steps": history.step, "train_seconds": round(history.train_seconds, 1),
             "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
