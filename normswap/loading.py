@@ -455,10 +455,14 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             continue
         try:
             with torch.device("meta"):
-                holds = set(cls._from_config(config).state_dict())
+                model = cls._from_config(config)
         except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
             continue
-        if keys <= holds:
+        # Names the class declares ignorable are not evidence against it: a GPT-2 saved by an older
+        # transformers holds its attention masks (transformer.h.0.attn.bias), which loading drops.
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        holds = set(model.state_dict())
+        if all(k in holds or any(p.search(k) for p in ignored) for k in keys):
             return cls
     return None
 

@@ -299,6 +299,29 @@ def test_a_sharded_index_that_cannot_be_read_is_named_when_loading(tmp_path, wei
         loading.load_model(loading.resolve(d))
 
 
+def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path):
+    """A GPT-2 saved by an older transformers holds its attention masks (transformer.h.N.attn.bias),
+    names GPT2LMHeadModel declares ignorable on load. They counted against the class, so a
+    config.json without architectures built the bare GPT2Model again: no head, ppl found no logits."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    model = tiny_model("gpt2")
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tmp_path / "model.safetensors")
+    n = model.config.n_positions
+    for i in range(model.config.n_layer):
+        weights[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    src = loading.resolve(tmp_path)
+    assert type(loading.build_meta_model(src)) is type(model)
+    loaded = loading.load_model(src)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
