@@ -25,13 +25,15 @@ def sibling_name(name: str) -> str:
     temporary file) spell it: as it is, or a long one shortened and told apart by a hash of it (a
     legal 240-byte --out was refused as "not writable (File name too long)"). Deterministic: the
     next run on the same name finds the same lock and a killed run's staging folder."""
-    if len(name.encode()) <= _SIBLING_NAME_BYTES:
+    # Counted as the bytes the file system stores: os.fsencode, since a name that is not UTF-8
+    # (b"out-\xff") reaches Python with surrogates, which a plain str.encode() refuses.
+    if len(os.fsencode(name)) <= _SIBLING_NAME_BYTES:
         return name
     import hashlib
 
-    digest = hashlib.sha256(name.encode(errors="surrogateescape")).hexdigest()[:12]
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
     short = name
-    while len(short.encode(errors="surrogateescape")) > _SIBLING_NAME_BYTES - 13:
+    while len(os.fsencode(short)) > _SIBLING_NAME_BYTES - 13:
         short = short[:-1]
     return f"{short}~{digest}"
 

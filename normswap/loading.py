@@ -71,11 +71,25 @@ def parse_device(name: str) -> str | None:
     return str(device)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("NORMSWAP_CACHE") or os.path.join(
+def cache_dir(check: bool = True) -> Path:
+    """normswap's cache folder: $NORMSWAP_CACHE, else $XDG_CACHE_HOME/normswap (~/.cache/normswap).
+    check: refuse one that is, or lies under, something other than a folder, naming the variable
+    that set it (creating a folder there failed with the bare reason "File exists" or "Not a
+    directory", reported as a model that cannot be read). check=False: only where it is named."""
+    env = "NORMSWAP_CACHE" if os.environ.get("NORMSWAP_CACHE") else "XDG_CACHE_HOME" if os.environ.get(
+        "XDG_CACHE_HOME") else None
+    root = Path(os.environ.get("NORMSWAP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"
-    )
-    return Path(root)
+    ))
+    if check:
+        present = root
+        while not present.exists() and present != present.parent:  # the nearest part that is there
+            present = present.parent
+        if present.exists() and not present.is_dir():
+            where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
+            raise NormswapError(f"{where}: the cache path is not a folder ({present} is a file); "
+                                "point NORMSWAP_CACHE at a folder")
+    return root
 
 
 def require_reference(ref, name: str = "model"):
@@ -204,9 +218,12 @@ def _load_gguf(directory: Path, gguf_name: str):
         raise NormswapError("loading .gguf files needs the gguf package (pip install 'normswap[gguf]')")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with gguf_bar_follows_transformers():
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
+    try:
+        with gguf_bar_follows_transformers():
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
+    except Exception as e:  # a damaged install: the reader's ValueError was a traceback
+        raise gguf_malformed(directory / gguf_name, e) or e from None
     # The weights are already de-quantised; drop the quantizer so the model can be re-saved.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -232,6 +249,9 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     except OSError as e:
         raise NormswapError(f"{source.ref}: cannot read {one_line(e)}") from None
     except Exception as e:  # transformers raises ValueError/KeyError for unknown types, its own for bad fields
+        if source.gguf_file:
+            raise gguf_malformed(cfg_path, e) or NormswapError(
+                f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
         raise NormswapError(f"{cfg_path}: cannot read the model config: {one_line(e)}") from None
     check_config(config, cfg_path)
     _name_architecture(source, config)  # what a config-level check reads builds the model load_model will
@@ -243,6 +263,25 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     if source.gguf_file is None and getattr(cls, "can_generate", lambda: True)():
         check_generation_config(source)
     return config
+
+
+# The modules that parse a .gguf's bytes: an exception raised inside one of them is the file's
+# fault (cut short, or not GGUF), not the model's (an architecture transformers cannot build).
+_GGUF_READERS = ("gguf", "transformers.integrations.gguf.reader")
+
+
+def gguf_malformed(path: Path, error: BaseException) -> NormswapError | None:
+    """The one line for `error` when a GGUF reader raised it while reading `path`, else None. A
+    truncated download said only the reader's words ('cannot reshape array of size 1312 into
+    shape (48,32)', 'unpack_from requires a buffer of at least 213 bytes')."""
+    tb = error.__traceback__
+    while tb is not None:
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if any(module == m or module.startswith(m + ".") for m in _GGUF_READERS):
+            return NormswapError(f"{path}: a truncated or malformed GGUF file; cannot read it "
+                                 f"(the reader says: {one_line(error)})")
+        tb = tb.tb_next
+    return None
 
 
 def _gguf_read(source: ModelSource, what: str, progress):
@@ -441,10 +480,14 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             continue
         try:
             with torch.device("meta"):
-                holds = set(cls._from_config(config).state_dict())
+                model = cls._from_config(config)
         except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
             continue
-        if keys <= holds:
+        # Names the class declares ignorable are not evidence against it: a GPT-2 saved by an older
+        # transformers holds its attention masks (transformer.h.0.attn.bias), which loading drops.
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        holds = set(model.state_dict())
+        if all(k in holds or any(p.search(k) for p in ignored) for k in keys):
             return cls
     return None
 

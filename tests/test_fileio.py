@@ -119,11 +119,17 @@ def test_a_failed_atomic_write_leaves_no_folder_it_made(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["n" * 250, "é" * 120 + ".json"])  # 250 and 245 bytes: legal names
+@pytest.mark.parametrize("name", ["n" * 250, "é" * 120 + ".json",  # 250 and 245 bytes: legal names
+                                  os.fsdecode(b"out-\xff"), os.fsdecode(b"n" * 200 + b"\xff" * 40)])  # not UTF-8
 def test_a_long_legal_name_can_be_written(tmp_path, name):
     """The hidden entries beside a target add their tags to its name (`.NAME.normswap-PID-...`,
     `.NAME.normswap.lock`, `.NAME.XXXX.tmp`): for a name near the 255-byte limit they could not be
-    made, and a legal --out was refused as "<folder> is not writable (File name too long)"."""
+    made, and a legal --out was refused as "<folder> is not writable (File name too long)". A name
+    that is not UTF-8 is a legal one too (sibling_name's str.encode() refused it: a traceback). The
+    shortened name is the same in another process: the next run must find this one's lock."""
+    import subprocess
+    import sys
+
     from normswap.checkpoint import remove_stale_staging, staged_dir, target_lock
 
     target = tmp_path / name
@@ -135,7 +141,11 @@ def test_a_long_legal_name_can_be_written(tmp_path, name):
     stale.mkdir()
     with target_lock(target), staged_dir(target) as tmp:
         (tmp / "config.json").write_text("{}")
-        assert len(sibling_name(name).encode()) <= 100 and sibling_name(name) != sibling_name(name + "x")
+        assert len(os.fsencode(sibling_name(name))) <= 100 and sibling_name(name) != sibling_name(name + "x")
+    other = subprocess.run([sys.executable, "-c", "import os, sys; from normswap.fileio import sibling_name; "
+                            "sys.stdout.write(os.fsencode(sibling_name(os.fsdecode(bytes.fromhex(sys.argv[1])))).hex())",
+                            os.fsencode(name).hex()], capture_output=True, text=True, check=True).stdout
+    assert bytes.fromhex(other) == os.fsencode(sibling_name(name))
     assert (target / "config.json").read_text() == "{}"
     assert not stale.exists() and remove_stale_staging(target) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no lock file or staging left

@@ -129,6 +129,19 @@ def test_builtin_without_its_package(tmp_path, monkeypatch):
     _one_line(e)
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_cache_path_that_is_a_file_is_named_as_such(tmp_path, monkeypatch, under):
+    """NORMSWAP_CACHE naming a file (or a path under one) said "cache: cannot read (File exists)"
+    (or "Not a directory"), as if the model could not be read: the variable is named instead."""
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache" / under))
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)  # never the 20 s conversion
+    with pytest.raises(NormswapError, match=rf"^NORMSWAP_CACHE={tmp_path / 'cache'}.*: the cache path is not a folder "
+                                            rf"\({tmp_path / 'cache'} is a file\)") as e:
+        loading.resolve(loading.DEFAULT_MODEL)
+    _one_line(e)
+
+
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -286,6 +299,29 @@ def test_a_sharded_index_that_cannot_be_read_is_named_when_loading(tmp_path, wei
         loading.load_model(loading.resolve(d))
 
 
+def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path):
+    """A GPT-2 saved by an older transformers holds its attention masks (transformer.h.N.attn.bias),
+    names GPT2LMHeadModel declares ignorable on load. They counted against the class, so a
+    config.json without architectures built the bare GPT2Model again: no head, ppl found no logits."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    model = tiny_model("gpt2")
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tmp_path / "model.safetensors")
+    n = model.config.n_positions
+    for i in range(model.config.n_layer):
+        weights[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    src = loading.resolve(tmp_path)
+    assert type(loading.build_meta_model(src)) is type(model)
+    loaded = loading.load_model(src)
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
@@ -364,6 +400,43 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
+def test_a_truncated_gguf_is_said_to_be_one(tmp_path, monkeypatch, keep):
+    """A .gguf cut short (an interrupted download) said only the reader's words, 'cannot reshape
+    array of size 1312 into shape (48,32)' or 'unpack_from requires a buffer of at least 213
+    bytes': as a model read (one line naming the file), and as a built-in's first-use conversion
+    (a raw ValueError)."""
+    full = write_tiny_llama_gguf(tmp_path / "full.gguf").read_bytes()
+    cut = tmp_path / "pkg" / "normswap_cut_gguf" / "cut.gguf"
+    cut.parent.mkdir(parents=True)
+    (cut.parent / "__init__.py").write_text("")
+    cut.write_bytes(full[:int(len(full) * keep) if keep < 1 else keep])
+    with pytest.raises(NormswapError, match=rf"^{cut}: a truncated or malformed GGUF file; cannot read it \(") as e:
+        loading.load_config(loading.resolve(cut))
+    _one_line(e)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))
+    monkeypatch.setitem(loading._BUILTINS, "cut-model", ("normswap_cut_gguf", "cut.gguf"))
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(NormswapError, match=rf"^{cut}: a truncated or malformed GGUF file") as e:
+        loading.resolve("cut-model")
+    _one_line(e)
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_build_is_not_called_malformed(tmp_path):
+    """Only the reader's own failures are the file's fault: a whole GGUF that transformers refuses
+    keeps transformers' reason."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "no-such-arch")
+    w.add_tensor("x.weight", torch.randn(4, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(NormswapError, match="cannot read the model config") as e:
+        loading.load_config(loading.resolve(tmp_path / "odd.gguf"))
+    assert "truncated" not in _one_line(e)
 
 
 def test_a_gguf_load_draws_no_bar_of_transformers_while_its_bars_are_off(tmp_path, capfd):

@@ -697,7 +697,7 @@ def test_a_broken_gguf_is_named_not_a_config_json_that_does_not_exist(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_text("not a gguf file at all " * 10)
     r = run("scan", bad)
-    assert_one_line_error(r, f"{bad}: cannot read the model config")
+    assert_one_line_error(r, f"{bad}: a truncated or malformed GGUF file; cannot read it (the reader says: ")
     assert "config.json" not in r.stderr
 
 

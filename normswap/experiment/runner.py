@@ -79,7 +79,7 @@ def portable_path(path: str, recipe_dir: Path | None) -> str:
     if not path or not Path(path).is_absolute():
         return path
     p = Path(path)
-    for root, prefix in ((recipe_dir, None), (cache_dir(), "<normswap cache>"), (Path.home(), "~")):
+    for root, prefix in ((recipe_dir, None), (cache_dir(check=False), "<normswap cache>"), (Path.home(), "~")):
         if root is None:
             continue
         try:
