@@ -64,14 +64,12 @@ def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False, *,
 def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool, target: Path | None = None) -> list[str]:
     carried = []
     entries = sorted(source_dir.iterdir())
-    left_out = _left_out(source_dir, out_dir, target)
+    left_out = _left_out(source_dir, out_dir, target)  # leaves out `target` too (--out MODEL/fast)
     skipped = {p.name for p in entries if STOCK_WEIGHTS.fullmatch(p.name)} if in_place else \
         left_out(source_dir, [p.name for p in entries])
     for p in entries:
         if p.name in _REWRITTEN or p.name in skipped or os.path.lexists(out_dir / p.name):
             continue  # the writer's own file wins over the source's
-        if not in_place and target is not None and p.resolve() == target:
-            continue  # the output itself (--out MODEL/fast): an earlier result must not nest in the new one
         if in_place:
             _keep(p, out_dir / p.name)
         else:

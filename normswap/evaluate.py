@@ -187,7 +187,8 @@ def check_window_options(max_length: int | None, stride: int | None, max_tokens:
     for key, value in zip(WINDOW_OPTIONS, (max_length, stride, max_tokens, batch_size), strict=True):
         # batch_size has no "default" None: None there is a wrong value, not a missing one
         if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)):
-            raise BadInputError(f"{n[key]} must be a whole number of tokens, got {value!r}")
+            unit = "windows" if key == "batch_size" else "tokens"  # a batch counts windows per forward pass
+            raise BadInputError(f"{n[key]} must be a whole number of {unit}, got {value!r}")
     if max_length is not None and max_length < 2:
         raise BadInputError(f"{n['max_length']} {max_length}: a window needs at least 2 tokens")
     if stride is not None and stride <= 0:

@@ -120,7 +120,7 @@ def _hostile_calls(d, out):
         (lambda: P.patch_checkpoint(d, "torch", out=out, max_shard_size=True), TypeError, "max_shard_size: .*got bool"),
         # None compared with 1: a TypeError naming no argument
         (lambda: P.evaluate_checkpoint(d, EvalSettings(d.parent / "t.txt", batch_size=None)), P.NormswapError,
-         "batch_size must be a whole number of tokens, got None"),
+         "batch_size must be a whole number of windows, got None"),
         # impls=[] timed the unpatched model alone, and repeats=1.5 reached range() after the
         # model was built: a TypeError naming no argument
         (lambda: P.bench_checkpoint(d, [], modes="prefill", seq=4, out=out / "b.json"), ValueError,
