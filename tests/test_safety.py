@@ -766,6 +766,18 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error(src, monkeypatch):
     assert_one_line_error(run("scan", src), "Broken pipe")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full (every write: ENOSPC)")
+@pytest.mark.parametrize("args", [["scan", "{m}"], ["scan", "{m}", "--json"]], ids=["table", "json"])
+def test_a_full_stdout_is_named_as_stdout(src, args):
+    """`normswap scan M > /dev/full` said only 'No space left on device', as if the command's own
+    output had failed: the line says the report could not be written to stdout."""
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "normswap", *(a.format(m=src) for a in args)], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.splitlines() == ["normswap: error: could not write the report to stdout: No space left on device"]
+
+
 # ---- a generation_config.json transformers cannot use: refused, never replaced by a default ------
 
 

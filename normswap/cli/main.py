@@ -210,11 +210,20 @@ def json_option(f: Callable) -> Callable:
 
 
 def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
-    """Print `data` as one JSON document, or hand it to the command's human renderer."""
-    if as_json:
-        sys.stdout.write(json.dumps(finite_or_null(data), indent=2, default=str, allow_nan=False) + "\n")
-    else:
-        render(data)
+    """Print `data` as one JSON document, or hand it to the command's human renderer. A write that
+    fails (a full disk: `> /dev/full`) says it was stdout: the system's reason alone ("No space
+    left on device") read as if the command's own output (a saved model) had failed."""
+    try:
+        if as_json:
+            sys.stdout.write(json.dumps(finite_or_null(data), indent=2, default=str, allow_nan=False) + "\n")
+        else:
+            render(data)
+        sys.stdout.flush()  # what is still buffered fails here, not in the interpreter's last flush
+    except OSError as e:
+        _exit_if_stdout_closed(e)
+        from normswap.errors import one_line
+
+        raise NormswapError(f"could not write the report to stdout: {one_line(e)}") from None
 
 
 def run() -> None:
