@@ -466,9 +466,21 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
 
     result = json.loads((every_arm.out / "results.json").read_text())
     result["recipe"]["finetune"].update(steps=1, warmup_steps=0, eval_every=1)
+    # Each trained arm records its process count (arms in one OUT may come from calls launched
+    # differently); an arm result from before that counts as this call's.
+    assert all(a.get("num_processes") == (1 if parse_arm(arm)[1] else None) for arm, a in result["arms"].items())
+    trained = [arm for arm in result["arms"] if parse_arm(arm)[1]]
+    for arm in trained:
+        del result["arms"][arm]["num_processes"]
     result["environment"]["num_processes"] = 2
     assert ("Fine-tuning: 1 step of 4 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 2 processes), "
             "adamw at lr 0.001 (cosine, no warm-up), fp32; evaluated every step.") in summary_markdown(result)
+    for arm in trained:
+        result["arms"][arm]["num_processes"] = 2 if arm in ("exact+ft", "approx+ft") else 1
+    result["environment"]["num_processes"] = 1
+    assert ("Fine-tuning: 1 step of 2 or 4 sequences × 32 tokens (2 per micro-batch × 1 accumulated × 1 or 2 "
+            "processes; 1: original+ft, approx-bias+ft, approx+distill; 2: exact+ft, approx+ft), ") in \
+        summary_markdown(result)
     result["arms"] = {arm: a for arm, a in result["arms"].items() if parse_arm(arm)[1] is None}
     assert "Fine-tuning:" not in summary_markdown(result)  # no arm trained
 

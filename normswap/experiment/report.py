@@ -85,11 +85,20 @@ def summary_markdown(result: dict) -> str:
     if ft and any(parse_arm(name)[1] for name in result["arms"]):
         # What the trained arms ran, from the values used (the description is the recipe file's
         # prose: after --set finetune.steps=4 it still said 100 steps).
-        processes = (result.get("environment") or {}).get("num_processes") or 1
+        # Each trained arm's process count (arms finished by calls launched differently, e.g. one
+        # arm under `accelerate launch`, differ in sequences per step); an arm result written
+        # before they were recorded counts as this call's.
+        here = (result.get("environment") or {}).get("num_processes") or 1
+        by_arm = {name: arm.get("num_processes") or here for name, arm in result["arms"].items()
+                  if parse_arm(name)[1]}
+        counts = sorted(set(by_arm.values()))
+        per_step = " or ".join(str(ft["batch_size"] * ft["grad_accum"] * n) for n in counts)
+        processes = _count(counts[0], "process") if len(counts) == 1 else " or ".join(map(str, counts)) + \
+            " processes; " + "; ".join(f"{n}: {', '.join(a for a, k in by_arm.items() if k == n)}" for n in counts)
         warmup = f"after {_count(ft['warmup_steps'], 'warm-up step')}" if ft["warmup_steps"] else "no warm-up"
-        lines += [f"Fine-tuning: {_count(ft['steps'], 'step')} of {ft['batch_size'] * ft['grad_accum'] * processes} "
+        lines += [f"Fine-tuning: {_count(ft['steps'], 'step')} of {per_step} "
                   f"sequences × {ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} "
-                  f"accumulated × {_count(processes, 'process')}), {ft['optimizer']} at lr {ft['lr']:g} "
+                  f"accumulated × {processes}), {ft['optimizer']} at lr {ft['lr']:g} "
                   f"({ft['schedule']}, {warmup}), {ft['dtype']}; evaluated every "
                   f"{_count(ft['eval_every'], 'step') if ft['eval_every'] > 1 else 'step'}.", ""]
     ev = result["eval"]

@@ -425,6 +425,8 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         if accelerator.is_main_process:
             result = {"transform": transform, "training": training, **history,
                       "wall_seconds": time.perf_counter() - arm_started}
+            if training:  # its sequences per step: OUT's arms may come from calls launched differently
+                result["num_processes"] = accelerator.num_processes
             if evaluate.window:
                 result["eval_window"] = evaluate.window
             tmp = arm_dir / (RESULT_FILE + ".tmp")
