@@ -459,17 +459,11 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
     is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
     Built as the base model, such a folder lost its head: a Llama was refused ("no place for
     lm_head.weight"), a GPT-2 re-saved as a GPT2Model, and ppl found no logits to score; stock
-    AutoModelForCausalLM loads it with its head. Only the files' headers are read; None when the
-    weights say nothing (config only, pickled weights) or fit no such class."""
+    AutoModelForCausalLM loads it with its head. None when the weights say nothing (config only)
+    or fit no such class."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from normswap import streaming as st
-
-    try:
-        _, weight_map, _ = st.checkpoint_layout(source.path)
-    except NormswapError:
-        return None
-    keys = set(weight_map)
+    keys = _weight_names(source.path)
     base = AutoModel._model_mapping.get(type(config), None)
     prefix = getattr(base, "base_model_prefix", "")
     if not keys or not any(k.startswith(("lm_head.", f"{prefix}.")) for k in keys):
@@ -490,6 +484,29 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
         if all(k in holds or any(p.search(k) for p in ignored) for k in keys):
             return cls
     return None
+
+
+def _weight_names(folder: Path) -> set[str]:
+    """The tensor names of the weights transformers loads from `folder` (safetensors first, else
+    pickled: pytorch_model.bin, or its index), read without their values; empty when there are
+    none or they cannot be read (said by the load that needs them)."""
+    from transformers.utils import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    from normswap import streaming as st
+
+    with contextlib.suppress(NormswapError):
+        return set(st.checkpoint_layout(folder)[1])
+    try:
+        if (folder / WEIGHTS_NAME).is_file():
+            from transformers.modeling_utils import load_state_dict
+
+            return set(load_state_dict(folder / WEIGHTS_NAME, map_location="meta"))  # weights_only
+        if (folder / WEIGHTS_INDEX_NAME).is_file():
+            weight_map = jsonsafe.loads((folder / WEIGHTS_INDEX_NAME).read_bytes()).get("weight_map")
+            return set(weight_map) if isinstance(weight_map, dict) else set()
+    except Exception:  # noqa: BLE001  (a file torch or json cannot read: the load names it)
+        pass
+    return set()
 
 
 def build_meta_model(source: ModelSource, config=None):

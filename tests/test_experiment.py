@@ -508,6 +508,27 @@ def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeyp
     assert len(said["0"]) == 1 and "finetune.steps (1) is not more than finetune.warmup_steps (5)" in said["0"][0]
 
 
+@pytest.mark.parametrize("bad", ["{}", '{"evals": []}', '{"evals": [{"step": 0}]}', '{"evals": [1]}',
+                                 '{"evals": [{"step": 0, "ppl": 1, "nll": 0, "kl_mean": 0, "kl_max": 0, '
+                                 '"top1_agreement": 1}], "losses": 3}'])
+def test_a_finished_arm_whose_result_is_not_one_is_bad_input(tmp_path, pretrained_dir, bad):
+    """An arms/<arm>/result.json the reports cannot read (here one an earlier call did not write,
+    while this call runs another arm) is refused naming the file and the way out; it was an
+    internal error (KeyError, IndexError) after this call's arms had run. Their results stay."""
+    from normswap.errors import NormswapError
+
+    path = model_recipe(tmp_path, pretrained_dir, ["original", "exact", "approx"])
+    out = tmp_path / "out"
+    run_experiment(load_recipe(path), out, ["approx"], progress=False)
+    (out / "arms" / "exact").mkdir(parents=True)
+    (out / "arms" / "exact" / "result.json").write_text(bad)
+    for arms in (["original"], ["exact"]):  # an earlier call's arm, and one asked for
+        with pytest.raises(NormswapError, match=r"exact/result.json: not an arm result .*delete it to run the arm "
+                                                r"exact again"):
+            run_experiment(load_recipe(path), out, arms, progress=False)
+    assert (out / "arms" / "original" / "result.json").is_file()
+
+
 def test_another_recipe_in_the_same_out_is_refused(every_arm):
     from normswap.errors import NormswapError
 

@@ -299,6 +299,32 @@ def test_a_sharded_index_that_cannot_be_read_is_named_when_loading(tmp_path, wei
         loading.load_model(loading.resolve(d))
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_config_without_architectures_over_pickled_weights_builds_their_class(tmp_path, sharded):
+    """Pickled weights (pytorch_model.bin, or shards with their index) name their tensors too: a
+    config.json without architectures over a Llama's built the bare LlamaModel, refused as "the
+    config has no place for lm_head.weight", as safetensors were before 8d8cd4d."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    model.config.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert "architectures" not in cfg  # a config saved on its own
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if sharded:
+        names = sorted(state)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, keys in halves.items():
+            torch.save({k: state[k] for k in keys}, tmp_path / file)
+        weight_map = {k: file for file, keys in halves.items() for k in keys}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    src = loading.resolve(tmp_path)
+    assert type(loading.build_meta_model(src)) is type(model)
+    torch.testing.assert_close(loading.load_model(src).state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
 def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path):
     """A GPT-2 saved by an older transformers holds its attention masks (transformer.h.N.attn.bias),
     names GPT2LMHeadModel declares ignorable on load. They counted against the class, so a

@@ -303,8 +303,14 @@ def _train_windows(recipe: Recipe, tokenizer, text: str) -> RandomWindows:
 def _read_arm_result(done: Path, arm: str) -> dict:
     """An arm's result.json, as a finished arm left it (NormswapError naming it when malformed)."""
     result = jsonsafe.read_or_refuse(done, f"delete it to run the arm {arm} again")
-    if not isinstance(result, dict):
-        raise NormswapError(f"{done}: not an arm result (a JSON object); delete it to run the arm {arm} again")
+    # The reports read every evaluation's step and metrics and the losses: a file without them (a
+    # user's {}, an arm folder copied from elsewhere) was an internal error after this run's arms.
+    evals = result.get("evals") if isinstance(result, dict) else None
+    if not (isinstance(evals, list) and evals and isinstance(result.get("losses", []), list)
+            and all(isinstance(e, dict) and type(e.get("step")) is int and all(m in e for m in report.METRICS)
+                    for e in evals)):
+        raise NormswapError(f"{done}: not an arm result (a JSON object with its evaluations, each with a step and "
+                            f"{', '.join(report.METRICS)}); delete it to run the arm {arm} again")
     return result
 
 
