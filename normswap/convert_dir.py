@@ -69,7 +69,8 @@ def convert_directory(
         names = list(meta.state_dict().keys())
         arch = load_arch(plan.model_type)
         if plan.untie is not None:
-            _refuse_a_head_stored_apart(source, names, arch.prefix if arch else "", plan.untie)
+            reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
+            _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
         infos = st.convert_files(
             source.path, out, plan, names, prefix=arch.prefix if arch else "",
             out_dtype=policy, streaming=streaming, progress=progress,
@@ -87,6 +88,8 @@ def convert_directory(
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
         model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config)
+        if plan.untie is not None and source.gguf_file is None:  # pickled: transformers left them untied or tied
+            _refuse_a_head_stored_apart(source, plan.untie, model.state_dict().get)
         apply_plan(model, plan)  # the plan built above from the meta model: it names tensors only
         if dtype is not None:
             model.to(dtype)
@@ -100,17 +103,17 @@ def convert_directory(
     return section
 
 
-def _refuse_a_head_stored_apart(source, names: list[str], prefix: str, untie: tuple[str, str]) -> None:
+def _refuse_a_head_stored_apart(source, untie: tuple[str, str], read) -> None:
     """config.json ties the head to the embedding (tie_word_embeddings), yet the checkpoint stores
     the head with values of its own: transformers then loads the two untied (it warns so), while
     the plan folds the embedding's values into the head. The conversion would not be of the model
     transformers loads; its verification refused it with only "logits differ". A head stored with
-    the embedding's own values (an older save of a tied model) is tied, and converts."""
+    the embedding's own values (an older save of a tied model) is tied, and converts.
+    read(name): the tensor as stored (safetensors) or loaded (pickled weights), None when absent."""
     head, table = untie
-    reader = st.CheckpointReader(source.path, names, prefix=prefix)
-    if head not in reader.raw or table not in reader.raw:
+    a, b = read(head), read(table)
+    if a is None or b is None:
         return
-    a, b = reader.read(head), reader.read(table)
     if a.shape != b.shape or not torch.equal(a, b):
         raise NormswapError(f"{source.path / 'config.json'}: tie_word_embeddings is true, but the checkpoint stores "
                             f"{head} apart from {table}, with other values (transformers loads them untied); set "

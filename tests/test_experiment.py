@@ -691,6 +691,35 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     assert not final.with_name(final.name + ".partial").exists()
 
 
+def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, monkeypatch):
+    """A run that found no cached pretraining, then took the lock just as the run holding it
+    published the entry and let go, trained it all again (minutes) and replaced the entry the
+    other experiment was about to load: the entry is looked for again under the lock."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from normswap import checkpoint
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+
+    @contextlib.contextmanager
+    def other_run_finishes(target):
+        final.mkdir(parents=True)
+        (final / pretrain.INFO_FILE).write_text(json.dumps({"steps": 7}))
+        yield
+
+    def trains(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(checkpoint, "target_lock", other_run_finishes)
+    monkeypatch.setattr(pretrain, "_pretrain", trains)
+    assert pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
+                                      recipe.name, recipe.data.eval, progress=False) == (final, {"steps": 7})
+
+
 @pytest.mark.parametrize("model, arms, override, message", [
     ("gpt2", ["original"], "data.eval=bin.txt", "data.eval: .*bin.txt: a binary file"),
     ("gpt2", ["original", "exact+ft"], "data.train=bin.txt", "data.train: .*bin.txt: a binary file"),

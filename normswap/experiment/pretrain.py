@@ -110,6 +110,8 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
         final.parent.mkdir(parents=True, exist_ok=True)
         lock = target_lock(final.resolve())  # the key staged_dir takes it under below (re-entrant)
     with lock:
+        if (final / INFO_FILE).is_file():  # published by a run that held the lock until just now
+            return final, _read_info(final)
         return _pretrain(accelerator, section, seed, final, eval_text, stop=stop, progress=progress)
 
 
