@@ -265,7 +265,7 @@ def cases(fx: dict) -> list[Case]:
              "architectures ['NoSuchForCausalLM']: transformers", ci=True),
         Case("scan: generation_config.json is a directory", ["scan", fx["dirgen"]],
              "generation_config.json: cannot read (Is a directory)", ci=True),
-        Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: cannot read the model config",
+        Case("scan: a .gguf that is not one", ["scan", fx["badgguf"]], "model.gguf: a truncated or malformed GGUF file",
              ci=True),
         Case("scan: empty MODEL", ["scan", ""], "the model is empty", ci=True),
         Case("scan: a newline in the path", ["scan", fx["root"] / "two\nlines"], "two\\nlines: no such file",

@@ -69,7 +69,7 @@ class PerplexityResult:
     tokens: int  # tokens that contributed to the loss
     windows: int
     max_length: int  # the longest window actually used
-    stride: int
+    stride: int  # at most max_length (a text shorter than the stride is one window: _Scoring.stride_used)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -493,6 +493,13 @@ class _Scoring:
         self.progress, self.desc = progress, desc
         self.count = self.longest = self.tokens = 0
 
+    @property
+    def stride_used(self) -> int:
+        """The stride the results report: the planned one, or the longest window when that is
+        shorter (a text shorter than the stride is one window; a stride of 1024 beside a
+        max_length of 40 described windows that never were)."""
+        return min(self.stride, self.longest) if self.longest else self.stride
+
     def _check_ids(self, ids: Sequence[int]) -> None:
         """A token id past the embedding table would crash the forward with an IndexError: the
         tokenizer does not belong to the model."""
@@ -582,7 +589,7 @@ def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None =
         total += _nll_sum(rows, targets)
     nll = total / run.tokens
     return PerplexityResult(ppl=_ppl(nll), nll=nll, tokens=run.tokens, windows=run.count,
-                            max_length=run.longest, stride=run.stride)
+                            max_length=run.longest, stride=run.stride_used)
 
 
 def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None, stride: int | None = None,
@@ -628,7 +635,7 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     if reference is not None:
         r = ra.result(n)
         noise = judge_noise(r, rb.result(n), str(_dtype_of(model_a)).removeprefix("torch."), r["ppl_a"])
-    return DiffResult(**d, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride,
+    return DiffResult(**d, tokens=n, windows=run.count, max_length=run.longest, stride=run.stride_used,
                       noise_floor=noise)
 
 

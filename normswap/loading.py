@@ -647,11 +647,11 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
     except NormswapError:
         raise
     except Exception as e:
-        if "gguf_file" not in kwargs and not (Path(path) / "model.safetensors").exists():  # else it reads no index
-            name_malformed_json(Path(path), ("model.safetensors.index.json",))
-            if (Path(path) / "model.safetensors.index.json").is_file():
-                from normswap import streaming as st
+        from normswap import streaming as st
 
+        if "gguf_file" not in kwargs and not (Path(path) / st.SINGLE_NAME).exists():  # else it reads no index
+            name_malformed_json(Path(path), (st.INDEX_NAME,))
+            if (Path(path) / st.INDEX_NAME).is_file():
                 st.checkpoint_layout(Path(path))  # an index of the wrong shape, said as convert says it
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)

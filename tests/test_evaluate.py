@@ -188,6 +188,21 @@ def test_a_text_shorter_than_the_context_is_one_window_unless_a_length_was_asked
                    option_names={"max_tokens": "--eval-max-tokens"})
 
 
+@pytest.mark.parametrize("stride, reported", [(None, 20), (40, 20), (10, 10)])
+def test_a_text_shorter_than_the_stride_reports_the_stride_it_used(llama, stride, reported):
+    """A text of 20 tokens under a stride of 32 (half the context) or 40 is one window of 20: the
+    results said stride 32 beside max_length 20, windows that never were. The stride reported is
+    never past the longest window; the score itself is the one window's."""
+    ids = random_ids(20, seed=7)
+    other = tiny_model("llama", seed=1)
+    total, n = window_nll_by_hand(llama, ids, 1)
+    r = perplexity(llama, None, ids, stride=stride, progress=False)
+    d = diff_models(llama, other, None, ids, stride=stride, progress=False)
+    for result in (r, d):
+        assert (result.windows, result.max_length, result.stride, result.tokens) == (1, 20, reported, 19)
+    assert r.nll == pytest.approx(total / n, rel=1e-12)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_length=16, stride=17), "larger than"),
     (dict(max_length=16, stride=0), "positive"),

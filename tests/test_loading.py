@@ -325,6 +325,26 @@ def test_a_config_without_architectures_over_pickled_weights_builds_their_class(
     torch.testing.assert_close(loading.load_model(src).state_dict(), model.state_dict(), rtol=0, atol=0)
 
 
+def test_a_config_without_architectures_builds_a_seq2seq_lm_from_its_weights(tmp_path):
+    """The sequence-to-sequence LM is the class when the causal one cannot hold the names: a BART
+    saved whole (model.encoder..., model.decoder...) fits BartForCausalLM's prefix but not its
+    names (no encoder); BartForConditionalGeneration holds them all. Its base model stays BartModel."""
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg)
+    for name, m in (("lm", model), ("base", model.model)):
+        m.save_pretrained(tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        del config["architectures"]
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert type(loading.build_meta_model(loading.resolve(tmp_path / "lm"))) is transformers.BartForConditionalGeneration
+    assert type(loading.build_meta_model(loading.resolve(tmp_path / "base"))) is transformers.BartModel
+
+
 def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path):
     """A GPT-2 saved by an older transformers holds its attention masks (transformer.h.N.attn.bias),
     names GPT2LMHeadModel declares ignorable on load. They counted against the class, so a
