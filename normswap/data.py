@@ -134,9 +134,11 @@ def _open_bytes(path: Path):
 
 def _open_text(path: Path):
     # Compressed text (e.g. the King James books the recipes ship) is read through gzip, lazily.
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not text; read as "utf-8" it was
+    # scored as a token of the document and made a .jsonl's first row invalid JSON.
     if _is_gzip(path):
-        return gzip.open(path, "rt", encoding="utf-8", errors="strict", newline="")
-    return open(path, encoding="utf-8", errors="strict", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="strict", newline="")
+    return open(path, encoding="utf-8-sig", errors="strict", newline="")
 
 
 def _decode_error(path: Path, e: UnicodeDecodeError) -> NormswapError:

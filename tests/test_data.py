@@ -184,6 +184,20 @@ def test_gzip_text_reads_like_the_plain_file(tmp_path):
     assert read == ["".join(doc) for doc in open_corpus(plain).documents()] == [text]
 
 
+def test_a_byte_order_mark_is_not_read_as_text(tmp_path):
+    import gzip
+
+    bom = "\ufeff".encode()
+    (tmp_path / "a.txt").write_bytes(bom + b"In the beginning\n")
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(bom + b"In the beginning\n"))
+    (tmp_path / "rows.jsonl").write_bytes(bom + (json.dumps({"text": "one"}) + "\n").encode())
+    assert texts(open_corpus(tmp_path / "a.txt")) == texts(open_corpus(tmp_path / "a.txt.gz")) == ["In the beginning\n"]
+    assert texts(open_corpus(tmp_path / "rows.jsonl")) == ["one"]  # was "not valid JSON" at line 1
+    # only a leading mark is one: a U+FEFF inside the text is a character of it
+    (tmp_path / "b.txt").write_bytes(b"x" + bom)
+    assert texts(open_corpus(tmp_path / "b.txt")) == ["x\ufeff"]
+
+
 def test_gzip_that_is_not_gzip_is_one_clear_error(tmp_path):
     bad = tmp_path / "b.txt.gz"
     bad.write_text("plain text with a .gz name\n")
