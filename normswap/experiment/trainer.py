@@ -96,8 +96,6 @@ class StopFlag:
                 signal.signal(s, h)
 
 
-
-
 def lr_at(s: TrainSettings, step: int) -> float:
     """Linear warm-up to s.lr, then constant / linear / cosine decay to 0 at s.steps."""
     if s.warmup_steps and step < s.warmup_steps:
