@@ -12,7 +12,6 @@ from normswap.bench import MODES
 from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
-
 # What bench_checkpoint's messages call its options here: the flags they came from.
 OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
                 "repeats": "--repeats"}
