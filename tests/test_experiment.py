@@ -987,6 +987,18 @@ def test_the_distill_arm_trains_on_kl_from_the_original(every_arm, pretrained_di
     assert arms["approx+ft"]["losses"][0] == pytest.approx(ce, rel=1e-4)
 
 
+def test_a_distillation_arm_leaves_the_original_trainable_for_the_arms_after_it(every_arm, pretrained_dir,
+                                                                                 tmp_path):
+    """The teacher is the original every arm is copied from: freezing it for the distillation froze
+    every later arm (`--arms approx+distill,original+ft` failed at its first step: nothing to train).
+    The arm after it trains exactly as it does with no distillation before it."""
+    path = model_recipe(tmp_path, pretrained_dir, ["approx+distill", "original+ft"])
+    result = run_experiment(path, tmp_path / "out", progress=False)
+    after, alone = result.data["arms"]["original+ft"], every_arm.data["arms"]["original+ft"]
+    assert after["losses"] == alone["losses"] and len(after["losses"]) == 4
+    assert [e["ppl"] for e in after["evals"]] == [e["ppl"] for e in alone["evals"]]
+
+
 # --------------------------------------------------------------------------- DDP
 
 

@@ -267,9 +267,10 @@ def train(
     optimizer = build_optimizer(model, settings)
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
+        # Its forward runs under no_grad (distill_loss): its parameters' requires_grad is left alone.
+        # The teacher is the caller's model (the runner's original, every arm's source): freezing it
+        # here froze every arm built after a distillation arm, whose training then had nothing to train.
         teacher = teacher.to(accelerator.device).eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
     history = History()
     found = latest_checkpoint(state_dir)
     if found is not None:
