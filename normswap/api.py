@@ -440,6 +440,7 @@ def bench_checkpoint(
     out: str | os.PathLike | None = None,
     results_dir: str | os.PathLike = "benchmarks/results",
     progress: ProgressFn | None = None,
+    option_names: Mapping[str, str] | None = None,
     **options: Any,
 ) -> CheckpointBench:
     """Time `model` unpatched and patched with each of `impls` (a list or "torch,triton") in each
@@ -447,7 +448,9 @@ def bench_checkpoint(
     results_dir/bench-<model>-<device>-<date>.json). options: the other fields of
     normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
     repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
-    raise NormswapError before anything is measured."""
+    raise NormswapError before anything is measured. option_names: what those messages call
+    impls, modes, batch, seq, warmup and repeats (the CLI's {"impls": "--impl", ...}; default:
+    these names)."""
     from normswap.bench import (
         BenchConfig,
         check_config,
@@ -461,12 +464,12 @@ def bench_checkpoint(
 
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
-    check_config(config)
+    check_config(config, option_names)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:
         check_result_target(out)
-    result = run_bench(config, progress=progress)
+    result = run_bench(config, progress=progress, option_names=option_names)
     saved = write_result(result, out if out is not None else default_output(result, results_dir))
     return CheckpointBench(result, saved)
 

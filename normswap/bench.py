@@ -26,7 +26,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,13 +207,15 @@ def _device(name: str | None) -> torch.device:
         raise NormswapError(f"bad device {name!r}: {e}") from None
 
 
-def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None):
-    """The model of cfg.model: its config with random weights (seeded), or its weights."""
+def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None,
+                option_names: Mapping[str, str] | None = None):
+    """The model of cfg.model: its config with random weights (seeded), or its weights.
+    option_names: as check_config's."""
     from normswap.loading import load_config, load_model, model_class, resolve
 
     source = resolve(cfg.model, progress=progress)
     config = load_config(source, progress)
-    _check_context(cfg, config)
+    _check_context(cfg, config, _names(option_names))
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
     cls = model_class(config)
@@ -226,7 +228,7 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, prog
     return model.eval()
 
 
-def _check_context(cfg: BenchConfig, config) -> None:
+def _check_context(cfg: BenchConfig, config, n: Mapping[str, str]) -> None:
     """Refuse a sequence the model has no positions for (learned position tables end there: every
     variant would fail with an IndexError), before the model is built. Decode writes one token
     after the prompt."""
@@ -236,8 +238,8 @@ def _check_context(cfg: BenchConfig, config) -> None:
     need = cfg.seq + (1 if "decode" in cfg.modes else 0)
     if context is not None and need > context:
         extra = " plus the decoded token" if need > cfg.seq else ""
-        raise NormswapError(f"--seq {cfg.seq}{extra} does not fit: the model's context is {context} positions; "
-                            f"use --seq {context - (need - cfg.seq)} or less")
+        raise NormswapError(f"{n['seq']} {cfg.seq}{extra} does not fit: the model's context is {context} "
+                            f"positions; use {n['seq']} {context - (need - cfg.seq)} or less")
 
 
 def _versions() -> dict[str, Any]:
@@ -314,29 +316,46 @@ def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tup
     return seconds, method, peak, fused
 
 
-def check_config(cfg: BenchConfig) -> None:
-    """The checks that need no model: bench_checkpoint runs them before anything is read."""
+# The BenchConfig fields check_config names in its messages (option_names renames them).
+CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats")
+# Each count's smallest value (seq: the train step's loss needs a next token to predict).
+_AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
+
+
+def _names(option_names: Mapping[str, str] | None) -> dict[str, str]:
+    return {k: k for k in CHECKED_OPTIONS} | dict(option_names or {})
+
+
+def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None) -> None:
+    """The checks that need no model: bench_checkpoint runs them before anything is read.
+    option_names: what the messages call impls, modes, batch, seq, warmup and repeats (the
+    parameter names, or the flags a command line took them from: the CLI's {"impls": "--impl", ...})."""
     from normswap.backends import BACKENDS
     from normswap.errors import BadInputError
 
-    for name in ("batch", "seq", "warmup", "repeats"):
+    n = _names(option_names)
+    for name, _least in _AT_LEAST:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
-            raise TypeError(f"{name}: expected a whole number (int), got {value!r}")
+            raise TypeError(f"{n[name]}: expected a whole number (int), got {value!r}")
     if not cfg.impls:  # only the unpatched model would be timed: nothing to compare it with
-        raise BadInputError(f"impls names no implementation; expected one or more of {', '.join(BACKENDS)}")
-    bad = [m for m in cfg.modes if m not in MODES]
+        raise BadInputError(f"{n['impls']} names no implementation; expected one or more of {', '.join(BACKENDS)}")
     if not cfg.modes:
-        raise NormswapError(f"--mode names no workload; expected {', '.join(MODES)}")
+        raise BadInputError(f"{n['modes']} names no workload; expected {', '.join(MODES)}")
+    bad = [m for m in cfg.modes if m not in MODES]
     if bad:
-        raise NormswapError(f"unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
-    if cfg.batch < 1 or cfg.seq < 2 or cfg.repeats < 1 or cfg.warmup < 0:
-        raise NormswapError("--batch must be >= 1, --seq >= 2, --repeats >= 1 and --warmup >= 0")
+        raise BadInputError(f"{n['modes']}: unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
+    for name, least in _AT_LEAST:
+        value = getattr(cfg, name)
+        if value < least:
+            raise BadInputError(f"{n[name]} {value}: must be at least {least}")
 
 
-def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResult:
+def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
+              option_names: Mapping[str, str] | None = None) -> BenchResult:
     """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
     patched (an impl unavailable here, a failed verification) gets rows with its error.
+    option_names: what messages call cfg's fields (check_config's).
 
     progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
     measurements finished) and again after it (done + 1), and ("<variant> <mode>", total, total)
@@ -345,12 +364,13 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert
 
-    check_config(cfg)
+    check_config(cfg, option_names)
+    n = _names(option_names)
     for impl in cfg.impls:
         get_backend(impl)  # an impl that cannot run here fails before the model is built
     dtype = parse_dtype(cfg.dtype)
     device = _device(cfg.device)
-    model = build_model(cfg, dtype, device, progress)
+    model = build_model(cfg, dtype, device, progress, option_names)
     config = model.config
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 4:
@@ -362,8 +382,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None) -> BenchResu
         # OutOfMemoryError is a RuntimeError, and a size past int64 fails its argument parsing (TypeError)
         from normswap.errors import one_line
 
-        raise NormswapError(f"--batch {cfg.batch} x --seq {cfg.seq}: cannot allocate the token ids "
-                            f"({one_line(e)}); use a smaller --batch or --seq") from None
+        raise NormswapError(f"{n['batch']} {cfg.batch} x {n['seq']} {cfg.seq}: cannot allocate the token ids "
+                            f"({one_line(e)}); use a smaller {n['batch']} or {n['seq']}") from None
     result = BenchResult(cfg, _device_info(device), _versions(), {
         "model_type": getattr(config, "model_type", None), "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -374,6 +374,9 @@ def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = No
 class _Analysis:
     def __init__(self, model, modules, tr: Trace):
         self.model, self.modules, self.tr = model, modules, tr
+        # Module path -> its index in module order, made once: readers_of runs once per norm, and
+        # rebuilding it there was quadratic in the depth of the model.
+        self.order: dict[str, int] = {q: j for j, q in enumerate(modules)}
         self.nodes = tr.nodes
         # Modules whose own code ran a layer-norm operation: norms by behaviour, not by name.
         self.ln_ops: dict[str, list[int]] = {}
@@ -381,8 +384,7 @@ class _Analysis:
             if n.op in _LAYER_NORM_OPS:
                 self.ln_ops.setdefault(n.module, []).append(i)
         paths = set(layer_norm_paths(model))
-        order = {p: i for i, p in enumerate(modules)}
-        self.norm_paths = sorted(paths, key=order.get)
+        self.norm_paths = sorted(paths, key=self.order.get)
         # Output tensor -> module, for the module kinds a term can be.
         self.out_of: dict = {}
         for path, calls in tr.calls.items():
@@ -559,8 +561,7 @@ class _Analysis:
             passed, uses = self.closure(c.outs[:1], through_adds=False)
             leaves |= bool(passed & self.tr.output_keys)
             found |= {self.nodes[i].module for i, _k in uses}
-        order = {q: j for j, q in enumerate(self.modules)}
-        return [OUTPUT] * leaves + sorted(found, key=lambda q: order.get(q, len(order)))
+        return [OUTPUT] * leaves + sorted(found, key=lambda q: self.order.get(q, len(self.order)))
 
     def _layer_norm_input(self, i: int, k) -> bool:
         """Node i is a layer norm over the last dimension reading k: blind to a per-row shift."""
@@ -746,8 +747,7 @@ class _Analysis:
                 f.refuse("nonlinear-reader", f"its reader {n.module} does not take the hidden size as input")
                 return
             readers[n.module] = o
-        order = {q: j for j, q in enumerate(self.modules)}
-        f.readers += sorted(readers.items(), key=lambda r: order[r[0]])
+        f.readers += sorted(readers.items(), key=lambda r: self.order[r[0]])
 
     def _bakeable(self, p: str, f: NormFinding, found) -> bool:
         return (len(f.terms) == 1 and f.terms[0].kind == "embedding" and f.eps is not None and f.eps > 0
@@ -838,8 +838,7 @@ class _Analysis:
             return self._centered(found, converting, bake) if converting else ([], [], None)
         if untie is not None and untie[1] not in tables and untie[1] not in baked and head_path not in readers:
             untie = None
-        order = {q: j for j, q in enumerate(self.modules)}
-        return sorted(tables, key=order.get), sorted(writers.items(), key=lambda w: order[w[0]]), untie
+        return sorted(tables, key=self.order.get), sorted(writers.items(), key=lambda w: self.order[w[0]]), untie
 
 
 _OUTPUT_IS_STREAM = "its output is added into the residual stream (the stream is this norm's output)"

@@ -232,3 +232,38 @@ def test_a_batch_that_cannot_be_allocated_is_bad_input(tmp_path, batch):
                                  "--batch", str(batch), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 2, r.output
     assert f"--batch {batch} x --seq 4: cannot allocate" in r.stderr
+
+
+# (CLI arguments, the same as bench_checkpoint arguments, what each caller's message starts with):
+# check_config is the library's check, and the CLI's too; each caller's message names its own
+# options (the parameter, or the flag it came from), as EvalSettings.check's do.
+BAD_OPTIONS = [
+    (["--impl", ""], dict(impls=""), "--impl names no implementation", "impls names no implementation"),
+    (["--mode", ""], dict(modes=""), "--mode names no workload", "modes names no workload"),
+    (["--mode", "sprint"], dict(modes="sprint"), "--mode: unknown mode 'sprint'", "modes: unknown mode 'sprint'"),
+    (["--batch", "0"], dict(batch=0), "--batch 0: must be at least 1", "batch 0: must be at least 1"),
+    (["--seq", "1"], dict(seq=1), "--seq 1: must be at least 2", "seq 1: must be at least 2"),
+    (["--repeats", "0"], dict(repeats=0), "--repeats 0: must be at least 1", "repeats 0: must be at least 1"),
+    (["--warmup", "-1"], dict(warmup=-1), "--warmup -1: must be at least 0", "warmup -1: must be at least 0"),
+    (["--seq", "100"], dict(seq=100), "--seq 100 does not fit", "seq 100 does not fit"),
+]
+
+
+@pytest.mark.parametrize("cli_args,kwargs,cli_says,library_says", BAD_OPTIONS, ids=[b[3] for b in BAD_OPTIONS])
+def test_bad_options_are_named_as_each_caller_gave_them(tmp_path, cli_args, kwargs, cli_says, library_says):
+    import normswap
+    from normswap.errors import BadInputError, NormswapError
+
+    model = _config_only("gpt2", tmp_path / "cfg")  # learned positions: 64
+    out = tmp_path / "r.json"
+    base = dict(impls="torch", modes="prefill", seq=4, repeats=1, warmup=0)
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", *cli_args, "--out", str(out)])
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.output
+    assert r.stderr.startswith(f"normswap: error: {cli_says}"), r.stderr
+    kwargs = base | kwargs
+    with pytest.raises(NormswapError) as e:
+        normswap.bench_checkpoint(model, kwargs.pop("impls"), out=out, **kwargs)
+    assert str(e.value).startswith(library_says) and "--" not in str(e.value), e.value
+    assert isinstance(e.value, BadInputError) or "does not fit" in library_says
+    assert not out.exists()

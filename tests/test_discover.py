@@ -164,3 +164,28 @@ def test_a_cut_across_the_hidden_dimension_or_a_stray_piece_still_refuses():
     assert d.category == "nonlinear-reader" and "split" in d.why_not, (d.category, d.why_not)
     (d,) = _toy_plan(_Chunked(stray=True)).norms
     assert d.category == "stray-reader" and "sum" in d.why_not, (d.category, d.why_not)
+
+
+def test_module_order_is_walked_once_per_analysis():
+    """readers_of runs once per norm (scan's norm_readers) and discover sorts by module order in
+    several places: each used to rebuild the path -> index mapping by walking every module, which
+    is quadratic on a deep model. The walk is made once, however many norms are asked about."""
+    from normswap.discover import _Analysis, layer_norm_paths, trace
+
+    class Walks(dict):
+        walks = 0
+
+        def __iter__(self):
+            Walks.walks += 1
+            return super().__iter__()
+
+    model = meta_model("gpt2", n_layer=4)
+    tr = trace(model)
+    analysis = _Analysis(model, Walks(model.named_modules()), tr)
+    after_init = Walks.walks
+    norms = layer_norm_paths(model)
+    assert len(norms) == 9
+    readers = {p: analysis.readers_of(p) for p in norms}
+    assert readers["transformer.ln_f"] == ["lm_head"]
+    analysis.run()
+    assert after_init == 1 and Walks.walks == after_init

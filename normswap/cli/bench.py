@@ -12,6 +12,10 @@ from normswap.bench import MODES
 from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
+# What bench_checkpoint's messages call its options here: the flags they came from.
+OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
+                "repeats": "--repeats"}
+
 
 @cli.command("bench")
 @click.argument("model")
@@ -48,7 +52,7 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
         result = bench_checkpoint(model, impls, modes=modes, out=out, progress=bars, fuse_residual=fuse_residual,
                                   batch=batch, seq=seq, dtype=dtype, device=device, compile=use_compile,
                                   compile_backend=compile_backend, warmup=warmup, repeats=repeats,
-                                  load_weights=load_weights)
+                                  load_weights=load_weights, option_names=OPTION_NAMES)
     emit(result.to_dict(), as_json, _render)
 
 
