@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -352,17 +353,14 @@ def document_tokens(tokenizer, documents: Iterable[Iterable[str]]) -> Iterator[l
 
 def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence[int]]:
     """Accepts: a str (one text), a Path or Corpus (read lazily), an iterable of str (documents),
-    a 1-D tensor or an iterable of ints (token ids, taken verbatim), or an iterable of token-id
-    sequences (chunks of one stream)."""
+    a 1-D tensor or numpy array or an iterable of ints (token ids, taken verbatim), or an iterable
+    of token-id sequences (chunks of one stream). Anything else, or a mix, is refused naming what it
+    got: bytes and mappings are iterable too, and were read as token ids and as their keys."""
+    numpy = sys.modules.get("numpy")  # an array can only come from a program that imported numpy
+    if numpy is not None and isinstance(data, numpy.ndarray) and data.dtype.kind in "biuf":
+        data = torch.as_tensor(data)
     if isinstance(data, torch.Tensor):
-        if data.dim() == 2 and data.shape[0] == 1:
-            data = data[0]
-        if data.dim() != 1:
-            raise NormswapError(f"token ids must be a 1-D tensor (or 1 x N), got shape {tuple(data.shape)}")
-        if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
-            # tolist() would hand on 1.5 and int() make it 1: a wrong score with no complaint
-            raise BadInputError(f"token ids must be integers, got a {data.dtype} tensor")
-        return iter([data.tolist()])
+        return iter([_tensor_ids(data)])
     if isinstance(data, (str, os.PathLike, Corpus)):
         if isinstance(data, str):
             documents: Iterable = [iter([data])]
@@ -370,6 +368,7 @@ def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence
             corpus = data if isinstance(data, Corpus) else open_corpus(data, text_field)
             documents = corpus.documents()
         return document_tokens(_need_tokenizer(tokenizer), documents)
+    _refuse_misread("data", data)
     try:
         items = iter(data)
     except TypeError:
@@ -380,15 +379,70 @@ def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence
         return iter(())
     items = itertools.chain([head], items)
     if isinstance(head, str):
-        return document_tokens(_need_tokenizer(tokenizer), (iter([t]) for t in items))
-    if isinstance(head, int) or (isinstance(head, torch.Tensor) and head.dim() == 0):
-        return iter([[int(t) for t in items]]) if isinstance(data, Sequence) else _singletons(items)
-    return ((t.tolist() if isinstance(t, torch.Tensor) else t) for t in items)
+        return document_tokens(_need_tokenizer(tokenizer), (iter([_document(t)]) for t in items))
+    if isinstance(head, Mapping):
+        raise TypeError(f"data: rows that are {type(head).__name__}s (a datasets.Dataset?); pass their texts, "
+                        f"e.g. ds[{text_field!r}]")
+    if _is_token_id(head):
+        return iter([[_token_id(t) for t in items]]) if isinstance(data, Sequence) else _singletons(items)
+    return (_chunk_ids(t) for t in items)
+
+
+def _refuse_misread(name: str, value) -> None:
+    """bytes iterate as ints and a mapping as its keys: either would be scored as something else."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{name}: {type(value).__name__}; decode them (.decode('utf-8')) or pass the file's path")
+    if isinstance(value, Mapping):
+        raise TypeError(f"{name}: a {type(value).__name__}; pass its text (e.g. data['text']), documents or token ids")
+
+
+def _document(text) -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"data: documents must be texts, got {type(text).__name__}")
+    return text
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0) or \
+        type(value).__module__ == "numpy"
+
+
+def _token_id(value) -> int:
+    """One given token id. int() would take 6.7 as 6 and True as 1: a wrong score with no complaint."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_ids(value.reshape(1))[0]
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        try:
+            return operator.index(value)  # int, numpy's integers
+        except TypeError:
+            pass
+    raise BadInputError(f"token ids must be integers, got {type(value).__name__} {value!r}")
+
+
+def _tensor_ids(data: torch.Tensor) -> list[int]:
+    if data.dim() == 2 and data.shape[0] == 1:
+        data = data[0]
+    if data.dim() != 1:
+        raise NormswapError(f"token ids must be a 1-D tensor (or 1 x N), got shape {tuple(data.shape)}")
+    if data.is_floating_point() or data.is_complex() or data.dtype == torch.bool:
+        # tolist() would hand on 1.5 and int() make it 1: a wrong score with no complaint
+        raise BadInputError(f"token ids must be integers, got a {data.dtype} tensor")
+    return data.tolist()
+
+
+def _chunk_ids(chunk) -> list[int]:
+    numpy = sys.modules.get("numpy")
+    if isinstance(chunk, torch.Tensor) or numpy is not None and isinstance(chunk, numpy.ndarray):
+        return _tensor_ids(torch.as_tensor(chunk))
+    if isinstance(chunk, str) or not isinstance(chunk, Iterable):
+        raise BadInputError(f"token ids must be integers, got {type(chunk).__name__} {chunk!r}")
+    _refuse_misread("data", chunk)
+    return [_token_id(t) for t in chunk]
 
 
 def _singletons(items: Iterator) -> Iterator[list[int]]:
     for t in items:
-        yield [int(t)]
+        yield [_token_id(t)]
 
 
 def _need_tokenizer(tokenizer):
@@ -507,8 +561,8 @@ class _Scoring:
             raise BadInputError(f"token id {min(ids)} is negative; token ids index the embedding table")
         if self.vocab_limit is not None and ids and max(ids) >= self.vocab_limit:
             raise NormswapError(
-                f"the tokenizer produced token id {max(ids)}, but the model has only {self.vocab_limit} token "
-                "embeddings: the tokenizer does not belong to this model"
+                f"token id {max(ids)} is past the model's {self.vocab_limit} token embeddings: the tokenizer "
+                "does not belong to this model, or the token ids given were not made for it"
             )
 
     def batches(self) -> Iterator[tuple[list[Window], list[torch.Tensor], torch.Tensor]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model, tiny_tokenizer
 
-from normswap.errors import NormswapError
+from normswap.errors import BadInputError, NormswapError
 from normswap.evaluate import (
     diff_models,
     document_tokens,
@@ -230,7 +230,7 @@ def test_token_ids_past_the_embeddings_are_refused(llama):
     """A tokenizer that is not the model's: one clear error, not an IndexError from the forward."""
     ids = random_ids(40, seed=10)
     ids[35] = VOCAB + 4  # past the first window: caught per batch, not only up front
-    with pytest.raises(NormswapError, match=f"token id {VOCAB + 4}, but the model has only {VOCAB} token"):
+    with pytest.raises(NormswapError, match=f"token id {VOCAB + 4} is past the model's {VOCAB} token embeddings"):
         perplexity(llama, None, ids, max_length=16, progress=False)
 
 
@@ -381,3 +381,46 @@ def test_smollm2_triton_patched_diff_is_near_zero(smollm2):
     d = diff_models(model, patched_copy(model, "triton"), tok, kjv_or_local_text(), max_length=128,
                     max_tokens=128, progress=False)
     assert abs(d.relative_delta) < 1e-3 and d.kl_mean < 1e-5 and d.top1_agreement > 0.99
+
+
+@pytest.mark.parametrize("data, error, says", [
+    # bytes iterate as ints: b"hello" was scored as token ids 104, 101, ... with no complaint
+    (b"hello world, hello again", TypeError, "data: bytes; decode them"),
+    (bytearray(b"hello world, hello again"), TypeError, "data: bytearray; decode them"),
+    # a mapping iterates its keys: {"text": ...} scored the word "text"
+    ({"text": "hello world, hello again"}, TypeError, "data: a dict"),
+    # rows of a datasets.Dataset (mappings) were scored as chunks of their keys
+    ([{"text": "hello world"}, {"text": "hello again"}], TypeError, "data: rows that are dict"),
+    # int() truncated a float and took a bool as 0/1: a wrong number with no complaint
+    ([5, 6.7, 8, 9, 10], BadInputError, r"token ids must be integers, got float 6\.7"),
+    ([5, True, 8, 9, 10], BadInputError, "token ids must be integers, got bool True"),
+    ([[5, 6, 7], [8, 9.5]], BadInputError, r"token ids must be integers, got float 9\.5"),
+    # mixed ids and text: int('a') and '<' between str and int escaped as raw ValueError/TypeError
+    ([5, "a", 8], BadInputError, "token ids must be integers, got str 'a'"),
+    ([[5, 6, 7], ["x"]], BadInputError, "token ids must be integers, got str 'x'"),
+    (["hello world", 5], TypeError, "data: documents must be texts, got int"),
+])
+def test_data_it_would_misread_is_refused(llama, data, error, says):
+    """perplexity's data takes a text, documents, a path or token ids; what is none of them (or mixes
+    them) is refused naming what it got, never read as something else."""
+    with pytest.raises(error, match=says):
+        perplexity(llama, tiny_tokenizer(), data, max_length=4, progress=False)
+
+
+def test_numpy_token_ids_score_as_the_same_ids(llama):
+    """A numpy array of ids (what many tokenizer pipelines hand on) scores as the list would; it was
+    an internal TypeError ('numpy.int64' object is not iterable). A float array is refused as a float
+    tensor is."""
+    import numpy as np
+
+    ids = random_ids(30, seed=3)
+    want = perplexity(llama, None, ids.tolist(), max_length=16, progress=False)
+    got = perplexity(llama, None, ids.numpy(), max_length=16, progress=False)
+    assert (got.nll, got.tokens) == (want.nll, want.tokens)
+    with pytest.raises(BadInputError, match="token ids must be integers, got a torch.float64 tensor"):
+        perplexity(llama, None, np.array([5.5, 6.0, 7.0, 8.0]), progress=False)
+
+
+def test_given_token_ids_past_the_embeddings_do_not_blame_a_tokenizer(llama):
+    with pytest.raises(NormswapError, match=f"token id {VOCAB + 1} is past the model's {VOCAB} token embeddings"):
+        perplexity(llama, None, [5, 6, VOCAB + 1, 7], progress=False)

@@ -838,6 +838,106 @@ def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
     assert list(again.data["arms"]) == ["approx+ft", "exact"]
 
 
+def _two_processes_accelerator():
+    """An Accelerator that is rank 0 of 2 as the batch split, the checkpoint and the process-count
+    check see it (its reduce is a one-process reduce: the steps run, as the other rank's would)."""
+    from accelerate import Accelerator
+
+    class TwoProcesses(Accelerator):
+        num_processes = 2
+
+    return TwoProcesses(cpu=True)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
+    """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
+    written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming
+    both counts and the way out, the checkpoint untouched; the same count resumes it."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    state = tmp_path / "state"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    assert json.loads((state / "step-000002" / "trainer.json").read_text())["num_processes"] == 2
+    before = _files(state)
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False, desc="arm")
+    assert str(refused.value) == (
+        f"arm: its checkpoint at step 2 was trained on 2 processes and this run has 1: the process count decides "
+        f"the batches, so the resumed steps would see other data; run it again on 2 processes, or delete {state} "
+        "to train it from the start on 1")
+    assert _files(state) == before  # nothing removed or rewritten
+    seen = []
+    train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+          on_step=lambda s, loss: seen.append(s))
+    assert seen == [3, 4]
+
+
+def test_a_checkpoint_from_before_the_count_was_recorded_counts_accelerates_files(tmp_path):
+    """trainer.json had no num_processes: accelerate's save_state wrote one random_states_<rank>.pkl
+    per process, which says how many there were."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import check_resumable
+
+    step = tmp_path / "state" / "step-000003"
+    step.mkdir(parents=True)
+    (tmp_path / "state" / "LATEST").write_text("step-000003")
+    (step / "trainer.json").write_text(json.dumps({"step": 3, "losses": [1.0] * 3, "evals": [], "train_seconds": 1.0}))
+    (step / "random_states_0.pkl").write_bytes(b"")
+    check_resumable(tmp_path / "state", Accelerator(cpu=True).num_processes, "arm")  # 1 and 1: resumed
+    (step / "random_states_1.pkl").write_bytes(b"")
+    with pytest.raises(NormswapError, match="trained on 2 processes and this run has 1"):
+        check_resumable(tmp_path / "state", 1, "arm")
+    check_resumable(tmp_path / "state", 2, "arm")
+    check_resumable(tmp_path / "absent", 2, "arm")  # no checkpoint: nothing to resume
+
+
+def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,
+                                                                                    monkeypatch):
+    """`normswap experiment` stopped mid-arm on 1 process, rerun under `accelerate launch
+    --num_processes 2`: one line, exit 2, before the arms ahead of it run, nothing deleted. The
+    same count then resumes it; a finished arm is reused under any count (its result records it)."""
+    import normswap.experiment.runner as runner
+
+    path = model_recipe(tmp_path, pretrained_dir, ["exact", "approx+ft"])
+    out = tmp_path / "out"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        run_experiment(path, out, "approx+ft", progress=False, stop=stop,
+                       on_step=lambda arm, s, loss: s == 2 and stop.set())
+    before = _files(out)
+    with monkeypatch.context() as m:
+        m.setattr(runner, "make_accelerator", lambda recipe, out: _two_processes_accelerator())
+        res = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(out), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr == (f"normswap: error: approx+ft: its checkpoint at step 2 was trained on 1 process and this "
+                          "run has 2: the process count decides the batches, so the resumed steps would see other "
+                          f"data; run it again on 1 process, or delete {out / 'arms' / 'approx+ft' / 'state'} to "
+                          "train it from the start on 2\n")
+    assert _files(out) == before and not (out / "arms" / "exact").exists()
+    seen = []
+    done = run_experiment(path, out, progress=False, on_step=lambda arm, s, loss: seen.append(s))
+    assert seen == [3, 4] and done.data["arms"]["approx+ft"]["num_processes"] == 1
+    with monkeypatch.context() as m:
+        m.setattr(runner, "make_accelerator", lambda recipe, out: _two_processes_accelerator())
+        again = run_experiment(path, out, progress=False)
+    assert again.data["arms"]["approx+ft"] == done.data["arms"]["approx+ft"]
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -985,6 +1085,18 @@ def test_the_distill_arm_trains_on_kl_from_the_original(every_arm, pretrained_di
     arms = every_arm.data["arms"]
     assert arms["approx+distill"]["losses"][0] == pytest.approx(kl, rel=1e-3)
     assert arms["approx+ft"]["losses"][0] == pytest.approx(ce, rel=1e-4)
+
+
+def test_a_distillation_arm_leaves_the_original_trainable_for_the_arms_after_it(every_arm, pretrained_dir,
+                                                                                 tmp_path):
+    """The teacher is the original every arm is copied from: freezing it for the distillation froze
+    every later arm (`--arms approx+distill,original+ft` failed at its first step: nothing to train).
+    The arm after it trains exactly as it does with no distillation before it."""
+    path = model_recipe(tmp_path, pretrained_dir, ["approx+distill", "original+ft"])
+    result = run_experiment(path, tmp_path / "out", progress=False)
+    after, alone = result.data["arms"]["original+ft"], every_arm.data["arms"]["original+ft"]
+    assert after["losses"] == alone["losses"] and len(after["losses"]) == 4
+    assert [e["ppl"] for e in after["evals"]] == [e["ppl"] for e in alone["evals"]]
 
 
 # --------------------------------------------------------------------------- DDP

@@ -2,7 +2,7 @@
 
 Layout of OUT:
   recipe.json              the validated recipe (a rerun with a different one is refused)
-  arms/<arm>/state/        the arm's resumable checkpoint while it trains
+  arms/<arm>/state/        the arm's resumable checkpoint while it trains (resumed only by as many processes)
   arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it; the reports include it)
   logs/                    accelerate trackers (TensorBoard event files when installed)
   results.json results.csv summary.md curves.png
@@ -45,7 +45,14 @@ from normswap.experiment import report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
-from normswap.experiment.trainer import Interrupted, RandomWindows, StopFlag, any_process, train
+from normswap.experiment.trainer import (
+    Interrupted,
+    RandomWindows,
+    StopFlag,
+    any_process,
+    check_resumable,
+    train,
+)
 from normswap.fileio import made_folders, target_path, write_text_atomic
 from normswap.jsonsafe import finite_or_null
 
@@ -344,6 +351,13 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     from normswap.progress import stderr_bar
 
     accelerator = accelerator or make_accelerator(recipe, out)
+    # An arm left part-trained by a run with another process count is refused now, not after the
+    # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
+    # result.json records the count, and the summary says which arms ran on which.)
+    for arm in arms:
+        arm_dir = out / "arms" / arm
+        if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
+            check_resumable(arm_dir / "state", accelerator.num_processes, arm)
     if accelerator.is_main_process:
         # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
         write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(),

@@ -5,7 +5,8 @@ optimizer step s are a pure function of (seed, s): `grad_accum * num_processes` 
 random windows of the token stream, and process r takes micro-batches [r*grad_accum, (r+1)*grad_accum).
 So two processes with accumulation A see, per step, exactly the sequences one process with
 accumulation 2A sees, and DDP's gradient average equals that process's mean; a resumed run draws
-the batches the uninterrupted run would have drawn. The learning rate is a pure function of the
+the batches the uninterrupted run would have drawn, given as many processes (another count draws
+other sequences per step: check_resumable refuses that resume). The learning rate is a pure function of the
 step too, so a checkpoint needs only the model, the optimizer (accelerate's save_state, which
 also keeps the RNG states that dropout uses) and the history.
 
@@ -170,9 +171,13 @@ class History:
     losses: list[float] = field(default_factory=list)  # per optimizer step (mean over the global batch)
     evals: list[dict] = field(default_factory=list)  # {"step": s, ...metrics}
     train_seconds: float = 0.0
+    # The processes that trained it: the sequences of a step depend on their count (RandomWindows).
+    # None in a checkpoint written before it was recorded (check_resumable then counts accelerate's files).
+    num_processes: int | None = None
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "losses": self.losses, "evals": self.evals, "train_seconds": self.train_seconds}
+        return {"step": self.step, "losses": self.losses, "evals": self.evals, "train_seconds": self.train_seconds,
+                "num_processes": self.num_processes}
 
 
 def latest_checkpoint(state_dir: Path) -> Path | None:
@@ -191,6 +196,29 @@ def _read_history(path: Path, remedy: str) -> History:
     except TypeError:  # not an object, or other fields
         raise NormswapError(f"{path}: not a training state (an object of {', '.join(History().to_dict())}); "
                             f"{remedy}") from None
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" + ("es" if n != 1 else "")
+
+
+def check_resumable(state_dir: Path, num_processes: int, what: str) -> None:
+    """Refuse (NormswapError, nothing removed) to resume the checkpoint in state_dir under another
+    number of processes than the one that wrote it: a step's sequences are grad_accum x processes
+    draws (RandomWindows), so the resumed steps would see other batches, a bigger or smaller batch
+    than the steps before them, and the result would belong to neither process count. No checkpoint:
+    nothing to check. `what` names the training in the message (an arm, "pretrain")."""
+    found = latest_checkpoint(state_dir)
+    if found is None:
+        return
+    history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
+    # A checkpoint from before the count was recorded: accelerate's save_state writes one RNG file per process.
+    saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
+    if saved is not None and saved != num_processes:
+        raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {_processes(saved)} and this "
+                            f"run has {num_processes}: the process count decides the batches, so the resumed "
+                            f"steps would see other data; run it again on {_processes(saved)}, or delete {state_dir} "
+                            f"to train it from the start on {num_processes}")
 
 
 def _save(accelerator, state_dir: Path, history: History) -> None:
@@ -262,20 +290,23 @@ def train(
     process for losses; evals on the main process)."""
     from normswap.progress import stderr_bar
 
+    check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
     state_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = LOSSES[loss]
     optimizer = build_optimizer(model, settings)
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
+        # Its forward runs under no_grad (distill_loss): its parameters' requires_grad is left alone.
+        # The teacher is the caller's model (the runner's original, every arm's source): freezing it
+        # here froze every arm built after a distillation arm, whose training then had nothing to train.
         teacher = teacher.to(accelerator.device).eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
     history = History()
     found = latest_checkpoint(state_dir)
     if found is not None:
         history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
         accelerator.load_state(str(found))
     rank, world = accelerator.process_index, accelerator.num_processes
+    history.num_processes = world
     ga = settings.grad_accum
     stop = stop or StopFlag()
 
