@@ -260,7 +260,13 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
                       max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress) -> PatchResult:
     from normswap import walk
     from normswap.backends import get_backend
-    from normswap.checkpoint import check_out_target, parse_shard_size, save_patched, target_lock
+    from normswap.checkpoint import (
+        check_out_target,
+        check_replaceable,
+        parse_shard_size,
+        save_patched,
+        target_lock,
+    )
     from normswap.loading import (
         apply_recorded_patch,
         build_meta_model,
@@ -296,6 +302,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
             raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
                                 "(use --out DIR)")
         target = source.path
+        check_replaceable(target, in_place=True)  # before the load: the save would be refused after it
         _refuse_lossy_in_place(source, config, torch_dtype)
         held.enter_context(target_lock(target))  # a second --in-place run is refused before it loads anything
     elif out is not None:

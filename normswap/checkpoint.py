@@ -154,8 +154,9 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     --force replaces only an empty directory, a model checkpoint or an earlier normswap output;
     never a filesystem root, a home directory, or the current directory or one that holds it (the
     user's shell would be left in a deleted directory, and the files there with it), whatever
-    their contents. in_place: the model's own directory, whose other files are all carried over;
-    only the root and home rules apply."""
+    their contents, nor a mount point (a docker volume: a rename cannot move it). in_place: the
+    model's own directory, whose other files are all carried over; only the root, home and mount
+    point rules apply."""
     if not target.exists():
         return
     if not target.is_dir() or target.is_symlink():
@@ -164,6 +165,10 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
         raise NormswapError(f"{target} is a filesystem root; refusing to replace it")
     if target == Path.home().resolve():
         raise NormswapError(f"{target} is the home directory; refusing to replace it")
+    if os.path.ismount(target):
+        # a rename cannot move a mount point (EBUSY): found only after the whole model was saved
+        raise NormswapError(f"{target} is a mount point, which no directory can be swapped for; "
+                            + ("save with --out DIR instead" if in_place else "write to a folder inside it, or elsewhere"))
     if in_place:
         return
     cwd = Path.cwd().resolve()

@@ -1099,6 +1099,21 @@ def test_a_distillation_arm_leaves_the_original_trainable_for_the_arms_after_it(
     assert [e["ppl"] for e in after["evals"]] == [e["ppl"] for e in alone["evals"]]
 
 
+def test_the_step_benchmark_times_each_loss_on_the_recipes_shape(tmp_path):
+    """benchmarks/experiment_step.py: one row per case, on the recipe's model and batch (plumbing only:
+    its times are for reading, not for asserting)."""
+    from benchmark_scripts import load_script
+
+    out = tmp_path / "step.json"
+    load_script("experiment_step").main([str(ROOT / "recipes" / "smoke-kjv-tiny.toml"), "--repeat", "2",
+                                         "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["model"] == {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1024}
+    assert result["batch"] == [8, 64] and result["threads"] == 1 and result["repeat"] == 2
+    assert [r["case"] for r in result["rows"]] == ["lm step (fwd+bwd)", "distill step (fwd+bwd)", "teacher forward"]
+    assert all(math.isfinite(r[k]) and r[k] >= 0 for r in result["rows"] for k in r if k != "case")
+
+
 # --------------------------------------------------------------------------- DDP
 
 

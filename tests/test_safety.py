@@ -122,6 +122,40 @@ def test_case1_force_refuses_what_is_not_a_checkpoint(src, tmp_path, monkeypatch
         assert (target / "normswap.json").is_file()
 
 
+@contextlib.contextmanager
+def _mount_point(path: Path):
+    """`path` made a mount point of its own (a tmpfs), as a docker volume (-v /models/m:/model) is;
+    skips where this process may not mount (not root, no CAP_SYS_ADMIN)."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("how", ["in-place", "force"])
+def test_case1_a_mount_point_is_refused_before_the_load(src, tmp_path, how):
+    """A directory that is a mount point cannot be swapped for another by a rename (EBUSY):
+    --in-place on a mounted model folder, or --force onto a mounted earlier output, patched,
+    verified and saved the whole model, then failed with 'Device or resource busy'. Refused before
+    anything loads, naming the way out; what is there stays as it was."""
+    import shutil
+
+    with _mount_point(tmp_path / "mnt") as mnt:
+        for f in src.iterdir():
+            shutil.copy(f, mnt / f.name)
+        before = _tree(mnt)
+        args = [mnt, "--in-place"] if how == "in-place" else [src, "--out", mnt, "--force"]
+        r = run("patch", *args, "--impl", "torch")
+        assert_one_line_error(r, f"{mnt} is a mount point")
+        assert ("--out DIR" if how == "in-place" else "write to a folder inside it") in r.stderr
+        assert "load" not in r.stderr  # refused before the load
+        assert _tree(mnt) == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]  # no staging, no lock left
+
+
 # ---- case 3: racing runs, and the in-place lock ------------------------------------------------
 
 

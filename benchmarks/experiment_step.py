@@ -1,0 +1,111 @@
+"""What one training step of each `normswap experiment` loss costs: the language-modelling loss of the
+`+ft` arms against the distillation loss of the `+distill` arms, on a recipe's model shape.
+
+The model is a GPT-2 of the recipe's [pretrain] shape with its initial weights (the time of a step
+does not depend on what the weights are); the arm is `approx` (what `approx+ft` and `approx+distill`
+train), the teacher the original; one micro-batch of the recipe's [finetune] batch_size x seq_len.
+Each case is timed --repeat times, interleaved (lm, distill, teacher forward, lm, ...), after a
+warm-up; medians and minimums of wall-clock and of this process's CPU time (on a shared machine the
+wall-clock mostly measures the other processes; one thread by default, so CPU time is the work).
+
+    python benchmarks/experiment_step.py recipes/smoke-kjv-tiny.toml [--repeat 60] [--threads 1]
+
+Writes a table to stdout and JSON to benchmarks/results/experiment-step-<recipe>-<host>-<date>.json
+(--out to choose; --out - for none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(recipe_path: str, repeat: int, threads: int) -> dict:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(recipe_path, repeat, threads)
+    finally:  # a caller's process (a test) keeps its own thread count
+        torch.set_num_threads(before)
+
+
+def _measure(recipe_path: str, repeat: int, threads: int) -> dict:
+    from normswap.experiment import load_recipe
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.pretrain import build_model
+    from normswap.experiment.trainer import LOSSES
+
+    recipe = load_recipe(recipe_path)
+    if recipe.pretrain is None:
+        raise SystemExit(f"{recipe_path}: needs a [pretrain] section (the model shape to build)")
+    section, ft = recipe.pretrain, recipe.finetune
+    teacher = build_model(section, section.vocab_size, 0, recipe.seed).eval()
+    arm = build_arm(teacher, "approx", recipe.impl, ft.dtype).train()
+    ids = torch.randint(0, section.vocab_size, (ft.batch_size, ft.seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step(loss):
+        LOSSES[loss](arm, ids, teacher).backward()
+        arm.zero_grad(set_to_none=True)
+
+    def teacher_forward():
+        with torch.no_grad():
+            teacher(input_ids=ids)
+
+    cases = {"lm step (fwd+bwd)": lambda: step("lm"), "distill step (fwd+bwd)": lambda: step("distill"),
+             "teacher forward": teacher_forward}
+    for run in cases.values():  # warm-up: first-call allocations and dispatch caches
+        run()
+    wall = {name: [] for name in cases}
+    cpu = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, run in cases.items():
+            w, c = time.perf_counter(), time.process_time()
+            run()
+            cpu[name].append(time.process_time() - c)
+            wall[name].append(time.perf_counter() - w)
+    rows = [{"case": name, "wall_ms_median": 1e3 * statistics.median(wall[name]), "wall_ms_min": 1e3 * min(wall[name]),
+             "cpu_ms_median": 1e3 * statistics.median(cpu[name]), "cpu_ms_min": 1e3 * min(cpu[name])}
+            for name in cases]
+    return {"recipe": recipe.name, "model": {k: getattr(section, k) for k in ("n_layer", "n_embd", "n_head",
+                                                                              "vocab_size")},
+            "batch": [ft.batch_size, ft.seq_len], "impl": recipe.impl, "dtype": ft.dtype, "threads": threads,
+            "repeat": repeat, "torch": torch.__version__, "python": platform.python_version(),
+            "host": socket.gethostname(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--repeat", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...; '-' for none)")
+    args = ap.parse_args(argv)
+    result = measure(args.recipe, args.repeat, args.threads)
+    lm = {r["case"]: r for r in result["rows"]}["lm step (fwd+bwd)"]
+    print(f"{result['recipe']}: {result['model']}, batch {result['batch']}, {args.threads} thread(s), "
+          f"{args.repeat} repeats")
+    print(f"{'case':24} {'cpu ms med':>10} {'cpu ms min':>10} {'wall ms med':>11} {'x lm (cpu med)':>15}")
+    for r in result["rows"]:
+        print(f"{r['case']:24} {r['cpu_ms_median']:10.2f} {r['cpu_ms_min']:10.2f} {r['wall_ms_median']:11.2f} "
+              f"{r['cpu_ms_median'] / lm['cpu_ms_median']:15.2f}")
+    if args.out != "-":
+        out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
+            f"experiment-step-{result['recipe']}-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
