@@ -199,12 +199,12 @@ def _decode(model, ids):
 
 
 def _device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as e:
-        raise NormswapError(f"bad device {name!r}: {e}") from None
+    """cpu, cuda or cuda:N (None: CUDA when there is one), as every command reads --device: any other
+    torch device was taken as is, so meta timed a model that computes nothing and wrote its
+    tokens/s, and mps/xpu failed after the config was read with torch's dispatcher listing."""
+    from normswap.loading import parse_device
+
+    return torch.device(parse_device("auto" if name is None else name) or "cpu")
 
 
 def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None,
@@ -349,6 +349,7 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
         value = getattr(cfg, name)
         if value < least:
             raise BadInputError(f"{n[name]} {value}: must be at least {least}")
+    _device(cfg.device)
 
 
 def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,

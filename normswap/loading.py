@@ -731,6 +731,10 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     from normswap.swap import PatchConfig, patch
 
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
+    if device is not None and device != "auto":  # "auto" stays transformers' device_map (spread over devices)
+        device = parse_device(device)
+    if progress is not None and not callable(progress):  # it would fail only once every weight had loaded
+        raise TypeError(f"progress: expected a function (stage, done, total), got {type(progress).__name__}")
     source = resolve(directory, "directory", progress)
     manifest = read_manifest(source.path)
     # before the weights: a patch that cannot run here (or an impl that cannot) is refused first

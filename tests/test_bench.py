@@ -267,3 +267,29 @@ def test_bad_options_are_named_as_each_caller_gave_them(tmp_path, cli_args, kwar
     assert str(e.value).startswith(library_says) and "--" not in str(e.value), e.value
     assert isinstance(e.value, BadInputError) or "does not fit" in library_says
     assert not out.exists()
+
+
+@pytest.mark.parametrize("device, says", [
+    # meta timed a model that computes nothing and wrote its "tokens/s" as a result, exit 0
+    ("meta", "unknown device 'meta'; choose auto, cpu, cuda or cuda:N"),
+    # mps / xpu were torch's multi-kilobyte dispatcher listing, after the config was read
+    ("mps", "unknown device 'mps'"),
+    ("xpu", "unknown device 'xpu'"),
+    ("cuda", "no CUDA device here"),
+])
+def test_a_device_bench_cannot_time_on_is_refused_before_anything_runs(tmp_path, device, says):
+    import normswap
+    from normswap.errors import NormswapError
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    model = _config_only("llama", tmp_path / "cfg")
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", "--device", device, "--out", str(out)])
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("normswap: error: "), r.stderr[:500]
+    assert says in lines[0] and "eager" not in r.stderr  # nothing was built or timed
+    with pytest.raises(NormswapError, match=says):
+        normswap.bench_checkpoint(model, "torch", modes="prefill", seq=4, repeats=1, warmup=0, device=device, out=out)
+    assert not out.exists()

@@ -132,10 +132,16 @@ def _hostile_calls(d, out):
         # torch.device(None): torch's TypeError, naming no argument
         (lambda: P.patch_checkpoint(d, "torch", out=out, device=None), TypeError,
          r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got NoneType"),
+        # load checked its dtype first and passed device and progress on: a device transformers
+        # cannot place weights on said so after the manifest was read; a progress that is no function
+        # failed after every weight had loaded
+        (lambda: P.load(d, device="tpu"), P.NormswapError, "unknown device 'tpu'; choose auto, cpu, cuda or cuda:N"),
+        (lambda: P.load(d, device=5), TypeError, r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got int"),
+        (lambda: P.load(d, progress="yes"), TypeError, "progress: expected a function .stage, done, total., got str"),
     ]
 
 
-N_HOSTILE = 50
+N_HOSTILE = 53
 
 
 def test_every_hostile_case_is_listed():
