@@ -275,7 +275,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         parse_device,
         resolve,
     )
-    from normswap.manifest import conversion_section, rms_forms
+    from normswap.manifest import read_manifest_if_any, rms_forms
     from normswap.swap import patch, regex_filter
 
     _require_path("out", out, optional=True)
@@ -292,8 +292,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     source = resolve(model, progress=progress)
     config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
     # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
-    # layout, is refused before any work.
-    converted = None if source.gguf_file else conversion_section(source.path)
+    # layout, is refused before any work. Read once: its convert section, the patch --eval
+    # compares with and what the save keeps all come from this one reading.
+    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
+    converted = None if manifest is None else manifest.get("convert")
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
@@ -308,7 +310,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if target is not None:
         _check_writable(target, folder=True)
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
-    baseline = _eval_baseline(source) if scoring else None
+    baseline = _eval_baseline(source, manifest) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
@@ -338,22 +340,23 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
                                      impl_a=baseline["impl"] if baseline else None, impl_b=impl)
     if target is not None:
-        result.saved_to = save_patched(m, report, target, source=source, replace=in_place or force,
-                                       max_shard_size=max_shard_size, progress=progress)
+        result.saved_to = save_patched(m, report, target, source=source, conversion=converted,
+                                       replace=in_place or force, max_shard_size=max_shard_size, progress=progress)
     return result
 
 
-def _eval_baseline(source) -> dict | None:
-    """The patch --eval's A runs: the one the folder's normswap.json records (None: none). A is the
-    model as the folder loads, as ppl and diff score it and normswap.load loads it; the new patch
-    replaces the recorded one from the stock weights, so a stock A would credit (or blame) the new
-    patch for what the recorded one already did. Checked before the weights load: a recorded patch
-    that cannot run here leaves nothing honest to compare with."""
-    from normswap.loading import recorded_patch
+def _eval_baseline(source, manifest: dict | None) -> dict | None:
+    """The patch --eval's A runs: the one the folder's normswap.json records (None: none);
+    `manifest`: that file as the caller read it (None: there is none). A is the model as the
+    folder loads, as ppl and diff score it and normswap.load loads it; the new patch replaces the
+    recorded one from the stock weights, so a stock A would credit (or blame) the new patch for
+    what the recorded one already did. Checked before the weights load: a recorded patch that
+    cannot run here leaves nothing honest to compare with."""
+    from normswap.loading import runnable_patch
 
-    return recorded_patch(source, way_out="--eval compares the new patch with the model as that folder loads, "
-                          "so there is nothing to compare it with here; drop --eval, or run where the recorded "
-                          "patch runs")
+    return runnable_patch(None if manifest is None else manifest.get("patch"), source.ref, None,
+                          way_out="--eval compares the new patch with the model as that folder loads, so there "
+                          "is nothing to compare it with here; drop --eval, or run where the recorded patch runs")
 
 
 def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:

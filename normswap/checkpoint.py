@@ -367,12 +367,19 @@ def write_model_files(model, out_dir: Path, max_shard_size: str | int = "5GB") -
     _kill_point("after-weights")
 
 
-def save_patched(model, report, target: str | os.PathLike, *, source=None, replace: bool = False,
-                 max_shard_size: str | int = "5GB", probe=None, progress: ProgressFn | None = None) -> Path:
+# save_patched's default conversion: read from the source's normswap.json.
+_FROM_SOURCE = object()
+
+
+def save_patched(model, report, target: str | os.PathLike, *, source=None, conversion=_FROM_SOURCE,
+                 replace: bool = False, max_shard_size: str | int = "5GB", probe=None,
+                 progress: ProgressFn | None = None) -> Path:
     """Save a patched model as a stock checkpoint with its normswap.json, safely (module doc).
 
     source: the loading.ModelSource it was loaded from (its tokenizer and other files are carried
-    over). replace: allow replacing an existing target (--force / --in-place). Before the result
+    over). conversion: the source's convert section (None: it has none), kept in the saved
+    manifest, when the caller has read the source's normswap.json already; by default it is read
+    from `source`. replace: allow replacing an existing target (--force / --in-place). Before the result
     is published it is reloaded with stock transformers and its outputs on a probe batch must
     equal, bit for bit, those of the in-memory model with its original norms.
 
@@ -391,7 +398,8 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, repla
     with unpatched(model):
         kind, expected = model_output(model, batch)
     target = target_path(target)
-    conversion = _conversion_of(source)  # read (and validated) before anything is written
+    if conversion is _FROM_SOURCE:
+        conversion = _conversion_of(source)  # read (and validated) before anything is written
     in_place = source is not None and source.path.resolve() == target
     step(progress, "save", 0, 4)
     with staged_dir(target, replace=replace, in_place=in_place) as tmp:

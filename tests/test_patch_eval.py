@@ -1,6 +1,7 @@
 """`normswap patch --eval PATH`: the perplexity diff of the patched model against the original."""
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -114,3 +115,29 @@ def test_eval_on_a_folder_whose_recorded_patch_cannot_run_here_is_refused(model_
     assert "patch+verify" not in result.stderr and "--impl torch" not in result.stderr  # refused before the load
     result = run(fast, "--impl", "torch", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["ok"], result.stderr
+
+
+@pytest.mark.parametrize("where", ["out", "in-place"])
+def test_the_source_manifest_is_read_once(model_and_text, tmp_path, monkeypatch, where):
+    """`patch --eval` on a folder an earlier `patch --out` wrote read its normswap.json three times:
+    for its convert section, for the recorded patch A runs, and again for the save to keep the
+    convert section. One reading serves all three (test_patch_cli and test_convert_patch check
+    that a converted source's convert section is still saved)."""
+    import normswap
+    from normswap import manifest as manifest_module
+
+    model, text = model_and_text
+    fast = tmp_path / "fast"
+    normswap.patch_checkpoint(model, "torch", out=fast)
+    doc = json.loads((fast / "normswap.json").read_text())
+    assert "convert" not in doc
+    reads = []
+    real = manifest_module.read_manifest
+    monkeypatch.setattr(manifest_module, "read_manifest", lambda where: reads.append(Path(where)) or real(where))
+    target = fast if where == "in-place" else tmp_path / "again"
+    args = ["--in-place"] if where == "in-place" else ["--out", target]
+    result = run(fast, "--impl", "reference", "--eval", text, "--eval-max-length", 32, *args, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["eval"]["impl_a"] == "torch"  # A ran the recorded patch
+    assert json.loads((target / "normswap.json").read_text())["patch"]["impl"] == "reference"
+    assert [p for p in reads if p.resolve() == fast.resolve()] == [fast], reads

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -328,6 +329,32 @@ def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
     assert p.stderr.strip() == "normswap: interrupted", p.stderr[-3000:]
     if driver is _SIGINT_AT_EXIT:
         assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
+
+
+# A signal later than every atexit handler: sent while the interpreter tears its modules down
+# (a global of __main__ freed), after Python has switched its signal handling off.
+_SIGNAL_IN_TEARDOWN = """
+import os, signal, sys
+from normswap.cli import main
+class Late:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=int(sys.argv[1])):
+        kill(pid, sig)
+late = Late()
+sys.argv = ["normswap", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_case9_a_signal_in_the_last_moments_of_teardown_loses_nothing(src, sig):
+    """No handler of ours can run then (cli.main says why that is acceptable): the signal's default
+    action ends the process (the shell's 130 or 143), with no line, and the finished run's output
+    is all there."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_IN_TEARDOWN, str(int(sig)), "scan", str(src), "--json",
+                        "--no-readers"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -sig, (p.returncode, p.stderr[-3000:])
+    assert json.loads(p.stdout)["model"] == str(src) and p.stderr == ""
 
 
 # ---- cases 5, 7 (the whole reason) and 8: nonsense configs and unreadable files -----------------

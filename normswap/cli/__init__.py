@@ -4,7 +4,8 @@ Commands build configs and call the library; they hold no logic of their own.
 
 `main` is the console entry point. It imports nothing heavy before it can answer Ctrl-C: an
 interrupt at any moment (start-up imports included) prints one line and exits 130, and so does
-one during the interpreter's shutdown after a finished run (atexit handlers of torch and tqdm).
+one during the interpreter's shutdown after a finished run (atexit handlers of torch and tqdm),
+up to its last moments (see main).
 SIGTERM (`kill`, `timeout`, a batch scheduler's cancel, `docker stop`) is an interrupt too, so the
 same clean-up runs (a staging directory and lock file removed): one line, exit 143.
 """
@@ -65,6 +66,10 @@ def main() -> None:
             sys.stdout.flush()
         except (KeyboardInterrupt, OSError):
             pass
+        # These run until Python switches its signal handling off (after the atexit handlers and
+        # its own flush of stdout and stderr); a signal later than that takes the default action,
+        # with no line: acceptable, since the run has finished by then (every write published,
+        # every lock released, the output flushed) and the shell still reports 130 or 143.
         signal.signal(signal.SIGINT, _interrupted)
         signal.signal(signal.SIGTERM, _interrupted)
         raise
