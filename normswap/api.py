@@ -309,6 +309,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target, folder=True)
+        if not in_place and target.parent.is_dir():
+            # a second run for this --out is refused now, not after its load and proof; the save takes
+            # the lock again (re-entrant), and for a deep new --out only then
+            held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
