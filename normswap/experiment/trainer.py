@@ -156,8 +156,8 @@ def distill_loss(model, ids: torch.Tensor, teacher) -> torch.Tensor:
     # What it costs over lm_loss is inherent: a second forward (the teacher's, without backward) and a
     # KL over the whole vocabulary (the teacher's log-softmax, its exp, a product with every logit)
     # where cross-entropy reads one logit per position. benchmarks/experiment_step.py (CPU time, one
-    # thread, 2026-11-24): a step 1.55x an lm step on smoke-kjv-tiny's model (the teacher's forward
-    # 0.31x, the KL most of the rest: a model that small is mostly its output layer), 1.43x on
+    # thread, 2026-11-24): a step 1.60x an lm step on smoke-kjv-tiny's model (the teacher's forward
+    # 0.33x, the KL most of the rest: a model that small is mostly its output layer), 1.38x on
     # ln2rms-kjv-gpt2's (teacher 0.34x).
     with torch.no_grad():
         target = torch.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
