@@ -1090,6 +1090,40 @@ def test_distill_loss_is_kl_from_the_original_to_the_arm():
     assert all(p.grad is None for p in original.parameters())
 
 
+def test_the_teachers_half_precision_weights_are_not_held_through_the_step():
+    """The teacher (the original) is no longer frozen (later arms train from it), so autocast's weight
+    cache would keep the half-precision copy of each of its matrices until the step's autocast ends,
+    through the arm's forward and backward: a second, half-size teacher at the step's peak. Its casts
+    are freed once used; the arm's are cached as before, and the cache setting is restored."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.trainer import distill_loss
+
+    original = random_layer_norm_gpt2()
+    arm = build_arm(original, "approx", "torch").train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    owner = {id(p): who for who, model in (("teacher", original), ("arm", arm)) for p in model.parameters()}
+    casts = {"teacher": [], "arm": []}
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and id(args[0]) in owner:
+                casts[owner[id(args[0])]].append(weakref.ref(out))
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Casts():
+            distill_loss(arm, ids, original)
+        held = {who: sum(ref() is not None for ref in refs) for who, refs in casts.items()}
+        assert torch.is_autocast_cache_enabled()
+    assert all(p.requires_grad for p in original.parameters())  # not frozen: the arms after it train
+    assert len(casts["teacher"]) > 0 and held["teacher"] == 0
+    assert held["arm"] == len(casts["arm"]) > 0  # autocast's cache, kept for the arm's backward
+
 def test_the_distill_arm_trains_on_kl_from_the_original(every_arm, pretrained_dir):
     """approx+distill's first training loss is KL(original ‖ approx) on step 0's batch (the
     language-modelling loss of the same batch is what approx+ft starts from)."""
