@@ -290,12 +290,6 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
     source = resolve(model, progress=progress)
-    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
-    # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
-    # layout, is refused before any work. Read once: its convert section, the patch --eval
-    # compares with and what the save keeps all come from this one reading.
-    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
-    converted = None if manifest is None else manifest.get("convert")
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
@@ -303,12 +297,26 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
                                 "(use --out DIR)")
         target = source.path
         check_replaceable(target, in_place=True)  # before the load: the save would be refused after it
+        # A second --in-place run is refused before it loads anything. Taken before the folder is
+        # read: a run that held it may just have published a new folder (convert --force), and
+        # what the save keeps from the manifest must be what the load reads.
+        held.enter_context(target_lock(target))
+    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
+    # layout, is refused before any work. Read once: its convert section, the patch --eval
+    # compares with and what the save keeps all come from this one reading.
+    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
+    converted = None if manifest is None else manifest.get("convert")
+    if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
-        held.enter_context(target_lock(target))  # a second --in-place run is refused before it loads anything
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target, folder=True)
+        if not in_place and target.parent.is_dir():
+            # a second run for this --out is refused now, not after its load and proof; the save takes
+            # the lock again (re-entrant), and for a deep new --out only then
+            held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
