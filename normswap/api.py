@@ -93,6 +93,14 @@ def _require_flags(**flags) -> None:
             require_bool(name, value)
 
 
+def _require_progress(progress) -> None:
+    """A callback or None: the checkpoint calls call it at each stage (True drew nothing: "'bool' object
+    is not callable" at the first stage)."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a function (stage, done, total) or None, got {type(progress).__name__} "
+                        "(normswap.progress.ProgressBars() draws the commands' bars)")
+
+
 def _require_path(name: str, value, optional: bool = False) -> None:
     if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
         raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
@@ -279,6 +287,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.swap import patch, regex_filter
 
     _require_path("out", out, optional=True)
+    _require_progress(progress)
     _require_settings("evaluation", evaluation, optional=True)
     _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
                    noise_floor=noise_floor)
@@ -414,6 +423,7 @@ def convert_checkpoint(
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
+    _require_progress(progress)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
@@ -480,6 +490,7 @@ def bench_checkpoint(
     )
     from normswap.loading import require_reference
 
+    _require_progress(progress)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
     check_config(config, option_names)
@@ -507,6 +518,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.loading import load_config, recorded_patch, resolve
 
     _require_settings("settings", settings)
+    _require_progress(progress)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
@@ -534,6 +546,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
     _require_settings("settings", settings)
+    _require_progress(progress)
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
