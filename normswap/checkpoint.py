@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -165,10 +166,16 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
         raise NormswapError(f"{target} is a filesystem root; refusing to replace it")
     if target == Path.home().resolve():
         raise NormswapError(f"{target} is the home directory; refusing to replace it")
-    if os.path.ismount(target):
+    mounts = mount_points_within(target)
+    if target in mounts or os.path.ismount(target):
         # a rename cannot move a mount point (EBUSY): found only after the whole model was saved
         raise NormswapError(f"{target} is a mount point, which no directory can be swapped for; "
                             + ("save with --out DIR instead" if in_place else "write to a folder inside it, or elsewhere"))
+    if mounts:
+        # the old tree's removal after the swap would go down into it and delete that filesystem's files
+        raise NormswapError(f"{target} holds a mount point ({mounts[0]}): replacing the folder would delete what is "
+                            "on that other filesystem; " + ("save with --out DIR instead" if in_place
+                                                            else "write elsewhere"))
     if in_place:
         return
     cwd = Path.cwd().resolve()
@@ -178,6 +185,30 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     if any(target.iterdir()) and not is_checkpoint_dir(target):
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
                             "weights or normswap.json); refusing to replace it, even with --force")
+
+
+def mount_points_within(folder: Path) -> list[Path]:
+    """The mount points at `folder` or below it, bind mounts included (os.path.ismount misses a bind
+    mount of a folder of the same filesystem): from /proc/self/mountinfo where there is one, else by
+    walking the tree with os.path.ismount."""
+    folder = Path(folder)
+    try:
+        table = Path("/proc/self/mountinfo").read_bytes()
+    except OSError:
+        table = None
+    if table is not None:
+        found = []
+        for line in table.splitlines():
+            fields = line.split()
+            if len(fields) > 4:  # the mount point, with space, tab, line break and backslash as \ooo
+                point = Path(os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])))
+                if point.is_relative_to(folder):
+                    found.append(point)
+        return sorted(found)
+    found = []
+    for root, dirs, _files in os.walk(folder):  # links are not followed
+        found += [Path(root) / d for d in dirs if os.path.ismount(Path(root) / d)]
+    return found
 
 
 _HELD_LOCKS: dict[Path, int] = {}

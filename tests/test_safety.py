@@ -156,6 +156,44 @@ def test_case1_a_mount_point_is_refused_before_the_load(src, tmp_path, how):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]  # no staging, no lock left
 
 
+@pytest.mark.parametrize("how", ["in-place", "force", "bind"])
+def test_case1_a_folder_holding_a_mount_point_is_refused_before_the_load(src, tmp_path, how):
+    """A checkpoint folder with another filesystem mounted inside it (model/data on a share): the
+    old tree's removal after the swap went down into the mount and deleted what was on that
+    filesystem (--force: gone; --in-place: copied into the new tree first, the share emptied), and
+    left the mount at a hidden staging name. Refused before anything loads; the mount's files stay."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, ckpt / f.name)
+    if how == "bind":  # a bind mount of a folder of the same filesystem: os.path.ismount misses it
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "d.txt").write_text("the share's")
+        (ckpt / "data").mkdir()
+        if subprocess.run(["mount", "--bind", str(tmp_path / "elsewhere"), str(ckpt / "data")],
+                          capture_output=True).returncode:
+            pytest.skip("cannot bind-mount here")
+        mounted = contextlib.nullcontext(ckpt / "data")
+    else:
+        mounted = _mount_point(ckpt / "data")
+    try:
+        with mounted as data:
+            if how != "bind":
+                (data / "d.txt").write_text("the share's")
+            args = [ckpt, "--in-place"] if how == "in-place" else [src, "--out", ckpt, "--force"]
+            r = run("patch", *args, "--impl", "torch")
+            assert_one_line_error(r, f"{ckpt} holds a mount point ({data})")
+            assert "load" not in r.stderr
+            assert (data / "d.txt").read_text() == "the share's"
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt"] + (["elsewhere"] if how == "bind"
+                                                                                     else []))
+    finally:  # wherever a failing run left the mount (a hidden staging name), it goes
+        for point in reversed(checkpoint.mount_points_within(tmp_path)):
+            subprocess.run(["umount", "-l", str(point)], check=True)
+
+
 # ---- case 3: racing runs, and the in-place lock ------------------------------------------------
 
 
