@@ -338,6 +338,10 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
         raise BadInputError(f"{n['impls']} names no implementation; expected one or more of {', '.join(BACKENDS)}")
     if not cfg.modes:
         raise BadInputError(f"{n['modes']} names no workload; expected {', '.join(MODES)}")
+    for name in ("impls", "modes"):
+        twice = next((v for i, v in enumerate(getattr(cfg, name)) if v in getattr(cfg, name)[:i]), None)
+        if twice is not None:  # timed twice, two rows under one name
+            raise BadInputError(f"{n[name]}: {twice} named twice")
     bad = [m for m in cfg.modes if m not in MODES]
     if bad:
         raise BadInputError(f"{n['modes']}: unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
