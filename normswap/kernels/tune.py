@@ -526,18 +526,15 @@ def timing_lock_path(here: dict) -> Path:
 def _timing_lock(here: dict):
     """One tuner per GPU at a time: a second one would time its candidates against the first's
     kernels (both would pick tiles from contended times). Refused at once, nothing written."""
-    from filelock import FileLock, Timeout
+    from normswap.fileio import LockHeld, path_lock
 
-    lock = FileLock(str(timing_lock_path(here)), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise NormswapError(f"another normswap tune is timing on this GPU ({here['device']}); run one at a time "
-                            "(their timings would include each other's kernels); nothing written") from None
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(path_lock(timing_lock_path(here), wait=False))
+        except LockHeld:
+            raise NormswapError(f"another normswap tune is timing on this GPU ({here['device']}); run one at a time "
+                                "(their timings would include each other's kernels); nothing written") from None
         yield
-    finally:
-        lock.release()
 
 
 def _static_worker_env(fp_fusion: str | None) -> None:
