@@ -938,6 +938,33 @@ def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_a
     assert again.data["arms"]["approx+ft"] == done.data["arms"]["approx+ft"]
 
 
+def test_an_interrupted_pretraining_resumes_only_under_the_process_count_that_started_it(tmp_path, monkeypatch):
+    """README: an interrupted pretraining is refused under another process count as an arm is (its
+    checkpoint lies in the cache's .partial folder, not in OUT): one line naming that folder, nothing removed."""
+    import normswap.experiment.runner as runner
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    recipe = load_recipe(path)
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    partial = final.with_name(final.name + ".partial")
+    stop = StopFlag()
+    stop.set()  # the pretraining checks it after its first step
+    with pytest.raises(Interrupted, match="pretrain: stopped at step 1 of 80"):
+        run_experiment(path, tmp_path / "out", progress=False, stop=stop)
+    before = _files(partial)
+    monkeypatch.setattr(runner, "make_accelerator", lambda recipe, out: _two_processes_accelerator())
+    with pytest.raises(NormswapError) as refused:
+        run_experiment(path, tmp_path / "out", progress=False)
+    assert str(refused.value) == (
+        "pretrain: its checkpoint at step 1 was trained on 1 process and this run has 2: the process count decides "
+        "the batches, so the resumed steps would see other data; run it again on 1 process, or delete "
+        f"{partial / 'state'} to train it from the start on 2")
+    assert _files(partial) == before and not final.exists()
+
+
 # --------------------------------------------------------------------------- kernels
 
 

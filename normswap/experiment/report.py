@@ -66,8 +66,8 @@ def _fmt(v, spec: str, signed: bool = False) -> str:
     return format(v, ("+" if signed else "") + spec)
 
 
-def _count(n: int, noun: str) -> str:
-    """1 step, 2 steps; 1 process, 2 processes."""
+def count_noun(n: int, noun: str) -> str:
+    """1 step, 2 steps; 1 process, 2 processes (the reports' and the trainer's messages)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
@@ -93,14 +93,14 @@ def summary_markdown(result: dict) -> str:
                   if parse_arm(name)[1]}
         counts = sorted(set(by_arm.values()))
         per_step = " or ".join(str(ft["batch_size"] * ft["grad_accum"] * n) for n in counts)
-        processes = _count(counts[0], "process") if len(counts) == 1 else " or ".join(map(str, counts)) + \
+        processes = count_noun(counts[0], "process") if len(counts) == 1 else " or ".join(map(str, counts)) + \
             " processes; " + "; ".join(f"{n}: {', '.join(a for a, k in by_arm.items() if k == n)}" for n in counts)
-        warmup = f"after {_count(ft['warmup_steps'], 'warm-up step')}" if ft["warmup_steps"] else "no warm-up"
-        lines += [f"Fine-tuning: {_count(ft['steps'], 'step')} of {per_step} "
+        warmup = f"after {count_noun(ft['warmup_steps'], 'warm-up step')}" if ft["warmup_steps"] else "no warm-up"
+        lines += [f"Fine-tuning: {count_noun(ft['steps'], 'step')} of {per_step} "
                   f"sequences × {ft['seq_len']} tokens ({ft['batch_size']} per micro-batch × {ft['grad_accum']} "
                   f"accumulated × {processes}), {ft['optimizer']} at lr {ft['lr']:g} "
                   f"({ft['schedule']}, {warmup}), {ft['dtype']}; evaluated every "
-                  f"{_count(ft['eval_every'], 'step') if ft['eval_every'] > 1 else 'step'}.", ""]
+                  f"{count_noun(ft['eval_every'], 'step') if ft['eval_every'] > 1 else 'step'}.", ""]
     ev = result["eval"]
     floor = result.get("noise_floor")
     lines += [f"Held-out text: {ev['tokens']} tokens, windows of {ev['max_length']} (stride {ev['stride']}). "

@@ -36,6 +36,7 @@ import torch
 from normswap import jsonsafe
 from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings
+from normswap.experiment.report import count_noun
 from normswap.progress import isatty
 
 LATEST = "LATEST"
@@ -204,10 +205,6 @@ def _read_history(path: Path, remedy: str) -> History:
                             f"{remedy}") from None
 
 
-def _processes(n: int) -> str:
-    return f"{n} process" + ("es" if n != 1 else "")
-
-
 def check_resumable(state_dir: Path, num_processes: int, what: str) -> None:
     """Refuse (NormswapError, nothing removed) to resume the checkpoint in state_dir under another
     number of processes than the one that wrote it: a step's sequences are grad_accum x processes
@@ -221,9 +218,10 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> None:
     # A checkpoint from before the count was recorded: accelerate's save_state writes one RNG file per process.
     saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
     if saved is not None and saved != num_processes:
-        raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {_processes(saved)} and this "
+        trained_on = count_noun(saved, "process")
+        raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {trained_on} and this "
                             f"run has {num_processes}: the process count decides the batches, so the resumed "
-                            f"steps would see other data; run it again on {_processes(saved)}, or delete {state_dir} "
+                            f"steps would see other data; run it again on {trained_on}, or delete {state_dir} "
                             f"to train it from the start on {num_processes}")
 
 
