@@ -93,6 +93,14 @@ def _require_flags(**flags) -> None:
             require_bool(name, value)
 
 
+def _require_progress(progress) -> None:
+    """A callback or None: the checkpoint calls call it at each stage (True drew nothing: "'bool' object
+    is not callable" at the first stage)."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a function (stage, done, total) or None, got {type(progress).__name__} "
+                        "(normswap.progress.ProgressBars() draws the commands' bars)")
+
+
 def _require_path(name: str, value, optional: bool = False) -> None:
     if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
         raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
@@ -279,6 +287,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.swap import patch, regex_filter
 
     _require_path("out", out, optional=True)
+    _require_progress(progress)
     _require_settings("evaluation", evaluation, optional=True)
     _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
                    noise_floor=noise_floor)
@@ -290,12 +299,6 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
     source = resolve(model, progress=progress)
-    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
-    # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
-    # layout, is refused before any work. Read once: its convert section, the patch --eval
-    # compares with and what the save keeps all come from this one reading.
-    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
-    converted = None if manifest is None else manifest.get("convert")
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
@@ -303,12 +306,26 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
                                 "(use --out DIR)")
         target = source.path
         check_replaceable(target, in_place=True)  # before the load: the save would be refused after it
+        # A second --in-place run is refused before it loads anything. Taken before the folder is
+        # read: a run that held it may just have published a new folder (convert --force), and
+        # what the save keeps from the manifest must be what the load reads.
+        held.enter_context(target_lock(target))
+    config = load_config(source, progress)  # read once: the checks below and the load use it (a GGUF's takes seconds)
+    # The source's manifest too, before the (long) load: a malformed one, or a newer normswap's
+    # layout, is refused before any work. Read once: its convert section, the patch --eval
+    # compares with and what the save keeps all come from this one reading.
+    manifest = None if source.gguf_file else read_manifest_if_any(source.path)
+    converted = None if manifest is None else manifest.get("convert")
+    if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
-        held.enter_context(target_lock(target))  # a second --in-place run is refused before it loads anything
     elif out is not None:
         target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target, folder=True)
+        if not in_place and target.parent.is_dir():
+            # a second run for this --out is refused now, not after its load and proof; the save takes
+            # the lock again (re-entrant), and for a deep new --out only then
+            held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
@@ -406,6 +423,7 @@ def convert_checkpoint(
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
+    _require_progress(progress)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
@@ -472,6 +490,7 @@ def bench_checkpoint(
     )
     from normswap.loading import require_reference
 
+    _require_progress(progress)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
     check_config(config, option_names)
@@ -499,6 +518,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.loading import load_config, recorded_patch, resolve
 
     _require_settings("settings", settings)
+    _require_progress(progress)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
@@ -526,6 +546,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
     _require_settings("settings", settings)
+    _require_progress(progress)
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads

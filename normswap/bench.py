@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from normswap import jsonsafe
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option_labels
 from normswap.progress import ProgressFn
 
 MODES = ("train", "prefill", "decode")
@@ -215,7 +215,7 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, prog
 
     source = resolve(cfg.model, progress=progress)
     config = load_config(source, progress)
-    _check_context(cfg, config, _names(option_names))
+    _check_context(cfg, config, option_labels(CHECKED_OPTIONS, option_names))
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
     cls = model_class(config)
@@ -322,10 +322,6 @@ CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats")
 _AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
 
 
-def _names(option_names: Mapping[str, str] | None) -> dict[str, str]:
-    return {k: k for k in CHECKED_OPTIONS} | dict(option_names or {})
-
-
 def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None) -> None:
     """The checks that need no model: bench_checkpoint runs them before anything is read.
     option_names: what the messages call impls, modes, batch, seq, warmup and repeats (the
@@ -333,7 +329,7 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
     from normswap.backends import BACKENDS
     from normswap.errors import BadInputError
 
-    n = _names(option_names)
+    n = option_labels(CHECKED_OPTIONS, option_names)
     for name, _least in _AT_LEAST:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
@@ -366,7 +362,7 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
     from normswap.swap import patch, revert
 
     check_config(cfg, option_names)
-    n = _names(option_names)
+    n = option_labels(CHECKED_OPTIONS, option_names)
     for impl in cfg.impls:
         get_backend(impl)  # an impl that cannot run here fails before the model is built
     dtype = parse_dtype(cfg.dtype)

@@ -1,4 +1,4 @@
-"""Reading evaluation text from PATH: a plain text file (or a gzip-compressed `.gz` one), a .jsonl file with a text field, a directory
+"""Reading evaluation text from PATH: a plain text file (or a gzip-compressed `.gz` one), a .jsonl file (or .jsonl.gz) with a text field, a directory
 of .txt files, or a `datasets` dataset saved to disk (`save_to_disk`).
 
 `open_corpus` checks what it can up front (the path exists, is not empty, is not binary, the
@@ -88,7 +88,8 @@ def open_corpus(path: str | Path, text_field: str = "text") -> Corpus:
     if not p.is_file():
         raise NormswapError(f"{path}: not a regular file")
     _sniff_text(p, allow_empty=False)
-    if p.suffix.lower() == ".jsonl":
+    # rows.jsonl.gz is rows too: read as text, its JSON syntax was scored as the document
+    if (Path(p.stem) if _is_gzip(p) else p).suffix.lower() == ".jsonl":
         return Corpus(p, "jsonl", text_field)
     return Corpus(p, "text", text_field)
 

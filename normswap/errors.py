@@ -1,6 +1,7 @@
 """Errors that the command line turns into one line on stderr and exit code 2."""
 
 import re
+from collections.abc import Iterable, Mapping
 
 
 class NormswapError(Exception):
@@ -25,6 +26,13 @@ def require_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return value
+
+
+def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None) -> dict[str, str]:
+    """What messages call each of `options`: its library parameter name, or the name option_names
+    gives it (a command line passes the flag it took the value from: {"batch": "--batch"}), so a
+    library caller and a command-line user each read the name they wrote."""
+    return {k: k for k in options} | dict(option_names or {})
 
 
 # Library messages that point at output the user never sees (transformers' load report is

@@ -42,7 +42,7 @@ import torch
 
 from normswap import data as text_data
 from normswap.data import Corpus, cut_pieces, open_corpus
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, option_labels
 from normswap.progress import ProgressFn
 from normswap.verify import model_output
 from normswap.walk import require_module
@@ -177,14 +177,10 @@ WINDOW_OPTIONS = ("max_length", "stride", "max_tokens", "batch_size")
 CLI_NAMES = {k: "--" + k.replace("_", "-") for k in WINDOW_OPTIONS}
 
 
-def _names(names: Mapping[str, str] | None) -> dict[str, str]:
-    return {k: k for k in WINDOW_OPTIONS} | dict(names or {})
-
-
 def check_window_options(max_length: int | None, stride: int | None, max_tokens: int | None = None,
                          batch_size: int = 1, names: Mapping[str, str] | None = None) -> None:
     """The checks that need no model: a CLI runs them before loading anything."""
-    n = _names(names)
+    n = option_labels(WINDOW_OPTIONS, names)
     for key, value in zip(WINDOW_OPTIONS, (max_length, stride, max_tokens, batch_size), strict=True):
         # batch_size has no "default" None: None there is a wrong value, not a missing one
         if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)):
@@ -210,7 +206,7 @@ def plan_window(models: Sequence, max_length: int | None, stride: int | None,
                 names: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(window, stride): the models' context capped by max_length; stride defaults to half of it."""
     check_window_options(max_length, stride, names=names)
-    n = _names(names)
+    n = option_labels(WINDOW_OPTIONS, names)
     contexts = [c for c in (model_context_length(m) for m in models) if c is not None]
     context = min(contexts) if contexts else None
     if max_length is None:
@@ -245,7 +241,7 @@ def sliding_windows(
     behaviour, used when the window is the model's context) and an error otherwise (the user asked
     for windows of that length: a number measured on fewer tokens would not be comparable).
     """
-    n = _names(names)
+    n = option_labels(WINDOW_OPTIONS, names)
     tokens = _capped(_flatten(token_chunks), max_tokens)
     buf: list[int] = []
     buf_start = 0  # absolute position of buf[0]

@@ -8,6 +8,7 @@ the one lock file that serialises two writers of one path (path_lock)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -80,8 +81,10 @@ def made_folders(folder: str | os.PathLike) -> Iterator[None]:
     while not p.exists() and not p.is_symlink() and p != p.parent:
         missing.append(p)
         p = p.parent
-    if not p.is_dir():  # a file or a link to nothing holds the name: mkdir -p's own error
-        p.mkdir()
+    if not p.is_dir():  # a file or a link to nothing holds the name: mkdir -p's own error, "File exists",
+        # read as if the run had tried to write into that file
+        why = "a link to nothing" if p.is_symlink() else "not a folder"
+        raise NotADirectoryError(errno.ENOTDIR, f"{p} is {why}", str(p))
     made = []
     try:
         for p in reversed(missing):

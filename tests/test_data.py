@@ -215,3 +215,20 @@ def test_an_empty_data_path_is_bad_input_not_the_current_directory(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadInputError, match="the data path is empty"):
         open_corpus(path)
+
+
+def test_gzip_jsonl_is_read_by_rows_like_the_plain_file(tmp_path):
+    """rows.jsonl.gz (how large corpora ship) was read as plain text, its JSON syntax ('{"text": ')
+    scored as if it were the document, with no complaint: the kind came from the last suffix (.gz)."""
+    import gzip
+
+    rows = "\n".join(json.dumps(r) for r in [{"text": "one", "id": 1}, {"text": "two"}]) + "\n"
+    (tmp_path / "rows.jsonl").write_text(rows)
+    (tmp_path / "rows.JSONL.gz").write_bytes(gzip.compress(rows.encode()))
+    packed = open_corpus(tmp_path / "rows.JSONL.gz")
+    assert packed.kind == "jsonl" and texts(packed) == texts(open_corpus(tmp_path / "rows.jsonl")) == ["one", "two"]
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n{not json}\n'))
+    with pytest.raises(NormswapError, match="bad.jsonl.gz:2: not valid JSON"):
+        texts(open_corpus(tmp_path / "bad.jsonl.gz"))
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(rows.encode()))  # any other .gz: text, as before
+    assert open_corpus(tmp_path / "notes.txt.gz").kind == "text"

@@ -1090,6 +1090,40 @@ def test_distill_loss_is_kl_from_the_original_to_the_arm():
     assert all(p.grad is None for p in original.parameters())
 
 
+def test_the_teachers_half_precision_weights_are_not_held_through_the_step():
+    """The teacher (the original) is no longer frozen (later arms train from it), so autocast's weight
+    cache would keep the half-precision copy of each of its matrices until the step's autocast ends,
+    through the arm's forward and backward: a second, half-size teacher at the step's peak. Its casts
+    are freed once used; the arm's are cached as before, and the cache setting is restored."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from normswap.experiment.arms import build_arm
+    from normswap.experiment.trainer import distill_loss
+
+    original = random_layer_norm_gpt2()
+    arm = build_arm(original, "approx", "torch").train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    owner = {id(p): who for who, model in (("teacher", original), ("arm", arm)) for p in model.parameters()}
+    casts = {"teacher": [], "arm": []}
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and id(args[0]) in owner:
+                casts[owner[id(args[0])]].append(weakref.ref(out))
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Casts():
+            distill_loss(arm, ids, original)
+        held = {who: sum(ref() is not None for ref in refs) for who, refs in casts.items()}
+        assert torch.is_autocast_cache_enabled()
+    assert all(p.requires_grad for p in original.parameters())  # not frozen: the arms after it train
+    assert len(casts["teacher"]) > 0 and held["teacher"] == 0
+    assert held["arm"] == len(casts["arm"]) > 0  # autocast's cache, kept for the arm's backward
+
 def test_the_distill_arm_trains_on_kl_from_the_original(every_arm, pretrained_dir):
     """approx+distill's first training loss is KL(original ‖ approx) on step 0's batch (the
     language-modelling loss of the same batch is what approx+ft starts from)."""
@@ -1126,19 +1160,65 @@ def test_a_distillation_arm_leaves_the_original_trainable_for_the_arms_after_it(
     assert [e["ppl"] for e in after["evals"]] == [e["ppl"] for e in alone["evals"]]
 
 
-def test_the_step_benchmark_times_each_loss_on_the_recipes_shape(tmp_path):
-    """benchmarks/experiment_step.py: one row per case, on the recipe's model and batch (plumbing only:
-    its times are for reading, not for asserting)."""
+def test_the_step_benchmark_times_each_loss_on_the_recipes_shape(tmp_path, monkeypatch, capsys):
+    """benchmarks/experiment_step.py: each loss run on the recipe's micro-batch under each thread count
+    (a warm-up, then --repeat times), the distillation with a teacher apart from the arm, one row per count and case,
+    the caller's thread count kept (plumbing only: its times are for reading, not for asserting)."""
+    from collections import Counter
+
     from benchmark_scripts import load_script
 
+    from normswap.experiment import trainer
+
+    calls = Counter()
+
+    def counted(name, loss):
+        def run(model, ids, teacher):
+            assert name == "lm" or (teacher is not None and teacher is not model)  # the original, not the arm
+            calls[name, tuple(ids.shape), torch.get_num_threads()] += 1
+            return loss(model, ids, teacher)
+        return run
+
+    for name, loss in list(trainer.LOSSES.items()):
+        monkeypatch.setitem(trainer.LOSSES, name, counted(name, loss))
+    threads = torch.get_num_threads()
     out = tmp_path / "step.json"
-    load_script("experiment_step").main([str(ROOT / "recipes" / "smoke-kjv-tiny.toml"), "--repeat", "2",
-                                         "--out", str(out)])
+    assert load_script("experiment_step").main([str(ROOT / "recipes" / "smoke-kjv-tiny.toml"), "--repeat", "2",
+                                                "--threads", "1,2", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
+    assert calls == {(name, (8, 64), n): 3 for name in ("lm", "distill") for n in (1, 2)}
     result = json.loads(out.read_text())
     assert result["model"] == {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1024}
-    assert result["batch"] == [8, 64] and result["threads"] == 1 and result["repeat"] == 2
-    assert [r["case"] for r in result["rows"]] == ["lm step (fwd+bwd)", "distill step (fwd+bwd)", "teacher forward"]
+    assert result["batch"] == [8, 64] and result["threads"] == [1, 2] and result["repeat"] == 2
+    assert result["torch"] == torch.__version__ and result["transformers"]
+    cases = ["lm step (fwd+bwd)", "distill step (fwd+bwd)", "teacher forward"]
+    assert [(r["threads"], r["case"]) for r in result["rows"]] == [(n, c) for n in (1, 2) for c in cases]
     assert all(math.isfinite(r[k]) and r[k] >= 0 for r in result["rows"] for k in r if k != "case")
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table if "step (fwd+bwd)" in line or "teacher forward" in line] == \
+        ["1"] * 3 + ["2"] * 3
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--repeat", "0"], "--repeat: expected a count >= 1"),
+    (["--threads", "0"], "--threads: expected distinct thread counts >= 1"),
+    (["--threads", "1,x"], "--threads: expected thread counts such as 1 or 1,2"),
+])
+def test_the_step_benchmark_refuses_bad_counts(capsys, args, says):
+    from benchmark_scripts import load_script
+
+    with pytest.raises(SystemExit) as exited:
+        load_script("experiment_step").main([str(ROOT / "recipes" / "smoke-kjv-tiny.toml"), *args, "--out", "-"])
+    assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_step_benchmark_refuses_a_recipe_without_a_model_shape_in_one_line(tmp_path, capsys):
+    from benchmark_scripts import load_script
+
+    path = model_recipe(tmp_path, tmp_path / "model", ["approx+ft"])
+    assert load_script("experiment_step").main([str(path), "--out", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"benchmarks/experiment_step.py: {path}: needs a [pretrain] section (the model shape to build)\n"
 
 
 # --------------------------------------------------------------------------- DDP

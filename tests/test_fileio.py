@@ -45,7 +45,7 @@ def test_a_link_to_nothing_on_the_way_is_not_a_folder_to_write_in(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     for path in (tmp_path / "link" / "t.json", tmp_path / "link" / "deeper" / "t.json"):
         assert unwritable(path) == f"{tmp_path / 'link'} is a link to nothing"
-        with pytest.raises(FileExistsError):
+        with pytest.raises(NotADirectoryError, match="is a link to nothing"):
             write_text_atomic(path, "{}")
     assert unwritable(tmp_path / "link" / "sub", folder=True) == f"{tmp_path / 'link'} is a link to nothing"
     (tmp_path / "nowhere").mkdir()  # the link leads somewhere now: written through it
@@ -149,6 +149,35 @@ def test_a_long_legal_name_can_be_written(tmp_path, name):
     assert (target / "config.json").read_text() == "{}"
     assert not stale.exists() and remove_stale_staging(target) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no lock file or staging left
+
+
+@pytest.mark.parametrize("blocker", ["file", "dangling link"])
+def test_made_folders_under_a_file_names_what_is_in_the_way(tmp_path, blocker):
+    """mkdir -p's own error was 'File exists', which convert (and experiment) reported as 'cannot
+    write to notes.txt: File exists', as if the run had tried to write into the user's file."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+    from normswap.fileio import made_folders
+
+    notes = tmp_path / "notes.txt"
+    if blocker == "file":
+        notes.write_text("mine")
+    else:
+        notes.symlink_to(tmp_path / "nowhere")
+    why = "is not a folder" if blocker == "file" else "is a link to nothing"
+    with pytest.raises(NotADirectoryError, match=f"{notes} {why}"):
+        with made_folders(notes / "a" / "b"):
+            pass
+    if blocker != "file":  # --out resolves through the link: written where it leads, as any --out link is
+        return
+    from tiny_models import save_tiny
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(notes / "run")])
+    assert r.exit_code == 2 and r.stderr.strip() == f"normswap: error: cannot write to {notes}: {notes} {why}", r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "notes.txt"]
+    assert notes.read_text() == "mine"
 
 
 def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_path, monkeypatch):

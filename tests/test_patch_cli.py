@@ -105,6 +105,39 @@ def test_in_place(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging or old trees left behind
 
 
+def test_in_place_reads_the_folder_under_its_lock(tmp_path, monkeypatch):
+    """--in-place loads and saves what the folder holds once its lock is taken: a run that held the
+    lock (here `convert --out M --force`) may have published a new folder just before. The
+    normswap.json read before the lock kept the convert section of the folder as it was, so the
+    save dropped the section of the converted weights it had loaded (and with it the RMS forms
+    that patch --rms and normswap.load read from it)."""
+    import contextlib
+    import shutil
+
+    import normswap
+    from normswap import checkpoint
+
+    d, converted = tmp_path / "m", tmp_path / "converted"
+    save_tiny("gpt2", d)
+    normswap.convert_checkpoint(d, converted)
+    real_lock, published = checkpoint.target_lock, []
+
+    @contextlib.contextmanager
+    def after_another_run(target):
+        if not published:  # the other run publishes its folder and lets go as this one takes the lock
+            shutil.rmtree(d)
+            shutil.copytree(converted, d)
+            published.append(target)
+        with real_lock(target):
+            yield
+
+    monkeypatch.setattr(checkpoint, "target_lock", after_another_run)
+    r = run(d, "--impl", "torch", "--in-place", "--json")
+    assert r.exit_code == 0 and published, r.stderr
+    saved = read_manifest(d)
+    assert saved["convert"] == read_manifest(converted)["convert"] and saved["patch"]["impl"] == "torch"
+
+
 def test_in_place_keeps_every_file_of_the_user(tmp_path):
     # --in-place publishes a new tree and deletes the old one: whatever is not carried over is gone
     d = tmp_path / "m"

@@ -138,10 +138,19 @@ def _hostile_calls(d, out):
         (lambda: P.load(d, device="tpu"), P.NormswapError, "unknown device 'tpu'; choose auto, cpu, cuda or cuda:N"),
         (lambda: P.load(d, device=5), TypeError, r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got int"),
         (lambda: P.load(d, progress="yes"), TypeError, "progress: expected a function .stage, done, total., got str"),
+        # the checkpoint calls called it at their first stage: "'int' object is not callable"
+        (lambda: P.patch_checkpoint(d, "torch", out=out, progress=5), TypeError, "progress: expected a function"),
+        (lambda: P.convert_checkpoint(d, out, progress=5), TypeError, "progress: expected a function"),
+        (lambda: P.evaluate_checkpoint(d, settings, progress=True), TypeError,
+         r"progress: expected a function .stage, done, total. or None, got bool \(normswap.progress.ProgressBars"),
+        (lambda: P.diff_checkpoints(d, patched="torch", settings=settings, progress=5), TypeError,
+         "progress: expected a function"),
+        (lambda: P.bench_checkpoint(d, "torch", modes="prefill", seq=4, out=out / "b.json", progress=5), TypeError,
+         "progress: expected a function"),
     ]
 
 
-N_HOSTILE = 53
+N_HOSTILE = 58
 
 
 def test_every_hostile_case_is_listed():

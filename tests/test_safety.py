@@ -217,6 +217,29 @@ def test_case3_second_in_place_run_is_refused_while_one_holds_the_lock(gpt2, tmp
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_case3_second_patch_out_run_is_refused_before_the_load(src, tmp_path, force):
+    """Two `patch --out X` at once: the second did its whole load, patch and verification (an hour
+    on a large model) and was refused only at the save ('already exists'), or with --force replaced
+    the first's result. It is refused at once, naming the first's pid, as --in-place and convert are."""
+    target = tmp_path / "X"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(target)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = run("patch", src, "--impl", "torch", "--out", target, *force)
+        assert_one_line_error(r, f"another normswap run (pid {holder.pid}) is writing")
+        assert "load" not in r.stderr  # nothing was loaded
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    r = run("patch", src, "--impl", "torch", "--out", tmp_path / "a" / "b" / "X")  # parent folders to make: still fine
+    assert r.exit_code == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["X"]
+
+
 def test_case3_lock_is_reentrant_and_removed(tmp_path):
     t = tmp_path / "t"
     with checkpoint.target_lock(t):

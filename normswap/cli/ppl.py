@@ -15,7 +15,7 @@ def eval_options(f: Callable) -> Callable:
     """The options `ppl` and `diff` share: what to read, how to cut it into windows, and how to load the models."""
     options = [
         click.option("--data", "data_path", required=True, metavar="PATH",
-                     help="A text file, a .jsonl file, a directory of .txt files, or a saved `datasets` dataset."),
+                     help="A text file (or .gz), a .jsonl file (or .jsonl.gz), a directory of .txt files, or a saved `datasets` dataset."),
         click.option("--text-field", default="text", show_default=True,
                      help="The field holding the text in .jsonl rows and datasets."),
         click.option("--max-length", type=int, default=None,

@@ -40,7 +40,7 @@ from normswap._env import launched_main
 from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option_labels
 from normswap.experiment import report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
@@ -213,7 +213,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
-    arms = select_arms(recipe, arms, (option_names or {}).get("arms", "arms"))
+    arms = select_arms(recipe, arms, option_labels(("arms",), option_names)["arms"])
     get_backend(recipe.impl)  # an impl that cannot run here: refused now, not after pretraining at the first arm
     if out is not None and not isinstance(out, str | os.PathLike):
         raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")

@@ -151,15 +151,30 @@ def lm_loss(model, ids: torch.Tensor, teacher=None) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+@contextlib.contextmanager
+def _uncached_casts():
+    """Autocast without its weight cache: under mixed precision autocast keeps the half-precision copy
+    of every weight that requires grad until the step's autocast region ends (through the arm's forward
+    and backward). The teacher's weights require grad (they are the original's, which later arms are
+    copied from and train), but nothing differentiates them: cached, a half-precision copy of the
+    teacher's matrices would sit in memory through the step's peak."""
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
 def distill_loss(model, ids: torch.Tensor, teacher) -> torch.Tensor:
     """Mean over positions of KL(teacher ‖ model) of the next-token distributions."""
     # What it costs over lm_loss is inherent: a second forward (the teacher's, without backward) and a
     # KL over the whole vocabulary (the teacher's log-softmax, its exp, a product with every logit)
     # where cross-entropy reads one logit per position. benchmarks/experiment_step.py (CPU time, one
-    # thread, 2026-11-24): a step 1.55x an lm step on smoke-kjv-tiny's model (the teacher's forward
-    # 0.31x, the KL most of the rest: a model that small is mostly its output layer), 1.43x on
+    # thread, 2026-11-24): a step 1.60x an lm step on smoke-kjv-tiny's model (the teacher's forward
+    # 0.33x, the KL most of the rest: a model that small is mostly its output layer), 1.38x on
     # ln2rms-kjv-gpt2's (teacher 0.34x).
-    with torch.no_grad():
+    with torch.no_grad(), _uncached_casts():
         target = torch.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
     logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
     v = logp.shape[-1]
@@ -300,7 +315,8 @@ def train(
     optimizer = build_optimizer(model, settings)
     model, optimizer = accelerator.prepare(model, optimizer)
     if teacher is not None:
-        # Its forward runs under no_grad (distill_loss): its parameters' requires_grad is left alone.
+        # Its forward runs under no_grad and without autocast's weight cache (distill_loss): its
+        # parameters' requires_grad is left alone.
         # The teacher is the caller's model (the runner's original, every arm's source): freezing it
         # here froze every arm built after a distillation arm, whose training then had nothing to train.
         teacher = teacher.to(accelerator.device).eval()
