@@ -43,7 +43,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, option_labels
 from normswap.fileio import target_path, unwritable, write_text_atomic
 from normswap.kernels import launch_table as T
 
@@ -611,7 +611,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     from normswap.kernels import _common as C
 
     t0 = time.monotonic()
-    name = {k: k for k in ("ops", "passes", "dtypes", "hidden", "budget")} | dict(option_names or {})
+    name = option_labels(("ops", "passes", "dtypes", "hidden", "budget"), option_names)
     ops = _split(ops, name["ops"], T.OPS)
     passes = _split(passes, name["passes"], T.PASSES)
     dtypes = _split(dtypes, name["dtypes"], T.DTYPES)
