@@ -44,7 +44,7 @@ from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
-from normswap.fileio import made_folders, sibling_name, target_path, umask
+from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -218,8 +218,7 @@ _HELD_LOCKS: dict[Path, int] = {}
 def target_lock(target: str | os.PathLike) -> Iterator[None]:
     """Hold the write lock of `target` (flock on `.NAME.normswap.lock` beside it) for the block, or
     fail at once with one line naming the run that holds it. Re-entrant within a process. The lock
-    file is removed on release; a run that opened it just before checks it still locked the file
-    at that path, not an unlinked one. A kill releases the lock with the process."""
+    file is removed on release (fileio.path_lock); a kill releases the lock with the process."""
     target = Path(target)
     if target in _HELD_LOCKS:
         _HELD_LOCKS[target] += 1
@@ -228,49 +227,19 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
         finally:
             _HELD_LOCKS[target] -= 1
         return
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): the no-replace publish still refuses a second run
-        yield
-        return
     path = target.parent / f".{sibling_name(target.name)}.normswap.lock"
-    while True:
+    with ExitStack() as held:
         try:
-            # never through a link: one planted at this name in a shared folder would make the pid
-            # overwrite (and the truncate empty) whatever file it points at
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            if path.is_symlink():
-                raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
-                                    f"(remove it if no normswap run is writing {target.name})") from None
-            raise NormswapError(f"cannot create the lock file {path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            who = f" (pid {holder})" if holder.isdigit() else ""
+            held.enter_context(path_lock(path, wait=False))
+        except LockHeld as e:
+            who = f" (pid {e.holder})" if e.holder else ""
             raise NormswapError(f"another normswap run{who} is writing {target}; "
                                 "try again when it has finished") from None
+        _HELD_LOCKS[target] = 1
         try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # released and removed by its holder meanwhile: lock the file now there
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _HELD_LOCKS[target] = 1
-    try:
-        yield
-    finally:
-        del _HELD_LOCKS[target]
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        os.close(fd)
+            yield
+        finally:
+            del _HELD_LOCKS[target]
 
 
 def check_out_target(out: str | os.PathLike, source_dir: Path, force: bool, verb: str, own_dir_hint: str) -> Path:

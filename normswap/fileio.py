@@ -2,7 +2,8 @@
 atomic text write every results file, manifest and launch table goes through, the umask that
 files made through temporary names are given back, the one check, made before any long work,
 that a destination can be written at all, the refusal of an empty output path, and the missing
-folders of an output path made for a run and removed again when it fails (made_folders)."""
+folders of an output path made for a run and removed again when it fails (made_folders), and
+the one lock file that serialises two writers of one path (path_lock)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, NormswapError
 
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.
@@ -141,3 +142,61 @@ def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
     if not str(out).strip():
         raise BadInputError(f"the output {what} is empty; pass a {what} name")
     return Path(out).expanduser().resolve()
+
+
+class LockHeld(Exception):
+    """path_lock(wait=False) found the lock held; `holder` is the pid its holder wrote ("" unknown)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+@contextlib.contextmanager
+def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
+    """Hold an exclusive flock on the file `path` for the block (made if missing; the holder's pid
+    written into it), waiting for another holder (`wait`) or raising LockHeld at once. The file is
+    removed on release, while still locked, so no lock file outlives its run (a stray one would
+    keep made_folders from removing the folder it made). Because a holder removes it, a process
+    that opened the file just before may end up locking an unlinked file: after the flock it checks
+    that the file at `path` is the one it locked, else it locks again the file now there. Opened
+    without following links: a link planted at the name (often a shared folder or /tmp) would have
+    the pid written over the file it points at. No flock (Windows): no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = Path(path)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            if path.is_symlink():
+                raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
+                                    "(remove it if no normswap run is using it)") from None
+            raise NormswapError(f"cannot create the lock file {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BaseException as e:
+            held = isinstance(e, BlockingIOError)
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() if held else ""
+            os.close(fd)
+            if held:
+                raise LockHeld(holder if holder.isdigit() else "") from None
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # released and removed by its holder meanwhile: lock the file now there
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)

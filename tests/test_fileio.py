@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from normswap.fileio import unwritable, write_text_atomic
+from normswap.fileio import LockHeld, path_lock, unwritable, write_text_atomic
 
 
 def test_what_stands_at_the_path_and_the_folder_it_goes_in(tmp_path):
@@ -178,3 +178,44 @@ def test_made_folders_under_a_file_names_what_is_in_the_way(tmp_path, blocker):
     assert r.exit_code == 2 and r.stderr.strip() == f"normswap: error: cannot write to {notes}: {notes} {why}", r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "notes.txt"]
     assert notes.read_text() == "mine"
+
+
+def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_path, monkeypatch):
+    """path_lock removes its file on release, so a waiter blocked on it is granted a lock on a file
+    no longer at the path: it must lock the file there instead, or a third run locks a new file at
+    the path and two runs write at once (the launch table's filelock lock had that race)."""
+    import fcntl
+    import threading
+    import time
+
+    lock = tmp_path / "t.lock"
+    real = fcntl.flock
+    blocking, inside, leave = threading.Event(), threading.Event(), threading.Event()
+
+    def flock(fd, op):
+        if threading.current_thread() is waiter and not op & fcntl.LOCK_NB:
+            blocking.set()
+        return real(fd, op)
+
+    def wait_then_hold():
+        with path_lock(lock, wait=True):
+            inside.set()
+            leave.wait(60)
+
+    waiter = threading.Thread(target=wait_then_hold)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with path_lock(lock, wait=False):
+        assert lock.read_text() == str(os.getpid())
+        waiter.start()
+        assert blocking.wait(60)
+        time.sleep(0.2)  # into its flock on this file (were it not yet, it would just make a new one)
+    try:
+        assert inside.wait(60)
+        with pytest.raises(LockHeld) as held:
+            with path_lock(lock, wait=False):
+                pass
+        assert held.value.holder == str(os.getpid())
+    finally:
+        leave.set()
+        waiter.join(60)
+    assert not lock.exists()  # no lock file outlives its holder

@@ -251,8 +251,8 @@ def _tune_one_key(tune, out, pass_="fwd"):
                                            (KeyboardInterrupt(), KeyboardInterrupt)])
 def test_a_failed_first_table_write_leaves_nothing_the_run_made(tune, tmp_path, monkeypatch, error, raised):
     """The first write of a table in a new folder fails (a full disk, a refused table, Ctrl-C):
-    no folder is left behind; filelock's OUT.lock kept the folder that the write made. In a folder
-    that was there, the folder stays as it was; a table that was there keeps its lock file."""
+    no folder is left behind (a lock file left there kept the folder that the write made). In a
+    folder that was there, the folder stays as it was. No write leaves its lock file."""
     def failing(*a, **k):
         raise error
 
@@ -268,12 +268,12 @@ def test_a_failed_first_table_write_leaves_nothing_the_run_made(tune, tmp_path, 
     assert not (tmp_path / "new").exists()
     assert sorted(p.name for p in there.iterdir()) == ["keep.txt"]
     assert _tune_one_key(tune, new / "table.json")[0]["entry"] is not None  # a write that succeeds: all stays
-    assert (new / "table.json").is_file() and (new / "table.json.lock").exists()
+    assert (new / "table.json").is_file() and not (new / "table.json.lock").exists()
     with monkeypatch.context() as m:
         m.setattr(T, "write", failing)
         with pytest.raises(raised):
             _tune_one_key(tune, new / "table.json", "bwd")
-    assert (new / "table.json").is_file() and (new / "table.json.lock").exists()  # a later write's failure: kept
+    assert (new / "table.json").is_file() and not (new / "table.json.lock").exists()  # a later write's failure: kept
 
 
 def test_agreement_runs_where_the_candidate_launches(tune, tmp_path):
@@ -529,12 +529,11 @@ def test_the_static_check_targets_the_timing_gpu(tune, monkeypatch, tmp_path):
 def test_a_second_tuner_on_one_gpu_is_refused(tune, monkeypatch, tmp_path):
     """While one tuner times on a GPU (it holds the GPU's lock), a second one on the same GPU is
     refused at once, before any timing, with nothing written; another GPU is not held by it."""
-    from filelock import FileLock
-
     from normswap.errors import NormswapError
+    from normswap.fileio import path_lock
 
     measured = _fake_gpu(monkeypatch, tune)
-    first = FileLock(str(tune.timing_lock_path(tune._this_device())))
+    first = path_lock(tune.timing_lock_path(tune._this_device()), wait=False)
     kwargs = dict(ops="rms_norm", passes="fwd", dtypes="bf16", hidden=[4096], out=tmp_path / "t.json")
     with first:
         with pytest.raises(NormswapError, match=r"^another normswap tune is timing on this GPU \(Fake GPU"):

@@ -65,7 +65,7 @@ from pathlib import Path
 
 from normswap import jsonsafe
 from normswap.dtypes import RUN_DTYPES
-from normswap.fileio import made_folders, write_text_atomic
+from normswap.fileio import made_folders, path_lock, write_text_atomic
 
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
@@ -412,32 +412,20 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     `base`: the document to start from where `path` does not exist yet (default: an empty table);
     `per_device`: a user table (entries replace only those of their key measured on their device).
     Returns the document written. ValueError when the file on disk is not a valid table.
-    A first write that fails leaves nothing it made: filelock leaves its lock file behind, which
-    would keep made_folders from removing a folder made for the table, so it goes too. (Another
-    writer waiting on that lock file at that moment would go on holding a lock no later writer
-    sees: two writers starting one new table while the first write fails, accepted for a run that
-    leaves no stray folder.)"""
-    from filelock import FileLock
-
+    The lock file goes with the lock (fileio.path_lock), so a first write that fails leaves
+    nothing it made: made_folders removes the folder it made for the table. (A second writer
+    waiting on that first write then finds the folder gone and fails with one line: run it again.)"""
     path = Path(path)
-    lock = Path(str(path) + ".lock")
-    first = not path.exists()
-    with made_folders(path.parent):
-        try:
-            with FileLock(str(lock)):
-                if path.exists():
-                    doc = read(path)
-                    bad = problems(doc, row_buckets, per_device)
-                    if bad:
-                        raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
-                else:
-                    doc = base if base is not None else empty(row_buckets)
-                doc = merge(doc, arch, entries, per_device)
-                write(path, doc, row_buckets, per_device)
-        except BaseException:
-            if first and not path.exists():  # else a table is there (another writer's): its lock stays with it
-                lock.unlink(missing_ok=True)
-            raise
+    with made_folders(path.parent), path_lock(Path(str(path) + ".lock"), wait=True):
+        if path.exists():
+            doc = read(path)
+            bad = problems(doc, row_buckets, per_device)
+            if bad:
+                raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
+        else:
+            doc = base if base is not None else empty(row_buckets)
+        doc = merge(doc, arch, entries, per_device)
+        write(path, doc, row_buckets, per_device)
     return doc
 
 

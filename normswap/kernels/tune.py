@@ -43,7 +43,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, option_labels
 from normswap.fileio import target_path, unwritable, write_text_atomic
 from normswap.kernels import launch_table as T
 
@@ -526,18 +526,15 @@ def timing_lock_path(here: dict) -> Path:
 def _timing_lock(here: dict):
     """One tuner per GPU at a time: a second one would time its candidates against the first's
     kernels (both would pick tiles from contended times). Refused at once, nothing written."""
-    from filelock import FileLock, Timeout
+    from normswap.fileio import LockHeld, path_lock
 
-    lock = FileLock(str(timing_lock_path(here)), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise NormswapError(f"another normswap tune is timing on this GPU ({here['device']}); run one at a time "
-                            "(their timings would include each other's kernels); nothing written") from None
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(path_lock(timing_lock_path(here), wait=False))
+        except LockHeld:
+            raise NormswapError(f"another normswap tune is timing on this GPU ({here['device']}); run one at a time "
+                                "(their timings would include each other's kernels); nothing written") from None
         yield
-    finally:
-        lock.release()
 
 
 def _static_worker_env(fp_fusion: str | None) -> None:
@@ -614,7 +611,7 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
     from normswap.kernels import _common as C
 
     t0 = time.monotonic()
-    name = {k: k for k in ("ops", "passes", "dtypes", "hidden", "budget")} | dict(option_names or {})
+    name = option_labels(("ops", "passes", "dtypes", "hidden", "budget"), option_names)
     ops = _split(ops, name["ops"], T.OPS)
     passes = _split(passes, name["passes"], T.PASSES)
     dtypes = _split(dtypes, name["dtypes"], T.DTYPES)
