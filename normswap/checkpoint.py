@@ -22,7 +22,9 @@ removes it: its name carries the pid of the run that made it), never a broken ta
 
 What may be replaced at all (check_replaceable): only an empty directory, a model checkpoint or an
 earlier normswap output; never an arbitrary directory, the current directory (or one holding it),
-a home directory or a filesystem root, whatever --force says. Runs that write one target are
+a home directory or a filesystem root, whatever --force says, nor one holding a folder the new
+tree would not hold (the old tree is removed whole after the swap: a .git, a trainer's
+checkpoint-500/ would go with it). Runs that write one target are
 serialised by an flock(2) on a lock file beside it (target_lock): not inside it, because the
 directory itself is exchanged and a lock inside would move with the old tree.
 """
@@ -38,11 +40,11 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from normswap.carry import STOCK_WEIGHTS, carry_over
+from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
@@ -114,7 +116,8 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         if not replace:
             raise NormswapError(f"{target} already exists (another run wrote it while this one worked?); "
                                 "nothing was published") from None
-    check_replaceable(target, in_place=in_place)  # it may have changed since the run started
+    # it may have changed since the run started; the old tree's folders must all be in the new one
+    check_replaceable(target, in_place=in_place, keeps={p.name for p in tmp.iterdir() if _is_folder(p)})
     _kill_point("before-exchange")
     if exchange_dirs(tmp, target):
         _kill_point("after-exchange")
@@ -149,7 +152,11 @@ def is_checkpoint_dir(directory: Path) -> bool:
     return False
 
 
-def check_replaceable(target: Path, in_place: bool = False) -> None:
+def _is_folder(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink()  # a link is removed with the old tree, not what it points at
+
+
+def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection[str] | None = None) -> None:
     """Refuse (one line, with the reason) to replace a directory that is not ours to replace.
 
     --force replaces only an empty directory, a model checkpoint or an earlier normswap output;
@@ -157,7 +164,14 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     user's shell would be left in a deleted directory, and the files there with it), whatever
     their contents, nor a mount point (a docker volume: a rename cannot move it). in_place: the
     model's own directory, whose other files are all carried over; only the root, home and mount
-    point rules apply."""
+    point rules apply.
+
+    keeps: the folders the new tree holds (carry.carried_folders before the write, the staging
+    folder's at the publish). The old tree is removed whole after the swap, so --force refuses one
+    that holds a folder the new tree does not: a cloned hub repository's .git, a trainer's
+    checkpoint-500/ (optimizer states), runs/ (logs) are the user's, not an earlier output's. An
+    earlier normswap output of the same source holds only folders the new one holds too. None: not
+    known yet (the publish checks it)."""
     if not target.exists():
         return
     if not target.is_dir() or target.is_symlink():
@@ -185,6 +199,12 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     if any(target.iterdir()) and not is_checkpoint_dir(target):
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
                             "weights or normswap.json); refusing to replace it, even with --force")
+    if keeps is not None:
+        lost = sorted(p.name for p in target.iterdir() if _is_folder(p) and p.name not in keeps)
+        if lost:
+            raise NormswapError(f"{target} holds {lost[0]}/, which the new output would not hold (the old folder "
+                                f"is removed whole); refusing to replace it, even with --force: write elsewhere, "
+                                f"or remove {target / lost[0]} yourself")
 
 
 def mount_points_within(folder: Path) -> list[Path]:
@@ -242,18 +262,19 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
             del _HELD_LOCKS[target]
 
 
-def check_out_target(out: str | os.PathLike, source_dir: Path, force: bool, verb: str, own_dir_hint: str) -> Path:
+def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
-    would destroy the model being read (`verb`: "patched", "converted")."""
+    would destroy the model being read (`verb`: "patched", "converted"). source: the
+    loading.ModelSource (or folder) the output is written from."""
     target = target_path(out)
-    source_dir = source_dir.resolve()
+    source_dir = Path(source if isinstance(source, (str, os.PathLike)) else source.path).resolve()
     if target == source_dir:
         raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
         raise NormswapError(f"--out {target} contains the model being {verb}; write elsewhere")
     # What --force could not replace either is refused with its reason, not with a hint to --force
-    check_replaceable(target)
+    check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
         raise NormswapError(f"{target} already exists; pass --force to replace it")
     return target
