@@ -254,9 +254,17 @@ def test_convert_section_is_kept_and_an_old_patch_section_replaced(tmp_path):
                                                  "patch": {"impl": "old", "modules": []}}))
     source = resolve(src)
     model = load_model(source)
-    out = checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), tmp_path / "out", source=source)
+    report = patch(model, "torch", probe=SMALL)
+    out = checkpoint.save_patched(model, report, tmp_path / "out", source=source)
     m = read_manifest(out)
     assert m["format"] == "normswap/2" and m["convert"] == convert_section and m["patch"]["impl"] == "torch"
+    # conversion=: the section as the caller read it (patch_checkpoint reads normswap.json once),
+    # in place of the file's; None says there is none
+    given = {"norms": [{"path": "transformer.h.0.ln_1", "rms": False}]}
+    assert read_manifest(checkpoint.save_patched(model, report, tmp_path / "given", source=source,
+                                                 conversion=given))["convert"] == given
+    assert "convert" not in read_manifest(checkpoint.save_patched(model, report, tmp_path / "none", source=source,
+                                                                  conversion=None))
 
 
 def test_a_malformed_source_manifest_is_refused_before_writing(tmp_path):
