@@ -319,7 +319,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
     elif out is not None:
-        target = check_out_target(out, source.path, force, "patched", "use --in-place for that")
+        target = check_out_target(out, source, force, "patched", "use --in-place for that")
     if target is not None:
         _check_writable(target, folder=True)
         if not in_place and target.parent.is_dir():
@@ -435,7 +435,7 @@ def convert_checkpoint(
     except NormswapError as e:
         report = build_manifest(plan, config, partial=partial)
         raise ConversionRefused(str(e), ConvertResult(str(model), report, error=str(e))) from None
-    target = check_out_target(out, source.path, force, "converted", "write the conversion elsewhere")
+    target = check_out_target(out, source, force, "converted", "write the conversion elsewhere")
     earlier = None if source.gguf_file else read_manifest_if_any(source.path)
     notes = []
     if earlier is not None and "patch" in earlier:

@@ -317,14 +317,14 @@ def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tup
 
 
 # The BenchConfig fields check_config names in its messages (option_names renames them).
-CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats")
+CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats", "compile_backend")
 # Each count's smallest value (seq: the train step's loss needs a next token to predict).
 _AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
 
 
 def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None) -> None:
     """The checks that need no model: bench_checkpoint runs them before anything is read.
-    option_names: what the messages call impls, modes, batch, seq, warmup and repeats (the
+    option_names: what the messages call impls, modes, batch, seq, warmup, repeats and compile_backend (the
     parameter names, or the flags a command line took them from: the CLI's {"impls": "--impl", ...})."""
     from normswap.backends import BACKENDS
     from normswap.errors import BadInputError
@@ -338,6 +338,10 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
         raise BadInputError(f"{n['impls']} names no implementation; expected one or more of {', '.join(BACKENDS)}")
     if not cfg.modes:
         raise BadInputError(f"{n['modes']} names no workload; expected {', '.join(MODES)}")
+    for name in ("impls", "modes"):
+        twice = next((v for i, v in enumerate(getattr(cfg, name)) if v in getattr(cfg, name)[:i]), None)
+        if twice is not None:  # timed twice, two rows under one name
+            raise BadInputError(f"{n[name]}: {twice} named twice")
     bad = [m for m in cfg.modes if m not in MODES]
     if bad:
         raise BadInputError(f"{n['modes']}: unknown mode {bad[0]!r}; expected {', '.join(MODES)}")
@@ -346,6 +350,15 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
         if value < least:
             raise BadInputError(f"{n[name]} {value}: must be at least {least}")
     _device(cfg.device)
+    if cfg.compile:  # an unknown backend left every row 'not measured' and wrote that result, exit 0
+        import torch._dynamo
+
+        try:
+            torch._dynamo.lookup_backend(cfg.compile_backend)
+        except Exception:  # InvalidBackend, or a name of the wrong kind
+            known = ", ".join(torch._dynamo.list_backends(exclude_tags=()))
+            raise BadInputError(f"{n['compile_backend']} {cfg.compile_backend!r}: not a torch.compile backend here; "
+                                f"known: {known}") from None
 
 
 def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,

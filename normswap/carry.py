@@ -81,6 +81,23 @@ def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool, target: Path 
     return carried
 
 
+def carried_folders(source, target: str | os.PathLike) -> set[str]:
+    """The names of the top-level folders a new folder written to `target` from `source` (as for
+    carry_over) will hold: what `--force` may replace of an old tree's folders before the write has
+    made them (checkpoint.check_replaceable). A GGUF carries files only."""
+    if not isinstance(source, (str, os.PathLike)):
+        if source.gguf_file:
+            return set()
+        source = source.path
+    source_dir, target = Path(source), Path(target).resolve()
+    try:
+        names = [p.name for p in source_dir.iterdir()]
+    except OSError:
+        return set()  # the load names the reason
+    left_out = _left_out(source_dir, target, target)(source_dir, names)
+    return {n for n in names if n not in left_out and n not in _REWRITTEN and (source_dir / n).is_dir()}
+
+
 def _keep(p: Path, dst: Path) -> None:
     """--in-place: the entry as it is. Files are hard links where the filesystem allows (no second
     copy of a large .git on disk); the old tree they also belong to is removed once the new one is

@@ -22,7 +22,9 @@ removes it: its name carries the pid of the run that made it), never a broken ta
 
 What may be replaced at all (check_replaceable): only an empty directory, a model checkpoint or an
 earlier normswap output; never an arbitrary directory, the current directory (or one holding it),
-a home directory or a filesystem root, whatever --force says. Runs that write one target are
+a home directory or a filesystem root, whatever --force says, nor one holding a folder the new
+tree would not hold (the old tree is removed whole after the swap: a .git, a trainer's
+checkpoint-500/ would go with it). Runs that write one target are
 serialised by an flock(2) on a lock file beside it (target_lock): not inside it, because the
 directory itself is exchanged and a lock inside would move with the old tree.
 """
@@ -33,15 +35,16 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from normswap.carry import STOCK_WEIGHTS, carry_over
+from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over
 from normswap.errors import BadInputError, NormswapError, one_line
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
@@ -113,7 +116,8 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         if not replace:
             raise NormswapError(f"{target} already exists (another run wrote it while this one worked?); "
                                 "nothing was published") from None
-    check_replaceable(target, in_place=in_place)  # it may have changed since the run started
+    # it may have changed since the run started; the old tree's folders must all be in the new one
+    check_replaceable(target, in_place=in_place, keeps={p.name for p in tmp.iterdir() if _is_folder(p)})
     _kill_point("before-exchange")
     if exchange_dirs(tmp, target):
         _kill_point("after-exchange")
@@ -148,7 +152,11 @@ def is_checkpoint_dir(directory: Path) -> bool:
     return False
 
 
-def check_replaceable(target: Path, in_place: bool = False) -> None:
+def _is_folder(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink()  # a link is removed with the old tree, not what it points at
+
+
+def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection[str] | None = None) -> None:
     """Refuse (one line, with the reason) to replace a directory that is not ours to replace.
 
     --force replaces only an empty directory, a model checkpoint or an earlier normswap output;
@@ -156,7 +164,14 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     user's shell would be left in a deleted directory, and the files there with it), whatever
     their contents, nor a mount point (a docker volume: a rename cannot move it). in_place: the
     model's own directory, whose other files are all carried over; only the root, home and mount
-    point rules apply."""
+    point rules apply.
+
+    keeps: the folders the new tree holds (carry.carried_folders before the write, the staging
+    folder's at the publish). The old tree is removed whole after the swap, so --force refuses one
+    that holds a folder the new tree does not: a cloned hub repository's .git, a trainer's
+    checkpoint-500/ (optimizer states), runs/ (logs) are the user's, not an earlier output's. An
+    earlier normswap output of the same source holds only folders the new one holds too. None: not
+    known yet (the publish checks it)."""
     if not target.exists():
         return
     if not target.is_dir() or target.is_symlink():
@@ -165,10 +180,16 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
         raise NormswapError(f"{target} is a filesystem root; refusing to replace it")
     if target == Path.home().resolve():
         raise NormswapError(f"{target} is the home directory; refusing to replace it")
-    if os.path.ismount(target):
+    mounts = mount_points_within(target)
+    if target in mounts or os.path.ismount(target):
         # a rename cannot move a mount point (EBUSY): found only after the whole model was saved
         raise NormswapError(f"{target} is a mount point, which no directory can be swapped for; "
                             + ("save with --out DIR instead" if in_place else "write to a folder inside it, or elsewhere"))
+    if mounts:
+        # the old tree's removal after the swap would go down into it and delete that filesystem's files
+        raise NormswapError(f"{target} holds a mount point ({mounts[0]}): replacing the folder would delete what is "
+                            "on that other filesystem; " + ("save with --out DIR instead" if in_place
+                                                            else "write elsewhere"))
     if in_place:
         return
     cwd = Path.cwd().resolve()
@@ -178,6 +199,36 @@ def check_replaceable(target: Path, in_place: bool = False) -> None:
     if any(target.iterdir()) and not is_checkpoint_dir(target):
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
                             "weights or normswap.json); refusing to replace it, even with --force")
+    if keeps is not None:
+        lost = sorted(p.name for p in target.iterdir() if _is_folder(p) and p.name not in keeps)
+        if lost:
+            raise NormswapError(f"{target} holds {lost[0]}/, which the new output would not hold (the old folder "
+                                f"is removed whole); refusing to replace it, even with --force: write elsewhere, "
+                                f"or remove {target / lost[0]} yourself")
+
+
+def mount_points_within(folder: Path) -> list[Path]:
+    """The mount points at `folder` or below it, bind mounts included (os.path.ismount misses a bind
+    mount of a folder of the same filesystem): from /proc/self/mountinfo where there is one, else by
+    walking the tree with os.path.ismount."""
+    folder = Path(folder)
+    try:
+        table = Path("/proc/self/mountinfo").read_bytes()
+    except OSError:
+        table = None
+    if table is not None:
+        found = []
+        for line in table.splitlines():
+            fields = line.split()
+            if len(fields) > 4:  # the mount point, with space, tab, line break and backslash as \ooo
+                point = Path(os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])))
+                if point.is_relative_to(folder):
+                    found.append(point)
+        return sorted(found)
+    found = []
+    for root, dirs, _files in os.walk(folder):  # links are not followed
+        found += [Path(root) / d for d in dirs if os.path.ismount(Path(root) / d)]
+    return found
 
 
 _HELD_LOCKS: dict[Path, int] = {}
@@ -211,18 +262,19 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
             del _HELD_LOCKS[target]
 
 
-def check_out_target(out: str | os.PathLike, source_dir: Path, force: bool, verb: str, own_dir_hint: str) -> Path:
+def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
-    would destroy the model being read (`verb`: "patched", "converted")."""
+    would destroy the model being read (`verb`: "patched", "converted"). source: the
+    loading.ModelSource (or folder) the output is written from."""
     target = target_path(out)
-    source_dir = source_dir.resolve()
+    source_dir = Path(source if isinstance(source, (str, os.PathLike)) else source.path).resolve()
     if target == source_dir:
         raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
         raise NormswapError(f"--out {target} contains the model being {verb}; write elsewhere")
     # What --force could not replace either is refused with its reason, not with a hint to --force
-    check_replaceable(target)
+    check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
         raise NormswapError(f"{target} already exists; pass --force to replace it")
     return target

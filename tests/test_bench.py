@@ -246,6 +246,12 @@ BAD_OPTIONS = [
     (["--repeats", "0"], dict(repeats=0), "--repeats 0: must be at least 1", "repeats 0: must be at least 1"),
     (["--warmup", "-1"], dict(warmup=-1), "--warmup -1: must be at least 0", "warmup -1: must be at least 0"),
     (["--seq", "100"], dict(seq=100), "--seq 100 does not fit", "seq 100 does not fit"),
+    # timed twice, two rows under one variant name (a reader keyed by variant kept one)
+    (["--impl", "torch,torch"], dict(impls="torch,torch"), "--impl: torch named twice", "impls: torch named twice"),
+    # every row was 'not measured: InvalidBackend', the results file written (replacing an earlier
+    # result at --out), exit 0
+    (["--compile", "--compile-backend", "bogus"], dict(compile=True, compile_backend="bogus"),
+     "--compile-backend 'bogus': not a torch.compile backend here; known: ", "compile_backend 'bogus': not a"),
 ]
 
 

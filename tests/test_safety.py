@@ -113,13 +113,85 @@ def test_case1_force_refuses_what_is_not_a_checkpoint(src, tmp_path, monkeypatch
     with pytest.raises(NormswapError, match="not a model checkpoint"):
         checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), notes, replace=True)
     assert (notes / "todo.txt").read_text() == "mine"
-    # what --force is for still works: an earlier output, and an empty directory
+    # what --force is for still works: an earlier output, and an empty directory (sub/, made for the
+    # current-directory checks, is the user's folder: --force refuses a tree that holds it, below)
+    (ckpt / "sub").rmdir()
     empty = tmp_path / "empty"
     empty.mkdir()
     for target in (ckpt, empty):
         r = run("patch", src, "--impl", "torch", "--out", target, "--force", "--json")
         assert r.exit_code == 0, r.stderr
         assert (target / "normswap.json").is_file()
+
+
+def _users_folder(ckpt: Path, name: str) -> None:
+    """A folder of the user's own inside a checkpoint: a cloned hub repo's history, a trainer's
+    checkpoint with its optimizer states."""
+    if name == ".git":
+        (ckpt / ".git" / "objects" / "ab").mkdir(parents=True)
+        (ckpt / ".git" / "objects" / "ab" / "cdef").write_bytes(os.urandom(64))
+        (ckpt / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    else:
+        (ckpt / name).mkdir()
+        (ckpt / name / "optimizer.pt").write_bytes(os.urandom(64))
+        (ckpt / name / "config.json").write_text('{"model_type": "gpt2"}')
+
+
+@pytest.mark.parametrize("name", [".git", "checkpoint-1"])
+def test_case1_force_refuses_a_checkpoint_holding_a_folder_the_output_would_not(src, gpt2, tmp_path, name):
+    """The old tree is removed whole after the swap: --force onto a checkpoint that holds a folder of
+    the user's (.git, a trainer's checkpoint-1/) is refused before the load, naming the folder and
+    the way out, and nothing changes; the library refuses it too, at the publish."""
+    ckpt = tmp_path / "ckpt"
+    save_tiny("gpt2", ckpt)
+    _users_folder(ckpt, name)
+    before = _tree(ckpt)
+    for cmd, model, *opts in (("patch", src, "--impl", "torch"), ("convert", gpt2, "--to", "rms")):
+        r = run(cmd, model, *opts, "--out", ckpt, "--force")
+        assert_one_line_error(r, f"{ckpt} holds {name}/, which the new output would not hold")
+        assert f"remove {ckpt / name} yourself" in r.stderr and r.stdout == ""
+        assert _tree(ckpt) == before
+    model = tiny_model("llama")
+    with pytest.raises(NormswapError, match=f"holds {name}/"):
+        checkpoint.save_patched(model, patch(model, "torch", probe=SMALL), ckpt, replace=True)
+    assert _tree(ckpt) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_case1_force_still_replaces_an_earlier_output_holding_the_sources_folders(src, tmp_path):
+    """A source's folders are carried (a sentence-transformers pipeline's 2_Dense/): an earlier
+    output of it holds them, and --force replaces it again; so does --force onto a top-level
+    file the new output does not hold (README.md, training_args.bin)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(src, model)
+    (model / "2_Dense").mkdir()
+    (model / "2_Dense" / "config.json").write_text('{"in_features": 4}')
+    out = tmp_path / "out"
+    assert run("patch", model, "--impl", "torch", "--out", out).exit_code == 0
+    (out / "training_args.bin").write_bytes(b"old")
+    (out / "2_Dense" / "stale.txt").write_text("written by the earlier run's source")
+    r = run("patch", model, "--impl", "torch", "--out", out, "--force")
+    assert r.exit_code == 0, r.stderr
+    assert (out / "2_Dense" / "config.json").is_file() and not (out / "2_Dense" / "stale.txt").exists()
+    assert not (out / "training_args.bin").exists() and (out / "normswap.json").is_file()
+
+
+def test_in_place_keeps_the_models_folders_intact(src, tmp_path):
+    """--in-place keeps every folder of the model's own (.git, checkpoint-1/) byte for byte."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    for name in (".git", "checkpoint-1"):
+        _users_folder(d, name)
+    kept = {k: v for k, v in _tree(d).items() if k.startswith((".git", "checkpoint-1"))}
+    assert len(kept) == 4
+    r = run("patch", d, "--impl", "torch", "--in-place")
+    assert r.exit_code == 0, r.stderr
+    assert {k: v for k, v in _tree(d).items() if k.startswith((".git", "checkpoint-1"))} == kept
+    assert (d / "normswap.json").is_file()
 
 
 @contextlib.contextmanager
@@ -154,6 +226,44 @@ def test_case1_a_mount_point_is_refused_before_the_load(src, tmp_path, how):
         assert "load" not in r.stderr  # refused before the load
         assert _tree(mnt) == before
         assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]  # no staging, no lock left
+
+
+@pytest.mark.parametrize("how", ["in-place", "force", "bind"])
+def test_case1_a_folder_holding_a_mount_point_is_refused_before_the_load(src, tmp_path, how):
+    """A checkpoint folder with another filesystem mounted inside it (model/data on a share): the
+    old tree's removal after the swap went down into the mount and deleted what was on that
+    filesystem (--force: gone; --in-place: copied into the new tree first, the share emptied), and
+    left the mount at a hidden staging name. Refused before anything loads; the mount's files stay."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in src.iterdir():
+        shutil.copy(f, ckpt / f.name)
+    if how == "bind":  # a bind mount of a folder of the same filesystem: os.path.ismount misses it
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "d.txt").write_text("the share's")
+        (ckpt / "data").mkdir()
+        if subprocess.run(["mount", "--bind", str(tmp_path / "elsewhere"), str(ckpt / "data")],
+                          capture_output=True).returncode:
+            pytest.skip("cannot bind-mount here")
+        mounted = contextlib.nullcontext(ckpt / "data")
+    else:
+        mounted = _mount_point(ckpt / "data")
+    try:
+        with mounted as data:
+            if how != "bind":
+                (data / "d.txt").write_text("the share's")
+            args = [ckpt, "--in-place"] if how == "in-place" else [src, "--out", ckpt, "--force"]
+            r = run("patch", *args, "--impl", "torch")
+            assert_one_line_error(r, f"{ckpt} holds a mount point ({data})")
+            assert "load" not in r.stderr
+            assert (data / "d.txt").read_text() == "the share's"
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt"] + (["elsewhere"] if how == "bind"
+                                                                                     else []))
+    finally:  # wherever a failing run left the mount (a hidden staging name), it goes
+        for point in reversed(checkpoint.mount_points_within(tmp_path)):
+            subprocess.run(["umount", "-l", str(point)], check=True)
 
 
 # ---- case 3: racing runs, and the in-place lock ------------------------------------------------

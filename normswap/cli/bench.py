@@ -14,7 +14,7 @@ from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
 OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
-                "repeats": "--repeats"}
+                "repeats": "--repeats", "compile_backend": "--compile-backend"}
 
 
 @cli.command("bench")
