@@ -161,7 +161,9 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
     that opened the file just before may end up locking an unlinked file: after the flock it checks
     that the file at `path` is the one it locked, else it locks again the file now there. Opened
     without following links: a link planted at the name (often a shared folder or /tmp) would have
-    the pid written over the file it points at. No flock (Windows): no lock."""
+    the pid written over the file it points at. Another user's lock file (one we may not write, or,
+    in a sticky folder such as /tmp, not open to create) is locked read-only: flock needs no write
+    access, and that user's run and ours still exclude each other. No flock (Windows): no lock."""
     try:
         import fcntl
     except ImportError:
@@ -169,34 +171,57 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
         return
     path = Path(path)
     while True:
+        fd = _open_lock_file(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            if path.is_symlink():
-                raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
-                                    "(remove it if no normswap run is using it)") from None
-            raise NormswapError(f"cannot create the lock file {path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BaseException as e:
-            held = isinstance(e, BlockingIOError)
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() if held else ""
-            os.close(fd)
-            if held:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 raise LockHeld(holder if holder.isdigit() else "") from None
+            except OSError as e:  # a file system without flock (some network mounts)
+                raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+            if _same_file(path, fd):
+                break
+        except BaseException:  # held, refused, or interrupted (Ctrl-C, SIGTERM) while waiting
+            os.close(fd)
             raise
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
         os.close(fd)  # released and removed by its holder meanwhile: lock the file now there
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        with contextlib.suppress(OSError):  # opened read-only: another user's file keeps its pid
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
+        try:
+            if _same_file(path, fd):  # never a file someone else put at the path after removing ours
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        finally:
+            os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        at = os.lstat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file at `path` opened for writing (made if missing), or read-only where it is
+    another user's; never through a link. One line where it can be neither."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+    except OSError as e:
+        refused = e
+    if isinstance(refused, PermissionError):
         with contextlib.suppress(OSError):
-            os.unlink(path)
-        os.close(fd)
+            return os.open(path, os.O_RDONLY | nofollow)
+    if path.is_symlink():
+        raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
+                            "(remove it if no normswap run is using it)")
+    why = f"its folder {path.parent} does not exist" if not path.parent.is_dir() else refused.strerror or refused
+    raise NormswapError(f"cannot create the lock file {path}: {why}")

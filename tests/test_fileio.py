@@ -4,6 +4,7 @@ patch` of its output directory)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from normswap.errors import NormswapError
 from normswap.fileio import LockHeld, path_lock, unwritable, write_text_atomic
+from tests.lock_checks import wait_until_someone_waits_on
 
 
 def test_what_stands_at_the_path_and_the_folder_it_goes_in(tmp_path):
@@ -180,22 +183,14 @@ def test_made_folders_under_a_file_names_what_is_in_the_way(tmp_path, blocker):
     assert notes.read_text() == "mine"
 
 
-def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_path, monkeypatch):
+def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_path):
     """path_lock removes its file on release, so a waiter blocked on it is granted a lock on a file
     no longer at the path: it must lock the file there instead, or a third run locks a new file at
     the path and two runs write at once (the launch table's filelock lock had that race)."""
-    import fcntl
     import threading
-    import time
 
     lock = tmp_path / "t.lock"
-    real = fcntl.flock
-    blocking, inside, leave = threading.Event(), threading.Event(), threading.Event()
-
-    def flock(fd, op):
-        if threading.current_thread() is waiter and not op & fcntl.LOCK_NB:
-            blocking.set()
-        return real(fd, op)
+    inside, leave = threading.Event(), threading.Event()
 
     def wait_then_hold():
         with path_lock(lock, wait=True):
@@ -203,12 +198,10 @@ def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_
             leave.wait(60)
 
     waiter = threading.Thread(target=wait_then_hold)
-    monkeypatch.setattr(fcntl, "flock", flock)
     with path_lock(lock, wait=False):
         assert lock.read_text() == str(os.getpid())
         waiter.start()
-        assert blocking.wait(60)
-        time.sleep(0.2)  # into its flock on this file (were it not yet, it would just make a new one)
+        wait_until_someone_waits_on(lock)  # in its flock on this file, not yet at the open
     try:
         assert inside.wait(60)
         with pytest.raises(LockHeld) as held:
@@ -219,3 +212,100 @@ def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_
         leave.set()
         waiter.join(60)
     assert not lock.exists()  # no lock file outlives its holder
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
+    """A lock file another user made (/tmp is shared: tune's per-GPU lock) cannot be opened for
+    writing, and in a sticky folder not opened with O_CREAT either: it was 'cannot create the lock
+    file ...: Permission denied' both while that user's run held it (instead of 'held') and after a
+    kill left it there (no run of ours could ever lock again). flock needs no write access."""
+    from normswap import fileio
+
+    lock = tmp_path / "t.lock"
+    real = os.open
+
+    def as_another_user(p, flags, *a):
+        if Path(p) == lock and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, "Permission denied", str(p))
+        return real(p, flags, *a)
+
+    with path_lock(lock, wait=False):  # the other user's run
+        with monkeypatch.context() as m:
+            m.setattr(fileio.os, "open", as_another_user)
+            with pytest.raises(LockHeld) as held:
+                with path_lock(lock, wait=False):
+                    pass
+        assert held.value.holder == str(os.getpid())
+    lock.write_text("4242")  # left by a killed run of theirs
+    with monkeypatch.context() as m:
+        m.setattr(fileio.os, "open", as_another_user)
+        with path_lock(lock, wait=False):
+            with pytest.raises(LockHeld) as held:  # held now, by us: a run of theirs is refused
+                with path_lock(lock, wait=False):
+                    pass
+    assert held.value.holder == "4242"  # their file: our pid could not be written into it
+
+
+def test_a_file_system_without_flock_is_one_line_naming_the_lock(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    before = _fds()
+    with pytest.raises(NormswapError, match=r"^cannot lock .*t\.lock: No locks available$"):
+        with path_lock(tmp_path / "t.lock", wait=True):
+            pass
+    assert _fds() == before
+
+
+def test_an_interrupt_after_the_flock_does_not_keep_the_lock(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) between the flock and the block, while it checks that it locked the file
+    at the path: the descriptor leaked and kept the lock, so every later lock of that path in this
+    process (a notebook, a library caller) was refused as held, by itself."""
+    lock = tmp_path / "t.lock"
+    real = os.fstat
+    calls = []
+
+    def interrupted(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(fd)
+
+    before = _fds()
+    with monkeypatch.context() as m:
+        m.setattr(os, "fstat", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with path_lock(lock, wait=False):
+                pass
+    assert calls and _fds() == before
+    with path_lock(lock, wait=False):
+        pass
+
+
+def test_a_holder_removes_only_its_own_lock_file(tmp_path):
+    """Someone removes a held lock file by hand and a second run locks a new one at the path: the
+    first holder, on release, removed that second run's file, and a third run then locked a third
+    file while the second still wrote (two writers)."""
+    lock = tmp_path / "t.lock"
+    with contextlib.ExitStack() as second:
+        with path_lock(lock, wait=False):
+            lock.unlink()
+            second.enter_context(path_lock(lock, wait=False))
+        assert lock.read_text() == str(os.getpid())
+        with pytest.raises(LockHeld):
+            with path_lock(lock, wait=False):
+                pass
+    assert not lock.exists()
+
+
+def test_a_lock_whose_folder_is_gone_says_so(tmp_path):
+    with pytest.raises(NormswapError, match=r"^cannot create the lock file .*t\.lock: its folder .*gone does not exist$"):
+        with path_lock(tmp_path / "gone" / "t.lock", wait=True):
+            pass

@@ -325,8 +325,44 @@ def test_two_writers_of_one_table_keep_each_others_entries(tmp_path):
     got = {(arch, e["rows"], e["hidden"], e["measured"]["device"]) for arch, b in doc["archs"].items()
            for e in b["entries"]}
     assert len(got) == 200 and {d for *_, d in got} == {"writer a", "writer b"}
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("user.json.lock", "ready-a", "ready-b"))
-    assert left == ["updater.py", "user.json"]
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("ready-a", "ready-b"))
+    assert left == ["updater.py", "user.json"]  # no lock file either
+
+
+def test_a_writer_waiting_on_a_first_write_that_fails_makes_the_folder_again(tmp_path, monkeypatch):
+    """Two writers start one table in a new folder; the first one's write fails (a full disk,
+    Ctrl-C) and its clean-up removes the folder it made, while the second waits on its lock: the
+    second failed ('cannot create the lock file'), its measured entry lost. It makes the folder
+    again and writes; the first leaves nothing."""
+    import errno
+    import threading
+
+    from tests.lock_checks import wait_until_someone_waits_on
+
+    path = tmp_path / "new" / "t.json"
+    real = T.write
+    second_done = []
+
+    def second():
+        second_done.append(T.update(path, "sm_90", [entry(pass_="bwd")], _common.ROW_BUCKETS))
+
+    waiter = threading.Thread(target=second)
+
+    def write(*a, **k):
+        if threading.current_thread() is waiter:
+            return real(*a, **k)
+        waiter.start()  # the first holds the lock: the second finds the folder and waits on it
+        wait_until_someone_waits_on(path.with_name("t.json.lock"))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(T, "write", write)
+    with pytest.raises(OSError, match="No space left"):
+        T.update(path, "sm_90", [entry()], _common.ROW_BUCKETS)
+    waiter.join(60)
+    assert second_done, "the second writer failed"
+    doc = T.read(path)
+    assert [e["pass"] for e in doc["archs"]["sm_90"]["entries"]] == ["bwd"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["t.json"]
 
 
 def test_update_refuses_a_table_broken_on_disk(tmp_path):

@@ -65,6 +65,7 @@ from pathlib import Path
 
 from normswap import jsonsafe
 from normswap.dtypes import RUN_DTYPES
+from normswap.errors import NormswapError
 from normswap.fileio import made_folders, path_lock, write_text_atomic
 
 SCHEMA = 1
@@ -413,20 +414,27 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     `per_device`: a user table (entries replace only those of their key measured on their device).
     Returns the document written. ValueError when the file on disk is not a valid table.
     The lock file goes with the lock (fileio.path_lock), so a first write that fails leaves
-    nothing it made: made_folders removes the folder it made for the table. (A second writer
-    waiting on that first write then finds the folder gone and fails with one line: run it again.)"""
+    nothing it made: made_folders removes the folder it made for the table. A second writer that
+    was waiting on that first write then finds the folder gone: it makes it again and writes."""
     path = Path(path)
-    with made_folders(path.parent), path_lock(Path(str(path) + ".lock"), wait=True):
-        if path.exists():
-            doc = read(path)
-            bad = problems(doc, row_buckets, per_device)
-            if bad:
-                raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
-        else:
-            doc = base if base is not None else empty(row_buckets)
-        doc = merge(doc, arch, entries, per_device)
-        write(path, doc, row_buckets, per_device)
-    return doc
+    while True:
+        with made_folders(path.parent), contextlib.ExitStack() as held:
+            try:
+                held.enter_context(path_lock(Path(str(path) + ".lock"), wait=True))
+            except NormswapError:
+                if path.parent.is_dir():
+                    raise
+                continue  # removed by the failed first write this one waited on: made again
+            if path.exists():
+                doc = read(path)
+                bad = problems(doc, row_buckets, per_device)
+                if bad:
+                    raise ValueError(f"{path} is no longer a valid launch table ({bad[0]}); not overwritten")
+            else:
+                doc = base if base is not None else empty(row_buckets)
+            doc = merge(doc, arch, entries, per_device)
+            write(path, doc, row_buckets, per_device)
+            return doc
 
 
 def merge(doc, arch: str, entries: list[dict], per_device: bool = False) -> dict:
