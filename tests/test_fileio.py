@@ -309,3 +309,44 @@ def test_a_lock_whose_folder_is_gone_says_so(tmp_path):
     with pytest.raises(NormswapError, match=r"^cannot create the lock file .*t\.lock: its folder .*gone does not exist$"):
         with path_lock(tmp_path / "gone" / "t.lock", wait=True):
             pass
+
+
+def test_a_waiter_interrupted_in_its_flock_leaves_the_holders_file(tmp_path):
+    """Ctrl-C (SIGTERM is raised the same way) while waiting for the lock: the waiter closes its
+    descriptor and goes, and the holder's file stays at the path, still held (a waiter that removed
+    it on the way out would let a third run lock a new file beside the holder)."""
+    import signal
+    import threading
+
+    lock = tmp_path / "t.lock"
+    main = threading.get_ident()
+
+    def interrupt_the_waiter():
+        wait_until_someone_waits_on(lock)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    before = _fds()
+    with contextlib.ExitStack() as holder:
+        inside, done = threading.Event(), threading.Event()
+
+        def hold():
+            with path_lock(lock, wait=False):
+                inside.set()
+                done.wait(60)
+
+        h = threading.Thread(target=hold)
+        holder.callback(h.join, 60)
+        holder.callback(done.set)
+        h.start()
+        assert inside.wait(60)
+        t = threading.Thread(target=interrupt_the_waiter)
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            with path_lock(lock, wait=True):
+                pass
+        t.join(60)
+        with pytest.raises(LockHeld):
+            with path_lock(lock, wait=False):
+                pass
+        assert lock.exists()
+    assert _fds() == before and not lock.exists()
