@@ -208,13 +208,18 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
                                 f"or remove {target / lost[0]} yourself")
 
 
+# This process's mount table (Linux): every mount point, as the kernel resolved it.
+MOUNT_TABLE = Path("/proc/self/mountinfo")
+
+
 def mount_points_within(folder: Path) -> list[Path]:
     """The mount points at `folder` or below it, bind mounts included (os.path.ismount misses a bind
-    mount of a folder of the same filesystem): from /proc/self/mountinfo where there is one, else by
-    walking the tree with os.path.ismount."""
+    mount of a folder of the same filesystem): from /proc/self/mountinfo where there is one, else
+    (not Linux) by walking the tree with os.path.ismount, which does not go into a mount it found.
+    `folder` is a resolved path: the table's are."""
     folder = Path(folder)
     try:
-        table = Path("/proc/self/mountinfo").read_bytes()
+        table = MOUNT_TABLE.read_bytes()
     except OSError:
         table = None
     if table is not None:
@@ -226,10 +231,13 @@ def mount_points_within(folder: Path) -> list[Path]:
                 if point.is_relative_to(folder):
                     found.append(point)
         return sorted(found)
-    found = []
+    found = [folder] if os.path.ismount(folder) else []
     for root, dirs, _files in os.walk(folder):  # links are not followed
-        found += [Path(root) / d for d in dirs if os.path.ismount(Path(root) / d)]
-    return found
+        mounted = [d for d in dirs if os.path.ismount(Path(root) / d)]
+        found += [Path(root) / d for d in mounted]
+        # not into a found mount: one is enough to refuse, and a share's whole tree can take hours to walk
+        dirs[:] = [d for d in dirs if d not in mounted]
+    return sorted(found)
 
 
 _HELD_LOCKS: dict[Path, int] = {}

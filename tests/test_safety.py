@@ -266,6 +266,25 @@ def test_case1_a_folder_holding_a_mount_point_is_refused_before_the_load(src, tm
             subprocess.run(["umount", "-l", str(point)], check=True)
 
 
+@pytest.mark.parametrize("table", ["mountinfo", "none (not Linux)"])
+def test_case1_mount_points_within_reads_escaped_names_and_walks_where_there_is_no_table(tmp_path, monkeypatch,
+                                                                                          table):
+    """The mount table escapes a space, a line break and a backslash in a mount point (as \\ooo): a
+    mount at such a name inside the folder is found under its real name. Where there is no table
+    (not Linux) the folder is walked: a mount at the folder itself is found too, as the table finds
+    it (the walk listed only the ones below it), and the walk does not go into a mount it found."""
+    odd = tmp_path / "ckpt" / "a b\nc\\123"
+    odd.parent.mkdir()
+    if table != "mountinfo":
+        monkeypatch.setattr(checkpoint, "MOUNT_TABLE", tmp_path / "absent")
+    with _mount_point(odd):
+        with _mount_point(odd / "inner"):
+            assert checkpoint.mount_points_within(odd.parent) == ([odd, odd / "inner"] if table == "mountinfo"
+                                                                  else [odd])
+            assert checkpoint.mount_points_within(odd)[0] == odd
+            assert checkpoint.mount_points_within(tmp_path / "ckpt2") == []
+
+
 # ---- case 3: racing runs, and the in-place lock ------------------------------------------------
 
 
