@@ -39,7 +39,7 @@ from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, require_bool
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
-from normswap.progress import ProgressFn, step
+from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.swap import PatchReport, VerificationError
 
 # ---------------------------------------------------------------------------------------------
@@ -91,14 +91,6 @@ def _require_flags(**flags) -> None:
     for name, value in flags.items():
         if value is not None:
             require_bool(name, value)
-
-
-def _require_progress(progress) -> None:
-    """A callback or None: the checkpoint calls call it at each stage (True drew nothing: "'bool' object
-    is not callable" at the first stage)."""
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress: expected a function (stage, done, total) or None, got {type(progress).__name__} "
-                        "(normswap.progress.ProgressBars() draws the commands' bars)")
 
 
 def _require_path(name: str, value, optional: bool = False) -> None:
@@ -287,7 +279,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.swap import patch, regex_filter
 
     _require_path("out", out, optional=True)
-    _require_progress(progress)
+    require_progress_fn(progress)
     _require_settings("evaluation", evaluation, optional=True)
     _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
                    noise_floor=noise_floor)
@@ -423,7 +415,7 @@ def convert_checkpoint(
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
-    _require_progress(progress)
+    require_progress_fn(progress)
     _require_flags(keep_gain=keep_gain, partial=partial, force=force)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
@@ -490,7 +482,7 @@ def bench_checkpoint(
     )
     from normswap.loading import require_reference
 
-    _require_progress(progress)
+    require_progress_fn(progress)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
     check_config(config, option_names)
@@ -518,7 +510,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     from normswap.loading import load_config, recorded_patch, resolve
 
     _require_settings("settings", settings)
-    _require_progress(progress)
+    require_progress_fn(progress)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
@@ -546,7 +538,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     if (b is None) == (patched is None):
         raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
     _require_settings("settings", settings)
-    _require_progress(progress)
+    require_progress_fn(progress)
     _require_flags(noise_floor=noise_floor)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads

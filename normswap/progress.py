@@ -37,6 +37,15 @@ class _CallbackBar:
         return None
 
 
+def require_progress_fn(progress: ProgressFn | None) -> None:
+    """A function or None, where the library takes no bar of its own (patch, load, the checkpoint
+    calls): anything else was called at the first stage ("'int' object is not callable", naming
+    nothing), or only once every weight had loaded."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress: expected a function (stage, done, total) or None, got {type(progress).__name__} "
+                        "(normswap.progress.ProgressBars() draws the commands' bars)")
+
+
 def bar(progress: bool | ProgressFn | None, stage: str, total: int | None, **tqdm_kwargs):
     """A bar for `stage`: the callback's when progress is callable, a tqdm bar on stderr when it is
     True, a silent one otherwise."""

@@ -26,7 +26,7 @@ from normswap.dtypes import parse_dtype
 from normswap.errors import BadInputError, NormswapError, UnknownNormError, require_bool
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
-from normswap.progress import ProgressFn, step
+from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.specs import NormSpec
 from normswap.verify import (
     ModelCheck,
@@ -267,8 +267,7 @@ def patch(
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn: expected a function (module, path) -> bool, got {type(filter_fn).__name__} "
                         "(normswap.swap.regex_filter(only=...) makes one from a pattern)")
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress: expected a function (stage, done, total), got {type(progress).__name__}")
+    require_progress_fn(progress)
     if not isinstance(fuse_residual, bool | Mapping):
         raise TypeError(f"fuse_residual: expected a bool or a mapping writer path -> norm path, "
                         f"got {type(fuse_residual).__name__}")

@@ -137,7 +137,7 @@ def _hostile_calls(d, out):
         # failed after every weight had loaded
         (lambda: P.load(d, device="tpu"), P.NormswapError, "unknown device 'tpu'; choose auto, cpu, cuda or cuda:N"),
         (lambda: P.load(d, device=5), TypeError, r"device: expected 'auto', 'cpu', 'cuda' or 'cuda:N' \(str\), got int"),
-        (lambda: P.load(d, progress="yes"), TypeError, "progress: expected a function .stage, done, total., got str"),
+        (lambda: P.load(d, progress="yes"), TypeError, "progress: expected a function .stage, done, total. or None, got str"),
         # the checkpoint calls called it at their first stage: "'int' object is not callable"
         (lambda: P.patch_checkpoint(d, "torch", out=out, progress=5), TypeError, "progress: expected a function"),
         (lambda: P.convert_checkpoint(d, out, progress=5), TypeError, "progress: expected a function"),
