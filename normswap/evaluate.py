@@ -352,8 +352,7 @@ def token_chunks(tokenizer, data, text_field: str = "text") -> Iterator[Sequence
     a 1-D tensor or numpy array or an iterable of ints (token ids, taken verbatim), or an iterable
     of token-id sequences (chunks of one stream). Anything else, or a mix, is refused naming what it
     got: bytes and mappings are iterable too, and were read as token ids and as their keys."""
-    numpy = sys.modules.get("numpy")  # an array can only come from a program that imported numpy
-    if numpy is not None and isinstance(data, numpy.ndarray) and data.dtype.kind in "biuf":
+    if _numpy_kind(data, "ndarray") and data.dtype.kind in "biuf":
         data = torch.as_tensor(data)
     if isinstance(data, torch.Tensor):
         return iter([_tensor_ids(data)])
@@ -398,9 +397,17 @@ def _document(text) -> str:
     return text
 
 
+def _numpy_kind(value, kind: str) -> bool:
+    """Whether `value` is a numpy `kind` ("ndarray"; "generic": a scalar such as numpy.int64); numpy
+    is not imported for it: such a value only comes from a program that imported it."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, getattr(numpy, kind))
+
+
 def _is_token_id(value) -> bool:
+    # a numpy scalar, not an array: a list of arrays is chunks of ids, as a list of tensors is
     return isinstance(value, int) or (isinstance(value, torch.Tensor) and value.dim() == 0) or \
-        type(value).__module__ == "numpy"
+        _numpy_kind(value, "generic")
 
 
 def _token_id(value) -> int:
@@ -427,8 +434,7 @@ def _tensor_ids(data: torch.Tensor) -> list[int]:
 
 
 def _chunk_ids(chunk) -> list[int]:
-    numpy = sys.modules.get("numpy")
-    if isinstance(chunk, torch.Tensor) or numpy is not None and isinstance(chunk, numpy.ndarray):
+    if isinstance(chunk, torch.Tensor) or _numpy_kind(chunk, "ndarray"):
         return _tensor_ids(torch.as_tensor(chunk))
     if isinstance(chunk, str) or not isinstance(chunk, Iterable):
         raise BadInputError(f"token ids must be integers, got {type(chunk).__name__} {chunk!r}")

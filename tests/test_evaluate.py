@@ -417,6 +417,9 @@ def test_numpy_token_ids_score_as_the_same_ids(llama):
     want = perplexity(llama, None, ids.tolist(), max_length=16, progress=False)
     got = perplexity(llama, None, ids.numpy(), max_length=16, progress=False)
     assert (got.nll, got.tokens) == (want.nll, want.tokens)
+    # chunks of one stream, as a list of tensors is: an array was taken for one id and refused
+    got = perplexity(llama, None, [ids[:12].numpy(), ids[12:].numpy()], max_length=16, progress=False)
+    assert (got.nll, got.tokens) == (want.nll, want.tokens)
     with pytest.raises(BadInputError, match="token ids must be integers, got a torch.float64 tensor"):
         perplexity(llama, None, np.array([5.5, 6.0, 7.0, 8.0]), progress=False)
 
