@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 from collections.abc import Collection, Iterator
@@ -313,7 +314,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 # (or the replaced directory's own mode)
                 os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~umask())
                 yield tmp
-                _normalise_file_modes(tmp)
+                _normalise_file_modes(tmp, target)
                 _kill_point("before-publish")
                 publish_dir(tmp, target, replace=replace, in_place=in_place)
             except OSError as e:
@@ -353,12 +354,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _normalise_file_modes(directory: Path) -> None:
-    """Files written through temporary files come out 0600; give them the usual mode."""
+def _normalise_file_modes(directory: Path, target: Path) -> None:
+    """The files written anew get the mode of the file of the same name they replace in `target`
+    (a private model's 0600 or 0640 weights stay private, a 0444 stays read-only), as the folder
+    keeps its own; a new name, the mode a plain open gives (0666 less the umask): files written
+    through temporary files come out 0600, save_pretrained's follow the umask."""
     mode = 0o666 & ~umask()
     for p in directory.iterdir():
+        st = p.lstat()
         # a hard link is a user's own file carried over by --in-place: its mode is theirs
-        if p.is_file() and not p.is_symlink() and (p.stat().st_mode & 0o777) == 0o600 and p.stat().st_nlink == 1:
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            continue
+        try:
+            old = (target / p.name).lstat()
+        except OSError:
+            old = None
+        if old is not None and stat.S_ISREG(old.st_mode):
+            os.chmod(p, stat.S_IMODE(old.st_mode))
+        elif (st.st_mode & 0o777) == 0o600:
             os.chmod(p, mode)
 
 

@@ -1084,3 +1084,24 @@ def test_convert_refuses_an_integer_stored_layernorm_weight_of_a_base_model_chec
     assert_one_line_error(r, "model.safetensors: h.0.ln_1.weight is stored as I64 where GPT2LMHeadModel has a "
                              "floating-point tensor")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o600, 0o444], ids=oct)
+def test_in_place_rewritten_files_keep_the_mode_of_the_files_they_replace(src, tmp_path, mode):
+    """A private model's weights stay private after --in-place (they came out 0644 whatever they
+    had been); a file the folder did not hold (normswap.json) follows the umask."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    for name in ("model.safetensors", "config.json"):
+        os.chmod(d / name, mode)
+    old_umask = os.umask(0o002)
+    try:
+        r = run("patch", d, "--impl", "torch", "--in-place")
+    finally:
+        os.umask(old_umask)
+    assert r.exit_code == 0, r.stderr
+    for name in ("model.safetensors", "config.json"):
+        assert (d / name).stat().st_mode & 0o7777 == mode, name
+    assert (d / "normswap.json").stat().st_mode & 0o7777 == 0o664
