@@ -164,7 +164,9 @@ def fixtures(root: Path) -> dict:
     (fx["user_dir"] / "config.json").write_text('{"editor": "vim"}')
     fx["done"] = root / "done"  # an earlier output: exists, so --out without --force is refused
     shutil.copytree(fx["llama"], fx["done"])
-    (fx["done"] / "sub").mkdir()
+    fx["done_sub"] = root / "done-sub"  # a checkpoint holding a folder of the user's (the cwd cases)
+    shutil.copytree(fx["llama"], fx["done_sub"])
+    (fx["done_sub"] / "sub").mkdir()
     texts = root / "texts"
     texts.mkdir()
     fx["text"] = texts / "t.txt"
@@ -284,7 +286,10 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: --out . --force in a checkpoint", [*P, L, "--impl", "torch", "--out", ".", "--force"],
              "current directory", ci=True, cwd=fx["done"]),
         Case("patch: --out .. --force", [*P, L, "--impl", "torch", "--out", "..", "--force"],
-             "holds the current directory", ci=True, cwd=fx["done"] / "sub"),
+             "holds the current directory", ci=True, cwd=fx["done_sub"] / "sub"),
+        Case("patch: --force onto a checkpoint holding a folder of its own",
+             [*P, L, "--impl", "torch", "--out", fx["done_sub"], "--force"], "which the new output would not hold",
+             ci=True),
         Case("patch: --out / --force", [*P, L, "--impl", "torch", "--out", "/", "--force"], "write elsewhere", ci=True),
         Case("patch: --out HOME --force", [*P, L, "--impl", "torch", "--out", Path.home(), "--force"], "refusing",
              ci=True),

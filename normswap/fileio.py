@@ -210,18 +210,29 @@ def _same_file(path: Path, fd: int) -> bool:
 
 
 def _open_lock_file(path: Path) -> int:
-    """The lock file at `path` opened for writing (made if missing), or read-only where it is
-    another user's; never through a link. One line where it can be neither."""
+    """The lock file at `path` opened for writing (made if missing, readable by all whatever the
+    umask: another user's run must be able to open it to be refused, or to wait), or read-only
+    where it is another user's; never through a link. One line where it can be neither."""
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
     except OSError as e:
         refused = e
+    else:
+        with contextlib.suppress(OSError):  # not ours to change where another user made it
+            os.fchmod(fd, 0o644)
+        return fd
     if isinstance(refused, PermissionError):
         with contextlib.suppress(OSError):
             return os.open(path, os.O_RDONLY | nofollow)
     if path.is_symlink():
         raise NormswapError(f"the lock file {path} is a symbolic link; refusing to follow it "
                             "(remove it if no normswap run is using it)")
-    why = f"its folder {path.parent} does not exist" if not path.parent.is_dir() else refused.strerror or refused
-    raise NormswapError(f"cannot create the lock file {path}: {why}")
+    if not path.parent.is_dir():
+        raise NormswapError(f"cannot create the lock file {path}: its folder {path.parent} does not exist")
+    try:
+        owner = os.lstat(path).st_uid
+    except OSError:
+        raise NormswapError(f"cannot create the lock file {path}: {refused.strerror or refused}") from None
+    theirs = f" (another user's, uid {owner})" if owner != getattr(os, "getuid", lambda: owner)() else ""
+    raise NormswapError(f"cannot open the lock file {path}{theirs}: {refused.strerror or refused}")

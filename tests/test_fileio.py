@@ -350,3 +350,16 @@ def test_a_waiter_interrupted_in_its_flock_leaves_the_holders_file(tmp_path):
                 pass
         assert lock.exists()
     assert _fds() == before and not lock.exists()
+
+
+def test_the_lock_file_is_readable_by_other_users_whatever_the_umask(tmp_path):
+    """Under umask 077 the lock file was 0600: another user's run (tune's per-GPU lock in /tmp) could
+    not open it even read-only, so it failed with 'Permission denied' instead of being refused
+    as held, or waiting."""
+    lock = tmp_path / "t.lock"
+    old = os.umask(0o077)
+    try:
+        with path_lock(lock, wait=False):
+            assert lock.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)
