@@ -75,16 +75,9 @@ def made_folders(folder: str | os.PathLike) -> Iterator[None]:
     this call made, deepest first, each only while it is empty: a folder that existed before, or
     one another process made first or has put something into meanwhile, is left alone (and with
     it every folder above). A run whose `--out a/b/c/out` failed left a/, a/b/ and a/b/c/ behind."""
-    folder = Path(folder)
-    missing = []
-    p = folder
-    while not p.exists() and not p.is_symlink() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    if not p.is_dir():  # a file or a link to nothing holds the name: mkdir -p's own error, "File exists",
-        # read as if the run had tried to write into that file
-        why = "a link to nothing" if p.is_symlink() else "not a folder"
-        raise NotADirectoryError(errno.ENOTDIR, f"{p} is {why}", str(p))
+    p, missing = _nearest_present(Path(folder))
+    if why := _not_a_folder(p):  # mkdir -p's own error, "File exists", read as if the run had tried to write into that file
+        raise NotADirectoryError(errno.ENOTDIR, why, str(p))
     made = []
     try:
         for p in reversed(missing):
@@ -105,6 +98,24 @@ def made_folders(folder: str | os.PathLike) -> Iterator[None]:
         raise
 
 
+def _nearest_present(folder: Path) -> tuple[Path, list[Path]]:
+    """The nearest of `folder` and the folders above it that is there, and the missing ones below it,
+    deepest first. A link to nothing stops the walk: the missing folders cannot be made through it
+    (mkdir finds the link's name taken), though exists() calls it absent."""
+    missing = []
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return folder, missing
+
+
+def _not_a_folder(p: Path) -> str | None:
+    """Why the missing folders cannot be made under `p` (a file or a link to nothing holds its name)."""
+    if p.is_dir():
+        return None
+    return f"{p} is a link to nothing" if p.is_symlink() else f"{p} is not a folder"
+
+
 def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     """Why `path` (a file, or with folder=True a directory) cannot be written, None when it can;
     asked before minutes of work whose result would otherwise be lost. A file must not have a
@@ -120,13 +131,9 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
             return "it is a folder"
         if path.exists() and not os.access(path, os.W_OK):
             return "it is not writable"
-    parent = path.parent
-    # A link to nothing stops the walk: the missing folders cannot be made through it (mkdir finds
-    # the link's name taken), though exists() calls it absent.
-    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is a link to nothing" if parent.is_symlink() else f"{parent} is not a folder"
+    parent, _missing = _nearest_present(path.parent)
+    if why := _not_a_folder(parent):
+        return why
     try:
         os.rmdir(tempfile.mkdtemp(prefix=f".{sibling_name(path.name)}.normswap-probe-", dir=parent))
     except OSError as e:
