@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from normswap import jsonsafe
-from normswap.errors import NormswapError, option_labels
+from normswap.errors import NormswapError, named_twice, option_labels
 from normswap.progress import ProgressFn
 
 MODES = ("train", "prefill", "decode")
@@ -339,9 +339,8 @@ def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None
     if not cfg.modes:
         raise BadInputError(f"{n['modes']} names no workload; expected {', '.join(MODES)}")
     for name in ("impls", "modes"):
-        twice = next((v for i, v in enumerate(getattr(cfg, name)) if v in getattr(cfg, name)[:i]), None)
-        if twice is not None:  # timed twice, two rows under one name
-            raise BadInputError(f"{n[name]}: {twice} named twice")
+        if twice := named_twice(getattr(cfg, name)):  # timed twice, two rows under one name
+            raise BadInputError(f"{n[name]}: {', '.join(twice)} named twice")
     bad = [m for m in cfg.modes if m not in MODES]
     if bad:
         raise BadInputError(f"{n['modes']}: unknown mode {bad[0]!r}; expected {', '.join(MODES)}")

@@ -1,7 +1,7 @@
 """Errors that the command line turns into one line on stderr and exit code 2."""
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 
 class NormswapError(Exception):
@@ -26,6 +26,12 @@ def require_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return value
+
+
+def named_twice(names: Sequence[str]) -> list[str]:
+    """The names given more than once, sorted (for "X named twice"): a list of implementations,
+    modes or arms names each once; a repeat is a typo'd second name, never a request to run one twice."""
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None) -> dict[str, str]:

@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from normswap.backends import BACKENDS
 from normswap.dtypes import RUN_DTYPES
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, named_twice
 
 TRANSFORMS = ("original", "exact", "approx", "approx-bias")
 TRAININGS = ("ft", "distill")
@@ -177,8 +177,7 @@ def select_arms(recipe: Recipe, arms: str | Sequence[str] | None, name: str = "a
             parse_arm(arm)
         except RecipeError as e:
             raise RecipeError(f"{name}: {e}") from None
-    twice = sorted({a for a in chosen if chosen.count(a) > 1})
-    if twice:  # as a recipe's arms list: a typo'd second name, not a request to run one arm twice
+    if twice := named_twice(chosen):  # as a recipe's arms list: a typo'd second name, not a request to run one arm twice
         raise RecipeError(f"{name}: {', '.join(twice)} named twice")
     return chosen
 
@@ -273,8 +272,8 @@ def validate(table: dict, base: Path, source: str = "") -> Recipe:
         parse_arm(arm)
     if not recipe.arms:
         raise RecipeError("arms: the list is empty")
-    if len(set(recipe.arms)) != len(recipe.arms):
-        raise RecipeError("arms: an arm is listed twice")
+    if twice := named_twice(recipe.arms):
+        raise RecipeError(f"arms: {', '.join(twice)} listed twice")
     if (recipe.model is None) == (recipe.pretrain is None):
         raise RecipeError("a recipe needs exactly one of [model] (path = a model directory) and [pretrain]")
     if recipe.model is not None and not recipe.model.path:
