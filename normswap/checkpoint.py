@@ -41,6 +41,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -240,7 +241,10 @@ def mount_points_within(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-_HELD_LOCKS: dict[Path, int] = {}
+# The targets each thread holds, and how many times over: re-entrant within a thread only. Keyed by
+# target alone, a second thread's normswap.patch(out=X) (a library caller's pool) entered the first's
+# lock as its own, wrote X alongside it, and its release (a KeyError after the first's) left X unlocked.
+_HELD_LOCKS: dict[tuple[int, Path], int] = {}
 
 
 @contextmanager
@@ -249,12 +253,13 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
     fail at once with one line naming the run that holds it. Re-entrant within a process. The lock
     file is removed on release (fileio.path_lock); a kill releases the lock with the process."""
     target = Path(target)
-    if target in _HELD_LOCKS:
-        _HELD_LOCKS[target] += 1
+    key = (threading.get_ident(), target)
+    if key in _HELD_LOCKS:
+        _HELD_LOCKS[key] += 1
         try:
             yield
         finally:
-            _HELD_LOCKS[target] -= 1
+            _HELD_LOCKS[key] -= 1
         return
     path = target.parent / f".{sibling_name(target.name)}.normswap.lock"
     with ExitStack() as held:
@@ -264,11 +269,11 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
             who = f" (pid {e.holder})" if e.holder else ""
             raise NormswapError(f"another normswap run{who} is writing {target}; "
                                 "try again when it has finished") from None
-        _HELD_LOCKS[target] = 1
+        _HELD_LOCKS[key] = 1
         try:
             yield
         finally:
-            del _HELD_LOCKS[target]
+            del _HELD_LOCKS[key]
 
 
 def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:

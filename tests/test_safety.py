@@ -377,6 +377,32 @@ def test_case3_lock_is_reentrant_and_removed(tmp_path):
     assert not (tmp_path / ".t.normswap.lock").exists()
 
 
+def test_case3_lock_is_reentrant_within_a_thread_only(tmp_path):
+    """Two threads of one program writing one target (normswap.patch_checkpoint(out=X) from a
+    pool): the second entered the first's lock as its own and wrote X alongside it. It is refused
+    as another process is, and the first's lock stays whole."""
+    import threading
+
+    t = tmp_path / "t"
+    got = []
+
+    def second():
+        try:
+            with checkpoint.target_lock(t):
+                got.append("entered")
+        except NormswapError as e:
+            got.append(str(e))
+
+    with checkpoint.target_lock(t):
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(60)
+        assert got == [f"another normswap run (pid {os.getpid()}) is writing {t}; try again when it has finished"]
+        with checkpoint.target_lock(t):  # this thread's own: re-entrant
+            assert (tmp_path / ".t.normswap.lock").read_text() == str(os.getpid())
+    assert not (tmp_path / ".t.normswap.lock").exists()
+
+
 def test_the_lock_never_follows_a_link_into_someone_elses_file(tmp_path):
     """The lock file is opened beside the target, often in a shared folder. A link planted at its
     name (or left there) was followed: the linked file was truncated and given the pid, then the
