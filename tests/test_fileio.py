@@ -14,7 +14,7 @@ import pytest
 
 from normswap.errors import NormswapError
 from normswap.fileio import LockHeld, path_lock, unwritable, write_text_atomic
-from tests.lock_checks import wait_until_someone_waits_on
+from tests.lock_checks import held_by_a_thread, wait_until_someone_waits_on
 
 
 def test_what_stands_at_the_path_and_the_folder_it_goes_in(tmp_path):
@@ -187,30 +187,17 @@ def test_a_waiter_locks_the_file_at_the_path_not_the_one_its_holder_removed(tmp_
     """path_lock removes its file on release, so a waiter blocked on it is granted a lock on a file
     no longer at the path: it must lock the file there instead, or a third run locks a new file at
     the path and two runs write at once (the launch table's filelock lock had that race)."""
-    import threading
-
     lock = tmp_path / "t.lock"
-    inside, leave = threading.Event(), threading.Event()
-
-    def wait_then_hold():
-        with path_lock(lock, wait=True):
-            inside.set()
-            leave.wait(60)
-
-    waiter = threading.Thread(target=wait_then_hold)
-    with path_lock(lock, wait=False):
-        assert lock.read_text() == str(os.getpid())
-        waiter.start()
-        wait_until_someone_waits_on(lock)  # in its flock on this file, not yet at the open
-    try:
+    with contextlib.ExitStack() as waiter:
+        with path_lock(lock, wait=False):
+            assert lock.read_text() == str(os.getpid())
+            inside = waiter.enter_context(held_by_a_thread(lock, wait=True))
+            wait_until_someone_waits_on(lock)  # in its flock on this file, not yet at the open
         assert inside.wait(60)
         with pytest.raises(LockHeld) as held:
             with path_lock(lock, wait=False):
                 pass
         assert held.value.holder == str(os.getpid())
-    finally:
-        leave.set()
-        waiter.join(60)
     assert not lock.exists()  # no lock file outlives its holder
 
 
@@ -326,18 +313,7 @@ def test_a_waiter_interrupted_in_its_flock_leaves_the_holders_file(tmp_path):
         signal.pthread_kill(main, signal.SIGINT)
 
     before = _fds()
-    with contextlib.ExitStack() as holder:
-        inside, done = threading.Event(), threading.Event()
-
-        def hold():
-            with path_lock(lock, wait=False):
-                inside.set()
-                done.wait(60)
-
-        h = threading.Thread(target=hold)
-        holder.callback(h.join, 60)
-        holder.callback(done.set)
-        h.start()
+    with held_by_a_thread(lock, wait=False) as inside:
         assert inside.wait(60)
         t = threading.Thread(target=interrupt_the_waiter)
         t.start()
