@@ -220,15 +220,16 @@ def _read_history(path: Path, remedy: str) -> History:
                             f"{remedy}") from None
 
 
-def check_resumable(state_dir: Path, num_processes: int, what: str) -> None:
-    """Refuse (NormswapError, nothing removed) to resume the checkpoint in state_dir under another
-    number of processes than the one that wrote it: a step's sequences are grad_accum x processes
-    draws (RandomWindows), so the resumed steps would see other batches, a bigger or smaller batch
-    than the steps before them, and the result would belong to neither process count. No checkpoint:
-    nothing to check. `what` names the training in the message (an arm, "pretrain")."""
+def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Path, History] | None:
+    """The checkpoint in state_dir to resume and its history (None: there is none), or a refusal
+    (NormswapError, nothing removed) to resume it under another number of processes than the one
+    that wrote it: a step's sequences are grad_accum x processes draws (RandomWindows), so the
+    resumed steps would see other batches, a bigger or smaller batch than the steps before them,
+    and the result would belong to neither process count. `what` names the training in the
+    message (an arm, "pretrain")."""
     found = latest_checkpoint(state_dir)
     if found is None:
-        return
+        return None
     history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
     # A checkpoint from before the count was recorded: accelerate's save_state writes one RNG file per process.
     saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
@@ -238,6 +239,7 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> None:
                             f"run has {num_processes}: the process count decides the batches, so the resumed "
                             f"steps would see other data; run it again on {trained_on}, or delete {state_dir} "
                             f"to train it from the start on {num_processes}")
+    return found, history
 
 
 def _save(accelerator, state_dir: Path, history: History) -> None:
@@ -309,7 +311,7 @@ def train(
     process for losses; evals on the main process)."""
     from normswap.progress import stderr_bar
 
-    check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
+    resumed = check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
     state_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = LOSSES[loss]
     optimizer = build_optimizer(model, settings)
@@ -321,9 +323,8 @@ def train(
         # here froze every arm built after a distillation arm, whose training then had nothing to train.
         teacher = teacher.to(accelerator.device).eval()
     history = History()
-    found = latest_checkpoint(state_dir)
-    if found is not None:
-        history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
+    if resumed is not None:
+        found, history = resumed
         accelerator.load_state(str(found))
     rank, world = accelerator.process_index, accelerator.num_processes
     history.num_processes = world
