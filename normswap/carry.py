@@ -82,14 +82,12 @@ def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool, target: Path 
 
 
 def carried_folders(source, target: str | os.PathLike) -> set[str]:
-    """The names of the top-level folders a new folder written to `target` from `source` (as for
-    carry_over) will hold: what `--force` may replace of an old tree's folders before the write has
-    made them (checkpoint.check_replaceable). A GGUF carries files only."""
-    if not isinstance(source, (str, os.PathLike)):
-        if source.gguf_file:
-            return set()
-        source = source.path
-    source_dir, target = Path(source), Path(target).resolve()
+    """The names of the top-level folders a new folder written to `target` from `source` (a
+    loading.ModelSource; as for carry_over) will hold: what `--force` may replace of an old tree's
+    folders before the write has made them (checkpoint.check_replaceable). A GGUF carries files only."""
+    if source.gguf_file:
+        return set()
+    source_dir, target = Path(source.path), Path(target).resolve()
     try:
         names = [p.name for p in source_dir.iterdir()]
     except OSError:

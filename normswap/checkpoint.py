@@ -279,9 +279,9 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
 def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
     would destroy the model being read (`verb`: "patched", "converted"). source: the
-    loading.ModelSource (or folder) the output is written from."""
+    loading.ModelSource the output is written from."""
     target = target_path(out)
-    source_dir = Path(source if isinstance(source, (str, os.PathLike)) else source.path).resolve()
+    source_dir = source.path.resolve()
     if target == source_dir:
         raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
     if source_dir.is_relative_to(target):
