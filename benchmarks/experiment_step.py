@@ -120,6 +120,7 @@ def _positive(text: str) -> int:
 
 def main(argv=None) -> int:
     from normswap.errors import NormswapError
+    from normswap.fileio import write_text_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
@@ -144,8 +145,7 @@ def main(argv=None) -> int:
     if args.out != "-":
         out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
             f"experiment-step-{result['recipe']}-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        write_text_atomic(out, json.dumps(result, indent=1) + "\n")  # makes its folders; never a half-written file
         print(f"wrote {out}")
     return 0
 
