@@ -158,6 +158,22 @@ def test_the_counts_the_readme_quotes():
     assert layers and int(layers.group(1).replace(",", "")) == MAX_LAYERS
 
 
+def test_the_committed_launch_table_is_as_large_as_the_docs_say():
+    """README.md, docs/ARCHITECTURE.md and benchmarks/README.md each say how many entries the
+    committed launch table holds; ARCHITECTURE.md still called it empty after a GPU session had
+    committed 17."""
+    import json
+
+    table = json.loads((ROOT / "normswap" / "kernels" / "launch_table.json").read_text())
+    count = sum(len(arch["entries"]) for arch in table["archs"].values())
+    quoted = {doc.relative_to(ROOT).as_posix(): [int(n) for n in re.findall(
+        r"committed table\**\s+holds (?:the )?(\d+)", " ".join(doc.read_text().split()))] for doc in DOCS}
+    assert {doc for doc, counts in quoted.items() if counts} >= {"README.md", "docs/ARCHITECTURE.md",
+                                                                 "benchmarks/README.md"}
+    assert {doc: counts for doc, counts in quoted.items() if set(counts) - {count}} == {}
+    assert not re.search(r"committed table is empty", " ".join(t.read_text() for t in DOCS)) or count == 0
+
+
 def test_the_layout_names_real_files():
     """Every file and folder the README's layout block names under normswap/ and benchmarks/ exists."""
     block = README.read_text().split("## Layout", 1)[1].split("```", 2)[1]
