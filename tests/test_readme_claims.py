@@ -93,6 +93,27 @@ def test_every_command_takes_json_and_the_readme_has_a_section_for_it():
     assert set(commands) - documented == set()
 
 
+def test_every_option_says_what_it_does_and_shared_options_read_alike():
+    """`normswap CMD --help` explains every option (bench's --batch, --dtype and --warmup showed a
+    bare type), and an option two commands share for one concept is one option: bench's --device
+    showed no `auto` and no default beside patch's `auto|cpu|cuda|cuda:N [default: auto]`."""
+    import click
+
+    from normswap.cli import cli
+
+    bare = [f"normswap {name} {p.opts[0]}" for name, cmd in cli.commands.items() for p in cmd.params
+            if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    assert bare == []
+
+    def shape(command: str, opt: str):
+        p = next(p for p in cli.commands[command].params if opt in p.opts)
+        return p.metavar, p.default, p.show_default, p.help
+
+    assert shape("patch", "--device") == shape("bench", "--device")
+    assert shape("patch", "--force") == shape("convert", "--force")
+    assert len({shape(name, "--json") for name in cli.commands}) == 1
+
+
 def test_listed_choice_values_are_real():
     """`--dtype fp32|fp16|bf16`, `--impl` values: every value the README lists for a choice option is
     one of its choices (a README that lists fewer, e.g. the half dtypes only, is fine)."""

@@ -9,7 +9,7 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.bench import MODES
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import ProgressBars, cli, device_option, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
@@ -25,13 +25,14 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
 @click.option("--mode", "modes", default=",".join(MODES), show_default=True, metavar="LIST",
               help=f"Comma-separated workloads ({', '.join(MODES)}): train is a fwd+bwd step, decode one step "
                    "with a KV cache.")
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per call.")
 @click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
-@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True)
-@click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help="Default: the CUDA device when there is one.")
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True,
+              help="The dtype the model is built (or its weights loaded) and timed in.")
+@device_option
 @click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
 @click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls before the timed ones.")
 @click.option("--repeats", type=int, default=10, show_default=True, help="Timed calls; the median is reported.")
 @click.option("--load-weights", is_flag=True, help="Load MODEL's weights (default: random weights from its config).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -209,6 +209,13 @@ def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(f)
 
 
+def device_option(f: Callable) -> Callable:
+    """--device, as patch and bench take it (loading.parse_device reads the value): one spelling,
+    one default and one help text, where bench had no `auto` in its help and no default shown."""
+    return click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
+                        help="Where the model runs; auto: the CUDA device when there is one.")(f)
+
+
 def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
     """Print `data` as one JSON document, or hand it to the command's human renderer. A write that
     fails (a full disk: `> /dev/full`) says it was stdout: the system's reason alone ("No space

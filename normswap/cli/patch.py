@@ -7,7 +7,7 @@ import sys
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import ProgressBars, cli, device_option, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
 
@@ -22,8 +22,7 @@ from normswap.dtypes import RUN_DTYPES
 @click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
 @click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
               help="Load the weights in this dtype (default: the checkpoint's).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
-              help="Where the model runs; auto: the CUDA device when there is one.")
+@device_option
 @click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
