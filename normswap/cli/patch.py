@@ -25,7 +25,8 @@ from normswap.dtypes import RUN_DTYPES
 @device_option
 @click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest safetensors shard: 5GB, 500MB or a number of bytes.")
 @click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
               help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
 @click.option("--fuse-residual", is_flag=True,

@@ -16,7 +16,7 @@ def eval_options(f: Callable) -> Callable:
     options = [
         click.option("--data", "data_path", required=True, metavar="PATH",
                      help="A text file (or .gz), a .jsonl file (or .jsonl.gz), a directory of .txt files, or a saved `datasets` dataset."),
-        click.option("--text-field", default="text", show_default=True,
+        click.option("--text-field", default="text", show_default=True, metavar="FIELD",
                      help="The field holding the text in .jsonl rows and datasets."),
         click.option("--max-length", type=int, default=None,
                      help="Window length in tokens (default and cap: the model's context)."),
