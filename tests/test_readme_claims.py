@@ -114,6 +114,26 @@ def test_every_option_says_what_it_does_and_shared_options_read_alike():
     assert len({shape(name, "--json") for name in cli.commands}) == 1
 
 
+def test_each_command_heading_lists_every_option():
+    """Each `### normswap CMD ...` heading is the command's synopsis: it names every option the
+    command shows in --help (the ppl/diff heading named --data alone, with the rest in a sentence
+    further down that left out --text-field and --impl)."""
+    import click
+
+    from normswap.cli import cli
+
+    headings = [line for line in README.read_text().splitlines() if line.startswith("### `normswap ")]
+    missing = []
+    for name, cmd in cli.commands.items():
+        heading = " ".join(h for h in headings if f"`normswap {name} " in h)
+        assert heading, f"no README heading for normswap {name}"
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.hidden and p.opts != ["-h"] and "--help" not in p.opts:
+                if not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", heading) for o in (*p.opts, *p.secondary_opts)):
+                    missing.append(f"normswap {name} {p.opts[0]}")
+    assert missing == []
+
+
 def test_listed_choice_values_are_real():
     """`--dtype fp32|fp16|bf16`, `--impl` values: every value the README lists for a choice option is
     one of its choices (a README that lists fewer, e.g. the half dtypes only, is fine)."""
