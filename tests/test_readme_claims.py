@@ -114,6 +114,26 @@ def test_every_option_says_what_it_does_and_shared_options_read_alike():
     assert len({shape(name, "--json") for name in cli.commands}) == 1
 
 
+def test_every_command_that_takes_a_model_says_what_a_model_may_be():
+    """`normswap patch --help` showed MODEL and never said what it may be (bench's help: "anything
+    `patch` takes"); every command with a model argument now says it, as the README's Commands
+    section does."""
+    import click
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    unexplained = []
+    for name, cmd in cli.commands.items():
+        models = [p for p in cmd.params if isinstance(p, click.Argument) and p.name.startswith("model")]
+        if models:
+            text = " ".join(CliRunner().invoke(cli, [name, "--help"]).stdout.split())
+            if not all(w in text for w in ("a local directory, a .gguf file", "never downloads", "smollm2-135m")):
+                unexplained.append(name)
+    assert unexplained == []
+    assert "a hub id already in the local Hugging Face cache" in " ".join(README.read_text().split())
+
+
 def test_each_command_heading_lists_every_option():
     """Each `### normswap CMD ...` heading is the command's synopsis: it names every option the
     command shows in --help (the ppl/diff heading named --data alone, with the rest in a sentence
