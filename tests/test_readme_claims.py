@@ -114,6 +114,21 @@ def test_every_option_says_what_it_does_and_shared_options_read_alike():
     assert len({shape(name, "--json") for name in cli.commands}) == 1
 
 
+def test_help_and_version_work_as_the_commands_section_says():
+    from click.testing import CliRunner
+
+    import normswap
+    from normswap.cli import cli
+
+    text = " ".join(README.read_text().split())
+    assert "`normswap CMD --help` (or `-h`)" in text and "`normswap --version`" in text
+    top = CliRunner().invoke(cli, ["--help"])
+    assert top.exit_code == 0 and "Exit codes:" in top.stdout
+    assert all(CliRunner().invoke(cli, [name, "-h"]).exit_code == 0 for name in cli.commands)
+    version = CliRunner().invoke(cli, ["--version"])
+    assert version.exit_code == 0 and normswap.__version__ in version.stdout
+
+
 def test_every_command_that_takes_a_model_says_what_a_model_may_be():
     """`normswap patch --help` showed MODEL and never said what it may be (bench's help: "anything
     `patch` takes"); every command with a model argument now says it, as the README's Commands
