@@ -9,7 +9,15 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.bench import MODES
-from normswap.cli.main import ProgressBars, cli, device_option, emit, json_option, report_console
+from normswap.cli.main import (
+    ProgressBars,
+    cli,
+    device_option,
+    emit,
+    json_option,
+    model_epilog,
+    report_console,
+)
 from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
@@ -17,7 +25,7 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
                 "repeats": "--repeats", "compile_backend": "--compile-backend"}
 
 
-@cli.command("bench")
+@cli.command("bench", epilog=model_epilog())
 @click.argument("model")
 @click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
               help=f"Comma-separated impls to compare with the unpatched model ({', '.join(BACKENDS)}).")
@@ -43,8 +51,8 @@ def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use
     """Time MODEL unpatched and patched with each --impl (and fused with --fuse-residual): a training
     step, a prefill and one decode step, side by side in one process; print a table and write JSON.
 
-    MODEL is anything `patch` takes, or a directory holding only a config.json: by default the
-    weights are random (seeded) from the config, so any size can be timed without its weights.
+    MODEL may also be a directory holding only a config.json: by default the weights are random
+    (seeded) from the config, so any size can be timed without its weights.
     On a CPU the numbers are CPU numbers and say nothing about GPU speed.
     """
     from normswap.api import bench_checkpoint

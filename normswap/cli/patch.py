@@ -7,11 +7,19 @@ import sys
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, device_option, emit, json_option, report_console
+from normswap.cli.main import (
+    ProgressBars,
+    cli,
+    device_option,
+    emit,
+    json_option,
+    model_epilog,
+    report_console,
+)
 from normswap.dtypes import RUN_DTYPES
 
 
-@cli.command("patch")
+@cli.command("patch", epilog=model_epilog())
 @click.argument("model")
 @click.option("--impl", type=click.Choice(BACKENDS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog
 from normswap.dtypes import RUN_DTYPES
 
 
@@ -45,7 +45,7 @@ def describe_windows(d: dict) -> str:
             f"of up to {d['max_length']} tokens, stride {d['stride']}")
 
 
-@cli.command()
+@cli.command(epilog=model_epilog())
 @click.argument("model")
 @eval_options
 @json_option
