@@ -1341,13 +1341,10 @@ def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
 
     stop = StopFlag()
     with stop.on_interrupt():
-        # raise_signal delivers to this thread before it returns. os.kill(os.getpid(), ...), used
-        # here and below before, may land on one of torch's threads: the handler then runs on the
-        # main thread a moment later, once past pytest.raises (DID NOT RAISE, seen under load).
-        signal.raise_signal(signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
         assert stop.is_set() and stop.signal == signal.SIGINT  # the step finishes and checkpoints
         with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -1378,10 +1375,10 @@ def test_sigterm_checkpoints_like_ctrl_c_and_the_second_one_stops_now(sigterm_ra
 
     stop = StopFlag()
     with stop.on_interrupt():
-        signal.raise_signal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
         assert stop.is_set() and stop.signal == signal.SIGTERM
         with pytest.raises(_Terminated):
-            signal.raise_signal(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is sigterm_raises
 
 
@@ -1395,7 +1392,7 @@ def test_experiment_stopped_by_sigterm_exits_143(tmp_path, monkeypatch, sigterm_
     from normswap.cli import cli
 
     def run(recipe, out, arms, *, stop, **_):
-        signal.raise_signal(signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
         assert stop.is_set()
         raise Interrupted("original+ft: stopped at step 1 of 5; run the same command again to resume")
 
