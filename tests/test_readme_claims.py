@@ -24,9 +24,13 @@ OPTION = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
 
 
 def _commands() -> dict[str, set[str]]:
+    """Each command's options, with --help (every command's) and the group's --version, which the
+    Commands section names with `normswap` before them."""
     from normswap.cli import cli
 
-    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} for name, cmd in cli.commands.items()}
+    group = {o for p in cli.params for o in p.opts} | {"--help"}
+    return {name: group | {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+            for name, cmd in cli.commands.items()}
 
 
 def _blocks(section: str) -> list[str]:
