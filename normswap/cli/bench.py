@@ -44,7 +44,8 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
 @click.option("--repeats", type=int, default=10, show_default=True, help="Timed calls; the median is reported.")
 @click.option("--load-weights", is_flag=True, help="Load MODEL's weights (default: random weights from its config).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json).")
+              help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json under the "
+                   "current directory).")
 @json_option
 def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use_compile, compile_backend, warmup,
               repeats, load_weights, out, as_json):

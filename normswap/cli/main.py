@@ -209,7 +209,8 @@ def model_epilog(name: str = "MODEL") -> str:
     """What a model argument may be, shown under each command that takes one (patch --help said
     MODEL and nothing more; bench's said "anything `patch` takes")."""
     return (f"{name}: a local directory, a .gguf file, a hub id already in the local Hugging Face cache "
-            "(org/name; normswap never downloads), or smollm2-135m, the embedded default.")
+            "(org/name, or an org-less name such as gpt2; normswap never downloads), or smollm2-135m, "
+            "the embedded default.")
 
 
 def json_option(f: Callable) -> Callable:
