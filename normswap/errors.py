@@ -71,12 +71,17 @@ def is_flag(label: str) -> bool:
     return label.startswith("-")
 
 
-def way_out(option: str, value, otherwise: str) -> str:
+def way_out(option: str, value, otherwise: str) -> str | None:
     """What a message deep in a call suggests: setting `option` to `value` in the caller's spelling
-    when the entry point it called has that option (--no-rms, rms=False: using_option_names), else
-    `otherwise`, the way of the function raising it (patch(model, ...)'s rms_forms)."""
-    label = option_labels({option: ""})[option]
-    return option_setting(label, value) if label else otherwise
+    when the entry point it called has that option (--no-rms, rms=False: using_option_names);
+    `otherwise`, the way of the function raising it (patch(model, ...)'s rms_forms), when it was
+    called directly; None (suggest nothing) under an entry point without that option: `normswap
+    diff` has no --exclude, and its user never wrote patch's filter_fn."""
+    in_effect = _IN_EFFECT.get()
+    if not in_effect:
+        return otherwise
+    label = in_effect.get(option)
+    return option_setting(label, value) if label else None
 
 
 class Metavar(str):

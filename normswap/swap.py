@@ -417,10 +417,10 @@ def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None
         if t is None or t.is_meta:
             continue
         if not bool((t.detach() == fill).all()):
+            way = way_out("rms", False, "rms_forms leaving it out")  # None: the caller has no such option
             raise NormswapError(
                 f"{entry.path}: its {'γ' if fill else 'β'} was folded by normswap convert, so its {attr} should be "
-                f"all {fill:g}, but it is not (changed after the conversion?); patch with "
-                f"{way_out('rms', False, 'rms_forms leaving it out')}"
+                f"all {fill:g}, but it is not (changed after the conversion?)" + (f"; patch with {way}" if way else "")
             )
 
 
@@ -428,9 +428,9 @@ def _failure_message(report: PatchReport) -> str:
     if report.failed:
         first = report.failed[0]
         more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
+        way = way_out("exclude", Metavar("REGEX"), "filter_fn")  # None: the caller has no such option
         return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
-                f"{first.reason}{more}; nothing was changed (exclude it with "
-                f"{way_out('exclude', Metavar('REGEX'), 'filter_fn')})")
+                f"{first.reason}{more}; nothing was changed" + (f" (exclude it with {way})" if way else ""))
     mc = report.model_check
     if report.fusion is not None and not report.fusion.ok:
         fc = report.fusion.model_check

@@ -61,7 +61,8 @@ def test_the_helpers_spell_each_option_as_its_caller_does():
         with using_option_names({"force": "--force"}):  # an inner entry point adds to the outer's names
             assert option_labels(("out", "force")) == {"out": "--out", "force": "--force"}
         assert option_labels(("out",), {"out": "OUT"}) == {"out": "OUT"}  # given names win
-        assert way_out("out", "x", "elsewhere") == "--out x" and way_out("exclude", "R", "filter_fn") == "filter_fn"
+        assert way_out("out", "x", "elsewhere") == "--out x"
+        assert way_out("exclude", "R", "filter_fn") is None  # the entry point has no such option: none to suggest
     assert option_labels(("out",)) == {"out": "out"}  # the block's names end with it
     assert way_out("out", "x", "elsewhere") == "elsewhere"
 
@@ -144,6 +145,8 @@ def test_a_failed_verification_names_the_callers_way_to_exclude_a_norm(tmp_path,
         "nothing was changed (exclude it with exclude=REGEX)")
     model = load_model(resolve(tmp_path / "qwen3"))
     assert library_error(patch, model, "reference").endswith("nothing was changed (exclude it with filter_fn)")
+    with using_option_names({"patched": "--patched"}):  # `normswap diff A --patched IMPL`: no --exclude to name
+        assert library_error(patch, model, "reference").endswith("nothing was changed")
 
 
 # -- convert ---------------------------------------------------------------------------------------

@@ -299,9 +299,10 @@ def test_a_message_names_the_way_out_its_caller_has():
             net[1].weight.fill_(2.0)  # γ no longer the ones normswap convert left
         return net
 
-    for names, says in (({}, "patch with rms_forms leaving it out"), ({"rms": "rms"}, "patch with rms=False"),
-                        ({"rms": "--rms"}, "patch with --no-rms")):
-        with using_option_names(names), pytest.raises(NormswapError, match=f"conversion\\?\\); {says}$"):
+    for names, says in (({}, "; patch with rms_forms leaving it out"), ({"rms": "rms"}, "; patch with rms=False"),
+                        ({"rms": "--rms"}, "; patch with --no-rms"),
+                        ({"impl": "--impl"}, "")):  # `normswap ppl` has no --rms: no way out to name
+        with using_option_names(names), pytest.raises(NormswapError, match=f"conversion\\?\\){says}$"):
             patch(folded_but_changed(), "torch", rms_forms={"1": {"weight": False}}, probe=SMALL)
     net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32))  # no config.vocab_size: no token model
     for names, says in (({}, "fuse_residual"), ({"fuse_residual": "--fuse-residual"}, "--fuse-residual")):
