@@ -17,7 +17,7 @@ import torch
 
 from normswap.archs import ArchData, expand, load_arch, pattern_regex
 from normswap.discover import OUTPUT, STREAM, Trace, discover, fold_orientation, layer_norm_paths
-from normswap.errors import NormswapError, option_labels, option_setting
+from normswap.errors import NormswapError, option_labels, option_setting, way_out
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -410,10 +410,11 @@ def check_refusals(plan: Plan, partial: bool) -> None:
         first = refused[0].why_not if refused else "no LayerNorm"
         raise NormswapError(f"nothing converts in this {plan.model_type} model: {first}")
     if refused and not partial:
+        # convert_model's partial=True, convert's --partial; an experiment's exact arm has no such option
+        way = way_out("partial", True, "partial=True")
         raise NormswapError(
             f"{len(refused)} of {len(plan.norms)} norms cannot be converted ({refused[0].path}: "
-            f"{refused[0].why_not}); pass {option_setting(option_labels(('partial',))['partial'], True)} to convert "
-            f"the other {len(plan.converted)}"
+            f"{refused[0].why_not})" + (f"; pass {way} to convert the other {len(plan.converted)}" if way else "")
         )
 
 

@@ -170,6 +170,12 @@ def test_convert_refusals(tmp_path):
         "pass --partial to convert the other 3")
     assert library_error(api.convert_checkpoint, tmp_path / "phi", tmp_path / "o").endswith(
         "pass partial=True to convert the other 3")
+    # an experiment's exact arm converts whole: no partial option to suggest (it said --partial)
+    from normswap.plan import check_refusals, plan_conversion
+
+    with using_option_names({"arms": "--arms"}):
+        message = library_error(check_refusals, plan_conversion(model, model.config), False)
+    assert message.startswith("4 of 7 norms cannot be converted") and "partial" not in message
 
 
 # -- ppl and diff ----------------------------------------------------------------------------------
