@@ -223,3 +223,26 @@ def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):
     assert {n["kept_gain_why"] for n in json.loads(r.stdout)["norms"] if n["kept_gain"] and not n["baked"]} == {"--keep-gain"}
     result = api.convert_checkpoint(tmp_path / "gpt2", tmp_path / "b", keep_gain=True)
     assert {n["kept_gain_why"] for n in result.section["norms"] if n["kept_gain"] and not n["baked"]} == {"keep_gain=True"}
+
+
+def test_a_recorded_patch_that_cannot_run_here(root, tmp_path):
+    """A folder patched with liger on a GPU machine, read where liger cannot run: the way out each
+    caller reads is its own option."""
+    fast, text = tmp_path / "liger", root / "text.txt"
+    api.patch_checkpoint(root / "llama", "torch", out=fast)
+    manifest = json.loads((fast / "normswap.json").read_text())
+    manifest["patch"]["impl"] = "liger"
+    (fast / "normswap.json").write_text(json.dumps(manifest))
+    assert cli_error("ppl", fast, "--data", text).endswith("; run its norms with another implementation: --impl torch")
+    assert library_error(api.evaluate_checkpoint, fast, api.EvalSettings(text)).endswith(
+        "; run its norms with another implementation: impl='torch'")
+    assert cli_error("diff", fast, "--patched", "torch", "--data", text).endswith(
+        "; --patched patches a model that runs no patch: give the unpatched model as A, or a second model B")
+    assert library_error(api.diff_checkpoints, fast, patched="torch", settings=api.EvalSettings(text)).endswith(
+        "; patched patches a model that runs no patch: give the unpatched model as A, or a second model B")
+    assert cli_error("patch", fast, "--impl", "torch", "--eval", text).endswith(
+        "; --eval compares the new patch with the model as that folder loads, so there is nothing to compare it "
+        "with here; drop --eval, or run where the recorded patch runs")
+    assert library_error(api.patch_checkpoint, fast, "torch", evaluation=api.EvalSettings(text)).endswith(
+        "; evaluation compares the new patch with the model as that folder loads, so there is nothing to compare "
+        "it with here; drop evaluation, or run where the recorded patch runs")
