@@ -364,7 +364,8 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
               option_names: Mapping[str, str] | None = None) -> BenchResult:
     """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
     patched (an impl unavailable here, a failed verification) gets rows with its error.
-    option_names: what messages call cfg's fields (check_config's).
+    option_names: what messages call cfg's fields (check_config's, and fuse_residual), here and in
+    everything the run calls (a patch's messages).
 
     progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
     measurements finished) and again after it (done + 1), and ("<variant> <mode>", total, total)
