@@ -42,15 +42,13 @@ def named_twice(names: Sequence[str]) -> list[str]:
 _IN_EFFECT: ContextVar[Mapping[str, str] | None] = ContextVar("normswap_option_names", default=None)
 
 
-def option_labels(options: Iterable[str] | Mapping[str, str], option_names: Mapping[str, str] | None = None
-                  ) -> dict[str, str]:
+def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None = None) -> dict[str, str]:
     """What messages call each of `options`: its library parameter name, or the name option_names
     gives it (a command line passes the flag it took the value from: {"batch": "--batch"}), so a
-    library caller and a command-line user each read the name they wrote. Without option_names,
-    the names the entry point running now was given (using_option_names) apply. `options` may map
-    each to what to call it when nobody names it (a function whose callers spell it otherwise)."""
-    defaults = dict(options) if isinstance(options, Mapping) else {k: k for k in options}
-    return defaults | dict(_IN_EFFECT.get() or {}) | dict(option_names or {})
+    library caller and a command-line user each read the name they wrote. Names option_names
+    leaves out are those the entry point running now was given (using_option_names), if any."""
+    in_effect = _IN_EFFECT.get() or {}
+    return {k: in_effect.get(k, k) for k in options} | dict(option_names or {})
 
 
 @contextmanager
