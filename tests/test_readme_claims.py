@@ -292,6 +292,22 @@ def test_every_environment_variable_normswap_reads_is_documented():
     assert len(read) >= 4 and {v for v in read if v not in docs} == set()
 
 
+def test_the_conversion_errors_the_readme_quotes_are_those_of_the_file_it_names():
+    """The float64 and fp32 ranges of `benchmarks/convert.py --errors` in Measurements are the min
+    and max over the columns of that dtype in the file the sentence names (re-measured 2026-11-24:
+    2.9e-16–7.6e-16 in float64, where the 2026-11-23 file the README quoted gave 3.6e-16–1.0e-15)."""
+    import json
+
+    text = " ".join(README.read_text().split())
+    m = re.search(r"max logit error after conversion (\S+)–(\S+) relative in float64 and (\S+)–(\S+) in fp32"
+                  r".*?`(benchmarks/results/convert-errors-[^`]+\.json)`", text)
+    assert m, "the README's conversion-error sentence moved: update this test"
+    rows = json.loads((ROOT / m.group(5)).read_text())["rows"]
+    for tag, (low, high) in (("fp64", m.group(1, 2)), ("fp32", m.group(3, 4))):
+        values = [r[k] for r in rows for k in r if k.startswith(tag)]
+        assert (float(f"{min(values):.2g}"), float(f"{max(values):.2g}")) == (float(low), float(high)), tag
+
+
 def test_the_layout_names_real_files():
     """Every file and folder the README's layout block names under normswap/ and benchmarks/ exists,
     and it names every benchmark script. (Its per-module map of normswap/ repeated
