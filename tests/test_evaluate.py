@@ -345,9 +345,10 @@ def test_diff_refuses_models_with_different_vocabularies(llama):
 # ----------------------------------------------------------------------------- the real model
 
 
-def genesis_text() -> str:
-    """The King James Genesis normswap ships (the demo's text), on every machine: Debian's bible-kjv,
-    read when installed, left the test on a 1.9 KB fallback elsewhere (442 tokens where it asks 511)."""
+def kjv_text() -> str:
+    """Genesis 1-3 (King James), the text normswap ships for its demo: the same on every machine.
+    (These tests used to ask Debian's `bible` program first and fall back to lighthouse.txt, too
+    short for the 511 tokens they expect, so they failed where bible-kjv was not installed.)"""
     from normswap.api import DEMO_TEXT
 
     return DEMO_TEXT.read_text()
@@ -364,7 +365,7 @@ def smollm2():
 @pytest.mark.slow
 def test_smollm2_perplexity_on_real_text_is_sane(smollm2):
     model, tok = smollm2
-    r = perplexity(model, tok, genesis_text(), max_length=256, max_tokens=512, progress=False)
+    r = perplexity(model, tok, kjv_text(), max_length=256, max_tokens=512, progress=False)
     assert r.tokens == 511 and r.windows == 3 and r.max_length == 256
     # A 135M model on plain English: far better than chance (49152), far from perfect.
     assert math.isfinite(r.ppl) and 2.0 < r.ppl < 100.0
@@ -375,7 +376,7 @@ def test_smollm2_triton_patched_diff_is_near_zero(smollm2):
     from normswap.evaluate import patched_copy
 
     model, tok = smollm2
-    d = diff_models(model, patched_copy(model, "triton"), tok, genesis_text(), max_length=128,
+    d = diff_models(model, patched_copy(model, "triton"), tok, kjv_text(), max_length=128,
                     max_tokens=128, progress=False)
     assert abs(d.relative_delta) < 1e-3 and d.kl_mean < 1e-5 and d.top1_agreement > 0.99
 
