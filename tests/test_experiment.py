@@ -1351,19 +1351,7 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, m
                       progress=False)
 
 
-@pytest.fixture
-def python_sigint():
-    """SIGINT as a Python program in a shell's foreground has it (KeyboardInterrupt). A suite started
-    in the background (`pytest &`, nohup) inherits SIGINT ignored, and there the second Ctrl-C of
-    the test below rightly did nothing: DID NOT RAISE KeyboardInterrupt."""
-    import signal
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
-def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time(python_sigint):
+def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
     import signal
 
     stop = StopFlag()
