@@ -83,12 +83,18 @@ class EvalSettings:
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
 
 
+# The EvalSettings fields messages name (text_field: normswap.data's, read while the data is scored).
+SETTINGS_OPTIONS = ("text_field", "max_length", "stride", "max_tokens", "batch_size")
+
+
 def _naming(options, option_names, settings):
     """The names an entry point's messages use: its own options', and its evaluation settings'
-    (text_field, read while the data is scored)."""
+    (their field names unless settings.option_names, or the entry point's option_names, renames
+    them; the settings' own win: the demo's --max-tokens over patch's --eval-max-tokens). Every
+    field is named, so a message deep in the scoring (errors.way_out) knows the caller has it."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
-        names |= dict(settings.option_names or {})
+        names = option_labels(SETTINGS_OPTIONS) | names | dict(settings.option_names or {})
     return using_option_names(names)
 
 
