@@ -147,6 +147,13 @@ def test_a_failed_verification_names_the_callers_way_to_exclude_a_norm(tmp_path,
     assert library_error(patch, model, "reference").endswith("nothing was changed (exclude it with filter_fn)")
     with using_option_names({"patched": "--patched"}):  # `normswap diff A --patched IMPL`: no --exclude to name
         assert library_error(patch, model, "reference").endswith("nothing was changed")
+    # normswap.load(verify=True) re-runs the proof: its caller has no filter_fn either (it read
+    # "exclude it with filter_fn", and "--exclude REGEX" before)
+    import normswap
+
+    api.patch_checkpoint(tmp_path / "qwen3", "torch", out=tmp_path / "patched")
+    assert library_error(normswap.load, tmp_path / "patched", impl="reference", verify=True).endswith(
+        "nothing was changed")
 
 
 # -- convert ---------------------------------------------------------------------------------------
