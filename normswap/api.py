@@ -151,10 +151,11 @@ class CheckpointPerplexity:
     # The implementation normswap ran the model's norms with (the patch its normswap.json records);
     # None: the model's own modules.
     impl: str | None = None
+    device: str = "cpu"  # where it ran (PatchResult's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "impl": self.impl, "data": self.data, "dtype": self.dtype,
-                **self.result.to_dict()}
+                "device": self.device, **self.result.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,11 @@ class CheckpointDiff:
     # As CheckpointPerplexity.impl, per model: B's is also the impl it was patched with in memory.
     impl_a: str | None = None
     impl_b: str | None = None
+    device: str = "cpu"  # where both ran (PatchResult's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_a": self.model_a, "model_b": self.model_b, "impl_a": self.impl_a, "impl_b": self.impl_b,
-                "data": self.data, "dtype": self.dtype, **self.result.to_dict()}
+                "data": self.data, "dtype": self.dtype, "device": self.device, **self.result.to_dict()}
 
 
 @dataclass
@@ -381,7 +383,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         diff = _diff(original, m, tokenizer, corpus, evaluation, reference, progress)
         del original, reference
         result.eval = CheckpointDiff(str(model), f"{model} --impl {impl}", str(evaluation.data), _dtype_name(m), diff,
-                                     impl_a=baseline["impl"] if baseline else None, impl_b=impl)
+                                     impl_a=baseline["impl"] if baseline else None, impl_b=impl, device=result.device)
     if target is not None:
         result.saved_to = save_patched(m, report, target, source=source, conversion=converted,
                                        replace=in_place or force, max_shard_size=max_shard_size, progress=progress)
@@ -557,57 +559,62 @@ def _bench_checkpoint(model, impls, modes, out, results_dir, progress, options) 
 
 # The options evaluate_checkpoint's and diff_checkpoints' messages name, as option_names renames them
 # (the settings' own are EvalSettings.option_names').
-EVALUATE_OPTIONS = ("impl", "dtype")
+EVALUATE_OPTIONS = ("impl", "dtype", "device")
 DIFF_OPTIONS = (*EVALUATE_OPTIONS, "patched")
 
 
 def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, impl: str | None = None,
-                        dtype: str | torch.dtype | None = None, progress: ProgressFn | None = None,
+                        dtype: str | torch.dtype | None = None, device: str = "auto",
+                        progress: ProgressFn | None = None,
                         option_names: Mapping[str, str] | None = None) -> CheckpointPerplexity:
     """Sliding-window perplexity of a checkpoint on `settings.data`; a directory normswap patched
     runs its norms with the patch its normswap.json records (as normswap.load does), with `impl`
-    in place of the recorded implementation when given (normswap.load's impl). option_names:
-    what messages call impl and dtype (patch_checkpoint's)."""
+    in place of the recorded implementation when given (normswap.load's impl). device: where the
+    model runs, as patch_checkpoint's (auto: the CUDA device when there is one, where natively the
+    Triton kernels must run). option_names: what messages call impl, dtype and device
+    (patch_checkpoint's)."""
     with _naming(EVALUATE_OPTIONS, option_names, settings):
-        return _evaluate_checkpoint(model, settings, impl, dtype, progress)
+        return _evaluate_checkpoint(model, settings, impl, dtype, device, progress)
 
 
-def _evaluate_checkpoint(model, settings, impl, dtype, progress) -> CheckpointPerplexity:
+def _evaluate_checkpoint(model, settings, impl, dtype, device, progress) -> CheckpointPerplexity:
     from normswap.evaluate import perplexity
-    from normswap.loading import load_config, recorded_patch, resolve
+    from normswap.loading import load_config, parse_device, recorded_patch, resolve
 
     _require_settings("settings", settings)
     require_progress_fn(progress)
+    device = parse_device(device)
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     recorded = recorded_patch(source, impl)
     _require_recorded(impl, [model], recorded)
     corpus, tokenizer = _prepare_scoring(settings, source, [config], progress=progress)
     step(progress, "load", 0, 1)
-    loaded = _load_scored(source, parse_dtype(dtype), config, recorded, progress, (1, 1))
+    loaded = _load_scored(source, parse_dtype(dtype), device, config, recorded, progress, (1, 1))
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
     return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result,
-                                impl=recorded["impl"] if recorded else None)
+                                impl=recorded["impl"] if recorded else None, device=device or "cpu")
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
                      patched: str | None = None, impl: str | None = None, dtype: str | torch.dtype | None = None,
-                     noise_floor: bool | None = None, progress: ProgressFn | None = None,
+                     device: str = "auto", noise_floor: bool | None = None, progress: ProgressFn | None = None,
                      option_names: Mapping[str, str] | None = None) -> CheckpointDiff:
     """A against B, or against A patched in memory with `patched` (an impl; each module verified),
     on the same windows, tokenised with A's tokenizer. A directory normswap patched runs its norms
     with the patch its normswap.json records (as normswap.load does), with `impl` in place of the
     recorded implementation when given. noise_floor (default: in half precision) also scores A
-    loaded in float32 (stock) and judges B against A's own distance from it. option_names: what
-    messages call patched, impl and dtype (patch_checkpoint's)."""
+    loaded in float32 (stock) and judges B against A's own distance from it. device: where all of
+    them run (evaluate_checkpoint's). option_names: what messages call patched, impl, dtype and
+    device (patch_checkpoint's)."""
     with _naming(DIFF_OPTIONS, option_names, settings):
-        return _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progress)
+        return _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor, progress)
 
 
-def _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progress) -> CheckpointDiff:
+def _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor, progress) -> CheckpointDiff:
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
-    from normswap.loading import load_config, recorded_patch, resolve
+    from normswap.loading import load_config, parse_device, recorded_patch, resolve
 
     n = option_labels(DIFF_OPTIONS)  # as diff_checkpoints installed them
     if (b is None) == (patched is None):
@@ -616,6 +623,7 @@ def _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progres
     _require_settings("settings", settings)
     require_progress_fn(progress)
     _require_flags(noise_floor=noise_floor)
+    device = parse_device(device)
     if patched is not None:
         get_backend(patched)  # an unavailable implementation fails before anything loads
     source_a = resolve(a, "a", progress)
@@ -635,18 +643,18 @@ def _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progres
     corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b, progress)
     torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
-    model_a = _load_scored(source_a, torch_dtype, config_a, recorded_a, progress, (1, 2))
+    model_a = _load_scored(source_a, torch_dtype, device, config_a, recorded_a, progress, (1, 2))
     if source_b is not None:
-        model_b = _load_scored(source_b, torch_dtype, config_b, recorded_b, progress, (2, 2))
+        model_b = _load_scored(source_b, torch_dtype, device, config_b, recorded_b, progress, (2, 2))
     else:
         model_b = patched_copy(model_a, patched)
         step(progress, "load", 2, 2)
-    reference = _float32_reference(source_a, config_a, model_a, None, noise_floor, progress)
+    reference = _float32_reference(source_a, config_a, model_a, device, noise_floor, progress)
     diff = _diff(model_a, model_b, tokenizer, corpus, settings, reference, progress)
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
     return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff,
-                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b)
+                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b, device=device or "cpu")
 
 
 def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:
@@ -662,12 +670,12 @@ def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> 
                             f"score a model patched in memory, use {way}")
 
 
-def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded: tuple[int, int]):
+def _load_scored(source, dtype, device, config, recorded: dict | None, progress, loaded: tuple[int, int]):
     """Load one scored model; `loaded` is the "load" count it completes, given before the recorded
     patch runs, so the patch's own stage follows a finished load instead of splitting it in two."""
     from normswap.loading import apply_recorded_patch, load_model
 
-    model = load_model(source, dtype=dtype, config=config)
+    model = load_model(source, dtype=dtype, device=device, config=config)
     step(progress, "load", *loaded)
     return model if recorded is None else apply_recorded_patch(model, source.ref, recorded, progress=progress)
 

@@ -315,6 +315,8 @@ def test_a_model_without_a_language_model_head_is_refused_before_its_weights_loa
      "the tokenizer does not belong to this model"),
     (lambda r, t: ("diff", r / "a", "--data", TEXT), "exactly one"),
     (lambda r, t: ("diff", r / "a", r / "b", "--patched", "triton", "--data", TEXT), "exactly one"),
+    (lambda r, t: ("ppl", r / "a", "--data", TEXT, "--device", "meta"), "unknown device 'meta'"),
+    (lambda r, t: ("diff", r / "a", "--patched", "torch", "--data", TEXT, "--device", "tpu"), "unknown device 'tpu'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, message):
     root, _, _ = models
@@ -326,3 +328,28 @@ def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, message):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("normswap: error:") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("cmd", [("ppl",), ("diff", "--patched", "torch")])
+def test_models_are_scored_on_the_device_given(models, monkeypatch, cmd):
+    """ppl and diff load every model they score (A, B, the float32 reference) where --device says,
+    as patch does: they loaded on the CPU whatever the machine, where natively the Triton kernels
+    refuse to run. No CUDA here, so parse_device is made to answer cuda:0 and the load is
+    recorded, then done on the CPU."""
+    from normswap import loading
+
+    root, _, _ = models
+    asked, load = [], loading.load_model
+
+    def recording_load(source, *args, device=None, **kwargs):
+        asked.append(device)
+        return load(source, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "parse_device", lambda name: {"cuda:0": "cuda:0", "auto": None}[name])
+    monkeypatch.setattr(loading, "load_model", recording_load)
+    args = (cmd[0], root / "a", *cmd[1:], "--data", TEXT, "--max-length", 32, "--max-tokens", 64)
+    assert ok_json(*args, "--device", "cuda:0")["device"] == "cuda:0"  # the report says where
+    assert asked and set(asked) == {"cuda:0"}
+    asked.clear()
+    assert ok_json(*args)["device"] == "cpu"  # auto: the CPU here
+    assert asked and set(asked) == {None}

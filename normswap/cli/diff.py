@@ -23,7 +23,7 @@ OPTION_NAMES = {**EVAL_OPTION_NAMES, "patched": "--patched"}
 @eval_options
 @json_option
 def diff(model_a, model_b, patched, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype,
-         recorded_impl, as_json) -> None:
+         recorded_impl, device, as_json) -> None:
     """Perplexity and next-token distributions of A against B (or against A --patched IMPL).
 
     Both models read the same windows, tokenised with A's tokenizer. A directory `normswap patch
@@ -34,7 +34,7 @@ def diff(model_a, model_b, patched, data_path, text_field, max_length, stride, m
     settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, OPTION_NAMES)
     with ProgressBars({"diff": "tok"}) as bars:
         result = diff_checkpoints(model_a, model_b, settings=settings, patched=patched, impl=recorded_impl,
-                                  dtype=dtype, progress=bars, option_names=OPTION_NAMES)
+                                  dtype=dtype, device=device, progress=bars, option_names=OPTION_NAMES)
     emit(result.to_dict(), as_json, render_diff)
 
 

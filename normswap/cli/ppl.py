@@ -7,13 +7,13 @@ from collections.abc import Callable
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog
+from normswap.cli.main import ProgressBars, cli, device_option, emit, json_option, model_epilog
 from normswap.dtypes import RUN_DTYPES
 
 # What evaluate_checkpoint's messages and its settings' call their options here: the flags of
 # eval_options they came from (--max-length, --text-field, --impl, ...).
 OPTION_NAMES = {k: "--" + k.replace("_", "-") for k in ("max_length", "stride", "max_tokens", "batch_size",
-                                                         "text_field", "impl", "dtype")}
+                                                         "text_field", "impl", "dtype", "device")}
 
 
 def eval_options(f: Callable) -> Callable:
@@ -33,6 +33,7 @@ def eval_options(f: Callable) -> Callable:
         click.option("--impl", "recorded_impl", type=click.Choice(BACKENDS), default=None,
                      help="Run the patch a directory's normswap.json records with this implementation instead "
                           "(e.g. torch where the recorded one cannot run)."),
+        device_option,
     ]
     for option in reversed(options):
         f = option(f)
@@ -54,7 +55,7 @@ def describe_windows(d: dict) -> str:
 @click.argument("model")
 @eval_options
 @json_option
-def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, recorded_impl,
+def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size, dtype, recorded_impl, device,
         as_json) -> None:
     """Perplexity of MODEL on the text at PATH (sliding window, the transformers recipe).
 
@@ -64,7 +65,7 @@ def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size
 
     settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, OPTION_NAMES)
     with ProgressBars({"perplexity": "tok"}) as bars:
-        result = evaluate_checkpoint(model, settings, impl=recorded_impl, dtype=dtype, progress=bars,
+        result = evaluate_checkpoint(model, settings, impl=recorded_impl, dtype=dtype, device=device, progress=bars,
                                      option_names=OPTION_NAMES)
 
     def render(d: dict) -> None:
