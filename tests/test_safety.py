@@ -417,6 +417,23 @@ def test_the_lock_never_follows_a_link_into_someone_elses_file(tmp_path):
     assert (tmp_path / ".out.normswap.lock").is_symlink()
 
 
+@pytest.mark.parametrize("cmd", ["patch", "convert", "bench", "experiment"])
+def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_through(src, gpt2, tmp_path, cmd):
+    """`ln -s /elsewhere/x out; normswap patch M --out out`: the output was written at the link's
+    target (its missing folders made), reported as "saved to /elsewhere/x". Refused, one line; so is
+    a path that goes through such a link."""
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "out").symlink_to(elsewhere / "x")
+    args = {"patch": ["patch", src, "--impl", "torch"], "convert": ["convert", gpt2, "--to", "rms"],
+            "bench": ["bench", src, "--impl", "torch", "--repeats", "1", "--warmup", "0"],
+            "experiment": ["experiment", ROOT / "recipes" / "smoke-kjv-tiny.toml"]}[cmd]
+    for out, said in ((tmp_path / "out", "is a link to nothing"), (tmp_path / "out" / "sub", "a link to nothing")):
+        for force in ([], ["--force"]) if cmd in ("patch", "convert") else ([],):
+            assert_one_line_error(run(*args, "--out", out, *force), said)
+    assert not elsewhere.exists()
+    assert (tmp_path / "out").is_symlink()
+
+
 # ---- case 2 (and 7: a size mismatch names the tensor and both shapes) --------------------------
 
 
