@@ -526,6 +526,43 @@ def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
         assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
 
 
+# A library that catches the KeyboardInterrupt on its way and raises another error in its place, as
+# numpy's C initialisation does when Ctrl-C lands in it (an ImportError, or a module left half made
+# that fails the next import): at start-up (numpy, under torch's import) and during the command
+# (transformers' lazy import of the model class, which it reports as "Could not import module").
+_SIGINT_TURNED_INTO_IMPORT_ERROR = """
+import os, signal, sys, importlib.abc
+TARGET = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET:
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):  # the handler runs between bytecodes
+                    pass
+            except KeyboardInterrupt:
+                raise ImportError("cannot load module more than once per process") from None
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("module", ["numpy", "transformers.models.llama.modeling_llama"],
+                         ids=["start-up", "during-the-command"])
+def test_case9_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(src, module):
+    """Ctrl-C at start-up or in a lazy import came out as a traceback (ImportError, exit 1) or as
+    'internal error: ModuleNotFoundError: Could not import module 'LlamaForCausalLM'' (exit 1)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGINT_TURNED_INTO_IMPORT_ERROR, module, "scan", str(src), "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
+
+
 # A signal later than every atexit handler: sent while the interpreter tears its modules down
 # (a global of __main__ freed), after Python has switched its signal handling off.
 _SIGNAL_IN_TEARDOWN = """
