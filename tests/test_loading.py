@@ -694,6 +694,19 @@ def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, mo
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
 
 
+def test_a_killed_first_use_conversion_leaves_nothing_for_good(tiny_builtin):
+    """A first use killed while it saved (kill -9, an OOM kill) left its hidden copy beside the cache
+    entry (~540 MB for smollm2-135m), which no later run removed. Conversions take a lock; its
+    holder removes such copies. Another entry's, and the lock file, are not left or touched."""
+    stale = tiny_builtin.parent / ".tiny-builtin.k1ll3d"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    other = tiny_builtin.parent / ".another-builtin.abc"
+    other.mkdir()
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert sorted(p.name for p in tiny_builtin.parent.iterdir()) == [".another-builtin.abc", "tiny-builtin"]
+
+
 def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):
     """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
     begins: the commands say what it is doing (it was 20 s of nothing on stderr), a library call
