@@ -127,10 +127,19 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
         return _directory_source(ref, p)
     if ref in _BUILTINS:
         return ModelSource(ref, builtin_model_dir(ref, progress))
+    if os.path.lexists(p):  # there, but neither: "no such file or directory" named a path the user can see
+        raise NormswapError(f"{ref}: {_not_a_file(p)}; pass a model directory or a .gguf file")
     if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))
     raise NormswapError(f"{ref}: no such file or directory, and not a hub id (org/name)")
+
+
+def _not_a_file(p: Path) -> str:
+    """What stands at `p`, which is there but is not a regular file."""
+    if p.is_symlink() and not p.exists():
+        return "a link to nothing (a download that did not finish, or whose file was removed?)"
+    return "a folder" if p.is_dir() else "not a regular file or folder (a pipe, socket or device)"
 
 
 def _directory_source(ref: str, p: Path) -> ModelSource:
@@ -670,6 +679,16 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
             name_malformed_json(Path(path), (st.INDEX_NAME,))
             if (Path(path) / st.INDEX_NAME).is_file():
                 st.checkpoint_layout(Path(path))  # an index of the wrong shape, said as convert says it
+        if "gguf_file" not in kwargs:
+            from normswap.carry import STOCK_WEIGHTS
+
+            # transformers' "no file named model.safetensors ... found" of a weights file that is there:
+            # a hub snapshot's link to a blob still downloading (.incomplete), a pipe
+            with contextlib.suppress(OSError):
+                for entry in sorted(Path(path).iterdir()):
+                    if STOCK_WEIGHTS.fullmatch(entry.name) and not entry.is_file():
+                        raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
+                                            ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model

@@ -798,3 +798,43 @@ def test_an_experiments_gguf_reads_are_stages_of_its_progress(tmp_path, monkeypa
     assert model.config.num_hidden_layers == 2 and len(tokenizer) > 0
     runner._load_model(str(gguf), False)
     assert "reading its" not in capsys.readouterr().err
+
+
+def test_a_model_path_that_is_there_but_no_file_or_folder_is_named_as_such(tmp_path):
+    """A pipe, a device or a link to nothing given as MODEL was 'no such file or directory', of a
+    path the user can see with ls."""
+    import os
+    import re
+
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for given, says in ((tmp_path / "pipe", "not a regular file or folder (a pipe, socket or device)"),
+                        (tmp_path / "link", "a link to nothing (a download that did not finish"),
+                        ("/dev/null", "not a regular file or folder")):
+        with pytest.raises(NormswapError, match=r"^" + re.escape(f"{given}: {says}")):
+            loading.resolve(given)
+
+
+@pytest.mark.parametrize("blocker", ["incomplete download", "pipe", "folder"])
+def test_a_weights_file_that_is_no_file_is_named(tiny_dir, tmp_path, blocker):
+    """A hub snapshot whose model.safetensors links to a blob still downloading (blobs/X.incomplete),
+    or a weights 'file' that is a pipe or a folder: transformers' 'no file named model.safetensors,
+    or pytorch_model.bin, found in directory' of a folder where ls shows one."""
+    import os
+    import re
+    import shutil
+
+    d = tmp_path / "snapshot"
+    shutil.copytree(tiny_dir[0], d)
+    weights = d / "model.safetensors"
+    weights.unlink()
+    if blocker == "incomplete download":
+        weights.symlink_to(tmp_path / "blobs" / "1d8412fb")
+    elif blocker == "pipe":
+        os.mkfifo(weights)
+    else:
+        weights.mkdir()
+    says = {"incomplete download": "a link to nothing (a download that did not finish",
+            "pipe": "not a regular file or folder", "folder": "a folder"}[blocker]
+    with pytest.raises(NormswapError, match="cannot load the weights: model.safetensors is " + re.escape(says)):
+        loading.load_model(loading.resolve(d))
