@@ -36,7 +36,15 @@ import torch
 
 from normswap.bench import BenchResult
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, require_bool
+from normswap.errors import (
+    Metavar,
+    NormswapError,
+    is_flag,
+    option_labels,
+    option_setting,
+    require_bool,
+    using_option_names,
+)
 from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
 from normswap.progress import ProgressFn, require_progress_fn, step
@@ -57,8 +65,8 @@ class EvalSettings:
     stride: int | None = None  # default: half the window
     max_tokens: int | None = None  # score only the first tokens of the data
     batch_size: int = 1
-    # what messages call max_length, stride, max_tokens, batch_size: the parameter names, or the
-    # flags a command line took them from (normswap.evaluate.CLI_NAMES, patch's --eval-max-*)
+    # what messages call max_length, stride, max_tokens, batch_size and text_field: the parameter
+    # names, or the flags a command line took them from (ppl's --max-length, patch's --eval-max-*)
     option_names: Mapping[str, str] | None = None
 
     def check(self) -> None:
@@ -73,6 +81,15 @@ class EvalSettings:
     def window_kwargs(self) -> dict[str, Any]:
         return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
+
+
+def _naming(options, option_names, settings):
+    """The names an entry point's messages use: its own options', and its evaluation settings'
+    (text_field, read while the data is scored)."""
+    names = option_labels(options, option_names)
+    if isinstance(settings, EvalSettings):  # else _require_settings refuses it
+        names |= dict(settings.option_names or {})
+    return using_option_names(names)
 
 
 def _require_settings(name: str, value, optional: bool = False) -> EvalSettings | None:
@@ -239,6 +256,7 @@ def patch_checkpoint(
     evaluation: EvalSettings | None = None,
     noise_floor: bool | None = None,
     progress: ProgressFn | None = None,
+    option_names: Mapping[str, str] | None = None,
 ) -> PatchResult:
     """Load `model`, swap every recognised norm for an `impl` module, verify each one and the
     whole model, optionally diff against the model as it loads (`evaluation`: the original, or a
@@ -250,10 +268,19 @@ def patch_checkpoint(
     into the norm that reads the sum (normswap.fuse). noise_floor (default: in half precision)
     adds the original's float32 self to the evaluation. A failed verification raises
     VerificationError; its `.result` is this call's PatchResult (nothing was saved).
+    option_names: what messages call these parameters (default: their names; the CLI passes its
+    flags, {"in_place": "--in-place", ...}), here and in everything the call runs.
     """
     with contextlib.ExitStack() as held:
+        held.enter_context(_naming(PATCH_OPTIONS, option_names, evaluation))
         return _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
                                  max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress)
+
+
+# The options patch_checkpoint's messages name (and those of what it calls: checkpoint, swap, the
+# evaluation), as option_names renames them.
+PATCH_OPTIONS = ("impl", "out", "in_place", "only", "exclude", "dtype", "force", "max_shard_size", "rms",
+                 "fuse_residual", "evaluation")
 
 
 def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
@@ -283,8 +310,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     _require_settings("evaluation", evaluation, optional=True)
     _require_flags(in_place=in_place, strict=strict, force=force, rms=rms, fuse_residual=fuse_residual,
                    noise_floor=noise_floor)
+    n = option_labels(PATCH_OPTIONS)  # as patch_checkpoint installed them
     if out is not None and in_place:
-        raise NormswapError("--out and --in-place are exclusive; pick one")
+        raise NormswapError(f"{n['out']} and {n['in_place']} are exclusive; pick one")
     filter_fn = regex_filter(only, exclude)
     parse_shard_size(max_shard_size)  # every option is checked before the (long) load
     device = parse_device(device)
@@ -294,8 +322,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     target = None
     if in_place:
         if source.gguf_file or not Path(model).expanduser().is_dir():
-            raise NormswapError(f"--in-place rewrites a local safetensors model directory; {model} is not one "
-                                "(use --out DIR)")
+            raise NormswapError(f"{n['in_place']} rewrites a local safetensors model directory; {model} is not "
+                                f"one (use {option_setting(n['out'], Metavar('DIR'))})")
         target = source.path
         check_replaceable(target, in_place=True)  # before the load: the save would be refused after it
         # A second --in-place run is refused before it loads anything. Taken before the folder is
@@ -311,7 +339,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
     elif out is not None:
-        target = check_out_target(out, source, force, "patched", "use --in-place for that")
+        target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
         _check_writable(target, folder=True)
         if not in_place and target.parent.is_dir():
@@ -323,7 +351,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
-            raise NormswapError(f"--only/--exclude leave no recognised norm to patch in {model}")
+            raise NormswapError(f"{n['only']}/{n['exclude']} leave no recognised norm to patch in {model}")
         del meta
 
     step(progress, "load", 0, 1)
@@ -363,9 +391,10 @@ def _eval_baseline(source, manifest: dict | None) -> dict | None:
     cannot run here leaves nothing honest to compare with."""
     from normswap.loading import runnable_patch
 
+    name = option_labels(PATCH_OPTIONS)["evaluation"]
     return runnable_patch(None if manifest is None else manifest.get("patch"), source.ref, None,
-                          way_out="--eval compares the new patch with the model as that folder loads, so there "
-                          "is nothing to compare it with here; drop --eval, or run where the recorded patch runs")
+                          way_out=f"{name} compares the new patch with the model as that folder loads, so there "
+                          f"is nothing to compare it with here; drop {name}, or run where the recorded patch runs")
 
 
 def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
@@ -378,8 +407,10 @@ def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
         stored = getattr(torch, stored, None)
     if isinstance(stored, torch.dtype) and stored != dtype:
         name = str(stored).removeprefix("torch.")
-        raise NormswapError(f"--in-place with --dtype would rewrite the {name} weights of {source.ref} as "
-                            f"{str(dtype).removeprefix('torch.')}; save the conversion with --out DIR instead")
+        n = option_labels(PATCH_OPTIONS)
+        raise NormswapError(f"{n['in_place']} with {n['dtype']} would rewrite the {name} weights of {source.ref} as "
+                            f"{str(dtype).removeprefix('torch.')}; save the conversion with "
+                            f"{option_setting(n['out'], Metavar('DIR'))} instead")
 
 
 def _check_writable(target: Path, folder: bool) -> None:
@@ -403,11 +434,22 @@ def convert_checkpoint(
     dtype: str | torch.dtype | None = None,
     force: bool = False,
     progress: ProgressFn | None = None,
+    option_names: Mapping[str, str] | None = None,
 ) -> ConvertResult:
     """Exact LayerNorm -> RMSNorm of a checkpoint into `out`: plan (from the config alone), fold
     shard by shard, reload with stock transformers and compare logits, write the manifest once,
     publish atomically. A model that cannot be converted (some norm, without partial=True)
-    raises ConversionRefused with the per-norm report; nothing is written."""
+    raises ConversionRefused with the per-norm report; nothing is written. option_names: what
+    messages call these parameters (patch_checkpoint's)."""
+    with using_option_names(option_labels(CONVERT_OPTIONS, option_names)):
+        return _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress)
+
+
+# The options convert_checkpoint's messages name, as option_names renames them.
+CONVERT_OPTIONS = ("out", "keep_gain", "partial", "dtype", "force")
+
+
+def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) -> ConvertResult:
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
     from normswap.loading import build_meta_model, check_stored_dtypes, load_config, resolve
@@ -469,7 +511,7 @@ def bench_checkpoint(
     normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
     repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
     raise NormswapError before anything is measured. option_names: what those messages call
-    impls, modes, batch, seq, warmup and repeats (the CLI's {"impls": "--impl", ...}; default:
+    impls, modes, batch, seq, warmup, repeats and fuse_residual (the CLI's {"impls": "--impl", ...}; default:
     these names)."""
     from normswap.bench import (
         BenchConfig,
@@ -500,12 +542,24 @@ def bench_checkpoint(
 # ---------------------------------------------------------------------------------------------
 
 
+# The options evaluate_checkpoint's and diff_checkpoints' messages name, as option_names renames them
+# (the settings' own are EvalSettings.option_names').
+EVALUATE_OPTIONS = ("impl", "dtype")
+DIFF_OPTIONS = (*EVALUATE_OPTIONS, "patched")
+
+
 def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, impl: str | None = None,
-                        dtype: str | torch.dtype | None = None,
-                        progress: ProgressFn | None = None) -> CheckpointPerplexity:
+                        dtype: str | torch.dtype | None = None, progress: ProgressFn | None = None,
+                        option_names: Mapping[str, str] | None = None) -> CheckpointPerplexity:
     """Sliding-window perplexity of a checkpoint on `settings.data`; a directory normswap patched
     runs its norms with the patch its normswap.json records (as normswap.load does), with `impl`
-    in place of the recorded implementation when given (normswap.load's impl)."""
+    in place of the recorded implementation when given (normswap.load's impl). option_names:
+    what messages call impl and dtype (patch_checkpoint's)."""
+    with _naming(EVALUATE_OPTIONS, option_names, settings):
+        return _evaluate_checkpoint(model, settings, impl, dtype, progress)
+
+
+def _evaluate_checkpoint(model, settings, impl, dtype, progress) -> CheckpointPerplexity:
     from normswap.evaluate import perplexity
     from normswap.loading import load_config, recorded_patch, resolve
 
@@ -525,18 +579,27 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
                      patched: str | None = None, impl: str | None = None, dtype: str | torch.dtype | None = None,
-                     noise_floor: bool | None = None, progress: ProgressFn | None = None) -> CheckpointDiff:
+                     noise_floor: bool | None = None, progress: ProgressFn | None = None,
+                     option_names: Mapping[str, str] | None = None) -> CheckpointDiff:
     """A against B, or against A patched in memory with `patched` (an impl; each module verified),
     on the same windows, tokenised with A's tokenizer. A directory normswap patched runs its norms
     with the patch its normswap.json records (as normswap.load does), with `impl` in place of the
     recorded implementation when given. noise_floor (default: in half precision) also scores A
-    loaded in float32 (stock) and judges B against A's own distance from it."""
+    loaded in float32 (stock) and judges B against A's own distance from it. option_names: what
+    messages call patched, impl and dtype (patch_checkpoint's)."""
+    with _naming(DIFF_OPTIONS, option_names, settings):
+        return _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progress)
+
+
+def _diff_checkpoints(a, b, settings, patched, impl, dtype, noise_floor, progress) -> CheckpointDiff:
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
     from normswap.loading import load_config, recorded_patch, resolve
 
+    n = option_labels(DIFF_OPTIONS)  # as diff_checkpoints installed them
     if (b is None) == (patched is None):
-        raise NormswapError("give either a second model B or --patched IMPL (exactly one)")
+        raise NormswapError(f"give either a second model B or {option_setting(n['patched'], Metavar('IMPL'))} "
+                            "(exactly one)")
     _require_settings("settings", settings)
     require_progress_fn(progress)
     _require_flags(noise_floor=noise_floor)
@@ -547,15 +610,15 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     config_a = load_config(source_a, progress)
     config_b = load_config(source_b, progress) if source_b is not None else config_a
     # --patched refuses an A that runs a patch (below): its way out is another A, never --impl
-    way_a = {} if patched is None else {"way_out": "--patched patches a model that runs no patch: give the "
+    way_a = {} if patched is None else {"way_out": f"{n['patched']} patches a model that runs no patch: give the "
                                                    "unpatched model as A, or a second model B"}
     recorded_a = recorded_patch(source_a, impl, **way_a)
     recorded_b = recorded_patch(source_b, impl) if source_b is not None else None
     _require_recorded(impl, [a] if b is None else [a, b], recorded_a or recorded_b)
     if patched is not None and recorded_a is not None:  # patch() leaves patched modules as they are
         raise NormswapError(f"{a} already runs the {recorded_a['impl']} patch its normswap.json records, so "
-                            f"--patched {patched} would compare it with itself; give the unpatched model as A, "
-                            "or a second model B")
+                            f"{option_setting(n['patched'], patched)} would compare it with itself; give the "
+                            "unpatched model as A, or a second model B")
     corpus, tokenizer = _prepare_scoring(settings, source_a, [config_a, config_b], source_b, progress)
     torch_dtype = parse_dtype(dtype)
     step(progress, "load", 0, 2)
@@ -574,11 +637,16 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 
 
 def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:
-    """An override of nothing is refused rather than ignored: the user expected IMPL to run."""
+    """An override of nothing is refused rather than ignored: the user expected IMPL to run. The
+    way to what they meant is a diff against the model patched in memory: the command for a
+    command line's user, the call for a library caller."""
     if impl is not None and recorded is None:
-        raise NormswapError(f"--impl {impl} runs the patch a normswap.json records with another implementation, and "
-                            f"no normswap.json records one ({', '.join(map(str, models))}); to score a model patched "
-                            f"in memory, use normswap diff MODEL --patched {impl}")
+        name = option_labels(EVALUATE_OPTIONS)["impl"]
+        way = (f"normswap diff MODEL --patched {impl}" if is_flag(name) else
+               f"normswap.diff_checkpoints(MODEL, patched={impl!r}, settings=...)")
+        raise NormswapError(f"{option_setting(name, impl)} runs the patch a normswap.json records with another "
+                            f"implementation, and no normswap.json records one ({', '.join(map(str, models))}); to "
+                            f"score a model patched in memory, use {way}")
 
 
 def _load_scored(source, dtype, config, recorded: dict | None, progress, loaded: tuple[int, int]):

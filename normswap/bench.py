@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from normswap import jsonsafe
-from normswap.errors import NormswapError, named_twice, option_labels
+from normswap.errors import NormswapError, named_twice, option_labels, using_option_names
 from normswap.progress import ProgressFn
 
 MODES = ("train", "prefill", "decode")
@@ -364,11 +364,18 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
               option_names: Mapping[str, str] | None = None) -> BenchResult:
     """Measure every (variant, mode) of `cfg` (see the module doc). A variant that cannot be
     patched (an impl unavailable here, a failed verification) gets rows with its error.
-    option_names: what messages call cfg's fields (check_config's).
+    option_names: what messages call cfg's fields (check_config's, and fuse_residual), here and in
+    everything the run calls (a patch's messages).
 
     progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
     measurements finished) and again after it (done + 1), and ("<variant> <mode>", total, total)
     after the last one."""
+    # fuse_residual too: fusion's messages name it (a model with no residual writers it knows)
+    with using_option_names(option_labels((*CHECKED_OPTIONS, "fuse_residual"), option_names)):
+        return _run_bench(cfg, progress, option_names)
+
+
+def _run_bench(cfg: BenchConfig, progress: ProgressFn | None, option_names: Mapping[str, str] | None) -> BenchResult:
     from normswap.backends import get_backend
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert

@@ -47,7 +47,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over
-from normswap.errors import BadInputError, NormswapError, one_line
+from normswap.errors import BadInputError, Metavar, NormswapError, one_line, option_labels, option_setting
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
 
@@ -186,12 +186,11 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
     if target in mounts or os.path.ismount(target):
         # a rename cannot move a mount point (EBUSY): found only after the whole model was saved
         raise NormswapError(f"{target} is a mount point, which no directory can be swapped for; "
-                            + ("save with --out DIR instead" if in_place else "write to a folder inside it, or elsewhere"))
+                            + (_save_elsewhere() if in_place else "write to a folder inside it, or elsewhere"))
     if mounts:
         # the old tree's removal after the swap would go down into it and delete that filesystem's files
         raise NormswapError(f"{target} holds a mount point ({mounts[0]}): replacing the folder would delete what is "
-                            "on that other filesystem; " + ("save with --out DIR instead" if in_place
-                                                            else "write elsewhere"))
+                            "on that other filesystem; " + (_save_elsewhere() if in_place else "write elsewhere"))
     if in_place:
         return
     cwd = Path.cwd().resolve()
@@ -200,13 +199,23 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
         raise NormswapError(f"{target} is {what}; refusing to replace it (write to a new directory)")
     if any(target.iterdir()) and not is_checkpoint_dir(target):
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
-                            "weights or normswap.json); refusing to replace it, even with --force")
+                            f"weights or normswap.json); refusing to replace it, even with {_force()}")
     if keeps is not None:
         lost = sorted(p.name for p in target.iterdir() if _is_folder(p) and p.name not in keeps)
         if lost:
             raise NormswapError(f"{target} holds {lost[0]}/, which the new output would not hold (the old folder "
-                                f"is removed whole); refusing to replace it, even with --force: write elsewhere, "
+                                f"is removed whole); refusing to replace it, even with {_force()}: write elsewhere, "
                                 f"or remove {target / lost[0]} yourself")
+
+
+# Messages here name the caller's options as its entry point was told to (errors.option_labels):
+# `--force` on the command line, `force=True` for patch_checkpoint's library caller.
+def _force() -> str:
+    return option_setting(option_labels(("force",))["force"], True)
+
+
+def _save_elsewhere() -> str:
+    return f"save with {option_setting(option_labels(('out',))['out'], Metavar('DIR'))} instead"
 
 
 # This process's mount table (Linux): every mount point, as the kernel resolved it.
@@ -282,15 +291,16 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     loading.ModelSource the output is written from."""
     target = target_path(out)
     source_dir = source.path.resolve()
+    name = option_labels(("out",))["out"]
     if target == source_dir:
-        raise NormswapError(f"--out is the model's own directory; {own_dir_hint}")
+        raise NormswapError(f"{name} is the model's own directory; {own_dir_hint}")
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
-        raise NormswapError(f"--out {target} contains the model being {verb}; write elsewhere")
+        raise NormswapError(f"{name} {target} contains the model being {verb}; write elsewhere")
     # What --force could not replace either is refused with its reason, not with a hint to --force
     check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
-        raise NormswapError(f"{target} already exists; pass --force to replace it")
+        raise NormswapError(f"{target} already exists; pass {_force()} to replace it")
     return target
 
 
@@ -306,7 +316,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
     """
     target = target_path(target)
     if target.exists() and not replace:
-        raise NormswapError(f"{target} already exists; pass --force to replace it")
+        raise NormswapError(f"{target} already exists; pass {_force()} to replace it")
     if replace:
         check_replaceable(target, in_place=in_place)
     parent = target.parent
@@ -401,7 +411,8 @@ def parse_shard_size(value: str | int) -> int:
     except (ValueError, TypeError):
         size = None
     if not isinstance(size, int) or size <= 0:
-        raise BadInputError(f"--max-shard-size {value!r}: give a positive size such as 5GB, 500MB or 1000000 (bytes)")
+        name = option_labels(("max_shard_size",))["max_shard_size"]
+        raise BadInputError(f"{name} {value!r}: give a positive size such as 5GB, 500MB or 1000000 (bytes)")
     return size
 
 

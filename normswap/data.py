@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normswap import jsonsafe
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, option_labels
 
 # Piece sizes for large plain files: small first (a --max-tokens run tokenises little), growing to
 # a cap that keeps the tokenizer's working set bounded.
@@ -204,7 +204,8 @@ def _text_of(row, text_field: str, where: str) -> str:
         raise NormswapError(f"{where}: expected a JSON object with a {text_field!r} field")
     if text_field not in row:
         fields = ", ".join(sorted(map(str, row))) or "none"
-        raise NormswapError(f"{where}: no field {text_field!r} (fields: {fields}); pick one with --text-field")
+        name = option_labels(("text_field",))["text_field"]
+        raise NormswapError(f"{where}: no field {text_field!r} (fields: {fields}); pick one with {name}")
     text = row[text_field]
     if not isinstance(text, str):
         raise NormswapError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")

@@ -1,7 +1,9 @@
 """Errors that the command line turns into one line on stderr and exit code 2."""
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 
 class NormswapError(Exception):
@@ -34,11 +36,70 @@ def named_twice(names: Sequence[str]) -> list[str]:
     return sorted({n for n in names if names.count(n) > 1})
 
 
-def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None) -> dict[str, str]:
+# The option names in effect: what the running entry point's caller calls each of its options
+# (using_option_names). A module deep in a call names an option in a message without every
+# function on the way taking the mapping: option_labels reads it from here.
+_IN_EFFECT: ContextVar[Mapping[str, str] | None] = ContextVar("normswap_option_names", default=None)
+
+
+def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None = None) -> dict[str, str]:
     """What messages call each of `options`: its library parameter name, or the name option_names
     gives it (a command line passes the flag it took the value from: {"batch": "--batch"}), so a
-    library caller and a command-line user each read the name they wrote."""
-    return {k: k for k in options} | dict(option_names or {})
+    library caller and a command-line user each read the name they wrote. Names option_names
+    leaves out are those the entry point running now was given (using_option_names), if any."""
+    in_effect = _IN_EFFECT.get() or {}
+    return {k: in_effect.get(k, k) for k in options} | dict(option_names or {})
+
+
+@contextmanager
+def using_option_names(option_names: Mapping[str, str] | None) -> Iterator[None]:
+    """Within the block, messages name options as option_names says (on top of the names an outer
+    entry point gave). A public entry point with options passes its full labels
+    (option_labels(ITS_OPTIONS, option_names)), so what it calls sees its caller's names: patch_checkpoint's
+    library caller reads `force=True` from checkpoint.staged_dir, the CLI's user `--force`."""
+    token = _IN_EFFECT.set({**(_IN_EFFECT.get() or {}), **dict(option_names or {})})
+    try:
+        yield
+    finally:
+        _IN_EFFECT.reset(token)
+
+
+def is_flag(label: str) -> bool:
+    """Whether an option's label is a command line's flag (--force) rather than a parameter name."""
+    return label.startswith("-")
+
+
+def way_out(option: str, value, otherwise: str) -> str | None:
+    """What a message deep in a call suggests: setting `option` to `value` in the caller's spelling
+    when the entry point it called has that option (--no-rms, rms=False: using_option_names);
+    `otherwise`, the way of the function raising it (patch(model, ...)'s rms_forms), when it was
+    called directly; None (suggest nothing) under an entry point without that option: `normswap
+    diff` has no --exclude, and its user never wrote patch's filter_fn."""
+    in_effect = _IN_EFFECT.get()
+    if not in_effect:
+        return otherwise
+    label = in_effect.get(option)
+    return option_setting(label, value) if label else None
+
+
+class Metavar(str):
+    """A stand-in for a value the user chooses (DIR, REGEX), written as it is in either spelling."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def option_setting(label: str, value) -> str:
+    """How a caller gives the option messages call `label` a value, in the caller's own spelling:
+    a command line's `--force`, `--no-rms`, `--out DIR`, `--impl torch`; a library call's
+    `force=True`, `rms=False`, `out=DIR`, `impl='torch'`."""
+    if not is_flag(label):
+        return f"{label}={value!r}"
+    if value is True:
+        return label
+    if value is False:
+        return "--no-" + label.removeprefix("--")
+    return f"{label} {value}"
 
 
 # Library messages that point at output the user never sees (transformers' load report is

@@ -174,7 +174,6 @@ def config_context_length(config) -> int | None:
 # The window options, named in messages as the caller calls them: the library's parameter names by
 # default; a command line passes its own flags (`ppl --max-length`, `patch --eval-max-length`).
 WINDOW_OPTIONS = ("max_length", "stride", "max_tokens", "batch_size")
-CLI_NAMES = {k: "--" + k.replace("_", "-") for k in WINDOW_OPTIONS}
 
 
 def check_window_options(max_length: int | None, stride: int | None, max_tokens: int | None = None,

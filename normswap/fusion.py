@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from normswap import fuse
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option_labels
 from normswap.modules import NormswapNorm, originals_in_place
 from normswap.verify import compare_outputs, model_dtype, model_output, probe_batch
 
@@ -103,7 +103,8 @@ def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
         writers = find_writers(model)
         if not writers:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
-            raise NormswapError(f"--fuse-residual: no residual writers known or discovered for model_type "
+            name = option_labels(("fuse_residual",))["fuse_residual"]
+            raise NormswapError(f"{name}: no residual writers known or discovered for model_type "
                                 f"{model_type!r} (normswap/residual_writers.toml; discovery covers LayerNorm models)")
         pairs, report.unfused = discover(model, batch, writers)
     before = model_output(model, batch)[1] if check else None

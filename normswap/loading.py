@@ -21,7 +21,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
-from normswap.errors import BadInputError, NormswapError, one_line
+from normswap.errors import BadInputError, NormswapError, one_line, option_labels, option_setting
 from normswap.fileio import path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
@@ -784,9 +784,7 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     return apply_recorded_patch(model, directory, section, impl=impl, verify=verify, progress=progress)
 
 
-def recorded_patch(source: ModelSource, impl: str | None = None, *,
-                   way_out: str = "run its norms with another implementation: --impl torch (impl='torch' in the "
-                                  "library)") -> dict | None:
+def recorded_patch(source: ModelSource, impl: str | None = None, *, way_out: str | None = None) -> dict | None:
     """The patch section of the normswap.json in a model directory normswap wrote (None: no
     manifest, or one without a patch), for a run of its norms (ppl, diff): scoring runs what
     `normswap patch --out` wrote, as normswap.load does, not the stock modules its weights also
@@ -794,9 +792,12 @@ def recorded_patch(source: ModelSource, impl: str | None = None, *,
     normswap's, or a patch that cannot run here is refused before any work. `impl` replaces the
     recorded implementation: a patch made with liger on a GPU machine is still scored on a
     CPU-only one (with torch, the same arithmetic), where stock modules would hide whatever the
-    patch changed. way_out: what the refusal of a recorded patch that cannot run here suggests (the
-    caller's own option for it)."""
+    patch changed. way_out: what the refusal of a recorded patch that cannot run here suggests
+    (default: impl='torch', named as the caller named impl: errors.option_labels)."""
     from normswap.manifest import read_manifest_if_any
+
+    if way_out is None:
+        way_out = f"run its norms with another implementation: {option_setting(option_labels(('impl',))['impl'], 'torch')}"
 
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
     return runnable_patch(None if manifest is None else manifest.get("patch"), source.ref, impl, way_out)

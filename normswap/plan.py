@@ -17,7 +17,7 @@ import torch
 
 from normswap.archs import ArchData, expand, load_arch, pattern_regex
 from normswap.discover import OUTPUT, STREAM, Trace, discover, fold_orientation, layer_norm_paths
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, option_labels, option_setting, way_out
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -341,7 +341,8 @@ def _build_plan(model_type: str, layout: Layout, modules: dict, lns: dict, keep_
         if has_w and not fold_gain:
             d.kept_gain = True
             d.kept_gain_why = (
-                "--keep-gain" if keep_gain else
+                # as the caller asked: keep_gain=True, or the command line's --keep-gain
+                option_setting(option_labels(("keep_gain",))["keep_gain"], True) if keep_gain else
                 "its output leaves the model as is: γ has nowhere to go" if not foldable else
                 "β stays in the norm, and folding γ alone would leave β/γ there (normswap never divides by γ)"
             )
@@ -409,9 +410,11 @@ def check_refusals(plan: Plan, partial: bool) -> None:
         first = refused[0].why_not if refused else "no LayerNorm"
         raise NormswapError(f"nothing converts in this {plan.model_type} model: {first}")
     if refused and not partial:
+        # convert_model's partial=True, convert's --partial; an experiment's exact arm has no such option
+        way = way_out("partial", True, "partial=True")
         raise NormswapError(
             f"{len(refused)} of {len(plan.norms)} norms cannot be converted ({refused[0].path}: "
-            f"{refused[0].why_not}); pass --partial to convert the other {len(plan.converted)}"
+            f"{refused[0].why_not})" + (f"; pass {way} to convert the other {len(plan.converted)}" if way else "")
         )
 
 

@@ -23,7 +23,15 @@ from torch import nn
 from normswap import verify as verify_mod
 from normswap.backends import get_backend
 from normswap.dtypes import parse_dtype
-from normswap.errors import BadInputError, NormswapError, UnknownNormError, require_bool
+from normswap.errors import (
+    BadInputError,
+    Metavar,
+    NormswapError,
+    UnknownNormError,
+    option_labels,
+    require_bool,
+    way_out,
+)
 from normswap.fuse import FusionReport
 from normswap.modules import NormswapNorm, RmsForm, build_replacement, originals_in_place, restore_original
 from normswap.progress import ProgressFn, require_progress_fn, step
@@ -200,19 +208,19 @@ class PatchReport:
 
 
 def regex_filter(only: str | re.Pattern | None = None, exclude: str | re.Pattern | None = None) -> FilterFn | None:
-    """The CLI's --only/--exclude as a filter_fn (re.search on the module path)."""
+    """patch_checkpoint's (the CLI's) only/exclude as a filter_fn (re.search on the module path)."""
     if only is None and exclude is None:
         return None
-    def compiled(name: str, pattern: str | re.Pattern | None):
+    def compiled(key: str, pattern: str | re.Pattern | None):
         # re.compile takes a compiled pattern as it is, so the library always accepted one
         if pattern is not None and not isinstance(pattern, str | re.Pattern):
-            raise TypeError(f"{name.lstrip('-')}: expected a regular expression (str), got {type(pattern).__name__}")
+            raise TypeError(f"{key}: expected a regular expression (str), got {type(pattern).__name__}")
         try:
             return re.compile(pattern) if pattern is not None else None
-        except re.error as e:  # say which of the two it was
-            raise BadInputError(f"{name} {pattern!r}: not a regular expression ({e})") from None
+        except re.error as e:  # say which of the two it was, as the caller named it
+            raise BadInputError(f"{option_labels((key,))[key]} {pattern!r}: not a regular expression ({e})") from None
 
-    only_re, excl_re = compiled("--only", only), compiled("--exclude", exclude)
+    only_re, excl_re = compiled("only", only), compiled("exclude", exclude)
 
     def keep(module: nn.Module, path: str) -> bool:
         if only_re is not None and not only_re.search(path):
@@ -378,7 +386,8 @@ def _fuse(model, fuse_residual, batch, check, dtype) -> FusionReport:
         try:
             batch = probe_batch(model)
         except NormswapError:
-            raise NormswapError("--fuse-residual needs a token model (config.vocab_size) to find where the "
+            name = option_labels(("fuse_residual",))["fuse_residual"]
+            raise NormswapError(f"{name} needs a token model (config.vocab_size) to find where the "
                                 "residual adds go") from None
     return fusion.fuse_residual(model, pairs=pairs, batch=batch, check=check, dtype=dtype)
 
@@ -408,9 +417,10 @@ def _check_folded(module: nn.Module, spec: NormSpec, entry: ModuleEntry) -> None
         if t is None or t.is_meta:
             continue
         if not bool((t.detach() == fill).all()):
+            way = way_out("rms", False, "rms_forms leaving it out")  # None: the caller has no such option
             raise NormswapError(
                 f"{entry.path}: its {'γ' if fill else 'β'} was folded by normswap convert, so its {attr} should be "
-                f"all {fill:g}, but it is not (changed after the conversion?); patch with --no-rms"
+                f"all {fill:g}, but it is not (changed after the conversion?)" + (f"; patch with {way}" if way else "")
             )
 
 
@@ -418,8 +428,9 @@ def _failure_message(report: PatchReport) -> str:
     if report.failed:
         first = report.failed[0]
         more = f" (and {len(report.failed) - 1} more)" if len(report.failed) > 1 else ""
+        way = way_out("exclude", Metavar("REGEX"), "filter_fn")  # None: the caller has no such option
         return (f"verification failed for {first.path} ({first.module_class}, impl {report.impl}): "
-                f"{first.reason}{more}; nothing was changed (exclude it with --exclude REGEX)")
+                f"{first.reason}{more}; nothing was changed" + (f" (exclude it with {way})" if way else ""))
     mc = report.model_check
     if report.fusion is not None and not report.fusion.ok:
         fc = report.fusion.model_check

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError, NormswapError, one_line
+from normswap.errors import BadInputError, NormswapError, one_line, way_out
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import NormswapNorm, default_eps
 from normswap.specs import NormSpec
@@ -406,8 +406,9 @@ def _compare(check: ModuleCheck, spec, scale, x, y_orig, y_new, ref, param_dtype
         # Transformers' RMS norms cast their input to float32 (`.to(torch.float32)`), also a float64
         # one: the original is a float32 computation, not the float64 formula every normswap
         # implementation computes on float64 input. Said as such, not as a spec that does not fit.
+        way = way_out("dtype", "fp32", "model.float()")  # None: the caller has no such option
         check.fail(f"float64: on {name} the original computes in float32, which normswap's implementations "
-                   "(float64 in float64) do not reproduce; run the model in fp32 (--dtype fp32)")
+                   "(float64 in float64) do not reproduce; run the model in fp32" + (f" ({way})" if way else ""))
     elif e_orig > ORIGINAL_ULPS * unit:
         # The float64 reference is built from the spec; an original that far from it means the
         # spec does not describe the module (a wrong offset, casting or eps), and comparing the

@@ -320,3 +320,17 @@ def test_a_device_bench_cannot_time_on_is_refused_before_anything_runs(tmp_path,
     with pytest.raises(NormswapError, match=says):
         normswap.bench_checkpoint(model, "torch", modes="prefill", seq=4, repeats=1, warmup=0, device=device, out=out)
     assert not out.exists()
+
+
+def test_a_fused_variant_that_cannot_fuse_names_the_option_as_the_caller_did(tmp_path, monkeypatch):
+    """The row error of a fused variant names fuse_residual as run_bench's caller did: the command
+    line's --fuse-residual (bench's OPTION_NAMES), a library caller's fuse_residual."""
+    from normswap import fusion
+
+    monkeypatch.setattr(fusion, "find_writers", lambda model: [])  # a model with no residual writers known
+    model = _config_only("llama", tmp_path / "cfg")
+    for names, says in ((None, "fuse_residual"), ({"fuse_residual": "--fuse-residual"}, "--fuse-residual")):
+        result = bench.run_bench(bench.BenchConfig(str(model), impls=("torch",), fuse_residual=True, modes=("prefill",),
+                                                   seq=4, dtype="fp32", warmup=0, repeats=1), option_names=names)
+        (row,) = [r for r in result.rows if r.fused]
+        assert row.error.startswith(f"{says}: no residual writers known or discovered"), row.error

@@ -134,7 +134,7 @@ def test_keep_gain_folds_only_beta():
     manifest = convert_model(model, keep_gain=True)
     assert rel_err(logits(model, ids), ref) <= 1e-10
     for n in manifest["norms"]:
-        assert not n["folded_gain"] and n["kept_gain"] and n["kept_gain_why"] == "--keep-gain"
+        assert not n["folded_gain"] and n["kept_gain"] and n["kept_gain_why"] == "keep_gain=True"
         assert torch.equal(model.get_submodule(n["path"]).weight, gains[n["path"]])
     assert all(f.weight for f in rms_forms(manifest).values())
 
@@ -209,7 +209,7 @@ def test_bloom_embedding_norm_is_baked_stock_loadably(tmp_path):
 
 def test_partial_conversion_of_phi_with_qk_norms():
     model = custom_model("phi", qk_layernorm=True)
-    with pytest.raises(NormswapError, match="--partial"):
+    with pytest.raises(NormswapError, match="pass partial=True to convert the other"):  # its parameter
         convert_model(model)
     ids = probe()
     ref = logits(model, ids)

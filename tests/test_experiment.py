@@ -122,7 +122,7 @@ def test_every_shipped_recipe_validates_without_a_warning(name):
 
 @pytest.mark.parametrize("override, message", [
     ("finetune.stepz=3", "unknown key 'finetune.stepz' \\(did you mean 'steps'\\?"),
-    ("finetune.lr=1e-3\nseed=5", "--set finetune.lr: '1e-3\\\\nseed=5' is not one TOML value"),
+    ("finetune.lr=1e-3\nseed=5", "overrides finetune.lr: '1e-3\\\\nseed=5' is not one TOML value"),
     ("colour=3", "unknown key 'colour'"),
     ("finetune.steps=-1", "finetune.steps: -1 is below the minimum 0"),
     ("finetune.steps=1.5", "finetune.steps: expected an integer"),
@@ -199,6 +199,18 @@ def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
         assert res.exit_code == 2, res.output
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("normswap: error:")
         assert "--arms" in res.stderr or "--arms" not in args
+
+
+def test_a_bad_override_names_it_as_the_caller_gave_it(tmp_path):
+    """load_recipe's and run_experiment's caller gave `overrides`; the command line's user --set."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    with pytest.raises(RecipeError, match=r"^overrides 'steps': expected key=value \(e.g. finetune.steps=10\)$"):
+        load_recipe(path, ["steps"])
+    with pytest.raises(RecipeError, match=r"^overrides nosection.key: unknown section 'nosection'"):
+        run_experiment(str(path), tmp_path / "out", overrides=["nosection.key=1"], progress=False)
+    res = CliRunner().invoke(cli, ["experiment", str(path), "--set", "steps"])
+    assert res.exit_code == 2 and res.stderr == ("normswap: error: --set 'steps': expected key=value "
+                                                 "(e.g. finetune.steps=10)\n"), res.stderr
 
 
 def test_run_experiment_takes_the_arms_as_given_and_checks_them(tmp_path):
@@ -303,7 +315,7 @@ def test_the_command_is_one_library_call(tmp_path, monkeypatch):
     ((args, kwargs),) = calls
     assert args == (path, str(tmp_path / "o"), "original")
     assert kwargs["overrides"] == ("seed=3", "finetune.steps=2") and kwargs["progress"] is False
-    assert kwargs["option_names"] == {"arms": "--arms"}
+    assert kwargs["option_names"] == {"arms": "--arms", "out": "--out", "overrides": "--set"}
 
 
 def test_the_default_out_folder_is_the_librarys(tmp_path, monkeypatch, pretrained_dir):
@@ -637,8 +649,11 @@ def test_an_out_folder_that_holds_no_run_is_refused(tmp_path, monkeypatch):
     user = tmp_path / "thesis"
     user.mkdir()
     (user / "summary.md").write_text("years of work")
-    with pytest.raises(NormswapError, match="holds files and no earlier run of normswap experiment"):
+    with pytest.raises(NormswapError, match=r"holds files and no earlier run of normswap experiment; refusing to "
+                                            r"write into it \(choose a new or empty out\)$"):  # the parameter
         run_experiment(recipe, user, progress=False)
+    r = CliRunner().invoke(cli, ["experiment", str(tmp_path / "r.toml"), "--out", str(user)])
+    assert r.exit_code == 2 and r.stderr.rstrip().endswith("(choose a new or empty --out)"), r.stderr  # the flag
     assert [p.name for p in user.iterdir()] == ["summary.md"]
     assert (user / "summary.md").read_text() == "years of work"
     (tmp_path / "empty").mkdir()

@@ -89,7 +89,7 @@ def test_filter_and_already_patched():
     assert len(r2.patched) == 4 and len(r2.by_status("already-patched")) == 5
     assert not any(isinstance(m._normswap_original, NormswapNorm)
                    for _, m in model.named_modules() if isinstance(m, NormswapNorm))
-    with pytest.raises(NormswapError, match=r"--only '\(': not a regular expression"):
+    with pytest.raises(NormswapError, match=r"^only '\(': not a regular expression"):  # the parameter, not --only
         regex_filter(only="(")
 
 
@@ -142,7 +142,8 @@ def test_failed_verification_undoes_everything(monkeypatch):
     classes = _classes(model)
     monkeypatch.setitem(backends._LOADERS, "reference",
                         lambda: Backend("reference", off_by_a_lot, layer_norm_ref))
-    with pytest.raises(VerificationError, match="--exclude") as info:
+    # patch's own caller leaves a norm out with filter_fn (patch_checkpoint's with exclude=REGEX)
+    with pytest.raises(VerificationError, match=r"\(exclude it with filter_fn\)$") as info:
         patch(model, "reference")
     assert len(info.value.report.failed) == 5
     assert _classes(model) == classes
@@ -284,3 +285,29 @@ def test_training_model_keeps_train_mode_and_checks_without_dropout():
     r = patch(model, "torch", probe=ProbeConfig(elements=4096))
     assert r.ok and r.model_check.max_abs_diff < 1e-4
     assert all(m.training for m in model.modules())
+
+
+def test_a_message_names_the_way_out_its_caller_has():
+    """patch(model, ...)'s own caller reads its own arguments (rms_forms, filter_fn,
+    fuse_residual); under an entry point with options of its own (patch_checkpoint, the command
+    line: errors.using_option_names) the same message names those (rms=False, --no-rms)."""
+    from normswap.errors import using_option_names
+
+    def folded_but_changed():
+        net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32))
+        with torch.no_grad():
+            net[1].weight.fill_(2.0)  # γ no longer the ones normswap convert left
+        return net
+
+    for names, says in (({}, "; patch with rms_forms leaving it out"), ({"rms": "rms"}, "; patch with rms=False"),
+                        ({"rms": "--rms"}, "; patch with --no-rms"),
+                        ({"impl": "--impl"}, "")):  # `normswap ppl` has no --rms: no way out to name
+        with using_option_names(names), pytest.raises(NormswapError, match=f"conversion\\?\\){says}$"):
+            patch(folded_but_changed(), "torch", rms_forms={"1": {"weight": False}}, probe=SMALL)
+    net = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32))  # no config.vocab_size: no token model
+    for names, says in (({}, "fuse_residual"), ({"fuse_residual": "--fuse-residual"}, "--fuse-residual")):
+        with using_option_names(names), pytest.raises(NormswapError, match=f"^{says} needs a token model"):
+            patch(net, "torch", fuse_residual=True, probe=SMALL)
+        assert not any(isinstance(m, NormswapNorm) for m in net.modules())
+        with using_option_names(names), pytest.raises(NormswapError, match=f"^{says}: no residual writers"):
+            patch(tiny_model("bert"), "torch", fuse_residual=True, probe=SMALL)

@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 from normswap.backends import Backend
+from normswap.errors import using_option_names
 from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
 from normswap.modules import RmsForm, build_replacement
 from normswap.specs import NormSpec
@@ -69,7 +70,13 @@ def test_a_float64_rms_norm_that_computes_in_float32_is_said_so(spec):
     c = verify_module("n", m, build_replacement(m, spec, "reference"), spec, torch.float64, CFG)
     assert not c.passed
     assert any(f.startswith("float64: on torch.float64 input the original computes in float32") and
-               f.endswith("run the model in fp32 (--dtype fp32)") for f in c.failures), c.failures
+               f.endswith("run the model in fp32 (model.float())") for f in c.failures), c.failures
+    # under an entry point that has a dtype option, its way: patch_checkpoint's, the command line's
+    for names, way in (({"dtype": "dtype"}, " (dtype='fp32')"), ({"dtype": "--dtype"}, " (--dtype fp32)"),
+                       ({"impls": "--impl"}, "")):  # bench's command line has no option for it to name
+        with using_option_names(names):
+            failures = verify_module("n", m, build_replacement(m, spec, "reference"), spec, torch.float64, CFG).failures
+        assert any(f.endswith(f"run the model in fp32{way}") for f in failures), failures
     assert not any(f.startswith("reference:") for f in c.failures)
     m = _module(LN, torch.float64)
     assert verify_module("n", m, build_replacement(m, LN, "reference"), LN, torch.float64, CFG).passed

@@ -14,7 +14,7 @@ from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
 OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
-                "repeats": "--repeats", "compile_backend": "--compile-backend"}
+                "repeats": "--repeats", "compile_backend": "--compile-backend", "fuse_residual": "--fuse-residual"}
 
 
 @cli.command("bench")

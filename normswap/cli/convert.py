@@ -7,6 +7,10 @@ import click
 from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import STORE_DTYPES
 
+# What convert_checkpoint's messages call its options here: the flags they came from.
+OPTION_NAMES = {"out": "--out", "keep_gain": "--keep-gain", "partial": "--partial", "dtype": "--dtype",
+                "force": "--force"}
+
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "-"
@@ -81,7 +85,7 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
     try:
         with ProgressBars({"convert": "B"}, announce=announce) as bars:
             result = convert_checkpoint(model, out, keep_gain=keep_gain, partial=partial, dtype=dtype, force=force,
-                                        progress=bars)
+                                        progress=bars, option_names=OPTION_NAMES)
     except ConversionRefused as e:
         emit(e.result.to_dict(), as_json, _render)
         raise

@@ -9,7 +9,12 @@ from __future__ import annotations
 import click
 
 from normswap.backends import BACKENDS
+from normswap.cli import patch
 from normswap.cli.main import ProgressBars, cli, emit, json_option
+
+# What the library's messages call the demo's own option. What its patch step's messages name (a way
+# out such as --exclude REGEX) is the patch command's (patch.OPTION_NAMES): the demo shows that command.
+OPTION_NAMES = {"max_tokens": "--max-tokens"}
 
 
 @cli.command()
@@ -27,7 +32,7 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     from normswap.loading import DEFAULT_MODEL
 
     # Before the scan: a --max-tokens the library refuses is one line naming the flag as typed.
-    evaluation = api.demo_evaluation(max_tokens, option_names={"max_tokens": "--max-tokens"})
+    evaluation = api.demo_evaluation(max_tokens, option_names=OPTION_NAMES)
     click.echo(f"\n$ normswap scan {DEFAULT_MODEL}", err=True)
     with ProgressBars() as bars:  # the built-in model's first use converts it (~20 s): say so
         doc = scanning.scan(DEFAULT_MODEL, warn=False, progress=bars)
@@ -37,7 +42,8 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     click.echo(f"\n$ normswap patch {DEFAULT_MODEL} --impl {impl} --eval {evaluation.data} "
                f"--eval-max-length {evaluation.max_length} --eval-max-tokens {evaluation.max_tokens}", err=True)
     with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
-        result = api.patch_checkpoint(DEFAULT_MODEL, impl, evaluation=evaluation, progress=bars)
+        result = api.patch_checkpoint(DEFAULT_MODEL, impl, evaluation=evaluation, progress=bars,
+                                      option_names=patch.OPTION_NAMES)
     if as_json:
         emit({"scan": doc, "patch": result.to_dict()}, True, render_patch)
     else:

@@ -8,7 +8,11 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.ppl import OPTION_NAMES as EVAL_OPTION_NAMES
 from normswap.cli.ppl import describe_windows, eval_options, named_model
+
+# What diff_checkpoints' messages and its settings' call their options here: the flags they came from.
+OPTION_NAMES = {**EVAL_OPTION_NAMES, "patched": "--patched"}
 
 
 @cli.command()
@@ -26,12 +30,11 @@ def diff(model_a, model_b, patched, data_path, text_field, max_length, stride, m
     --out` wrote runs the patch its normswap.json records (--impl: with another
     implementation)."""
     from normswap.api import EvalSettings, diff_checkpoints
-    from normswap.evaluate import CLI_NAMES
 
-    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
+    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, OPTION_NAMES)
     with ProgressBars({"diff": "tok"}) as bars:
         result = diff_checkpoints(model_a, model_b, settings=settings, patched=patched, impl=recorded_impl,
-                                  dtype=dtype, progress=bars)
+                                  dtype=dtype, progress=bars, option_names=OPTION_NAMES)
     emit(result.to_dict(), as_json, render_diff)
 
 

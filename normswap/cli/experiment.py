@@ -9,6 +9,9 @@ import click
 from normswap.cli.main import cli, emit, json_option
 from normswap.cli.signals import EXIT_INTERRUPTED, EXIT_TERMINATED
 
+# What run_experiment's messages call its options here: the flags they came from.
+OPTION_NAMES = {"arms": "--arms", "out": "--out", "overrides": "--set"}
+
 
 @cli.command()
 @click.argument("recipe", metavar="RECIPE")
@@ -33,7 +36,7 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
     try:
         with stop.on_interrupt():
             result = run_experiment(recipe, out, arms, overrides=overrides, progress=not no_progress,
-                                    stop=stop, option_names={"arms": "--arms"})
+                                    stop=stop, option_names=OPTION_NAMES)
     except Interrupted as e:
         click.echo(f"normswap: {e}", err=True)
         raise SystemExit(EXIT_TERMINATED if stop.signal == signal.SIGTERM else EXIT_INTERRUPTED) from None

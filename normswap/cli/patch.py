@@ -10,6 +10,13 @@ from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
 from normswap.dtypes import RUN_DTYPES
 
+# What patch_checkpoint's messages (and those of what it runs) call its options here: the flags
+# they came from.
+OPTION_NAMES = {"impl": "--impl", "out": "--out", "in_place": "--in-place", "only": "--only",
+                "exclude": "--exclude", "dtype": "--dtype", "force": "--force", "max_shard_size": "--max-shard-size",
+                "rms": "--rms", "fuse_residual": "--fuse-residual", "evaluation": "--eval",
+                "max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"}
+
 
 @cli.command("patch")
 @click.argument("model")
@@ -67,13 +74,13 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
         raise click.UsageError(f"{given[0]} only applies to --eval PATH; add --eval or drop {given[0]}")
     if eval_path is not None:
         evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens,
-                                  option_names={"max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"})
+                                  option_names=OPTION_NAMES)
     try:
         with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
             result = patch_checkpoint(model, impl, out=out, in_place=in_place, only=only, exclude=exclude,
                                       dtype=dtype, device=device, strict=strict, force=force,
                                       max_shard_size=max_shard_size, rms=use_rms, fuse_residual=fuse_residual,
-                                      evaluation=evaluation, progress=bars)
+                                      evaluation=evaluation, progress=bars, option_names=OPTION_NAMES)
     except VerificationError as e:
         if e.result is not None:
             emit(e.result.to_dict(), as_json, render)

@@ -10,6 +10,11 @@ from normswap.backends import BACKENDS
 from normswap.cli.main import ProgressBars, cli, emit, json_option
 from normswap.dtypes import RUN_DTYPES
 
+# What evaluate_checkpoint's messages and its settings' call their options here: the flags of
+# eval_options they came from (--max-length, --text-field, --impl, ...).
+OPTION_NAMES = {k: "--" + k.replace("_", "-") for k in ("max_length", "stride", "max_tokens", "batch_size",
+                                                         "text_field", "impl", "dtype")}
+
 
 def eval_options(f: Callable) -> Callable:
     """The options `ppl` and `diff` share: what to read, how to cut it into windows, and how to load the models."""
@@ -56,11 +61,11 @@ def ppl(model, data_path, text_field, max_length, stride, max_tokens, batch_size
     A directory `normswap patch --out` wrote runs the patch its normswap.json records (--impl: with
     another implementation)."""
     from normswap.api import EvalSettings, evaluate_checkpoint
-    from normswap.evaluate import CLI_NAMES
 
-    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, CLI_NAMES)
+    settings = EvalSettings(data_path, text_field, max_length, stride, max_tokens, batch_size, OPTION_NAMES)
     with ProgressBars({"perplexity": "tok"}) as bars:
-        result = evaluate_checkpoint(model, settings, impl=recorded_impl, dtype=dtype, progress=bars)
+        result = evaluate_checkpoint(model, settings, impl=recorded_impl, dtype=dtype, progress=bars,
+                                     option_names=OPTION_NAMES)
 
     def render(d: dict) -> None:
         click.echo(f"{named_model(d['model'], d['impl'])} on {d['data']} ({d['dtype']}): perplexity {d['ppl']:.4f} "

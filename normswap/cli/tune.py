@@ -7,6 +7,9 @@ import click
 
 from normswap.cli.main import cli, emit, json_option
 
+# What tune_launches' messages call its options here: the flags they came from.
+OPTION_NAMES = {k: f"--{k}" for k in ("ops", "passes", "dtypes", "hidden", "budget")}
+
 
 @cli.command()
 @click.option("--budget", type=float, default=None, metavar="SECONDS",
@@ -39,8 +42,7 @@ def tune(budget, ops, dtypes, passes, hidden, out, retune, show, as_json) -> Non
         click.echo(line, err=True)
 
     given = {k: v for k, v in dict(ops=ops, passes=passes, dtypes=dtypes, budget=budget).items() if v is not None}
-    names = {k: f"--{k}" for k in ("ops", "passes", "dtypes", "hidden", "budget")}
-    result = tuner.tune_launches(hidden=hidden, out=out, retune=retune, log=log, option_names=names, **given)
+    result = tuner.tune_launches(hidden=hidden, out=out, retune=retune, log=log, option_names=OPTION_NAMES, **given)
     emit(result, as_json, render_result)
 
 

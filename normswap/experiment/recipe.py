@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from normswap.backends import BACKENDS
 from normswap.dtypes import RUN_DTYPES
-from normswap.errors import NormswapError, named_twice
+from normswap.errors import NormswapError, named_twice, option_labels
 
 TRANSFORMS = ("original", "exact", "approx", "approx-bias")
 TRAININGS = ("ft", "distill")
@@ -236,27 +236,28 @@ def _build(cls, table: Any, where: str, base: Path):
 
 
 def _apply_override(table: dict, assignment: str) -> None:
+    name = option_labels(("overrides",))["overrides"]  # run_experiment's parameter, the command line's --set
     key, eq, raw = assignment.partition("=")
     key = key.strip()
     if not eq or not key:
-        raise RecipeError(f"--set {assignment!r}: expected key=value (e.g. finetune.steps=10)")
+        raise RecipeError(f"{name} {assignment!r}: expected key=value (e.g. finetune.steps=10)")
     try:
         parsed = tomllib.loads(f"v = {raw}")
     except tomllib.TOMLDecodeError:
         parsed = {"v": raw}  # a bare word: a string (e.g. impl=triton)
     except RecursionError:  # tomllib recurses per nesting level
-        raise RecipeError(f"--set {key}: the value is nested too deeply") from None
+        raise RecipeError(f"{name} {key}: the value is nested too deeply") from None
     if list(parsed) != ["v"]:  # "1e-3\nseed=5": more than one value, the others silently dropped
-        raise RecipeError(f"--set {key}: {raw!r} is not one TOML value")
+        raise RecipeError(f"{name} {key}: {raw!r} is not one TOML value")
     value = parsed["v"]
     *parents, leaf = key.split(".")
     node = table
     for p in parents:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise RecipeError(f"--set {key}: {p} is not a table")
+            raise RecipeError(f"{name} {key}: {p} is not a table")
     if parents and parents[0] not in _SECTIONS:
-        raise RecipeError(f"--set {key}: unknown section {parents[0]!r} (sections: {', '.join(_SECTIONS)})")
+        raise RecipeError(f"{name} {key}: unknown section {parents[0]!r} (sections: {', '.join(_SECTIONS)})")
     if key == "arms" and isinstance(value, str):
         value = [a.strip() for a in value.split(",") if a.strip()]
     node[leaf] = value

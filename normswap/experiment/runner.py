@@ -40,7 +40,7 @@ from normswap._env import launched_main
 from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, option_labels
+from normswap.errors import NormswapError, option_labels, using_option_names
 from normswap.experiment import report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
@@ -135,17 +135,18 @@ def _check_out(out: Path, recipe: Recipe) -> None:
     """OUT is new, empty, or an earlier run of this recipe (its recipe.json): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.)"""
+    n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
-        raise NormswapError(f"{out} exists and is not a folder; choose another --out")
+        raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
     stamp = out / "recipe.json"
     if out.is_dir() and not stamp.is_file() and any(p.name != "logs" for p in out.iterdir()):
         raise NormswapError(f"{out} holds files and no earlier run of normswap experiment; refusing to write "
-                            "into it (choose a new or empty --out)")
+                            f"into it (choose a new or empty {n['out']})")
     if stamp.is_file():
-        previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another --out")
+        previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another {n['out']}")
         if not isinstance(previous, dict) or previous.get("fingerprint") != recipe.fingerprint():
-            raise NormswapError(f"{out} holds a run of a different recipe (or other --set values); remove it "
-                                "or choose another --out")
+            raise NormswapError(f"{out} holds a run of a different recipe (or other {n['overrides']} values); "
+                                f"remove it or choose another {n['out']}")
 
 
 def _load_model(path: str, progress: bool):
@@ -206,15 +207,25 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     recipe: a validated Recipe, or the path of a TOML recipe, read with load_recipe(recipe,
     overrides) (`key=value`, dotted: what `--set` gives); overrides need a path (a Recipe is
     already validated: dataclasses.replace it).
-    option_names: what error messages call `arms` (e.g. the command line's {"arms": "--arms"}).
+    option_names: what error messages call arms, out and overrides (the command line's {"arms": "--arms",
+    ...}), here and in everything the run calls.
 
     stop: a StopFlag; once set (Ctrl-C, SIGTERM, or a caller) the running arm checkpoints and Interrupted is
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
+    with using_option_names(option_labels(EXPERIMENT_OPTIONS, option_names)):
+        return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step)
+
+
+# The options run_experiment's messages name, as option_names renames them.
+EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
+
+
+def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
     if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
         recipe = load_recipe(recipe, overrides)
     elif overrides:
         raise TypeError("overrides apply to a recipe file; a Recipe is already validated (dataclasses.replace it)")
-    arms = select_arms(recipe, arms, option_labels(("arms",), option_names)["arms"])
+    arms = select_arms(recipe, arms, option_labels(("arms",))["arms"])
     get_backend(recipe.impl)  # an impl that cannot run here: refused now, not after pretraining at the first arm
     if out is not None and not isinstance(out, str | os.PathLike):
         raise TypeError(f"out: expected a folder path (str or path), got {type(out).__name__}")

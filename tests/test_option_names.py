@@ -1,0 +1,248 @@
+"""Messages name options as the caller wrote them: the library's parameter names (`out`,
+`force=True`) for a library caller, the flags (`--out`, `--force`) through the command line. Each
+case fails the same way through both and compares the two lines: a library caller of
+patch_checkpoint(m, out=..., in_place=True) once read "--out and --in-place are exclusive"."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+
+from normswap import api
+from normswap.cli import cli
+from normswap.errors import NormswapError, option_labels, option_setting, using_option_names, way_out
+from tests.tiny_models import ARCHS, randomize_norms_and_biases, save_tiny, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
+
+TEXT = "In the beginning God created the heaven and the earth. And the earth was without form. " * 6
+FLAG = re.compile(r"(?<![\w-])--[a-z]")  # a command-line flag, as no library message should name one
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("names")
+    save_tiny("llama", root / "llama")
+    (root / "text.txt").write_text(TEXT)
+    (root / "rows.jsonl").write_text(json.dumps({"body": TEXT}) + "\n")
+    return root
+
+
+def cli_error(*args) -> str:
+    """The one error line the command prints (exit 2), without its `normswap: error: ` prefix."""
+    r = CliRunner().invoke(cli, [*map(str, args)])
+    assert r.exit_code == 2, (r.exit_code, r.output, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap: error: ")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0].removeprefix("normswap: error: ")
+
+
+def library_error(call, *args, **kwargs) -> str:
+    with pytest.raises(NormswapError) as e:
+        call(*args, **kwargs)
+    message = str(e.value)
+    assert not FLAG.search(message), message  # names no flag the library caller never wrote
+    return message
+
+
+def test_the_helpers_spell_each_option_as_its_caller_does():
+    assert option_setting("force", True) == "force=True" and option_setting("--force", True) == "--force"
+    assert option_setting("rms", False) == "rms=False" and option_setting("--rms", False) == "--no-rms"
+    assert option_setting("impl", "torch") == "impl='torch'" and option_setting("--impl", "torch") == "--impl torch"
+    assert option_labels(("out", "force")) == {"out": "out", "force": "force"}
+    with using_option_names({"out": "--out"}):
+        assert option_labels(("out", "force")) == {"out": "--out", "force": "force"}
+        with using_option_names({"force": "--force"}):  # an inner entry point adds to the outer's names
+            assert option_labels(("out", "force")) == {"out": "--out", "force": "--force"}
+        assert option_labels(("out",), {"out": "OUT"}) == {"out": "OUT"}  # given names win
+        assert way_out("out", "x", "elsewhere") == "--out x"
+        assert way_out("exclude", "R", "filter_fn") is None  # the entry point has no such option: none to suggest
+    assert option_labels(("out",)) == {"out": "out"}  # the block's names end with it
+    assert way_out("out", "x", "elsewhere") == "elsewhere"
+
+
+# -- patch -----------------------------------------------------------------------------------------
+
+
+def test_patch_out_and_in_place(root, tmp_path):
+    src = root / "llama"
+    assert cli_error("patch", src, "--out", tmp_path / "o", "--in-place") == \
+        "--out and --in-place are exclusive; pick one"
+    assert library_error(api.patch_checkpoint, src, out=tmp_path / "o", in_place=True) == \
+        "out and in_place are exclusive; pick one"
+
+
+def test_patch_out_targets(root, tmp_path):
+    src = root / "llama"
+    assert cli_error("patch", src, "--impl", "torch", "--out", src) == \
+        "--out is the model's own directory; use --in-place for that"
+    assert library_error(api.patch_checkpoint, src, "torch", out=src) == \
+        "out is the model's own directory; use in_place=True for that"
+    assert cli_error("patch", src, "--impl", "torch", "--out", root).startswith(f"--out {root} contains the model")
+    assert library_error(api.patch_checkpoint, src, "torch", out=root).startswith(f"out {root} contains the model")
+    (tmp_path / "empty").mkdir()
+    assert cli_error("patch", src, "--impl", "torch", "--out", tmp_path / "empty") == \
+        f"{tmp_path / 'empty'} already exists; pass --force to replace it"
+    assert library_error(api.patch_checkpoint, src, "torch", out=tmp_path / "empty") == \
+        f"{tmp_path / 'empty'} already exists; pass force=True to replace it"
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    assert cli_error("patch", src, "--impl", "torch", "--out", tmp_path / "notes", "--force").endswith(
+        "refusing to replace it, even with --force")
+    assert library_error(api.patch_checkpoint, src, "torch", out=tmp_path / "notes", force=True).endswith(
+        "refusing to replace it, even with force=True")
+
+
+def test_patch_filters_and_shard_size(root, tmp_path):
+    src = root / "llama"
+    assert cli_error("patch", src, "--impl", "torch", "--only", "nothing-matches").startswith(
+        "--only/--exclude leave no recognised norm to patch in")
+    assert library_error(api.patch_checkpoint, src, "torch", only="nothing-matches").startswith(
+        "only/exclude leave no recognised norm to patch in")
+    assert cli_error("patch", src, "--exclude", "(").startswith("--exclude '(': not a regular expression")
+    assert library_error(api.patch_checkpoint, src, exclude="(").startswith("exclude '(': not a regular expression")
+    assert cli_error("patch", src, "--out", tmp_path / "o", "--max-shard-size", "x").startswith(
+        "--max-shard-size 'x': give a positive size")
+    assert library_error(api.patch_checkpoint, src, out=tmp_path / "o", max_shard_size="x").startswith(
+        "max_shard_size 'x': give a positive size")
+
+
+def test_patch_in_place_in_another_dtype(root, tmp_path):
+    mine = tmp_path / "mine"
+    shutil.copytree(root / "llama", mine)
+    assert cli_error("patch", mine, "--in-place", "--dtype", "bf16") == (
+        f"--in-place with --dtype would rewrite the float32 weights of {mine} as bfloat16; save the conversion "
+        "with --out DIR instead")
+    assert library_error(api.patch_checkpoint, mine, in_place=True, dtype="bf16") == (
+        f"in_place with dtype would rewrite the float32 weights of {mine} as bfloat16; save the conversion "
+        "with out=DIR instead")
+
+
+def test_a_failed_verification_names_the_callers_way_to_exclude_a_norm(tmp_path, monkeypatch):
+    """patch_checkpoint's caller excludes with exclude=REGEX, the command line's with --exclude
+    REGEX, a caller of normswap.patch itself with its filter_fn."""
+    from normswap import backends
+    from normswap.kernels.reference import layer_norm_ref, rms_norm_ref
+    from normswap.loading import load_model, resolve
+    from normswap.swap import patch
+
+    def broken_on_heads(x, w, eps, offset=0.0, casting="llama", **kw):
+        y = rms_norm_ref(x, w, eps, offset, casting, **kw)
+        return y * 1.01 if x.shape[-1] == 16 else y  # wrong only for the q/k head norms
+
+    monkeypatch.setitem(backends._LOADERS, "reference",
+                        lambda: backends.Backend("reference", broken_on_heads, layer_norm_ref))
+    save_tiny("qwen3", tmp_path / "qwen3")
+    assert cli_error("patch", tmp_path / "qwen3", "--impl", "reference").endswith(
+        "nothing was changed (exclude it with --exclude REGEX)")
+    assert library_error(api.patch_checkpoint, tmp_path / "qwen3", "reference").endswith(
+        "nothing was changed (exclude it with exclude=REGEX)")
+    model = load_model(resolve(tmp_path / "qwen3"))
+    assert library_error(patch, model, "reference").endswith("nothing was changed (exclude it with filter_fn)")
+    with using_option_names({"patched": "--patched"}):  # `normswap diff A --patched IMPL`: no --exclude to name
+        assert library_error(patch, model, "reference").endswith("nothing was changed")
+
+
+# -- convert ---------------------------------------------------------------------------------------
+
+
+def test_convert_refusals(tmp_path):
+    save_tiny("gpt2", tmp_path / "gpt2")
+    (tmp_path / "empty").mkdir()
+    assert cli_error("convert", tmp_path / "gpt2", "--to", "rms", "--out", tmp_path / "empty") == \
+        f"{tmp_path / 'empty'} already exists; pass --force to replace it"
+    assert library_error(api.convert_checkpoint, tmp_path / "gpt2", tmp_path / "empty") == \
+        f"{tmp_path / 'empty'} already exists; pass force=True to replace it"
+    # phi with q/k LayerNorms: some norms convert, some not (tests/test_convert_cli.py)
+    cfg_name, model_name, kwargs = ARCHS["phi"]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs, qk_layernorm=True))
+    randomize_norms_and_biases(model)
+    model.save_pretrained(tmp_path / "phi")
+    tiny_tokenizer().save_pretrained(tmp_path / "phi")
+    assert cli_error("convert", tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o").endswith(
+        "pass --partial to convert the other 3")
+    assert library_error(api.convert_checkpoint, tmp_path / "phi", tmp_path / "o").endswith(
+        "pass partial=True to convert the other 3")
+    # an experiment's exact arm converts whole: no partial option to suggest (it said --partial)
+    from normswap.plan import check_refusals, plan_conversion
+
+    with using_option_names({"arms": "--arms"}):
+        message = library_error(check_refusals, plan_conversion(model, model.config), False)
+    assert message.startswith("4 of 7 norms cannot be converted") and "partial" not in message
+
+
+# -- ppl and diff ----------------------------------------------------------------------------------
+
+
+def test_an_impl_for_a_model_without_a_recorded_patch(root):
+    src, text = root / "llama", root / "text.txt"
+    assert cli_error("ppl", src, "--data", text, "--impl", "torch") == (
+        f"--impl torch runs the patch a normswap.json records with another implementation, and no normswap.json "
+        f"records one ({src}); to score a model patched in memory, use normswap diff MODEL --patched torch")
+    assert library_error(api.evaluate_checkpoint, src, api.EvalSettings(text), impl="torch") == (
+        f"impl='torch' runs the patch a normswap.json records with another implementation, and no normswap.json "
+        f"records one ({src}); to score a model patched in memory, use "
+        "normswap.diff_checkpoints(MODEL, patched='torch', settings=...)")
+
+
+def test_diff_needs_b_or_patched(root):
+    src, text = root / "llama", root / "text.txt"
+    assert cli_error("diff", src, "--data", text) == "give either a second model B or --patched IMPL (exactly one)"
+    assert library_error(api.diff_checkpoints, src, settings=api.EvalSettings(text)) == \
+        "give either a second model B or patched=IMPL (exactly one)"
+
+
+def test_diff_patched_of_a_patched_folder(root, tmp_path):
+    patched, text = tmp_path / "patched", root / "text.txt"
+    api.patch_checkpoint(root / "llama", "torch", out=patched)
+    assert "so --patched torch would compare it with itself" in cli_error("diff", patched, "--data", text,
+                                                                          "--patched", "torch")
+    assert "so patched='torch' would compare it with itself" in library_error(
+        api.diff_checkpoints, patched, settings=api.EvalSettings(text), patched="torch")
+
+
+def test_a_missing_text_field(root):
+    src, rows = root / "llama", root / "rows.jsonl"
+    assert cli_error("ppl", src, "--data", rows).endswith("no field 'text' (fields: body); pick one with --text-field")
+    assert library_error(api.evaluate_checkpoint, src, api.EvalSettings(rows)).endswith(
+        "no field 'text' (fields: body); pick one with text_field")
+
+
+def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):
+    save_tiny("gpt2", tmp_path / "gpt2")
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(tmp_path / "a"),
+                                 "--keep-gain", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert {n["kept_gain_why"] for n in json.loads(r.stdout)["norms"] if n["kept_gain"] and not n["baked"]} == {"--keep-gain"}
+    result = api.convert_checkpoint(tmp_path / "gpt2", tmp_path / "b", keep_gain=True)
+    assert {n["kept_gain_why"] for n in result.section["norms"] if n["kept_gain"] and not n["baked"]} == {"keep_gain=True"}
+
+
+def test_a_recorded_patch_that_cannot_run_here(root, tmp_path):
+    """A folder patched with liger on a GPU machine, read where liger cannot run: the way out each
+    caller reads is its own option."""
+    fast, text = tmp_path / "liger", root / "text.txt"
+    api.patch_checkpoint(root / "llama", "torch", out=fast)
+    manifest = json.loads((fast / "normswap.json").read_text())
+    manifest["patch"]["impl"] = "liger"
+    (fast / "normswap.json").write_text(json.dumps(manifest))
+    assert cli_error("ppl", fast, "--data", text).endswith("; run its norms with another implementation: --impl torch")
+    assert library_error(api.evaluate_checkpoint, fast, api.EvalSettings(text)).endswith(
+        "; run its norms with another implementation: impl='torch'")
+    assert cli_error("diff", fast, "--patched", "torch", "--data", text).endswith(
+        "; --patched patches a model that runs no patch: give the unpatched model as A, or a second model B")
+    assert library_error(api.diff_checkpoints, fast, patched="torch", settings=api.EvalSettings(text)).endswith(
+        "; patched patches a model that runs no patch: give the unpatched model as A, or a second model B")
+    assert cli_error("patch", fast, "--impl", "torch", "--eval", text).endswith(
+        "; --eval compares the new patch with the model as that folder loads, so there is nothing to compare it "
+        "with here; drop --eval, or run where the recorded patch runs")
+    assert library_error(api.patch_checkpoint, fast, "torch", evaluation=api.EvalSettings(text)).endswith(
+        "; evaluation compares the new patch with the model as that folder loads, so there is nothing to compare "
+        "it with here; drop evaluation, or run where the recorded patch runs")
