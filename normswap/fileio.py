@@ -61,9 +61,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
                 f.write(text)
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if isinstance(e, OSError) and e.filename is None and e.strerror:
+                # a write or close (a full disk) names no file: the error said only "No space left on device"
+                raise OSError(e.errno, e.strerror, str(path)) from None
             raise
     return path
 
