@@ -680,13 +680,11 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
             if (Path(path) / st.INDEX_NAME).is_file():
                 st.checkpoint_layout(Path(path))  # an index of the wrong shape, said as convert says it
         if "gguf_file" not in kwargs:
-            from normswap.carry import STOCK_WEIGHTS
-
             # transformers' "no file named model.safetensors ... found" of a weights file that is there:
             # a hub snapshot's link to a blob still downloading (.incomplete), a pipe
             with contextlib.suppress(OSError):
                 for entry in sorted(Path(path).iterdir()):
-                    if STOCK_WEIGHTS.fullmatch(entry.name) and not entry.is_file():
+                    if st.STOCK_WEIGHTS.fullmatch(entry.name) and not entry.is_file():
                         raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
                                             ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
