@@ -22,7 +22,7 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import BadInputError, NormswapError, one_line, option_labels, option_setting
-from normswap.fileio import path_lock
+from normswap.fileio import link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -83,11 +83,13 @@ def cache_dir(check: bool = True) -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"
     ))
     if check:
+        where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
+        if (link := link_to_nothing(root)) is not None:  # mkdir there said "cannot read (File exists)"
+            raise NormswapError(f"{where}: {link} is a link to nothing; point NORMSWAP_CACHE at a folder")
         present = root
         while not present.exists() and present != present.parent:  # the nearest part that is there
             present = present.parent
         if present.exists() and not present.is_dir():
-            where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
             raise NormswapError(f"{where}: the cache path is not a folder ({present} is a file); "
                                 "point NORMSWAP_CACHE at a folder")
     return root

@@ -142,6 +142,19 @@ def test_a_cache_path_that_is_a_file_is_named_as_such(tmp_path, monkeypatch, und
     _one_line(e)
 
 
+def test_a_cache_path_that_is_a_link_to_nothing_is_named_as_such(tmp_path, monkeypatch):
+    """~/.cache/normswap (or NORMSWAP_CACHE) a link to a folder that is gone (an unmounted disk):
+    "cache: cannot read (File exists)", as if the model could not be read."""
+    (tmp_path / "cache").symlink_to(tmp_path / "unmounted" / "normswap")
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)  # never the 20 s conversion
+    with pytest.raises(NormswapError, match=rf"^NORMSWAP_CACHE={tmp_path / 'cache'}: {tmp_path / 'cache'} is a link "
+                                            "to nothing; point NORMSWAP_CACHE at a folder$") as e:
+        loading.resolve(loading.DEFAULT_MODEL)
+    _one_line(e)
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
