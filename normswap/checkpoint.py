@@ -365,8 +365,10 @@ def remove_stale_staging(target: Path) -> list[Path]:
     removed = []
     prefix = _staging_prefix(target)
     for p in target.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if not (p.is_dir() and not p.is_symlink() and pid.isdigit()) or p in _OUR_STAGING:
+        # PID-XXXXXXXX, as staged_dir's mkdtemp names it: not another target's whose name starts alike
+        # (target "m.normswap-1-x" stages in ".m.normswap-1-x.normswap-PID-...", under its own lock)
+        if not re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) or not p.is_dir() or p.is_symlink() \
+                or p in _OUR_STAGING:
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)

@@ -312,7 +312,8 @@ def test_stale_staging_is_removed_whatever_its_pid(tmp_path):
     reused = tmp_path / f".model.normswap-{os.getpid()}-def"  # a killed run's, with this run's pid
     other = tmp_path / ".other.normswap-1-x"
     probe = tmp_path / ".model.normswap-probe-x"  # not a staging folder (fileio.unwritable's)
-    for p in (stale, reused, other, probe):
+    alike = tmp_path / ".model.normswap-1-x.normswap-7-abcdefgh"  # target model.normswap-1-x's, not model's
+    for p in (stale, reused, other, probe, alike):
         p.mkdir()
         (p / "model.safetensors").write_bytes(b"x")
     with checkpoint.staged_dir(target) as tmp:
@@ -320,7 +321,7 @@ def test_stale_staging_is_removed_whatever_its_pid(tmp_path):
         assert tmp.is_dir()
         (tmp / "config.json").write_text("{}")
     assert not stale.exists() and not reused.exists()
-    assert other.exists() and probe.exists()
+    assert other.exists() and probe.exists() and alike.exists()
 
 
 def test_carry_over_does_not_follow_links_that_loop(tmp_path):
