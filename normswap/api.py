@@ -83,12 +83,18 @@ class EvalSettings:
                     batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
 
 
+# The EvalSettings fields messages name (text_field: normswap.data's, read while the data is scored).
+SETTINGS_OPTIONS = ("text_field", "max_length", "stride", "max_tokens", "batch_size")
+
+
 def _naming(options, option_names, settings):
     """The names an entry point's messages use: its own options', and its evaluation settings'
-    (text_field, read while the data is scored)."""
+    (their field names unless settings.option_names, or the entry point's option_names, renames
+    them; the settings' own win: the demo's --max-tokens over patch's --eval-max-tokens). Every
+    field is named, so a message deep in the scoring (errors.way_out) knows the caller has it."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
-        names |= dict(settings.option_names or {})
+        names = option_labels(SETTINGS_OPTIONS) | names | dict(settings.option_names or {})
     return using_option_names(names)
 
 
@@ -513,6 +519,13 @@ def bench_checkpoint(
     raise NormswapError before anything is measured. option_names: what those messages call
     impls, modes, batch, seq, warmup, repeats and fuse_residual (the CLI's {"impls": "--impl", ...}; default:
     these names)."""
+    from normswap.bench import BENCH_OPTIONS
+
+    with using_option_names(option_labels(BENCH_OPTIONS, option_names)):
+        return _bench_checkpoint(model, impls, modes, out, results_dir, progress, options)
+
+
+def _bench_checkpoint(model, impls, modes, out, results_dir, progress, options) -> CheckpointBench:
     from normswap.bench import (
         BenchConfig,
         check_config,
@@ -527,12 +540,12 @@ def bench_checkpoint(
     require_progress_fn(progress)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
-    check_config(config, option_names)
+    check_config(config)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
     _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:
         check_result_target(out)
-    result = run_bench(config, progress=progress, option_names=option_names)
+    result = run_bench(config, progress=progress)  # under this call's names
     saved = write_result(result, out if out is not None else default_output(result, results_dir))
     return CheckpointBench(result, saved)
 

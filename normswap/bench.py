@@ -207,15 +207,13 @@ def _device(name: str | None) -> torch.device:
     return torch.device(parse_device("auto" if name is None else name) or "cpu")
 
 
-def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None,
-                option_names: Mapping[str, str] | None = None):
-    """The model of cfg.model: its config with random weights (seeded), or its weights.
-    option_names: as check_config's."""
+def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None):
+    """The model of cfg.model: its config with random weights (seeded), or its weights."""
     from normswap.loading import load_config, load_model, model_class, resolve
 
     source = resolve(cfg.model, progress=progress)
     config = load_config(source, progress)
-    _check_context(cfg, config, option_labels(CHECKED_OPTIONS, option_names))
+    _check_context(cfg, config, option_labels(CHECKED_OPTIONS))
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
     cls = model_class(config)
@@ -316,20 +314,22 @@ def _measure(cfg, model, ids, mode, device, pairs: dict[str, str] | None) -> tup
     return seconds, method, peak, fused
 
 
-# The BenchConfig fields check_config names in its messages (option_names renames them).
+# The BenchConfig fields check_config names in its messages, and those a run's messages name too
+# (fusion's: a model with no residual writers it knows), as run_bench's option_names renames them.
 CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats", "compile_backend")
+BENCH_OPTIONS = (*CHECKED_OPTIONS, "fuse_residual")
 # Each count's smallest value (seq: the train step's loss needs a next token to predict).
 _AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
 
 
-def check_config(cfg: BenchConfig, option_names: Mapping[str, str] | None = None) -> None:
-    """The checks that need no model: bench_checkpoint runs them before anything is read.
-    option_names: what the messages call impls, modes, batch, seq, warmup, repeats and compile_backend (the
-    parameter names, or the flags a command line took them from: the CLI's {"impls": "--impl", ...})."""
+def check_config(cfg: BenchConfig) -> None:
+    """The checks that need no model: bench_checkpoint runs them before anything is read. The
+    messages name impls, modes, batch, seq, warmup, repeats and compile_backend as the entry point
+    running them was told to (run_bench's, bench_checkpoint's option_names)."""
     from normswap.backends import BACKENDS
     from normswap.errors import BadInputError
 
-    n = option_labels(CHECKED_OPTIONS, option_names)
+    n = option_labels(CHECKED_OPTIONS)
     for name, _least in _AT_LEAST:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
@@ -370,23 +370,22 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
     progress("<variant> <mode>", done, total) before each measurement (`done` of the `total`
     measurements finished) and again after it (done + 1), and ("<variant> <mode>", total, total)
     after the last one."""
-    # fuse_residual too: fusion's messages name it (a model with no residual writers it knows)
-    with using_option_names(option_labels((*CHECKED_OPTIONS, "fuse_residual"), option_names)):
-        return _run_bench(cfg, progress, option_names)
+    with using_option_names(option_labels(BENCH_OPTIONS, option_names)):
+        return _run_bench(cfg, progress)
 
 
-def _run_bench(cfg: BenchConfig, progress: ProgressFn | None, option_names: Mapping[str, str] | None) -> BenchResult:
+def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
     from normswap.backends import get_backend
     from normswap.loading import parse_dtype
     from normswap.swap import patch, revert
 
-    check_config(cfg, option_names)
-    n = option_labels(CHECKED_OPTIONS, option_names)
+    check_config(cfg)
+    n = option_labels(CHECKED_OPTIONS)
     for impl in cfg.impls:
         get_backend(impl)  # an impl that cannot run here fails before the model is built
     dtype = parse_dtype(cfg.dtype)
     device = _device(cfg.device)
-    model = build_model(cfg, dtype, device, progress, option_names)
+    model = build_model(cfg, dtype, device, progress)
     config = model.config
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 4:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normswap import jsonsafe
-from normswap.errors import BadInputError, NormswapError, option_labels
+from normswap.errors import BadInputError, Metavar, NormswapError, way_out
 
 # Piece sizes for large plain files: small first (a --max-tokens run tokenises little), growing to
 # a cap that keeps the tokenizer's working set bounded.
@@ -204,8 +204,10 @@ def _text_of(row, text_field: str, where: str) -> str:
         raise NormswapError(f"{where}: expected a JSON object with a {text_field!r} field")
     if text_field not in row:
         fields = ", ".join(sorted(map(str, row))) or "none"
-        name = option_labels(("text_field",))["text_field"]
-        raise NormswapError(f"{where}: no field {text_field!r} (fields: {fields}); pick one with {name}")
+        # the caller's way to pick one (open_corpus's text_field, ppl's --text-field, patch's
+        # --eval-text-field); none under an entry point that reads no such option (an experiment's data)
+        way = way_out("text_field", Metavar("FIELD"), "text_field=FIELD")
+        raise NormswapError(f"{where}: no field {text_field!r} (fields: {fields})" + (f"; pick one with {way}" if way else ""))
     text = row[text_field]
     if not isinstance(text, str):
         raise NormswapError(f"{where}: field {text_field!r} is {type(text).__name__}, not text")

@@ -21,7 +21,14 @@ import torch
 
 from normswap import jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
-from normswap.errors import BadInputError, NormswapError, one_line, option_labels, option_setting
+from normswap.errors import (
+    BadInputError,
+    NormswapError,
+    one_line,
+    option_labels,
+    option_setting,
+    using_option_names,
+)
 from normswap.fileio import link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
@@ -763,6 +770,13 @@ def load(directory: str | os.PathLike, impl: str | None = None, dtype=None, devi
     verify=True re-runs the per-module proof; progress(stage, done, total) hears the patch
     (normswap.progress). Returns the patched model, in eval mode.
     """
+    # Its messages name its own options: a module that fails verify=True offers no way to leave it
+    # out (the patch's filter_fn and rms_forms, which load's caller never wrote), a float64 one dtype='fp32'.
+    with using_option_names(option_labels(("impl", "dtype", "device", "verify"))):
+        return _load(directory, impl, dtype, device, verify, progress)
+
+
+def _load(directory, impl, dtype, device, verify, progress):
     from normswap.manifest import read_manifest, rms_forms
     from normswap.swap import PatchConfig, patch
 

@@ -51,7 +51,7 @@ def test_jsonl_rows_with_a_text_field(tmp_path):
     q = tmp_path / "body.jsonl"
     q.write_text(json.dumps({"body": "three"}) + "\n")
     assert texts(open_corpus(q, text_field="body")) == ["three"]
-    with pytest.raises(NormswapError, match=r"body.jsonl:1: no field 'text' \(fields: body\); pick one with text_field$"):
+    with pytest.raises(NormswapError, match=r"body.jsonl:1: no field 'text' \(fields: body\); pick one with text_field=FIELD$"):
         texts(open_corpus(q))
 
 

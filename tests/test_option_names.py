@@ -147,6 +147,13 @@ def test_a_failed_verification_names_the_callers_way_to_exclude_a_norm(tmp_path,
     assert library_error(patch, model, "reference").endswith("nothing was changed (exclude it with filter_fn)")
     with using_option_names({"patched": "--patched"}):  # `normswap diff A --patched IMPL`: no --exclude to name
         assert library_error(patch, model, "reference").endswith("nothing was changed")
+    # normswap.load(verify=True) re-runs the proof: its caller has no filter_fn either (it read
+    # "exclude it with filter_fn", and "--exclude REGEX" before)
+    import normswap
+
+    api.patch_checkpoint(tmp_path / "qwen3", "torch", out=tmp_path / "patched")
+    assert library_error(normswap.load, tmp_path / "patched", impl="reference", verify=True).endswith(
+        "nothing was changed")
 
 
 # -- convert ---------------------------------------------------------------------------------------
@@ -208,11 +215,35 @@ def test_diff_patched_of_a_patched_folder(root, tmp_path):
         api.diff_checkpoints, patched, settings=api.EvalSettings(text), patched="torch")
 
 
-def test_a_missing_text_field(root):
+def test_a_missing_text_field(root, tmp_path):
+    """Each caller's way to pick the field: ppl's --text-field, patch's --eval-text-field (patch
+    --eval read "pick one with text_field", a flag it had not), EvalSettings' text_field; an
+    experiment's recipe has none, so it names none (it said text_field, and --text-field before)."""
     src, rows = root / "llama", root / "rows.jsonl"
-    assert cli_error("ppl", src, "--data", rows).endswith("no field 'text' (fields: body); pick one with --text-field")
+    assert cli_error("ppl", src, "--data", rows).endswith(
+        "no field 'text' (fields: body); pick one with --text-field FIELD")
     assert library_error(api.evaluate_checkpoint, src, api.EvalSettings(rows)).endswith(
-        "no field 'text' (fields: body); pick one with text_field")
+        "no field 'text' (fields: body); pick one with text_field=FIELD")
+    assert cli_error("patch", src, "--impl", "torch", "--eval", rows).endswith(
+        "no field 'text' (fields: body); pick one with --eval-text-field FIELD")
+    assert library_error(api.patch_checkpoint, src, "torch", evaluation=api.EvalSettings(rows)).endswith(
+        "no field 'text' (fields: body); pick one with text_field=FIELD")
+    r = CliRunner().invoke(cli, ["patch", str(src), "--impl", "torch", "--eval", str(rows), "--eval-text-field", "body",
+                                 "--eval-max-length", "32", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["eval"]["tokens"] > 0  # the body field read
+    assert cli_error("patch", src, "--eval-text-field", "body").startswith(
+        "--eval-text-field only applies to --eval PATH; add --eval or drop --eval-text-field")
+
+    from normswap.experiment.runner import run_experiment
+    from tests.test_experiment import PRETRAIN, write_recipe
+
+    recipe = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    for message in (library_error(run_experiment, recipe, tmp_path / "a", "original", overrides=[f'data.eval="{rows}"'],
+                                  progress=False),
+                    cli_error("experiment", recipe, "--out", tmp_path / "b", "--arms", "original", "--set",
+                              f'data.eval="{rows}"')):
+        assert message.endswith("no field 'text' (fields: body)"), message
 
 
 def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):

@@ -15,7 +15,7 @@ from normswap.dtypes import RUN_DTYPES
 OPTION_NAMES = {"impl": "--impl", "out": "--out", "in_place": "--in-place", "only": "--only",
                 "exclude": "--exclude", "dtype": "--dtype", "force": "--force", "max_shard_size": "--max-shard-size",
                 "rms": "--rms", "fuse_residual": "--fuse-residual", "evaluation": "--eval",
-                "max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens"}
+                "max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens", "text_field": "--eval-text-field"}
 
 
 @cli.command("patch")
@@ -42,9 +42,11 @@ OPTION_NAMES = {"impl": "--impl", "out": "--out", "in_place": "--in-place", "onl
               help="After patching, diff the patched model against the original on this text (see `normswap diff`).")
 @click.option("--eval-max-length", type=int, default=None, help="Window length for --eval (default: the model's context); needs --eval.")
 @click.option("--eval-max-tokens", type=int, default=None, help="Score only the first T tokens of --eval's text; needs --eval.")
+@click.option("--eval-text-field", default=None, metavar="FIELD",
+              help="The field of a .jsonl --eval that holds the text (default: text); needs --eval.")
 @json_option
 def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, force, max_shard_size, use_rms,
-              fuse_residual, eval_path, eval_max_length, eval_max_tokens, as_json):
+              fuse_residual, eval_path, eval_max_length, eval_max_tokens, eval_text_field, as_json):
     """Swap every norm in MODEL for an IMPL module, verify each one, report; optionally save.
 
     Without --out/--in-place nothing is written. A module that fails verification stops the
@@ -67,14 +69,15 @@ def patch_cmd(model, impl, out, in_place, only, exclude, dtype, device, strict, 
     from normswap.swap import VerificationError
 
     evaluation = None
-    window = {"--eval-max-length": eval_max_length, "--eval-max-tokens": eval_max_tokens}
+    window = {"--eval-max-length": eval_max_length, "--eval-max-tokens": eval_max_tokens,
+              "--eval-text-field": eval_text_field}
     given = [flag for flag, value in window.items() if value is not None]
     if eval_path is None and given:
-        # they shape --eval's windows: alone they would be ignored, and a typo'd command run unchecked
+        # they shape what --eval reads: alone they would be ignored, and a typo'd command run unchecked
         raise click.UsageError(f"{given[0]} only applies to --eval PATH; add --eval or drop {given[0]}")
     if eval_path is not None:
-        evaluation = EvalSettings(eval_path, max_length=eval_max_length, max_tokens=eval_max_tokens,
-                                  option_names=OPTION_NAMES)
+        evaluation = EvalSettings(eval_path, eval_text_field or "text", max_length=eval_max_length,
+                                  max_tokens=eval_max_tokens, option_names=OPTION_NAMES)
     try:
         with ProgressBars({"patch": "module", "diff": "tok"}, labels={"patch": f"patch+verify ({impl})"}) as bars:
             result = patch_checkpoint(model, impl, out=out, in_place=in_place, only=only, exclude=exclude,
