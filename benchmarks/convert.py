@@ -177,11 +177,11 @@ def logit_errors() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=15)
-    ap.add_argument("--hidden", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--positions", type=int, default=1024)
-    ap.add_argument("--shard-mb", type=int, default=500)
+    ap.add_argument("--layers", type=int, default=15, help="decoder layers of the synthetic GPT-2 (default 15)")
+    ap.add_argument("--hidden", type=int, default=1536, help="its width (default 1536)")
+    ap.add_argument("--vocab", type=int, default=50257, help="its vocabulary (default 50257, GPT-2's)")
+    ap.add_argument("--positions", type=int, default=1024, help="its position table (default 1024)")
+    ap.add_argument("--shard-mb", type=int, default=500, help="largest safetensors shard in MB (default 500)")
     ap.add_argument("--in-memory", action="store_true", help="also time the in-memory path")
     ap.add_argument("--workdir", default=None, help="where to build (default: a temp dir, removed after)")
     ap.add_argument("--errors", action="store_true",

@@ -66,7 +66,7 @@ def measure(name: str, repeat: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per config; the best is reported (default 3)")
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import normswap  # noqa: F401  (sets the environment before transformers)

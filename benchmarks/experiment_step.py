@@ -1,5 +1,6 @@
-"""What one training step of each `normswap experiment` loss costs: the language-modelling loss of the
-`+ft` arms against the distillation loss of the `+distill` arms, on a recipe's model shape.
+"""What one training step of each `normswap experiment` loss costs, on a recipe's model shape (CPU).
+
+The language-modelling loss of the `+ft` arms against the distillation loss of the `+distill` arms.
 
 The model is a GPT-2 of the recipe's [pretrain] shape with its initial weights (the time of a step
 does not depend on what the weights are); the arm is `approx` (what `approx+ft` and `approx+distill`
@@ -123,8 +124,8 @@ def main(argv=None) -> int:
     from normswap.fileio import write_text_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("recipe")
-    ap.add_argument("--repeat", type=_positive, default=60)
+    ap.add_argument("recipe", help="a recipe TOML with a [pretrain] section (its model shape)")
+    ap.add_argument("--repeat", type=_positive, default=60, help="timed calls per case (default 60)")
     ap.add_argument("--threads", type=_counts, default=[1], help="thread count(s), e.g. 1 or 1,2 (default 1)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...; '-' for none)")
     args = ap.parse_args(argv)

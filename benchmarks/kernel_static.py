@@ -242,9 +242,9 @@ def summary(results: list[dict]) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", default=None, help="comma list (default 1024..262144)")
-    p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--ops", default="rms_norm,layer_norm")
-    p.add_argument("--passes", default="fwd,bwd")
+    p.add_argument("--dtypes", default="bf16,fp32", help="comma list (default bf16,fp32)")
+    p.add_argument("--ops", default="rms_norm,layer_norm", help="comma list (default rms_norm,layer_norm)")
+    p.add_argument("--passes", default="fwd,bwd", help="comma list (default fwd,bwd)")
     p.add_argument("--rows", type=int, default=ROWS, help="row count the launch plan is made for (default 32768)")
     p.add_argument("--subset", choices=("ci",), default=None, help="the CPU test's representative subset")
     p.add_argument("--json", action="store_true", help="JSON on stdout instead of the table")

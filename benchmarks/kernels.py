@@ -71,9 +71,9 @@ ROW_KEY = ("op", "pass", "dtype", "M", "N", "residual", "impl")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default="rms_norm,layer_norm")
-    p.add_argument("--passes", default="fwd,fwd+bwd")
-    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--ops", default="rms_norm,layer_norm", help="comma list (default rms_norm,layer_norm)")
+    p.add_argument("--passes", default="fwd,fwd+bwd", help="comma list (default fwd,fwd+bwd)")
+    p.add_argument("--dtypes", default="bf16,fp32", help="comma list (default bf16,fp32)")
     p.add_argument("--impls", default=None, help="comma list; default: every available backend")
     p.add_argument("--rows", default=None, help="comma list of row counts (default 4096,32768)")
     p.add_argument("--hidden", default=None, help="comma list of hidden sizes (default 1024..262144)")

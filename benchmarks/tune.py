@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default="rms_norm,layer_norm")
-    p.add_argument("--passes", default="fwd,bwd")
-    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--ops", default="rms_norm,layer_norm", help="comma list (default rms_norm,layer_norm)")
+    p.add_argument("--passes", default="fwd,bwd", help="comma list (default fwd,bwd)")
+    p.add_argument("--dtypes", default="bf16,fp32", help="comma list (default bf16,fp32)")
     p.add_argument("--hidden", default=None, help="comma list: only these hidden sizes")
     p.add_argument("--budget", type=float, default=540.0, help="seconds; no key starts with < 25 s left")
     p.add_argument("--out", default=None, help="table to write (default: the package's launch_table.json); "

@@ -50,7 +50,7 @@ class BenchConfig:
     batch: int = 1
     seq: int = 512
     dtype: str = "bf16"
-    device: str | None = None  # None: CUDA when there is one
+    device: str | None = "auto"  # auto (or None): CUDA when there is one, as patch_checkpoint's device
     compile: bool = False
     compile_backend: str = "inductor"
     warmup: int = 3

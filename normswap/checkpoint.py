@@ -47,7 +47,15 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over
-from normswap.errors import BadInputError, Metavar, NormswapError, one_line, option_labels, option_setting
+from normswap.errors import (
+    BadInputError,
+    Metavar,
+    NormswapError,
+    one_line,
+    option_labels,
+    option_setting,
+    way_out,
+)
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.progress import ProgressFn, step
 
@@ -199,12 +207,12 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
         raise NormswapError(f"{target} is {what}; refusing to replace it (write to a new directory)")
     if any(target.iterdir()) and not is_checkpoint_dir(target):
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
-                            f"weights or normswap.json); refusing to replace it, even with {_force()}")
+                            f"weights or normswap.json); refusing to replace it{_even_with_force()}")
     if keeps is not None:
         lost = sorted(p.name for p in target.iterdir() if _is_folder(p) and p.name not in keeps)
         if lost:
             raise NormswapError(f"{target} holds {lost[0]}/, which the new output would not hold (the old folder "
-                                f"is removed whole); refusing to replace it, even with {_force()}: write elsewhere, "
+                                f"is removed whole); refusing to replace it{_even_with_force()}: write elsewhere, "
                                 f"or remove {target / lost[0]} yourself")
 
 
@@ -212,6 +220,13 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
 # `--force` on the command line, `force=True` for patch_checkpoint's library caller.
 def _force() -> str:
     return option_setting(option_labels(("force",))["force"], True)
+
+
+def _even_with_force() -> str:
+    """What force would not override either, said only to a caller that has force: an
+    experiment's pretraining cache (staged_dir(replace=True)) has none to name."""
+    way = way_out("force", True, "force=True")
+    return f", even with {way}" if way else ""
 
 
 def _save_elsewhere() -> str:

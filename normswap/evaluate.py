@@ -622,11 +622,11 @@ def _check_language_model_head(cls) -> None:
                             "causal language model")
 
 
-def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None = None,
+def perplexity(model, tokenizer, data, max_length: int | None = None,
                stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
                progress: bool | ProgressFn = True,
                text_field: str = "text", option_names: Mapping[str, str] | None = None) -> PerplexityResult:
-    """Sliding-window perplexity of `model` on a text (str), documents (iterable of str), a data
+    """Sliding-window perplexity of `model` on `data`: a text (str), documents (iterable of str), a data
     PATH (pathlib.Path or normswap.data.open_corpus(PATH)) or token ids (tensor or ints).
 
     max_length caps the window (default: the model's context); stride defaults to half the window;
@@ -636,7 +636,7 @@ def perplexity(model, tokenizer, texts_or_token_stream, max_length: int | None =
     stride, max_tokens and batch_size in messages (a command line passes its flags).
     """
     require_module(model, weights=True)
-    run = _Scoring([model], tokenizer, texts_or_token_stream, max_length=max_length, stride=stride,
+    run = _Scoring([model], tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
                    desc="perplexity", option_names=option_names)
     total = 0.0

@@ -2,6 +2,7 @@
 transformers model class imports triton, so it is decided here, before any test module loads."""
 
 import os
+import signal
 
 import torch
 
@@ -12,6 +13,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # No user launch table (normswap tune's, in ~/.cache): the tests run on the committed table and the
 # heuristics wherever they run; tests/test_launch_table.py sets it where it tests the user table.
 os.environ.setdefault("NORMSWAP_LAUNCH_TABLE", "off")
+# Ctrl-C as a Python program in a shell's foreground has it (KeyboardInterrupt). A suite started in
+# the background (`pytest &`, nohup) inherits SIGINT ignored, and every test of what a second Ctrl-C
+# does failed there (DID NOT RAISE KeyboardInterrupt): StopFlag and the path lock rightly hand the
+# signal back to the handler they found.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 

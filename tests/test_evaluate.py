@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from pathlib import Path
 
@@ -402,6 +403,12 @@ def test_data_it_would_misread_is_refused(llama, data, error, says):
     them) is refused naming what it got, never read as something else."""
     with pytest.raises(error, match=says):
         perplexity(llama, tiny_tokenizer(), data, max_length=4, progress=False)
+    # "data: ..." names a parameter of the call (perplexity's was texts_or_token_stream), so the
+    # caller can pass it by that name; diff_models calls its own data too.
+    for fn in (perplexity, diff_models):
+        assert "data" in inspect.signature(fn).parameters
+    with pytest.raises(error, match=says):
+        perplexity(llama, tiny_tokenizer(), data=data, max_length=4, progress=False)
 
 
 def test_numpy_token_ids_score_as_the_same_ids(llama):

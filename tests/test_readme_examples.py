@@ -43,8 +43,7 @@ def workdir(tmp_path, monkeypatch, small_probes):
     save_tiny("gpt2", tmp_path / "gpt2-dir")
     (tmp_path / "llama-config-dir").mkdir()
     shutil.copy(tmp_path / "llama-dir" / "config.json", tmp_path / "llama-config-dir")
-    for name in ("patched_dir", "patched-dir"):
-        normswap.patch_checkpoint("llama-dir", "torch", out=name)
+    normswap.patch_checkpoint("llama-dir", "torch", out="patched-dir")
     (tmp_path / "notes.txt").write_text(TEXT)
     return tmp_path
 

@@ -9,7 +9,15 @@ import click
 
 from normswap.backends import BACKENDS
 from normswap.bench import MODES
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import (
+    ProgressBars,
+    cli,
+    device_option,
+    emit,
+    json_option,
+    model_epilog,
+    report_console,
+)
 from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
@@ -17,7 +25,7 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
                 "repeats": "--repeats", "compile_backend": "--compile-backend", "fuse_residual": "--fuse-residual"}
 
 
-@cli.command("bench")
+@cli.command("bench", epilog=model_epilog())
 @click.argument("model")
 @click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
               help=f"Comma-separated impls to compare with the unpatched model ({', '.join(BACKENDS)}).")
@@ -25,25 +33,27 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
 @click.option("--mode", "modes", default=",".join(MODES), show_default=True, metavar="LIST",
               help=f"Comma-separated workloads ({', '.join(MODES)}): train is a fwd+bwd step, decode one step "
                    "with a KV cache.")
-@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per call.")
 @click.option("--seq", type=int, default=512, show_default=True, help="Tokens per sequence (the prompt, for decode).")
-@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True)
-@click.option("--device", default=None, metavar="cpu|cuda|cuda:N", help="Default: the CUDA device when there is one.")
+@click.option("--dtype", type=click.Choice(RUN_DTYPES), default="bf16", show_default=True,
+              help="The dtype the model is built (or its weights loaded) and timed in.")
+@device_option
 @click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
 @click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
-@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls before the timed ones.")
 @click.option("--repeats", type=int, default=10, show_default=True, help="Timed calls; the median is reported.")
 @click.option("--load-weights", is_flag=True, help="Load MODEL's weights (default: random weights from its config).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json).")
+              help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json under the "
+                   "current directory).")
 @json_option
 def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use_compile, compile_backend, warmup,
               repeats, load_weights, out, as_json):
     """Time MODEL unpatched and patched with each --impl (and fused with --fuse-residual): a training
     step, a prefill and one decode step, side by side in one process; print a table and write JSON.
 
-    MODEL is anything `patch` takes, or a directory holding only a config.json: by default the
-    weights are random (seeded) from the config, so any size can be timed without its weights.
+    MODEL may also be a directory holding only a config.json: by default the weights are random
+    (seeded) from the config, so any size can be timed without its weights.
     On a CPU the numbers are CPU numbers and say nothing about GPU speed.
     """
     from normswap.api import bench_checkpoint

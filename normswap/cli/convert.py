@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog, report_console
 from normswap.dtypes import STORE_DTYPES
 
 # What convert_checkpoint's messages call its options here: the flags they came from.
@@ -61,7 +61,7 @@ def _render(data: dict) -> None:
         console.print(f"nothing written: {data['error']}")
 
 
-@cli.command()
+@cli.command(epilog=model_epilog())
 @click.argument("model")
 @click.option("--to", "target", type=click.Choice(["rms"]), required=True, help="Target norm family.")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Output directory.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog
 from normswap.cli.ppl import OPTION_NAMES as EVAL_OPTION_NAMES
 from normswap.cli.ppl import describe_windows, eval_options, named_model
 
@@ -15,7 +15,7 @@ from normswap.cli.ppl import describe_windows, eval_options, named_model
 OPTION_NAMES = {**EVAL_OPTION_NAMES, "patched": "--patched"}
 
 
-@cli.command()
+@cli.command(epilog=model_epilog("A, B"))
 @click.argument("model_a", metavar="A")
 @click.argument("model_b", metavar="[B]", required=False)
 @click.option("--patched", type=click.Choice(BACKENDS), default=None,

@@ -218,8 +218,23 @@ def cli() -> None:
     """
 
 
+def model_epilog(name: str = "MODEL") -> str:
+    """What a model argument may be, shown under each command that takes one (patch --help said
+    MODEL and nothing more; bench's said "anything `patch` takes")."""
+    return (f"{name}: a local directory, a .gguf file, a hub id already in the local Hugging Face cache "
+            "(org/name, or an org-less name such as gpt2; normswap never downloads), or smollm2-135m, "
+            "the embedded default.")
+
+
 def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(f)
+
+
+def device_option(f: Callable) -> Callable:
+    """--device, as patch and bench take it (loading.parse_device reads the value): one spelling,
+    one default and one help text, where bench had no `auto` in its help and no default shown."""
+    return click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
+                        help="Where the model runs; auto: the CUDA device when there is one.")(f)
 
 
 def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:

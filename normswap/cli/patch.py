@@ -7,7 +7,15 @@ import sys
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import (
+    ProgressBars,
+    cli,
+    device_option,
+    emit,
+    json_option,
+    model_epilog,
+    report_console,
+)
 from normswap.dtypes import RUN_DTYPES
 
 # What patch_checkpoint's messages (and those of what it runs) call its options here: the flags
@@ -18,7 +26,7 @@ OPTION_NAMES = {"impl": "--impl", "out": "--out", "in_place": "--in-place", "onl
                 "max_length": "--eval-max-length", "max_tokens": "--eval-max-tokens", "text_field": "--eval-text-field"}
 
 
-@cli.command("patch")
+@cli.command("patch", epilog=model_epilog())
 @click.argument("model")
 @click.option("--impl", type=click.Choice(BACKENDS), default="triton", show_default=True,
               help="Implementation of the replacement norms.")
@@ -29,11 +37,11 @@ OPTION_NAMES = {"impl": "--impl", "out": "--out", "in_place": "--in-place", "onl
 @click.option("--exclude", default=None, metavar="REGEX", help="Leave norms whose path matches alone.")
 @click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None,
               help="Load the weights in this dtype (default: the checkpoint's).")
-@click.option("--device", default="auto", show_default=True, metavar="auto|cpu|cuda|cuda:N",
-              help="Where the model runs; auto: the CUDA device when there is one.")
+@device_option
 @click.option("--strict", is_flag=True, help="Fail on a norm-like module the registry does not recognise.")
 @click.option("--force", is_flag=True, help="Replace an existing --out directory.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors shard.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest safetensors shard: 5GB, 500MB or a number of bytes.")
 @click.option("--rms/--no-rms", "use_rms", default=True, show_default=True,
               help="Run LayerNorms that `normswap convert` made zero-mean as RMS norms.")
 @click.option("--fuse-residual", is_flag=True,

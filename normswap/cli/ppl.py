@@ -7,7 +7,7 @@ from collections.abc import Callable
 import click
 
 from normswap.backends import BACKENDS
-from normswap.cli.main import ProgressBars, cli, emit, json_option
+from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog
 from normswap.dtypes import RUN_DTYPES
 
 # What evaluate_checkpoint's messages and its settings' call their options here: the flags of
@@ -21,7 +21,7 @@ def eval_options(f: Callable) -> Callable:
     options = [
         click.option("--data", "data_path", required=True, metavar="PATH",
                      help="A text file (or .gz), a .jsonl file (or .jsonl.gz), a directory of .txt files, or a saved `datasets` dataset."),
-        click.option("--text-field", default="text", show_default=True,
+        click.option("--text-field", default="text", show_default=True, metavar="FIELD",
                      help="The field holding the text in .jsonl rows and datasets."),
         click.option("--max-length", type=int, default=None,
                      help="Window length in tokens (default and cap: the model's context)."),
@@ -50,7 +50,7 @@ def describe_windows(d: dict) -> str:
             f"of up to {d['max_length']} tokens, stride {d['stride']}")
 
 
-@cli.command()
+@cli.command(epilog=model_epilog())
 @click.argument("model")
 @eval_options
 @json_option

@@ -6,11 +6,11 @@ import sys
 
 import click
 
-from normswap.cli.main import ProgressBars, cli, emit, json_option, report_console
+from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog, report_console
 from normswap.loading import DEFAULT_MODEL
 
 
-@cli.command()
+@cli.command(epilog=model_epilog())
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--strict", is_flag=True, help="Fail (exit 2) on a norm-like module normswap does not recognise.")
 @click.option("--no-readers", "no_readers", is_flag=True,
@@ -22,9 +22,8 @@ from normswap.loading import DEFAULT_MODEL
 def scan(model: str, strict: bool, no_readers: bool, no_consumers: bool, as_json: bool) -> None:
     """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, whether it
     has a weight and a bias, its readers, and for each LayerNorm whether `normswap convert` makes
-    it an RMSNorm (and why not). MODEL is a local directory, a .gguf file, a cached hub id
-    (org/name), or the built-in default (smollm2-135m). Built on the meta device: no weights are
-    read."""
+    it an RMSNorm (and why not); MODEL defaults to smollm2-135m. Built on the meta device: no
+    weights are read."""
     from normswap.scan import scan as run_scan
 
     with ProgressBars() as bars:  # a built-in model's first use converts it (~20 s): say so

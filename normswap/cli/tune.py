@@ -14,9 +14,9 @@ OPTION_NAMES = {k: f"--{k}" for k in ("ops", "passes", "dtypes", "hidden", "budg
 @cli.command()
 @click.option("--budget", type=float, default=None, metavar="SECONDS",
               help="Stop starting keys when this is nearly spent (default 600); a later run goes on.")
-@click.option("--ops", default=None, help="Comma list (default: rms_norm,layer_norm).")
-@click.option("--dtypes", default=None, help="Comma list (default: bf16,fp32).")
-@click.option("--passes", default=None, help="Comma list (default: fwd,bwd).")
+@click.option("--ops", default=None, metavar="LIST", help="Comma-separated ops (default: rms_norm,layer_norm).")
+@click.option("--dtypes", default=None, metavar="LIST", help="Comma-separated dtypes (default: bf16,fp32).")
+@click.option("--passes", default=None, metavar="LIST", help="Comma-separated passes (default: fwd,bwd).")
 @click.option("--hidden", default=None, metavar="N[,N...]",
               help="Only these hidden sizes (your model's), each at 512 and many rows; default: the benchmark "
                    "grid, 1,024 to 262,144.")
