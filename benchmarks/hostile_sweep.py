@@ -144,6 +144,21 @@ def fixtures(root: Path) -> dict:
         fx[name] = root / name
         shutil.copytree(fx["llama"], fx[name])
         (fx[name] / file).write_bytes(content)
+    fx["dangling"] = root / "dangling"  # an --out that is a link to nothing: never written where it points
+    fx["dangling"].symlink_to(root / "elsewhere" / "x")
+    fx["pipe"] = root / "pipe"
+    os.mkfifo(fx["pipe"])
+    fx["partial"] = root / "partial"  # a hub snapshot whose weights link to a blob still downloading
+    shutil.copytree(fx["llama"], fx["partial"])
+    (fx["partial"] / "model.safetensors").unlink()
+    (fx["partial"] / "model.safetensors").symlink_to(root / "blobs" / "1d8412fb")
+    from safetensors.torch import load_file, save_file
+
+    fx["long_gain"] = root / "long_gain"  # a LayerNorm gain stored with twice the values the config gives
+    shutil.copytree(fx["gpt2"], fx["long_gain"])
+    weights = load_file(fx["long_gain"] / "model.safetensors")
+    weights["transformer.h.0.ln_1.weight"] = weights["transformer.h.0.ln_1.weight"].repeat(2)
+    save_file(weights, fx["long_gain"] / "model.safetensors", metadata={"format": "pt"})
     fx["deep_user"] = root / "deep_user"  # --force: a folder whose config.json is not a model's
     fx["deep_user"].mkdir()
     (fx["deep_user"] / "config.json").write_bytes(deep)
@@ -273,6 +288,7 @@ def cases(fx: dict) -> list[Case]:
         Case("scan: a newline in the path", ["scan", fx["root"] / "two\nlines"], "two\\nlines: no such file",
              ci=True),
         Case("scan: not a hub id", ["scan", "a/b/c"], "no such file", ci=True),
+        Case("scan: MODEL is a pipe", ["scan", fx["pipe"]], "not a regular file or folder", ci=True),
         Case("scan: hub id not cached", ["scan", "nobody-xyz/nothing-xyz"], "not in the local Hugging Face cache",
              ci=True),
         Case("scan: unknown option", ["scan", L, "--bogus"], "No such option", ci=True),
@@ -304,6 +320,10 @@ def cases(fx: dict) -> list[Case]:
              "the model is empty", ci=True, cwd=fx["done"]),
         Case("patch: --in-place on a file", [*P, T, "--in-place"], "not .gguf", ci=True),
         Case("patch: --out is the model", [*P, L, "--impl", "torch", "--out", L, "--force"], "own directory", ci=True),
+        Case("patch: --out a link to nothing", [*P, L, "--impl", "torch", "--out", fx["dangling"], "--force"],
+             "is a link to nothing", ci=True),
+        Case("patch: weights a link to an unfinished download", [*P, fx["partial"], "--impl", "torch"],
+             "model.safetensors is a link to nothing", ci=True),
         Case("patch: --out holds the model", [*P, L, "--impl", "torch", "--out", fx["root"], "--force"],
              "contains the model", ci=True),
         Case("patch: --dtype fp8", [*P, L, "--dtype", "fp8"], "fp8", ci=True),
@@ -348,6 +368,11 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: unreadable tokenizer.json, deep new --out",
              [*P, fx["locked"], "--impl", "torch", "--out", out / "a" / "b" / "c"], "tokenizer.json: Permission denied",
              ci=True, setup=lambda: _deny(fx["locked"] / "tokenizer.json")),
+        Case("convert: --out through a link to nothing", ["convert", G, "--to", "rms", "--out", fx["dangling"] / "c"],
+             "a link to nothing", ci=True),
+        Case("convert: a LayerNorm gain longer than the config gives",
+             ["convert", fx["long_gain"], "--to", "rms", "--out", out / "c"], "of another shape than the config gives",
+             ci=True),
         Case("convert: truncated safetensors, deep new --out",
              ["convert", fx["trunc_gpt2"], "--to", "rms", "--out", out / "a" / "b" / "c"], "unreadable safetensors",
              ci=True),

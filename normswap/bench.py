@@ -455,6 +455,14 @@ def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
         result.rows.extend(rows)
     if progress:
         progress(f"{name} {cfg.modes[-1]}", total, total)
+    if all(row.error for row in result.rows):
+        # The unpatched model's rows too: nothing was measured (a batch too large to allocate, a model
+        # whose forward fails). A table of dashes, its results file written (in place of an earlier
+        # result at the same path) and exit 0 read as a finished benchmark.
+        first = result.rows[0]
+        hint = (f"; use a smaller {n['batch']} or {n['seq']}" if "allocate memory" in first.error
+                or "out of memory" in first.error.lower() else "")
+        raise NormswapError(f"nothing was measured: {first.variant} {first.mode}: {first.error}{hint}")
     return result
 
 

@@ -23,17 +23,13 @@ ones replace.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
 from normswap.manifest import MANIFEST_NAME
+from normswap.streaming import STOCK_WEIGHTS  # what the new safetensors replace
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
-# The model weights (and their indexes) in the names transformers saves and loads them under:
-# what the new safetensors replace.
-STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
-                           r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 # Written anew by every output: the source's would describe the weights it no longer holds.
 _REWRITTEN = ("config.json", MANIFEST_NAME)
 

@@ -18,7 +18,7 @@ Safety protocol (every step can be killed and the target still holds a loadable 
      place): a kill between them leaves the complete old checkpoint at the hidden `.NAME.old-*`
      name, never a partial one.
 A kill leaves at worst a stale hidden directory beside the target (the next run on that target
-removes it: its name carries the pid of the run that made it), never a broken target.
+removes it: every run makes its own under the target's lock, so the holder knows any other is a dead run's), never a broken target.
 
 What may be replaced at all (check_replaceable): only an empty directory, a model checkpoint or an
 earlier normswap output; never an arbitrary directory, the current directory (or one holding it),
@@ -347,6 +347,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
             except OSError as e:
                 raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+            _OUR_STAGING.add(tmp)
             try:
                 # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
                 # (or the replaced directory's own mode)
@@ -360,6 +361,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 name = f"{os.fsdecode(e.filename)}: " if e.filename and e.strerror else ""
                 raise NormswapError(f"cannot write {target}: {name}{e.strerror or one_line(e)}") from None
             finally:
+                _OUR_STAGING.discard(tmp)
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -369,27 +371,27 @@ def _staging_prefix(target: Path) -> str:
 
 
 def remove_stale_staging(target: Path) -> list[Path]:
-    """Remove staging directories beside `target` left by a killed run: hidden, named after the
-    target and the pid that made them, and that pid is gone. A live run's are left alone."""
+    """Remove the staging directories beside `target` that killed runs left: hidden, named after the
+    target and the pid of the run that made it. Called with the target's lock held (staged_dir): every
+    run makes its staging directory under that lock, so none but this process's own can belong to a
+    run still going, whatever its pid says. A pid is no proof that its run is gone: in a container
+    every run is pid 1 (or the same small pid), so a run the OOM killer ended had the pid of the
+    next, alive, and its model-sized folder was kept for good, one more for every such kill."""
     removed = []
     prefix = _staging_prefix(target)
     for p in target.parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):].split("-", 1)[0]
-        if not (p.is_dir() and pid.isdigit()) or _alive(int(pid)):
+        # PID-XXXXXXXX, as staged_dir's mkdtemp names it: not another target's whose name starts alike
+        # (target "m.normswap-1-x" stages in ".m.normswap-1-x.normswap-PID-...", under its own lock)
+        if not re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) or not p.is_dir() or p.is_symlink() \
+                or p in _OUR_STAGING:
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# The staging directories this process has made and not yet published or removed (staged_dir).
+_OUR_STAGING: set[Path] = set()
 
 
 def _normalise_file_modes(directory: Path, target: Path) -> None:

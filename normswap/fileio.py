@@ -61,9 +61,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
                 f.write(text)
             os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if isinstance(e, OSError) and e.filename is None and e.strerror:
+                # a write or close (a full disk) names no file: the error said only "No space left on device"
+                raise OSError(e.errno, e.strerror, str(path)) from None
             raise
     return path
 
@@ -126,6 +129,8 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     read-only filesystem). Writes go through a temporary entry beside the path, renamed into place
     (write_text_atomic, checkpoint.staged_dir), so that folder is what they need."""
     path = Path(path)
+    if (link := link_to_nothing(path)) is not None:
+        return f"{link} is a link to nothing"
     if not folder:
         if path.is_dir():
             return "it is a folder"
@@ -148,7 +153,25 @@ def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
     be in."""
     if not str(out).strip():
         raise BadInputError(f"the output {what} is empty; pass a {what} name")
-    return Path(out).expanduser().resolve()
+    path = Path(out).expanduser()
+    # resolve() follows a link to nothing to where it points: --out LINK wrote the output at the
+    # link's target (made its missing folders, /nonexistent/x included), not at the name given.
+    if (link := link_to_nothing(path)) is not None:
+        where = "is" if link == path.absolute() else f"leads through {link},"
+        raise BadInputError(f"the output {what} {out} {where} a link to nothing (-> {os.readlink(link)}); "
+                            "refusing to write where it points: remove the link, or name the place itself")
+    return path.resolve()
+
+
+def link_to_nothing(path: str | os.PathLike) -> Path | None:
+    """The first entry on the way to `path`, `path` itself included, that is a symbolic link leading
+    nowhere (to a missing path, or round in a loop), None when there is none. Each step is asked of
+    the file system as written, so a `..` after a link goes where the kernel takes it."""
+    path = Path(path).absolute()
+    for p in (*reversed(path.parents), path):
+        if p.is_symlink() and not p.exists():
+            return p
+    return None
 
 
 class LockHeld(Exception):

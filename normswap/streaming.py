@@ -14,6 +14,7 @@ same writer, so both paths write byte-identical files; tests hold them to that.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -28,6 +29,9 @@ from normswap.progress import ProgressFn
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# The model weights (and their indexes) in the names transformers saves and loads them under.
+STOCK_WEIGHTS = re.compile(r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?"
+                           r"\.(safetensors|bin|h5|msgpack)(\.index\.json)?")
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

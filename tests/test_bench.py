@@ -210,6 +210,27 @@ def test_a_failing_variant_is_a_row_not_a_crash(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["rows"][1]["error"] == rows["torch"]["error"]
 
 
+def test_a_bench_that_measured_nothing_is_an_error_and_keeps_an_earlier_result(tmp_path, monkeypatch):
+    """--batch 100000000 on a tiny model: every row, the unpatched model's too, failed to allocate;
+    bench printed a table of dashes, wrote it over the earlier result at --out and exited 0."""
+    model = _config_only("llama", tmp_path / "cfg")
+
+    def measure(cfg, m, ids, mode, device, pairs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 51200000000 bytes")
+
+    args = ["bench", str(model), "--impl", "torch", "--mode", "prefill,train", "--seq", "4", "--repeats", "1",
+            "--warmup", "0", "--dtype", "fp32", "--out", str(tmp_path / "r.json")]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    earlier = (tmp_path / "r.json").read_text()
+    monkeypatch.setattr(bench, "_measure", measure)
+    r = CliRunner().invoke(cli, [*args, "--json"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert [line for line in r.stderr.splitlines() if line.startswith("normswap:")] == [
+        "normswap: error: nothing was measured: eager prefill: RuntimeError: DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 51200000000 bytes; use a smaller --batch or --seq"], r.stderr
+    assert (tmp_path / "r.json").read_text() == earlier
+
+
 @pytest.mark.parametrize("mode, seq", [("prefill", 65), ("decode", 64)])
 def test_a_sequence_longer_than_the_context_is_refused_before_building(tmp_path, mode, seq):
     """GPT-2's learned positions end at n_positions (64 here): --seq 100 ran every variant into

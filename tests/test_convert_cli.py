@@ -212,6 +212,26 @@ def test_truncated_shard_is_bad_input(gpt2_dir, tmp_path):
     assert "internal error" not in r.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("tensor", ["transformer.h.0.ln_1.weight", "transformer.h.0.mlp.c_fc.bias"])
+def test_a_tensor_stored_in_another_shape_than_the_config_gives_is_bad_input(gpt2_dir, tmp_path, tensor):
+    """A LayerNorm gain stored with 64 values where the config says 32 stopped the fold with an internal
+    error (the sizes of tensor a and b must match); any other tensor of another shape was written and
+    found only by the verification. Refused from the headers, as every other command's load refuses it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(gpt2_dir, src)
+    weights = load_file(src / "model.safetensors")
+    weights[tensor] = torch.cat([weights[tensor], weights[tensor]])
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    r = CliRunner().invoke(cli, ["convert", str(src), "--to", "rms", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    assert f"of another shape than the config gives: {tensor} (checkpoint [" in r.stderr, r.stderr
+    assert "internal error" not in r.stderr and not (tmp_path / "o").exists()
+
+
 def test_out_containing_the_source_is_refused(tmp_path):
     """--out PARENT --force would replace the directory that holds the model being converted."""
     save_tiny("gpt2", tmp_path / "models" / "gpt2")

@@ -1660,3 +1660,42 @@ def test_curves_figure_leaves_the_callers_matplotlib_alone_and_takes_any_kl(monk
     assert matplotlib.get_backend() == "pdf" and plt.get_fignums() == figures
     assert fig.axes[1].yaxis.get_transform().linthresh == pytest.approx(1e-9)  # the finite ones decide it
     fig.savefig(io.BytesIO(), format="png")  # it draws
+
+
+def test_a_step_batch_is_the_windows_at_its_random_starts():
+    """micro_batches gathers the rows in one call: row i is ids[start_i: start_i + seq_len] for the
+    starts the step's generator draws, as the loop it replaced built them (a resumed run, and the
+    results of earlier ones, depend on these exact batches)."""
+    from normswap.experiment.trainer import RandomWindows
+
+    ids = torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0))
+    windows = RandomWindows(ids, 8, 3, 7)
+    for step in range(3):
+        g = torch.Generator().manual_seed(7 * 1_000_003 + step)
+        starts = torch.randint(0, ids.numel() - 8, (2 * 2 * 3,), generator=g)
+        expected = torch.stack([ids[s: s + 8] for s in starts.tolist()]).view(4, 3, 8)
+        for rank in range(2):
+            got = windows.micro_batches(step, rank, 2, 2)
+            assert torch.equal(torch.stack(got), expected[rank * 2:(rank + 1) * 2])
+
+
+def test_a_step_larger_than_the_machines_memory_is_refused_before_any_work(tmp_path, monkeypatch):
+    """finetune.batch_size 10**9 (a recipe with [pretrain]) pretrained, ran the original arm, then built
+    the first fine-tuning step's batch row by row in a Python loop: minutes and gigabytes of tensors
+    (with the kernel's overcommit, an OOM kill) before anything said it was too large. The size is
+    refused from the recipe before the pretraining, and micro_batches refuses it before allocating."""
+    from normswap.experiment import runner, trainer
+
+    monkeypatch.setattr(trainer, "physical_memory", lambda: 1 << 30, raising=False)  # 1 GiB: a step of 2**22 x 64 ids is 2 GiB
+
+    def pretraining(*args, **kwargs):
+        raise AssertionError("pretrained before the sizes were checked")
+    monkeypatch.setattr(runner, "ensure_pretrained", pretraining)
+    too_large = (r"a step of 4194304 sequences \(batch_size x grad_accum x processes\) of 64 tokens: cannot allocate "
+                 r"it \(2.0 GiB of token ids, more than this machine's 1.0 GiB of memory\)")
+    with pytest.raises(trainer.NormswapError, match="^finetune: " + too_large):
+        run_experiment(ROOT / "recipes" / "smoke-kjv-tiny.toml", tmp_path / "out",
+                       overrides=[f"finetune.batch_size={1 << 22}"], progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(trainer.NormswapError, match="^" + too_large):
+        trainer.RandomWindows(torch.arange(500), 64, 1 << 22, 0).micro_batches(0, 0, 1, 1)

@@ -56,6 +56,55 @@ def test_a_link_to_nothing_on_the_way_is_not_a_folder_to_write_in(tmp_path):
     assert write_text_atomic(tmp_path / "link" / "deeper" / "t.json", "{}").read_text() == "{}"
 
 
+def test_an_output_path_through_a_link_to_nothing_is_refused(tmp_path):
+    """target_path resolved a link to nothing to where it points, so the output went there. Refused,
+    naming the link, whether it is the name itself, on the way, or a loop; a link to a folder that is
+    there still leads where it points."""
+    from normswap.errors import BadInputError
+    from normswap.fileio import link_to_nothing, target_path
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "elsewhere" / "x")
+    (tmp_path / "loop").symlink_to("loop")
+    for given, link in (("dangling", "dangling"), ("dangling/sub", "dangling"), ("loop", "loop"),
+                        ("loop/../out", "loop")):
+        assert link_to_nothing(tmp_path / given) == tmp_path / link
+        with pytest.raises(BadInputError, match="a link to nothing"):
+            target_path(tmp_path / given)
+        assert unwritable(tmp_path / given) == f"{tmp_path / link} is a link to nothing"
+    assert not (tmp_path / "elsewhere").exists()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "to-real").symlink_to(tmp_path / "real")
+    assert link_to_nothing(tmp_path / "to-real" / "out") is None
+    assert target_path(tmp_path / "to-real" / "out") == tmp_path / "real" / "out"
+
+
+def test_a_full_disk_names_the_file_that_could_not_be_written(tmp_path, monkeypatch):
+    """A write that fails on a full disk names no file: bench's results file on a full disk ended its
+    run with 'normswap: error: No space left on device', after every measurement. The earlier file
+    stays, and no temporary file is left."""
+    target = tmp_path / "results.json"
+    target.write_text("earlier")
+
+    class FullDisk:
+        def __init__(self, fd, *args, **kwargs):
+            os.close(fd)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", FullDisk)
+    with pytest.raises(OSError) as e:
+        write_text_atomic(target, "new")
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(target))
+    assert target.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")
 def test_a_read_only_file_is_not_replaced(tmp_path):
     ro = tmp_path / "t.json"

@@ -142,6 +142,19 @@ def test_a_cache_path_that_is_a_file_is_named_as_such(tmp_path, monkeypatch, und
     _one_line(e)
 
 
+def test_a_cache_path_that_is_a_link_to_nothing_is_named_as_such(tmp_path, monkeypatch):
+    """~/.cache/normswap (or NORMSWAP_CACHE) a link to a folder that is gone (an unmounted disk):
+    "cache: cannot read (File exists)", as if the model could not be read."""
+    (tmp_path / "cache").symlink_to(tmp_path / "unmounted" / "normswap")
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)  # never the 20 s conversion
+    with pytest.raises(NormswapError, match=rf"^NORMSWAP_CACHE={tmp_path / 'cache'}: {tmp_path / 'cache'} is a link "
+                                            "to nothing; point NORMSWAP_CACHE at a folder$") as e:
+        loading.resolve(loading.DEFAULT_MODEL)
+    _one_line(e)
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_cache_dir_honours_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("NORMSWAP_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -694,6 +707,19 @@ def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, mo
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
 
 
+def test_a_killed_first_use_conversion_leaves_nothing_for_good(tiny_builtin):
+    """A first use killed while it saved (kill -9, an OOM kill) left its hidden copy beside the cache
+    entry (~540 MB for smollm2-135m), which no later run removed. Conversions take a lock; its
+    holder removes such copies. Another entry's, and the lock file, are not left or touched."""
+    stale = tiny_builtin.parent / ".tiny-builtin.k1ll3d"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    other = tiny_builtin.parent / ".another-builtin.abc"
+    other.mkdir()
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert sorted(p.name for p in tiny_builtin.parent.iterdir()) == [".another-builtin.abc", "tiny-builtin"]
+
+
 def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):
     """The first use of smollm2-135m converts its GGUF (~20 s) before any command's own work
     begins: the commands say what it is doing (it was 20 s of nothing on stderr), a library call
@@ -785,3 +811,43 @@ def test_an_experiments_gguf_reads_are_stages_of_its_progress(tmp_path, monkeypa
     assert model.config.num_hidden_layers == 2 and len(tokenizer) > 0
     runner._load_model(str(gguf), False)
     assert "reading its" not in capsys.readouterr().err
+
+
+def test_a_model_path_that_is_there_but_no_file_or_folder_is_named_as_such(tmp_path):
+    """A pipe, a device or a link to nothing given as MODEL was 'no such file or directory', of a
+    path the user can see with ls."""
+    import os
+    import re
+
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for given, says in ((tmp_path / "pipe", "not a regular file or folder (a pipe, socket or device)"),
+                        (tmp_path / "link", "a link to nothing (a download that did not finish"),
+                        ("/dev/null", "not a regular file or folder")):
+        with pytest.raises(NormswapError, match=r"^" + re.escape(f"{given}: {says}")):
+            loading.resolve(given)
+
+
+@pytest.mark.parametrize("blocker", ["incomplete download", "pipe", "folder"])
+def test_a_weights_file_that_is_no_file_is_named(tiny_dir, tmp_path, blocker):
+    """A hub snapshot whose model.safetensors links to a blob still downloading (blobs/X.incomplete),
+    or a weights 'file' that is a pipe or a folder: transformers' 'no file named model.safetensors,
+    or pytorch_model.bin, found in directory' of a folder where ls shows one."""
+    import os
+    import re
+    import shutil
+
+    d = tmp_path / "snapshot"
+    shutil.copytree(tiny_dir[0], d)
+    weights = d / "model.safetensors"
+    weights.unlink()
+    if blocker == "incomplete download":
+        weights.symlink_to(tmp_path / "blobs" / "1d8412fb")
+    elif blocker == "pipe":
+        os.mkfifo(weights)
+    else:
+        weights.mkdir()
+    says = {"incomplete download": "a link to nothing (a download that did not finish",
+            "pipe": "not a regular file or folder", "folder": "a folder"}[blocker]
+    with pytest.raises(NormswapError, match="cannot load the weights: model.safetensors is " + re.escape(says)):
+        loading.load_model(loading.resolve(d))

@@ -298,7 +298,10 @@ def test_save_from_cuda(tmp_path):
     assert (out / MANIFEST_NAME).is_file()
 
 
-def test_stale_staging_of_dead_runs_is_removed(tmp_path):
+def test_stale_staging_is_removed_whatever_its_pid(tmp_path):
+    """Every staging folder of the target but the holder's own is a killed run's: it is made under the
+    target's lock. The pid in its name may be alive again: in a container every run is pid 1, so a
+    run the OOM killer ended had this run's pid, and its model-sized folder was kept for good."""
     import subprocess
     import sys
 
@@ -306,12 +309,19 @@ def test_stale_staging_of_dead_runs_is_removed(tmp_path):
                           text=True).stdout.strip()
     target = tmp_path / "model"
     stale = tmp_path / f".model.normswap-{dead}-abc"
-    live = tmp_path / f".model.normswap-{os.getpid()}-def"
+    reused = tmp_path / f".model.normswap-{os.getpid()}-def"  # a killed run's, with this run's pid
     other = tmp_path / ".other.normswap-1-x"
-    for p in (stale, live, other):
+    probe = tmp_path / ".model.normswap-probe-x"  # not a staging folder (fileio.unwritable's)
+    alike = tmp_path / ".model.normswap-1-x.normswap-7-abcdefgh"  # target model.normswap-1-x's, not model's
+    for p in (stale, reused, other, probe, alike):
         p.mkdir()
-    assert checkpoint.remove_stale_staging(target) == [stale]
-    assert live.exists() and other.exists() and not stale.exists()
+        (p / "model.safetensors").write_bytes(b"x")
+    with checkpoint.staged_dir(target) as tmp:
+        assert checkpoint.remove_stale_staging(target) == []  # its own staging folder is not stale
+        assert tmp.is_dir()
+        (tmp / "config.json").write_text("{}")
+    assert not stale.exists() and not reused.exists()
+    assert other.exists() and probe.exists() and alike.exists()
 
 
 def test_carry_over_does_not_follow_links_that_loop(tmp_path):

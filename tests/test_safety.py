@@ -417,6 +417,23 @@ def test_the_lock_never_follows_a_link_into_someone_elses_file(tmp_path):
     assert (tmp_path / ".out.normswap.lock").is_symlink()
 
 
+@pytest.mark.parametrize("cmd", ["patch", "convert", "bench", "experiment"])
+def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_through(src, gpt2, tmp_path, cmd):
+    """`ln -s /elsewhere/x out; normswap patch M --out out`: the output was written at the link's
+    target (its missing folders made), reported as "saved to /elsewhere/x". Refused, one line; so is
+    a path that goes through such a link."""
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "out").symlink_to(elsewhere / "x")
+    args = {"patch": ["patch", src, "--impl", "torch"], "convert": ["convert", gpt2, "--to", "rms"],
+            "bench": ["bench", src, "--impl", "torch", "--repeats", "1", "--warmup", "0"],
+            "experiment": ["experiment", ROOT / "recipes" / "smoke-kjv-tiny.toml"]}[cmd]
+    for out, said in ((tmp_path / "out", "is a link to nothing"), (tmp_path / "out" / "sub", "a link to nothing")):
+        for force in ([], ["--force"]) if cmd in ("patch", "convert") else ([],):
+            assert_one_line_error(run(*args, "--out", out, *force), said)
+    assert not elsewhere.exists()
+    assert (tmp_path / "out").is_symlink()
+
+
 # ---- case 2 (and 7: a size mismatch names the tensor and both shapes) --------------------------
 
 
@@ -507,6 +524,43 @@ def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
     assert p.stderr.strip() == "normswap: interrupted", p.stderr[-3000:]
     if driver is _SIGINT_AT_EXIT:
         assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
+
+
+# A library that catches the KeyboardInterrupt on its way and raises another error in its place, as
+# numpy's C initialisation does when Ctrl-C lands in it (an ImportError, or a module left half made
+# that fails the next import): at start-up (numpy, under torch's import) and during the command
+# (transformers' lazy import of the model class, which it reports as "Could not import module").
+_SIGINT_TURNED_INTO_IMPORT_ERROR = """
+import os, signal, sys, importlib.abc
+TARGET = sys.argv[1]
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET:
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):  # the handler runs between bytecodes
+                    pass
+            except KeyboardInterrupt:
+                raise ImportError("cannot load module more than once per process") from None
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("module", ["numpy", "transformers.models.llama.modeling_llama"],
+                         ids=["start-up", "during-the-command"])
+def test_case9_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interrupt(src, module):
+    """Ctrl-C at start-up or in a lazy import came out as a traceback (ImportError, exit 1) or as
+    'internal error: ModuleNotFoundError: Could not import module 'LlamaForCausalLM'' (exit 1)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGINT_TURNED_INTO_IMPORT_ERROR, module, "scan", str(src), "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
 
 
 # A signal later than every atexit handler: sent while the interpreter tears its modules down

@@ -14,11 +14,7 @@ import os
 import signal
 import sys
 
-from normswap.cli.signals import Terminated, interruption
-
-
-def _raise_terminated(*_args) -> None:
-    raise Terminated
+from normswap.cli.signals import Terminated, interruption, raise_interrupt
 
 
 def _exit_now(line: str, code: int) -> None:
@@ -51,11 +47,20 @@ def _reopen_closed_std_streams() -> None:
 
 def main() -> None:
     _reopen_closed_std_streams()
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    # Start-up, imports only: nothing is written yet, so an interrupt ends the process at once.
+    # Raised as an exception it could land inside a C extension's initialisation (numpy's, under
+    # torch's import), which turns it into an ImportError or leaves the module half made: an
+    # internal error or a traceback (exit 1) in place of 'normswap: interrupted'.
+    signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         from normswap.cli.main import run
 
         _register_commands()
+        # The command: raised where the program is, so that its clean-ups run (a staging folder,
+        # a lock file, the folders made for --out)
+        signal.signal(signal.SIGINT, raise_interrupt)
+        signal.signal(signal.SIGTERM, raise_interrupt)
         run()
     except KeyboardInterrupt as e:
         _exit_now(*interruption(e))

@@ -15,7 +15,7 @@ import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap._env import launched_main
-from normswap.cli.signals import interruption
+from normswap.cli.signals import interruption, received_interrupt
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
 from normswap.progress import ProgressBars  # noqa: F401  (every command draws the library's progress with it)
@@ -159,9 +159,11 @@ class NormswapGroup(click.Group):
                 warnings.showwarning = one_line_warnings(warnings.showwarning)
                 return super().invoke(ctx)
         except NormswapError as e:
+            _exit_if_interrupted(ctx)
             click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
+            _exit_if_interrupted(ctx)
             _exit_if_stdout_closed(e)
             from normswap.errors import one_line
 
@@ -177,6 +179,7 @@ class NormswapGroup(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception as e:
+            _exit_if_interrupted(ctx)
             if os.environ.get("NORMSWAP_DEBUG"):
                 raise
             first = (str(e).strip().splitlines() or [""])[0]
@@ -186,6 +189,16 @@ class NormswapGroup(click.Group):
                 err=True,
             )
             ctx.exit(EXIT_INTERNAL)
+
+
+def _exit_if_interrupted(ctx: click.Context) -> None:
+    """A command that fails after an interrupt came was interrupted: a library on the way may have
+    turned the KeyboardInterrupt into an error of its own (signals.raise_interrupt)."""
+    error = received_interrupt()
+    if error is not None:
+        line, code = interruption(error)
+        click.echo(line, err=True)
+        ctx.exit(code)
 
 
 @click.group(cls=NormswapGroup, context_settings={"help_option_names": ["-h", "--help"]})

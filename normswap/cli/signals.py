@@ -1,6 +1,8 @@
 """How the command line names an interrupt: Ctrl-C, or SIGTERM raised as Terminated. A leaf (no
 imports of normswap), read by the entry point before anything heavy is imported and by the group."""
 
+import signal
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
@@ -16,3 +18,24 @@ def interruption(error: BaseException) -> tuple[str, int]:
     if isinstance(error, Terminated):
         return "normswap: terminated", EXIT_TERMINATED
     return "normswap: interrupted", EXIT_INTERRUPTED
+
+
+# The interrupts this process has received through raise_interrupt, as the exceptions it raised.
+_RECEIVED: list[KeyboardInterrupt] = []
+
+
+def raise_interrupt(signum: int, _frame=None) -> None:
+    """The command line's handler for SIGINT and SIGTERM while a command runs: KeyboardInterrupt (or
+    Terminated) raised where the program is, so every clean-up on the way out runs, and remembered.
+    A library may catch it on its way and raise another error in its place: an import interrupted
+    inside a C extension's initialisation (numpy's) comes out as an ImportError, which transformers'
+    lazy import of a model class turns into "Could not import module 'GPT2LMHeadModel'"; a run that
+    then fails was interrupted, not broken (received_interrupt)."""
+    error = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    _RECEIVED.append(error)
+    raise error
+
+
+def received_interrupt() -> KeyboardInterrupt | None:
+    """The first interrupt raise_interrupt raised in this process, None when none came."""
+    return _RECEIVED[0] if _RECEIVED else None

@@ -51,6 +51,7 @@ from normswap.experiment.trainer import (
     StopFlag,
     any_process,
     check_resumable,
+    check_step_fits,
     train,
 )
 from normswap.fileio import made_folders, target_path, write_text_atomic
@@ -256,6 +257,15 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
                  on_step) -> ExperimentResult:
     """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
     _check_out(out, recipe)
+    # A training step too large for the machine, from the sizes alone: refused before the pretraining
+    # and the arms before the first that trains
+    for name, section in (("pretrain", recipe.pretrain),
+                          ("finetune", recipe.finetune if any(parse_arm(a)[1] for a in arms) else None)):
+        if section is not None:
+            try:
+                check_step_fits(section.batch_size * section.grad_accum, section.seq_len)
+            except NormswapError as e:
+                raise NormswapError(f"{name}: {e}") from None
     loaded = train_ids = None
     # Bad texts, and arms the model cannot make, are refused here, before OUT is made: found when
     # an arm needs them, they would stop the run after pretraining and the arms before it.

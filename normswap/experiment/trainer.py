@@ -123,16 +123,42 @@ class RandomWindows:
     def micro_batches(self, step: int, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         n = grad_accum * world * self.batch_size
+        check_step_fits(n, self.seq_len)
         try:
+            rows = torch.empty((n, self.seq_len), dtype=self.ids.dtype)
             starts = torch.randint(0, self.ids.numel() - self.seq_len, (n,), generator=g)
-            rows = torch.stack([self.ids[s: s + self.seq_len] for s in starts.tolist()])
+            # Row i is ids[starts[i]: starts[i] + seq_len], gathered from the windows' view in one
+            # call: a Python loop over the rows took minutes and gigabytes of tensor objects for a
+            # batch_size of 10**8 before the allocation could fail.
+            torch.index_select(self.ids.unfold(0, self.seq_len, 1), 0, starts, out=rows)
         except (RuntimeError, MemoryError, TypeError) as e:  # a size the recipe chose, not a bug (past int64:
             # randint fails its argument parsing with a TypeError)
-            raise NormswapError(f"a step of {n} sequences (batch_size x grad_accum x processes) of {self.seq_len} "
-                                f"tokens: cannot allocate it ({one_line(e)}); lower batch_size, grad_accum or "
-                                "seq_len") from None
+            raise NormswapError(_step_too_large(n, self.seq_len, one_line(e))) from None
         mine = rows.view(grad_accum * world, self.batch_size, self.seq_len)[rank * grad_accum:(rank + 1) * grad_accum]
         return list(mine)
+
+
+def check_step_fits(n: int, seq_len: int) -> None:
+    """Refuse a step of `n` sequences of `seq_len` token ids that alone take more than the machine's
+    memory: with the kernel's overcommit, the allocation of such a batch can succeed and the
+    process (or another one) be killed once it is filled."""
+    need, have = n * seq_len * 8, physical_memory()
+    if have is not None and need > have:
+        raise NormswapError(_step_too_large(n, seq_len, f"{need / 2**30:,.1f} GiB of token ids, more than this "
+                                                        f"machine's {have / 2**30:,.1f} GiB of memory"))
+
+
+def _step_too_large(n: int, seq_len: int, why: str) -> str:
+    return (f"a step of {n} sequences (batch_size x grad_accum x processes) of {seq_len} tokens: cannot allocate "
+            f"it ({why}); lower batch_size, grad_accum or seq_len")
+
+
+def physical_memory() -> int | None:
+    """The machine's memory in bytes, None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def build_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
