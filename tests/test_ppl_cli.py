@@ -330,12 +330,17 @@ def test_bad_input_is_one_line_and_exit_2(models, tmp_path, args, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("cmd", [("ppl",), ("diff", "--patched", "torch")])
-def test_models_are_scored_on_the_device_given(models, monkeypatch, cmd):
+@pytest.mark.parametrize("cmd, loads", [
+    (lambda r: ("ppl", r / "a"), 1),
+    (lambda r: ("diff", r / "a", "--patched", "torch"), 1),  # B is A's copy, on A's device
+    (lambda r: ("diff", r / "a", r / "b", "--dtype", "bf16"), 3),  # A, B and A's float32 reference
+])
+def test_models_are_scored_on_the_device_given(models, monkeypatch, cmd, loads):
     """ppl and diff load every model they score (A, B, the float32 reference) where --device says,
     as patch does: they loaded on the CPU whatever the machine, where natively the Triton kernels
     refuse to run. No CUDA here, so parse_device is made to answer cuda:0 and the load is
-    recorded, then done on the CPU."""
+    recorded, then done on the CPU. `loads` counts them, so a load left on the CPU is missed by
+    no case."""
     from normswap import loading
 
     root, _, _ = models
@@ -347,9 +352,9 @@ def test_models_are_scored_on_the_device_given(models, monkeypatch, cmd):
 
     monkeypatch.setattr(loading, "parse_device", lambda name: {"cuda:0": "cuda:0", "auto": None}[name])
     monkeypatch.setattr(loading, "load_model", recording_load)
-    args = (cmd[0], root / "a", *cmd[1:], "--data", TEXT, "--max-length", 32, "--max-tokens", 64)
+    args = (*cmd(root), "--data", TEXT, "--max-length", 32, "--max-tokens", 64)
     assert ok_json(*args, "--device", "cuda:0")["device"] == "cuda:0"  # the report says where
-    assert asked and set(asked) == {"cuda:0"}
+    assert asked == ["cuda:0"] * loads
     asked.clear()
     assert ok_json(*args)["device"] == "cpu"  # auto: the CPU here
-    assert asked and set(asked) == {None}
+    assert asked == [None] * loads
