@@ -141,3 +141,19 @@ def test_the_source_manifest_is_read_once(model_and_text, tmp_path, monkeypatch,
     assert json.loads(result.stdout)["eval"]["impl_a"] == "torch"  # A ran the recorded patch
     assert json.loads((target / "normswap.json").read_text())["patch"]["impl"] == "reference"
     assert [p for p in reads if p.resolve() == fast.resolve()] == [fast], reads
+
+
+def test_the_eval_reports_the_device_the_patch_ran_on(model_and_text, monkeypatch):
+    """patch --eval's diff runs on the patched model's device and says so (eval.device), as ppl and
+    diff do: it would otherwise read "cpu" whatever --device gave. No CUDA here, so parse_device
+    is made to answer cuda:0 and the load is done on the CPU."""
+    from normswap import loading
+
+    model, text = model_and_text
+    load = loading.load_model
+    monkeypatch.setattr(loading, "parse_device", lambda name: "cuda:0")
+    monkeypatch.setattr(loading, "load_model", lambda source, *a, device=None, **k: load(source, *a, **k))
+    result = run(model, "--impl", "torch", "--eval", text, "--eval-max-length", 32, "--device", "cuda:0", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["device"] == doc["eval"]["device"] == "cuda:0"
