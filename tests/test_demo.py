@@ -15,8 +15,8 @@ def test_demo_scans_patches_and_diffs_the_default_model():
     """The demo as `make demo` runs it (512 tokens): it patches and verifies every norm, and prints
     the figures README.md's demo table quotes as measured on this project's CPU machine. A change
     that moves them (a kernel's rounding, the probes, the evaluation) fails here until the table is
-    measured again (it still said logits 5.25e-05 and Δppl +1.3e-06 once the kernels' changes had
-    moved them to 7.44e-05 and +4.9e-07)."""
+    measured again, to the digits where every CPU computes them alike and to their order where the
+    CPU's float32 rounding decides them (_matches_the_readme_table)."""
     result = CliRunner().invoke(cli, ["demo", "--json"])
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
@@ -32,23 +32,48 @@ def test_demo_scans_patches_and_diffs_the_default_model():
 
 
 def _matches_the_readme_table(patch: dict) -> None:
-    """Each figure of README.md's demo table, rendered as the table writes it, is in its row."""
+    """Each figure of README.md's demo table, rendered as the table writes it, is in its row.
+
+    The figures the CPU's own arithmetic decides (the whole-model logits difference, Δppl, the KL
+    and Δlogit of two float32 models that differ by rounding) are held to the order of magnitude the
+    table quotes, not to its digits: the same run on an AVX2 CPU (ATEN_CPU_CAPABILITY=avx2
+    MKL_ENABLE_INSTRUCTIONS=AVX2 on the AVX-512 machine that measured the table) gives logits
+    4.77e-05, Δppl +1.9e-06, KL 9.4e-12 / 9.3e-11, Δlogit 7.8e-05, where the digits failed any
+    machine but that one. The rest (counts, the float64 errors, the perplexities to 4 places) is
+    the same there and is held to the digits."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     rows = dict(re.findall(r"^\| ([^|]+?) \| (.+) \|$", readme.split("## Install", 1)[0], re.M))
     ev, mc = patch["eval"], patch["model_check"]
     worst = max(m["check"]["worst_margin_ulps"] for m in patch["modules"])
+    ppl_row = "perplexity, the first 512 tokens of Genesis (KJV: 1:1–1:18), 511 scored"
     wanted = [  # (row, what it must say)
         ("modules patched and verified", f"{patch['counts']['patched']} / {len(patch['modules'])} pass"),
         ("largest error vs float64", f"original {patch['max_err_original']:.3g}, triton {patch['max_err_replacement']:.3g}"),
         ("largest error vs float64", f"worst module {worst:+.2f} ulp over the original"),
-        ("whole-model logits", f"max \\|Δ\\| {mc['max_abs_diff']:.3g} of {mc['max_abs_value']:.3g}"),
-        ("perplexity, the first 512 tokens of Genesis (KJV: 1:1–1:18), 511 scored",
-         f"original {ev['ppl_a']:.4f}, patched {ev['ppl_b']:.4f} (Δ {ev['delta_ppl']:+.2g}, {100 * ev['relative_delta']:+.2g} %)"),
-        ("KL(original ‖ patched)", f"mean {ev['kl_mean']:.2g}, max {ev['kl_max']:.2g} nats/token"),
-        ("KL(original ‖ patched)", f"max \\|Δlogit\\| {ev['max_abs_logit_diff']:.2g}"),
+        ("whole-model logits", f"of {mc['max_abs_value']:.3g}"),
+        (ppl_row, f"original {ev['ppl_a']:.4f}, patched {ev['ppl_b']:.4f}"),
     ]
     wrong = [f"{row}: measured {text!r}, README says {rows.get(row)!r}"
              for row, text in wanted if text not in rows.get(row, "")]
+    number = r"([-+]?\d[\d.]*(?:e[-+]?\d+)?)"
+    rounding = [  # (row, the quoted figure, measured, the factor it may be off either way; None: only above)
+        ("whole-model logits", rf"max \\\|Δ\\\| {number}", mc["max_abs_diff"], 3),
+        (ppl_row, rf"\(Δ {number},", ev["delta_ppl"], None),
+        (ppl_row, rf", {number} %\)", 100 * ev["relative_delta"], None),
+        ("KL(original ‖ patched)", rf"mean {number},", ev["kl_mean"], 3),
+        ("KL(original ‖ patched)", rf"max {number} nats", ev["kl_max"], 3),
+        ("KL(original ‖ patched)", rf"max \\\|Δlogit\\\| {number}", ev["max_abs_logit_diff"], 3),
+    ]
+    for row, pattern, measured, factor in rounding:
+        m = re.search(pattern, rows.get(row, ""))
+        if not m:
+            wrong.append(f"{row}: no figure {pattern!r} in {rows.get(row)!r}")
+            continue
+        quoted = abs(float(m.group(1)))
+        # A difference of two near-equal sums (Δppl) is noise in sign and size: only its order is a claim.
+        low, high = (quoted / factor, quoted * factor) if factor else (0.0, quoted * 10)
+        if not low <= abs(measured) <= high:
+            wrong.append(f"{row}: measured {measured:.2g}, README says {m.group(1)}")
     assert wrong == [], "README.md's demo table is out of date (measure it again):\n" + "\n".join(wrong)
 
 
