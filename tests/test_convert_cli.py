@@ -8,7 +8,7 @@ import transformers
 from click.testing import CliRunner
 
 from normswap.cli import cli
-from tests.tiny_models import ARCHS, VOCAB, randomize_norms_and_biases, save_tiny, tiny_tokenizer
+from tests.tiny_models import VOCAB, randomize_norms_and_biases, save_tiny
 
 
 def run(*args):
@@ -95,12 +95,7 @@ def test_llama_and_made_up_architectures(tmp_path):
 
 
 def test_partial_phi_with_qk_norms(tmp_path):
-    cfg_name, model_name, kwargs = ARCHS["phi"]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs, qk_layernorm=True))
-    randomize_norms_and_biases(model)
-    model.save_pretrained(tmp_path / "phi")
-    tiny_tokenizer().save_pretrained(tmp_path / "phi")
+    save_tiny("phi", tmp_path / "phi", qk_layernorm=True)
     r = run(tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o", "--json")
     assert r.exit_code == 2 and "--partial" in r.stderr and not (tmp_path / "o").exists()
     r = run(tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o", "--json", "--partial")

@@ -10,14 +10,12 @@ import re
 import shutil
 
 import pytest
-import torch
-import transformers
 from click.testing import CliRunner
 
 from normswap import api
 from normswap.cli import cli
 from normswap.errors import NormswapError, option_labels, option_setting, using_option_names, way_out
-from tests.tiny_models import ARCHS, randomize_norms_and_biases, save_tiny, tiny_tokenizer
+from tests.tiny_models import save_tiny
 
 pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
@@ -184,12 +182,7 @@ def test_convert_refusals(tmp_path):
     assert library_error(api.convert_checkpoint, tmp_path / "gpt2", tmp_path / "empty") == \
         f"{tmp_path / 'empty'} already exists; pass force=True to replace it"
     # phi with q/k LayerNorms: some norms convert, some not (tests/test_convert_cli.py)
-    cfg_name, model_name, kwargs = ARCHS["phi"]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kwargs, qk_layernorm=True))
-    randomize_norms_and_biases(model)
-    model.save_pretrained(tmp_path / "phi")
-    tiny_tokenizer().save_pretrained(tmp_path / "phi")
+    model = save_tiny("phi", tmp_path / "phi", qk_layernorm=True)
     assert cli_error("convert", tmp_path / "phi", "--to", "rms", "--out", tmp_path / "o").endswith(
         "pass --partial to convert the other 3")
     assert library_error(api.convert_checkpoint, tmp_path / "phi", tmp_path / "o").endswith(

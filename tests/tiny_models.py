@@ -60,11 +60,12 @@ for _cfg in ARCHS.values():
     _cfg[2].update(bos_token_id=2, eos_token_id=2, pad_token_id=1)
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **overrides):
+    """arch's tiny config; overrides: fields set on top (phi's qk_layernorm=True)."""
     import transformers
 
     cfg_name, _, kwargs = ARCHS[arch]
-    return getattr(transformers, cfg_name)(**kwargs)
+    return getattr(transformers, cfg_name)(**kwargs | overrides)
 
 
 def randomize_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -84,12 +85,12 @@ def randomize_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> torch.n
     return model
 
 
-def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     import transformers
 
     _, model_name, _ = ARCHS[arch]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(tiny_config(arch))
+    model = getattr(transformers, model_name)(tiny_config(arch, **overrides))
     randomize_norms_and_biases(model, seed)
     return model.to(dtype).eval()
 
@@ -107,9 +108,10 @@ def tiny_tokenizer():
                                    bos_token="<s>")
 
 
-def save_tiny(arch: str, directory: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """Write a tiny model with its tokenizer as a normal checkpoint directory; return the model."""
-    model = tiny_model(arch, dtype, seed)
+def save_tiny(arch: str, directory: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """Write a tiny model with its tokenizer as a normal checkpoint directory; return the model.
+    overrides: config fields (tiny_config's)."""
+    model = tiny_model(arch, dtype, seed, **overrides)
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     return model
