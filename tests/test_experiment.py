@@ -1363,6 +1363,22 @@ def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_sigint_ignored_by_the_parent_leaves_the_training_running():
+    """A shell script's background job starts with SIGINT ignored, so that a Ctrl-C meant for the
+    script's foreground command leaves it running: on_interrupt's handler stopped the training."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopFlag()
+        with stop.on_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not stop.is_set()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _Terminated(Exception):
     pass
 

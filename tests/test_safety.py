@@ -563,6 +563,20 @@ def test_case9_ctrl_c_that_a_library_turns_into_another_error_is_still_an_interr
     assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("module", ["numpy", "transformers.models.llama.modeling_llama"],
+                         ids=["start-up", "during-the-command"])
+def test_case9_a_sigint_ignored_by_the_parent_stays_ignored(src, module):
+    """A shell script's background job ('normswap ... &') starts with SIGINT ignored, so that a
+    Ctrl-C meant for the script's foreground command leaves it running (Python keeps an inherited
+    SIG_IGN). main() set its own handler regardless: the run ended 'normswap: interrupted', 130."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGINT_TURNED_INTO_IMPORT_ERROR, module, "scan", str(src), "--json"],
+                       env=env, capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    assert json.loads(p.stdout)["model"] == str(src)
+
+
 # A signal later than every atexit handler: sent while the interpreter tears its modules down
 # (a global of __main__ freed), after Python has switched its signal handling off.
 _SIGNAL_IN_TEARDOWN = """

@@ -29,6 +29,11 @@ def _interrupted(signum=signal.SIGINT, _frame=None) -> None:
     _exit_now(*interruption(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()))
 
 
+def _handle(signals, handler) -> None:
+    for signum in signals:
+        signal.signal(signum, handler)
+
+
 def _reopen_closed_std_streams() -> None:
     """A standard stream closed at start-up (`normswap ... >&-`, a daemon's) is /dev/null from here
     on. Python leaves sys.stdout None there, so writing the report was an internal error with a
@@ -51,16 +56,18 @@ def main() -> None:
     # Raised as an exception it could land inside a C extension's initialisation (numpy's, under
     # torch's import), which turns it into an ImportError or leaves the module half made: an
     # internal error or a traceback (exit 1) in place of 'normswap: interrupted'.
-    signal.signal(signal.SIGINT, _interrupted)
-    signal.signal(signal.SIGTERM, _interrupted)
+    # A signal ignored by whoever started us stays ignored (as Python leaves an ignored SIGINT): a
+    # shell script's background job ('normswap ... &') ignores SIGINT so that a Ctrl-C meant for the
+    # script's foreground command does not end it; set here unconditionally, it did end it.
+    ours = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    _handle(ours, _interrupted)
     try:
         from normswap.cli.main import run
 
         _register_commands()
         # The command: raised where the program is, so that its clean-ups run (a staging folder,
         # a lock file, the folders made for --out)
-        signal.signal(signal.SIGINT, raise_interrupt)
-        signal.signal(signal.SIGTERM, raise_interrupt)
+        _handle(ours, raise_interrupt)
         run()
     except KeyboardInterrupt as e:
         _exit_now(*interruption(e))
@@ -75,8 +82,7 @@ def main() -> None:
         # its own flush of stdout and stderr); a signal later than that takes the default action,
         # with no line: acceptable, since the run has finished by then (every write published,
         # every lock released, the output flushed) and the shell still reports 130 or 143.
-        signal.signal(signal.SIGINT, _interrupted)
-        signal.signal(signal.SIGTERM, _interrupted)
+        _handle(ours, _interrupted)
         raise
 
 

@@ -70,7 +70,10 @@ class StopFlag:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        # A signal ignored by whoever started us stays ignored: a shell script's background job
+        # ('normswap experiment ... &') ignores SIGINT, so that a Ctrl-C meant for the script's
+        # foreground command leaves it running (it stopped the training)
+        previous = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) is not signal.SIG_IGN}
 
         def handler(signum, frame):
             if self.is_set():
