@@ -3,7 +3,12 @@
 rest; what the writer wrote is never replaced by the source's copy.
 
 Into a new folder (patch --out, convert), at every depth: regular files and folders, links as
-their content. Left behind: the source's weights and their indexes (the new ones replace them;
+their content, except a link to a folder outside the model folder: that is carried as a link to
+the same place, with a warning (copied, it pulled whatever tree it led to into the output, a
+dataset's or a home folder's; the model's own entries are what an output carries). A link to a
+file is carried as its content wherever the file is: a hub cache's files are links into its
+blobs/, outside the snapshot folder, and an output that linked there would break when the cache
+is cleaned. Left behind: the source's weights and their indexes (the new ones replace them;
 any other weight-like file, such as training_args.bin, optimizer.pt, an .onnx export or Meta's
 original/consolidated.00.pth, would be stale beside them) except in a subfolder that holds a
 config.json of its own: that is a model of its own, such as a sentence-transformers pipeline's
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from normswap.manifest import MANIFEST_NAME
@@ -60,27 +66,46 @@ def carry_over(source, out_dir: str | os.PathLike, in_place: bool = False, *,
 def _carry_folder(source_dir: Path, out_dir: Path, in_place: bool, target: Path | None = None) -> list[str]:
     carried = []
     entries = sorted(source_dir.iterdir())
-    left_out = _left_out(source_dir, out_dir, target)  # leaves out `target` too (--out MODEL/fast)
+    outward: list[Path] = []  # the links to folders outside the model that the walk met
+    left_out = _left_out(source_dir, out_dir, target, outward)  # leaves out `target` too (--out MODEL/fast)
     skipped = {p.name for p in entries if STOCK_WEIGHTS.fullmatch(p.name)} if in_place else \
         left_out(source_dir, [p.name for p in entries])
     for p in entries:
-        if p.name in _REWRITTEN or p.name in skipped or os.path.lexists(out_dir / p.name):
+        if p.name in _REWRITTEN or os.path.lexists(out_dir / p.name):
             continue  # the writer's own file wins over the source's
         if in_place:
+            if p.name in skipped:
+                continue
             _keep(p, out_dir / p.name)
+        elif p in outward:
+            _link_outward(p, out_dir / p.name)
+        elif p.name in skipped:
+            continue
+        elif p.is_dir():
+            shutil.copytree(p, out_dir / p.name, ignore=left_out)
         else:
-            if p.is_dir():
-                shutil.copytree(p, out_dir / p.name, ignore=left_out)
-            else:
-                shutil.copy2(p, out_dir / p.name)
+            shutil.copy2(p, out_dir / p.name)
         carried.append(p.name)
+    for p in outward:  # the deeper ones, once copytree has made the folders that hold them
+        if p.parent != source_dir:
+            _link_outward(p, out_dir / p.relative_to(source_dir))
     return carried
+
+
+def _link_outward(link: Path, dst: Path) -> None:
+    """A link to a folder outside the model, carried as a link to the same place (absolute: a
+    relative one would lead elsewhere from the output)."""
+    where = link.resolve()
+    os.symlink(where, dst)
+    warnings.warn(f"{link} leads to a folder outside the model folder ({where}): carried as a link "
+                  "to it, not copied", stacklevel=2)
 
 
 def carried_folders(source, target: str | os.PathLike) -> set[str]:
     """The names of the top-level folders a new folder written to `target` from `source` (a
     loading.ModelSource; as for carry_over) will hold: what `--force` may replace of an old tree's
-    folders before the write has made them (checkpoint.check_replaceable). A GGUF carries files only."""
+    folders before the write has made them (checkpoint.check_replaceable). A GGUF carries files only;
+    a link to a folder outside the model is carried as a link, not a folder."""
     if source.gguf_file:
         return set()
     source_dir, target = Path(source.path), Path(target).resolve()
@@ -88,7 +113,7 @@ def carried_folders(source, target: str | os.PathLike) -> set[str]:
         names = [p.name for p in source_dir.iterdir()]
     except OSError:
         return set()  # the load names the reason
-    left_out = _left_out(source_dir, target, target)(source_dir, names)
+    left_out = _left_out(source_dir, target, target)(source_dir, names)  # with the links to folders outside
     return {n for n in names if n not in left_out and n not in _REWRITTEN and (source_dir / n).is_dir()}
 
 
@@ -106,12 +131,14 @@ def _keep(p: Path, dst: Path) -> None:
         os.link(p, dst)  # a pipe, socket or device node: the user's entry, kept as is
 
 
-def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None):
+def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None, outward: list[Path] | None = None):
     """copytree's ignore(folder, names) for a new folder: the names the module's rule leaves
-    behind. A link is judged by what it points at; one to a folder that holds the source, the
-    output, or any folder the copy is already inside is left out (followed, it would copy a tree
-    into itself until the path grew too long: the source's parent may hold every other model).
-    So is `target`, the published output, deeper in the source (--out MODEL/runs/fast)."""
+    behind, or carries otherwise. A link is judged by what it points at; one to a folder that holds
+    the source, the output, or any folder the copy is already inside is left out (followed, it
+    would copy a tree into itself until the path grew too long; as a link, the output would hold
+    a loop); one to any other folder outside the model is not followed but added to `outward`
+    (carried as a link). `target`, the published output, deeper in the source (--out
+    MODEL/runs/fast) is left out too."""
     roots = (source_dir.resolve(), out_dir.resolve())
 
     def ignore(folder, names):
@@ -132,6 +159,10 @@ def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None):
             elif p.is_dir():
                 if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):
                     skip.add(name)
+                elif p.is_symlink() and not p.resolve().is_relative_to(roots[0]):
+                    skip.add(name)
+                    if outward is not None:
+                        outward.append(p)
             elif not p.is_file():  # a link to nothing, a pipe, a socket, a device node
                 skip.add(name)
         return skip

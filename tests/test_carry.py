@@ -62,8 +62,8 @@ def _source(root, weights: str, seed: int):
     carried.add("merges_link.txt")
     (root / "shared").mkdir()
     (root / "shared" / "prompts.txt").write_text("shared")
-    (src / "prompts").symlink_to(root / "shared")
-    carried |= {"prompts", "prompts/prompts.txt"}
+    (src / "prompts").symlink_to(root / "shared")  # a folder outside the model: carried as a link
+    carried.add("prompts")
     (src / "self").symlink_to(src)  # a loop: followed, it copies the folder into itself
     (src / "code" / "up").symlink_to("../..")  # a loop from inside a subfolder
     (root / "shared" / "back").symlink_to(root / "shared")  # a loop outside the model
@@ -93,6 +93,50 @@ def test_patch_out_and_convert_carry_the_same_files(tmp_path, weights):
     for rel in ("original/params.json", "2_Dense/model.safetensors"):
         assert (tmp_path / "pat" / rel).read_bytes() == (src / rel).read_bytes()
     assert not (tmp_path / "conv" / "merges_link.txt").is_symlink()  # a link is carried as its content
+    assert os.readlink(tmp_path / "conv" / "prompts") == str(tmp_path / "shared")  # ... but not a folder outside
+
+
+@pytest.mark.parametrize("command", ["patch", "convert"])
+def test_a_link_to_a_folder_outside_the_model_is_carried_as_a_link(tmp_path, command):
+    """A link in the model folder to a folder outside it (a dataset, a shared folder, a home
+    folder) was followed and the whole tree it led to copied into the output: a model's output
+    grew by whatever the link reached. It is carried as a link to the same place, with a warning
+    naming it, at any depth, also in a subfolder carried whole (2_Dense/); a link to a file
+    outside is still carried as its content (a hub cache's files are links into blobs/), and a
+    link to a folder inside the model as its content too. Replacing the output with --force
+    removes the links, never what they lead to."""
+    src = tmp_path / "m"
+    save_tiny("gpt2", src)
+    data = tmp_path / "datasets"
+    for i in range(3):
+        (data / f"part{i}").mkdir(parents=True)
+        (data / f"part{i}" / "shard.txt").write_bytes(os.urandom(1 << 16))
+    (tmp_path / "blob").write_text("a file outside")
+    (src / "code").mkdir()
+    (src / "code" / "tok").mkdir()
+    (src / "code" / "tok" / "vocab.txt").write_text("inside")
+    (src / "2_Dense").mkdir()
+    (src / "2_Dense" / "config.json").write_text("{}")
+    links = {"data": data, "code/part1": Path("../../datasets/part1"), "2_Dense/ds": data / "part2"}
+    for rel, to in links.items():
+        (src / rel).symlink_to(to)
+    (src / "code" / "tok_again").symlink_to("tok")  # inside the model: its content
+    (src / "notes.txt").symlink_to(tmp_path / "blob")  # a file outside: its content
+    before = {str(p.relative_to(data)): p.read_bytes() for p in data.rglob("*") if p.is_file()}
+    out = tmp_path / "out"
+    args = ["patch", src, "--impl", "torch"] if command == "patch" else ["convert", src, "--to", "rms"]
+    for force in ([], ["--force"]):
+        r = CliRunner().invoke(cli, [str(a) for a in (*args, "--out", out, *force)])
+        assert r.exit_code == 0, r.output
+        for rel in links:
+            assert os.readlink(out / rel) == str((src / rel).resolve())
+            assert f"normswap: warning: {src / rel} leads to a folder outside the model folder" in r.stderr
+        assert r.stderr.count("normswap: warning:") == len(links)
+        assert not any(p.name == "shard.txt" for p in out.rglob("*")), sorted(_tree(out))
+        assert (out / "code" / "tok_again" / "vocab.txt").read_text() == "inside"
+        assert not (out / "code" / "tok_again").is_symlink()
+        assert (out / "notes.txt").read_text() == "a file outside" and not (out / "notes.txt").is_symlink()
+        assert {str(p.relative_to(data)): p.read_bytes() for p in data.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("command,where", [("patch", "fast"), ("convert", "runs/fast")])

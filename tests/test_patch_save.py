@@ -329,8 +329,8 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
     folder the output is staged in was followed by copytree until the path grew too long: a copy
     of everything there, many times over (the model folder's parent may hold every other model),
     then a failure after all the work, reported in one 19 KB line. Such links are left out; a link
-    to a file or to an unrelated folder is still carried as its content (an HF cache snapshot's
-    files are links to blobs)."""
+    to a file is still carried as its content (an HF cache snapshot's files are links to blobs),
+    one to an unrelated folder outside the model as a link (test_carry)."""
     parent = tmp_path / "models"
     src = parent / "m"
     src.mkdir(parents=True)
@@ -348,10 +348,11 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
     (src / "gone").symlink_to(tmp_path / "nothing")
     out = parent / ".staging"
     out.mkdir()
-    carried = carry_over(src, out)
+    with pytest.warns(UserWarning, match="extra leads to a folder outside the model folder"):
+        carried = carry_over(src, out)
     assert sorted(carried) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
     assert (out / "chat_template.jinja").read_text() == "chat template" and not (out / "chat_template.jinja").is_symlink()
-    assert (out / "extra" / "notes.txt").read_text() == "kept"
+    assert (out / "extra" / "notes.txt").read_text() == "kept" and (out / "extra").is_symlink()
     assert sorted(p.name for p in (out / "code").iterdir()) == ["model.py"]
     assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "code", "extra", "tokenizer.json"]
 
@@ -359,7 +360,9 @@ def test_carry_over_does_not_follow_links_that_loop(tmp_path):
 def test_carry_over_does_not_follow_two_links_that_point_at_each_other(tmp_path):
     """A cycle need not pass through the folder being copied: a link in the model to x, where x
     links to y and y back to x, copied x and y into each other until the path grew too long. The
-    link back to a folder the copy is already inside is left out; the rest is carried once."""
+    link back to a folder the copy is already inside is left out; the rest is carried once. A link
+    to a folder outside the model is now carried as a link, so the walk never goes out there: the
+    two links out there stay as they are."""
     src, x, y = tmp_path / "m", tmp_path / "x", tmp_path / "y"
     for d in (src, x, y):
         d.mkdir()
@@ -370,9 +373,13 @@ def test_carry_over_does_not_follow_two_links_that_point_at_each_other(tmp_path)
     (src / "shared").symlink_to(x)
     out = tmp_path / "out"
     out.mkdir()
-    assert carry_over(src, out) == ["shared"]
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
-        "shared", "shared/a.txt", "shared/to_y", "shared/to_y/b.txt"]
+    (src / "code").mkdir()
+    (src / "code" / "x").symlink_to("../shared")  # a link inside the model, to the link out
+    with pytest.warns(UserWarning, match="outside the model folder") as said:
+        assert carry_over(src, out) == ["code", "shared"]
+    assert len(said) == 2
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == ["code", "code/x", "shared"]
+    assert os.readlink(out / "shared") == os.readlink(out / "code" / "x") == str(x)
 
 
 @pytest.mark.parametrize("manifest", [
