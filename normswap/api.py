@@ -460,7 +460,7 @@ CONVERT_OPTIONS = ("out", "keep_gain", "partial", "dtype", "force")
 def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) -> ConvertResult:
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
-    from normswap.loading import build_meta_model, check_stored_dtypes, load_config, resolve
+    from normswap.loading import build_meta_model, check_stored_tensors, load_config, resolve
     from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
@@ -470,7 +470,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     meta = build_meta_model(source, config)
-    check_stored_dtypes(source, config, meta)  # before the streaming fold reads them as they are
+    check_stored_tensors(source, config, meta)  # before the streaming fold reads them as they are
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)

@@ -56,7 +56,7 @@ def convert_directory(
     config = loading.load_config(source) if config is None else config
     if planned is None:
         meta = loading.build_meta_model(source, config)
-        loading.check_stored_dtypes(source, config, meta)
+        loading.check_stored_tensors(source, config, meta)
         plan = plan_conversion(meta, config, keep_gain=keep_gain)
         check_refusals(plan, partial)
     else:
@@ -68,7 +68,6 @@ def convert_directory(
     if has_safetensors:
         names = list(meta.state_dict().keys())
         arch = load_arch(plan.model_type)
-        _refuse_other_shapes(source, meta, arch.prefix if arch else "")
         if plan.untie is not None:
             reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
             _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
@@ -102,21 +101,6 @@ def convert_directory(
     if manifest:
         write_manifest(out, new_manifest(convert=section))
     return section
-
-
-def _refuse_other_shapes(source, meta, prefix: str) -> None:
-    """A stored tensor of another shape than the config gives is refused, from the headers alone,
-    as the load of every other command refuses it (loading.check_loading_info): the fold read a
-    LayerNorm gain of 64 against a config of 32 and stopped with an internal error ('The size of
-    tensor a (32) must match the size of tensor b (64)'), and any other tensor was written as it is,
-    found only by the verification's load after the whole checkpoint was."""
-    from normswap.loading import check_loading_info
-
-    shapes = {name: list(t.shape) for name, t in meta.state_dict().items()}
-    reader = st.CheckpointReader(source.path, shapes, prefix=prefix)
-    mismatched = [(name, stored, shapes[name]) for name in reader.names()
-                  if name in shapes and (stored := reader.meta(name)[1]) != shapes[name]]
-    check_loading_info(meta, {"mismatched_keys": mismatched}, str(source.ref))
 
 
 def _refuse_a_head_stored_apart(source, untie: tuple[str, str], read) -> None:

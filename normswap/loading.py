@@ -564,7 +564,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     already read it (reading a GGUF's takes seconds)."""
     config = load_config(source) if config is None else config
     _name_architecture(source, config)
-    check_stored_dtypes(source, config)
+    check_stored_tensors(source, config)  # before from_pretrained allocates the model the config describes
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"
@@ -581,15 +581,25 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
 _NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
 
 
-def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
-    """Refuse a safetensors checkpoint that stores a floating-point tensor of the model (a norm's
-    gain, a Linear weight) as integers or booleans: from_pretrained casts it to float without a
-    word, so normswap would patch, score and re-save a model that is not what the file holds.
-    Only the files' headers are read; the meta model (built here when `meta` is None, and only if
-    some tensor is stored as integers) says which tensors are floating-point, so an integer buffer
-    (old checkpoints' position_ids) still loads. Not checked: GGUF files (transformers
-    de-quantises them), quantised checkpoints (a quantization_config: packed integer weights are
-    their format), pickled weights (their dtypes are only known once loaded)."""
+def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
+    """Refuse, from the safetensors files' headers alone, a checkpoint whose tensors the model its
+    config describes cannot take as they are stored; the meta model (built here when `meta` is
+    None) gives the model's tensors. Two faults:
+
+    - a tensor of another shape than the config gives. The load refuses it too
+      (check_loading_info), but only once transformers has allocated the whole model: a config
+      with hidden_size 100000 over a tiny model's weights had it allocate 120 GB, which either
+      failed as a memory error or took the machine's memory before the mismatch was said. Here it
+      is the same line, before any allocation. A tensor that transformers' conversion mapping
+      merges or reshapes on load (per-expert MoE weights fused into one) is left to the load.
+    - a floating-point tensor of the model (a norm's gain, a Linear weight) stored as integers or
+      booleans: from_pretrained casts it to float without a word, so normswap would patch, score
+      and re-save a model that is not what the file holds. An integer buffer (old checkpoints'
+      position_ids) still loads.
+
+    Not checked: GGUF files (transformers de-quantises them), quantised checkpoints (a
+    quantization_config: packed integer weights are their format), pickled weights (their dtypes
+    and shapes are only known once loaded)."""
     from normswap import streaming as st
 
     if source.gguf_file or getattr(config, "quantization_config", None) is not None:
@@ -601,30 +611,38 @@ def check_stored_dtypes(source: ModelSource, config, meta=None) -> None:
         headers = {file: st.read_header(source.path / file) for file in files}
     except NormswapError:
         return  # a malformed index or file: the load reports it, as for any checkpoint
-    stored = [(file, key, entry["dtype"]) for file, header in headers.items() for key, entry in header.items()
-              if isinstance(entry, dict) and _NOT_FLOAT.fullmatch(str(entry.get("dtype")))]
-    if not stored:
-        return
     meta = build_meta_model(source, config) if meta is None else meta
     state = meta.state_dict()
     model_name = _loaded_name(meta, state)
-    for file, key, dtype in stored:
-        tensor = state.get(model_name(key))
-        if tensor is not None and tensor.is_floating_point():
-            raise NormswapError(f"{source.path / file}: {key} is stored as {dtype} where {type(meta).__name__} has "
-                                "a floating-point tensor; transformers would cast it without a word, and the model "
-                                "run would not be the one in the file")
+    mismatched = []
+    for file, header in headers.items():
+        for key, entry in header.items():
+            if not isinstance(entry, dict):  # __metadata__
+                continue
+            name, as_stored = model_name(key)
+            tensor = state.get(name)
+            if tensor is None:
+                continue
+            if _NOT_FLOAT.fullmatch(str(entry.get("dtype"))) and tensor.is_floating_point():
+                raise NormswapError(f"{source.path / file}: {key} is stored as {entry['dtype']} where "
+                                    f"{type(meta).__name__} has a floating-point tensor; transformers would cast it "
+                                    "without a word, and the model run would not be the one in the file")
+            shape = entry.get("shape")
+            if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
+                mismatched.append((name, shape, list(tensor.shape)))
+    check_loading_info(meta, {"mismatched_keys": mismatched}, str(source.ref))
 
 
 def _loaded_name(meta, state: dict):
-    """key -> the name of the model tensor from_pretrained loads a checkpoint's `key` into: with
-    transformers' own renaming (a bare base model's checkpoint without the prefix, legacy
-    LayerNorm.gamma/beta, per-expert MoE weights fused into one tensor). That machinery is
-    transformers' internals; where it is missing or fails, the prefix rule alone."""
+    """key -> (the name of the model tensor from_pretrained loads a checkpoint's `key` into, and
+    whether it loads it as stored): with transformers' own renaming (a bare base model's checkpoint
+    without the prefix, legacy LayerNorm.gamma/beta) and its converters (per-expert MoE weights
+    fused into one tensor: not as stored). That machinery is transformers' internals; where it is
+    missing or fails, the prefix rule alone."""
     prefix = getattr(meta, "base_model_prefix", "")
 
-    def by_prefix(key: str) -> str:
-        return key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"
+    def by_prefix(key: str) -> tuple[str, bool]:
+        return (key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"), True
 
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -636,12 +654,12 @@ def _loaded_name(meta, state: dict):
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
 
-    def loaded(key: str) -> str:
+    def loaded(key: str) -> tuple[str, bool]:
         try:
-            name = rename_source_key(key, renamings, converters, prefix, state)[0]
+            name, converter = rename_source_key(key, renamings, converters, prefix, state)
         except Exception:  # noqa: BLE001
             return by_prefix(key)
-        return name if name in state else by_prefix(key)
+        return (name, converter is None) if name in state else by_prefix(key)
 
     return loaded
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -590,7 +591,7 @@ def _retype_in_place(file, name, dtype):
     save_file(tensors, file, metadata={"format": "pt"})
 
 
-def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_float_tensor(tiny_dir, tmp_path):
+def test_check_stored_tensors_reads_the_shards_headers_and_spares_what_is_not_a_float_tensor(tiny_dir, tmp_path):
     _, model = tiny_dir
     d = tmp_path / "sharded"
     model.save_pretrained(d, max_shard_size="20KB")
@@ -598,16 +599,16 @@ def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_f
     assert len(set(index.values())) > 1
     src = loading.resolve(d)
     config = loading.load_config(src)
-    loading.check_stored_dtypes(src, config)  # all floats
+    loading.check_stored_tensors(src, config)  # all floats
     # an integer tensor the model has no floating-point place for is not this check's business
     # (an old checkpoint's position_ids); the load reports an unknown one
     last = index["model.norm.weight"]
     _retype_in_place(d / last, "model.extra_counter", torch.int64)
-    loading.check_stored_dtypes(src, config)
+    loading.check_stored_tensors(src, config)
     name = "model.layers.1.post_attention_layernorm.weight"
     _retype_in_place(d / index[name], name, torch.int16)
     with pytest.raises(NormswapError) as e:
-        loading.check_stored_dtypes(src, config)
+        loading.check_stored_tensors(src, config)
     assert _one_line(e).startswith(f"{d / index[name]}: {name} is stored as I16 where LlamaForCausalLM has a "
                                    "floating-point tensor")
     assert index[name] != index["model.embed_tokens.weight"]  # the shard that holds it is named
@@ -615,7 +616,7 @@ def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_f
         loading.load_model(src)
     # a quantised checkpoint's packed integer weights are its format
     config.quantization_config = {"quant_method": "gptq", "bits": 4}
-    loading.check_stored_dtypes(src, config)
+    loading.check_stored_tensors(src, config)
 
 
 @pytest.mark.parametrize("config, key, says", [
@@ -628,17 +629,17 @@ def test_check_stored_dtypes_reads_the_shards_headers_and_spares_what_is_not_a_f
           num_attention_heads=2, num_key_value_heads=1, intermediate_size=24, vocab_size=32, num_local_experts=2),
      "model.layers.0.block_sparse_moe.experts.1.w1.weight", "where MixtralForCausalLM has a floating-point tensor"),
 ])
-def test_check_stored_dtypes_names_tensors_as_transformers_renames_them(tmp_path, config, key, says):
+def test_check_stored_tensors_names_tensors_as_transformers_renames_them(tmp_path, config, key, says):
     from safetensors.torch import save_file
 
     src = _config_dir(tmp_path, json.dumps(config))
     save_file({key: torch.zeros(4, dtype=torch.int32)}, src.path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NormswapError) as e:
-        loading.check_stored_dtypes(src, loading.load_config(src))
+        loading.check_stored_tensors(src, loading.load_config(src))
     assert f"model.safetensors: {key} is stored as I32 {says}" in _one_line(e)
 
 
-def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix(tmp_path, monkeypatch):
+def test_check_stored_tensors_without_transformers_renaming_still_adds_the_prefix(tmp_path, monkeypatch):
     """The renaming is transformers' internals: where it is missing, the base-model prefix rule."""
     from safetensors.torch import save_file
     from transformers import conversion_mapping
@@ -651,7 +652,7 @@ def test_check_stored_dtypes_without_transformers_renaming_still_adds_the_prefix
     save_file({"layers.0.input_layernorm.weight": torch.ones(16, dtype=torch.uint8),
                "model.extra_counter": torch.arange(3)}, src.path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(NormswapError, match="layers.0.input_layernorm.weight is stored as U8 where LlamaForCausalLM"):
-        loading.check_stored_dtypes(src, loading.load_config(src))
+        loading.check_stored_tensors(src, loading.load_config(src))
 
 
 @pytest.fixture
@@ -851,3 +852,43 @@ def test_a_weights_file_that_is_no_file_is_named(tiny_dir, tmp_path, blocker):
             "pipe": "not a regular file or folder", "folder": "a folder"}[blocker]
     with pytest.raises(NormswapError, match="cannot load the weights: model.safetensors is " + re.escape(says)):
         loading.load_model(loading.resolve(d))
+
+
+@pytest.mark.parametrize("command", ["patch", "ppl", "convert"])
+def test_a_config_far_larger_than_its_weights_is_refused_before_the_model_is_allocated(tmp_path, command):
+    """A config with n_embd 100000 over a tiny GPT-2's weights: transformers allocated the model the
+    config describes (120 GB for one attention matrix) before the load found that the weights do not
+    fit it, so the run failed as a memory error, or took the machine's memory first. The headers
+    say it before anything is allocated: the command runs here with its address space bounded to
+    4 GiB (the model would need hundreds of GB) and must end with the mismatch line, exit 2."""
+    import resource
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = tmp_path / "m"
+    save_tiny("gpt2", src)
+    config = json.loads((src / "config.json").read_text())
+    config["n_embd"] = 100_000
+    (src / "config.json").write_text(json.dumps(config))
+    (tmp_path / "text.txt").write_text("In the beginning God created the heaven and the earth. " * 20)
+    args = {"patch": ["patch", src, "--impl", "torch", "--out", tmp_path / "o"],
+            "ppl": ["ppl", src, "--data", tmp_path / "text.txt"],
+            "convert": ["convert", src, "--to", "rms", "--out", tmp_path / "o"]}[command]
+
+    def bounded():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    root = Path(__file__).resolve().parent.parent
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "normswap", *map(str, args)], preexec_fn=bounded, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "NORMSWAP_DEBUG": ""})
+    took = time.monotonic() - start
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert lines[-1].startswith(f"normswap: error: {src}: the weights do not match config.json ("), r.stderr
+    assert "of another shape than the config gives: " in lines[-1] and "config [100000" in lines[-1], lines[-1]
+    assert "allocate" not in r.stderr and not (tmp_path / "o").exists()
+    assert took < 120, took
