@@ -458,6 +458,7 @@ CONVERT_OPTIONS = ("out", "keep_gain", "partial", "dtype", "force")
 
 
 def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) -> ConvertResult:
+    from normswap.carry import real_folders
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
     from normswap.loading import build_meta_model, check_stored_tensors, load_config, resolve
@@ -493,7 +494,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config)
         step(progress, "verify", 1, 1)
-        write_manifest(tmp, new_manifest(convert=section))
+        write_manifest(tmp, new_manifest(convert=section, carried_folders=real_folders(tmp)))
     return ConvertResult(str(model), section, out=target, notes=notes)
 
 

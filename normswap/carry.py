@@ -117,6 +117,13 @@ def carried_folders(source, target: str | os.PathLike) -> set[str]:
     return {n for n in names if n not in left_out and n not in _REWRITTEN and (source_dir / n).is_dir()}
 
 
+def real_folders(directory: str | os.PathLike) -> set[str]:
+    """The names of the folders `directory` holds at its top level, links aside (a link is removed
+    with the tree that holds it, never what it points at). Of a new output folder, the folders it
+    carried (the writers write files only): what its normswap.json records as carried_folders."""
+    return {p.name for p in Path(directory).iterdir() if p.is_dir() and not p.is_symlink()}
+
+
 def _keep(p: Path, dst: Path) -> None:
     """--in-place: the entry as it is. Files are hard links where the filesystem allows (no second
     copy of a large .git on disk); the old tree they also belong to is removed once the new one is

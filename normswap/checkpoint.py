@@ -46,7 +46,7 @@ from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over
+from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over, real_folders
 from normswap.errors import (
     BadInputError,
     Metavar,
@@ -57,6 +57,7 @@ from normswap.errors import (
     way_out,
 )
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
+from normswap.manifest import recorded_carried_folders
 from normswap.progress import ProgressFn, step
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -127,7 +128,7 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
             raise NormswapError(f"{target} already exists (another run wrote it while this one worked?); "
                                 "nothing was published") from None
     # it may have changed since the run started; the old tree's folders must all be in the new one
-    check_replaceable(target, in_place=in_place, keeps={p.name for p in tmp.iterdir() if _is_folder(p)})
+    check_replaceable(target, in_place=in_place, keeps=real_folders(tmp))
     _kill_point("before-exchange")
     if exchange_dirs(tmp, target):
         _kill_point("after-exchange")
@@ -160,10 +161,6 @@ def is_checkpoint_dir(directory: Path) -> bool:
             return False
         return isinstance(cfg, dict) and bool(cfg.get("model_type") or cfg.get("architectures"))
     return False
-
-
-def _is_folder(p: Path) -> bool:
-    return p.is_dir() and not p.is_symlink()  # a link is removed with the old tree, not what it points at
 
 
 def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection[str] | None = None) -> None:
@@ -209,7 +206,9 @@ def check_replaceable(target: Path, in_place: bool = False, *, keeps: Collection
         raise NormswapError(f"{target} is not a model checkpoint or a normswap output (no config.json, "
                             f"weights or normswap.json); refusing to replace it{_even_with_force()}")
     if keeps is not None:
-        lost = sorted(p.name for p in target.iterdir() if _is_folder(p) and p.name not in keeps)
+        # the folders an earlier output was written with are normswap's copies (of another model's,
+        # when that output was of another model): its normswap.json names them
+        lost = sorted(real_folders(target) - set(keeps) - recorded_carried_folders(target))
         if lost:
             raise NormswapError(f"{target} holds {lost[0]}/, which the new output would not hold (the old folder "
                                 f"is removed whole); refusing to replace it{_even_with_force()}: write elsewhere, "
@@ -486,7 +485,9 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, conve
             # A converted source keeps its convert section: the weights are still the converted
             # ones, and it is what says which LayerNorms may run as RMS norms.
             write_manifest(tmp, new_manifest(
-                convert=conversion, patch=patch_section(report, source.ref if source is not None else None)))
+                convert=conversion, patch=patch_section(report, source.ref if source is not None else None),
+                # in place the folders are the user's, but those an earlier output was written with
+                carried_folders=recorded_carried_folders(target) & real_folders(tmp) if in_place else real_folders(tmp)))
         except OSError:
             raise
         except NormswapError:

@@ -12,7 +12,7 @@ import torch
 from normswap import jsonsafe
 from normswap import streaming as st
 from normswap.archs import load_arch
-from normswap.carry import carry_over
+from normswap.carry import carry_over, real_folders
 from normswap.convert import apply_plan, check_zero_mean
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
@@ -99,7 +99,7 @@ def convert_directory(
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).
     if manifest:
-        write_manifest(out, new_manifest(convert=section))
+        write_manifest(out, new_manifest(convert=section, carried_folders=real_folders(out)))
     return section
 
 

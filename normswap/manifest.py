@@ -10,8 +10,12 @@ loads them as they are. What normswap did lives only here, one section per comma
       "convert": {...},   # normswap convert: which norms now read a zero-mean stream, and what
                           # was folded or kept (γ, β) -- they may run as RMS norms; absent if not
                           # converted
-      "patch": {...}      # normswap patch: its PatchConfig (impl, paths, rms_forms, strict) and
+      "patch": {...},     # normswap patch: its PatchConfig (impl, paths, rms_forms, strict) and
                           # per-module spec and proof; absent if not patched
+      "carried_folders": [...]  # the top-level folders a new output folder (patch --out, convert)
+                          # was written with, copies of its source's (carry.py): what a later
+                          # --force may remove with it; absent where the folders are the user's
+                          # own (--in-place) and in files of older versions
     }
 
 "Runs as RMS" is held once. A patch section's "rms_forms" (path -> RmsForm) says which norms the
@@ -48,6 +52,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +75,10 @@ SECTIONS = ("convert", "patch")
 # ---------------------------------------------------------------------------------------------
 
 
-def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict[str, Any]:
-    """The whole file; a section that is None is left out."""
+def new_manifest(convert: dict | None = None, patch: dict | None = None,
+                 carried_folders: Iterable[str] | None = None) -> dict[str, Any]:
+    """The whole file; a section that is None is left out. carried_folders: the folders a new
+    output folder holds (carry.real_folders of it), None for a folder that is the user's own."""
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "normswap_version": __version__,
@@ -80,7 +87,21 @@ def new_manifest(convert: dict | None = None, patch: dict | None = None) -> dict
     for name, section in (("convert", convert), ("patch", patch)):
         if section is not None:
             manifest[name] = section
+    if carried_folders is not None:
+        manifest["carried_folders"] = sorted(carried_folders)
     return manifest
+
+
+def recorded_carried_folders(directory: str | os.PathLike) -> set[str]:
+    """The folders an earlier output's normswap.json says normswap wrote into it (new_manifest's
+    carried_folders): none where it says nothing, or cannot be read (only what it names for
+    certain may be removed with the old tree)."""
+    try:
+        data = jsonsafe.read(Path(directory) / MANIFEST_NAME)
+    except (OSError, ValueError):
+        return set()
+    folders = data.get("carried_folders") if isinstance(data, dict) else None
+    return {n for n in folders if isinstance(n, str) and not n.startswith(".")} if isinstance(folders, list) else set()
 
 
 def patch_section(report, source: str | None = None) -> dict[str, Any]:

@@ -178,6 +178,53 @@ def test_case1_force_still_replaces_an_earlier_output_holding_the_sources_folder
     assert not (out / "training_args.bin").exists() and (out / "normswap.json").is_file()
 
 
+@pytest.mark.parametrize("command", ["patch", "convert"])
+def test_case1_force_replaces_an_earlier_output_of_another_model_with_the_folders_it_carried(
+        src, gpt2, tmp_path, command):
+    """An earlier output of model A holds A's folders, copies normswap carried (custom code/, a
+    pipeline's 2_Dense/); --force of model B, which has none, onto it was refused ('holds code/,
+    which the new output would not hold'), though those folders are normswap's own writing and A
+    still holds the originals. Each output's normswap.json names the folders it was written with
+    (carried_folders), and --force may remove those; a folder the user put there since (runs/),
+    a hidden one (.git, whatever the file says) and every folder of an output that names none (an
+    older version's) are still refused. In place, the record of an earlier output is kept."""
+    import shutil
+
+    a = tmp_path / "a"
+    shutil.copytree(src, a)
+    (a / "code").mkdir()
+    (a / "code" / "modeling_a.py").write_text("# model A's code")
+    (a / "2_Dense").mkdir()
+    (a / "2_Dense" / "config.json").write_text('{"in_features": 4}')
+    out = tmp_path / "out"
+    assert run("patch", a, "--impl", "torch", "--out", out).exit_code == 0
+    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == ["2_Dense", "code"]
+    assert run("patch", out, "--impl", "torch", "--in-place").exit_code == 0  # its folders are still its own
+    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == ["2_Dense", "code"]
+    b = ("patch", src, "--impl", "torch") if command == "patch" else ("convert", gpt2, "--to", "rms")
+    manifest = json.loads((out / "normswap.json").read_text())
+    for name in ("runs", ".git"):
+        _users_folder(out, name)
+        if name == ".git":
+            manifest["carried_folders"].append(".git")  # a hand-edited file does not make it ours
+            (out / "normswap.json").write_text(json.dumps(manifest))
+        before = _tree(out)
+        r = run(*b, "--out", out, "--force")
+        assert_one_line_error(r, f"{out} holds {name}/, which the new output would not hold")
+        assert _tree(out) == before
+        shutil.rmtree(out / name)
+    del manifest["carried_folders"]  # an output of a version that did not say
+    (out / "normswap.json").write_text(json.dumps(manifest))
+    assert_one_line_error(run(*b, "--out", out, "--force"), f"{out} holds 2_Dense/, which the new output would not")
+    manifest["carried_folders"] = ["2_Dense", "code"]
+    (out / "normswap.json").write_text(json.dumps(manifest))
+    r = run(*b, "--out", out, "--force")
+    assert r.exit_code == 0, r.stderr
+    assert not (out / "code").exists() and not (out / "2_Dense").exists()
+    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == []
+    assert (a / "code" / "modeling_a.py").is_file() and (a / "2_Dense" / "config.json").is_file()
+
+
 def test_in_place_keeps_the_models_folders_intact(src, tmp_path):
     """--in-place keeps every folder of the model's own (.git, checkpoint-1/) byte for byte."""
     import shutil
