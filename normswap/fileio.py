@@ -129,6 +129,8 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     read-only filesystem). Writes go through a temporary entry beside the path, renamed into place
     (write_text_atomic, checkpoint.staged_dir), so that folder is what they need."""
     path = Path(path)
+    if why := _unreachable(path):
+        return why
     if (link := link_to_nothing(path)) is not None:
         return f"{link} is a link to nothing"
     if not folder:
@@ -143,6 +145,22 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
         os.rmdir(tempfile.mkdtemp(prefix=f".{sibling_name(path.name)}.normswap-probe-", dir=parent))
     except OSError as e:
         return f"{parent} is not writable ({e.strerror or e})"
+    return None
+
+
+def _unreachable(path: Path) -> str | None:
+    """Why the way to `path` cannot be taken: a folder on it that this user may not enter (a
+    private home, a 0700 folder of another user's). Each entry on the way is asked of the file
+    system as written (lstat), as link_to_nothing does; the questions unwritable asks next
+    (is_dir, exists) raised PermissionError instead of saying so."""
+    path = path.absolute()
+    for p in (*reversed(path.parents), path):
+        try:
+            os.lstat(p)
+        except PermissionError as e:
+            return f"{p.parent} cannot be entered ({e.strerror or e})"
+        except OSError:
+            return None  # missing (made on the write), a file or a loop in the way: said by what follows
     return None
 
 

@@ -113,6 +113,65 @@ def test_a_read_only_file_is_not_replaced(tmp_path):
     assert unwritable(ro) == "it is not writable"
 
 
+def _as_a_user_the_bits_bind(fn):
+    """fn()'s result, computed by a user whom permission bits bind: this process where it is not
+    root; as root (the suite runs as root in CI, and root enters any folder), a forked child that
+    has given root up for nobody (uid/gid 65534), its answer (or the exception it raised, as text)
+    sent back through a pipe. Only os-level work happens in the child."""
+    if os.geteuid() != 0:
+        return fn()
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                answer = ("ok", fn())
+            except BaseException as e:  # noqa: BLE001  (said back to the parent, which fails the test)
+                answer = ("raised", repr(e))
+            os.write(w, pickle.dumps(answer))
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    kind, value = pickle.loads(data)
+    assert kind == "ok", f"unwritable raised {value}"
+    return value
+
+
+def test_a_folder_on_the_way_that_cannot_be_entered_is_a_reason_not_an_exception():
+    """--out or a results file below a folder this user may not enter (another user's 0700 home):
+    unwritable() raised PermissionError from its first look at the path (is_dir), so the
+    one-line check before the long work was an OSError instead, naming no folder. It returns the
+    reason, naming the folder that cannot be entered. Made in the system's temporary folder, not
+    tmp_path: pytest makes that 0700, so as nobody the way would end above the folder under test."""
+    import shutil
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)  # nobody may pass through it, not list it
+        locked = base / "locked"
+        (locked / "sub").mkdir(parents=True)
+        locked.chmod(0o000)
+        said = f"{locked} cannot be entered (Permission denied)"
+        answers = _as_a_user_the_bits_bind(lambda: [
+            unwritable(locked / "sub" / "results.json"), unwritable(locked / "sub" / "out", folder=True),
+            unwritable(locked / "results.json"), unwritable(locked / "new" / "deeper" / "out", folder=True),
+            unwritable(base / "results.json")])
+        assert answers[:4] == [said] * 4
+        assert answers[4] is not None and answers[4].startswith(f"{base} is not writable")  # passes, may not write
+    finally:
+        locked.chmod(0o700)
+        shutil.rmtree(base)
+
+
 class _Failed(Exception):
     pass
 
