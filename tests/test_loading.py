@@ -708,6 +708,55 @@ def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, mo
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
 
 
+def test_a_second_first_use_waits_for_the_first_conversion_instead_of_converting_again(tiny_builtin, monkeypatch):
+    """Two commands started at once on a fresh machine: the second waits on the first's conversion
+    lock (4fc71bb) and then uses its copy, rather than de-quantising the GGUF a second time (~20 s
+    and a model's memory for smollm2-135m) into a copy of its own. The first is held inside its
+    conversion until the second is seen blocked in flock on the lock file; then both get the one
+    copy, converted once."""
+    import contextlib
+    import threading
+    import time
+
+    from tests.lock_checks import wait_until_someone_waits_on
+
+    real = loading._load_gguf
+    calls, got = [], {}
+    converting, finish = threading.Event(), threading.Event()
+
+    def held_first(*a, **k):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            converting.set()
+            assert finish.wait(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loading, "_load_gguf", held_first)
+
+    def first_use():
+        got[threading.current_thread().name] = loading.builtin_model_dir("tiny-builtin")
+
+    first, second = (threading.Thread(target=first_use, name=n) for n in ("first", "second"))
+    try:
+        first.start()
+        assert converting.wait(60)
+        second.start()
+        deadline = time.monotonic() + 30
+        while len(calls) == 1 and second.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(AssertionError, FileNotFoundError):  # no waiter, or no lock file, yet
+                wait_until_someone_waits_on(tiny_builtin.parent / ".tiny-builtin.normswap.lock", timeout=0.2)
+                break
+        assert calls == ["first"], "the second use converted the GGUF again instead of waiting"
+        assert second.is_alive() and got == {}, "the second use did not wait for the first's conversion"
+    finally:
+        finish.set()
+        first.join(60)
+        second.join(60)
+    assert got == {"first": tiny_builtin, "second": tiny_builtin}
+    assert calls == ["first"]  # converted once
+    assert sorted(p.name for p in tiny_builtin.parent.iterdir()) == ["tiny-builtin"]
+
+
 def test_a_killed_first_use_conversion_leaves_nothing_for_good(tiny_builtin):
     """A first use killed while it saved (kill -9, an OOM kill) left its hidden copy beside the cache
     entry (~540 MB for smollm2-135m), which no later run removed. Conversions take a lock; its
