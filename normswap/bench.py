@@ -202,9 +202,9 @@ def _device(name: str | None) -> torch.device:
     """cpu, cuda or cuda:N (None: CUDA when there is one), as every command reads --device: any other
     torch device was taken as is, so meta timed a model that computes nothing and wrote its
     tokens/s, and mps/xpu failed after the config was read with torch's dispatcher listing."""
-    from normswap.loading import parse_device
+    from normswap.loading import device_label, parse_device
 
-    return torch.device(parse_device("auto" if name is None else name) or "cpu")
+    return torch.device(device_label(parse_device("auto" if name is None else name)))
 
 
 def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None):
