@@ -478,6 +478,11 @@ def cases(fx: dict) -> list[Case]:
                                                       "--seq", "4", "--out", out / "b.json"],
              "has no model class of that name", ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impls", "torch"], "repeats", ci=True),
+        # --seq past G's 64 positions: a cap that stopped working fails the case at once (the context
+        # check comes after the count checks) instead of timing for years
+        Case("bench: --repeats 10**9 (a typo: years of timing)", ["bench", G, "--repeats", str(10**9), "--impls",
+                                                                  "torch", "--seq", "100"],
+             "--repeats 1000000000: at most 10,000", ci=True),
         Case("bench: --load-weights, config one layer long", ["bench", fx["more"], "--load-weights", "--impls", "torch",
                                                               "--modes", "prefill", "--seq", "4", "--out", out / "b.json"],
              "missing from the checkpoint", ci=True),
