@@ -175,6 +175,18 @@ def logit_errors() -> list[dict]:
     return rows
 
 
+def write_results(stem: str, doc: dict) -> Path:
+    """benchmarks/results/<stem>-<host>-<date>.json, through the atomic write every results file
+    takes (normswap.fileio): a plain write_text truncated an earlier run's file of the same day
+    first, so a full disk or a kill mid-write left it half-written."""
+    from normswap.fileio import write_text_atomic
+
+    path = ROOT / "benchmarks" / "results" / f"{stem}-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")  # makes the folders
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=15, help="decoder layers of the synthetic GPT-2 (default 15)")
@@ -201,12 +213,8 @@ def main() -> None:
         print("layernorm: stock classes; rms_reference: the zero-mean LayerNorms as RMS norms with the reference "
               "impl, the other norms stock; rms_patch: every norm patched, rms_forms=normswap.manifest.rms_forms(...) "
               "(weightless where γ was folded; reference impl for fp64, torch for fp32)")
-        results = ROOT / "benchmarks" / "results"
-        results.mkdir(parents=True, exist_ok=True)
-        path = results / f"convert-errors-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
-        path.write_text(json.dumps({"what": "max |Δlogit| / max |logit|, tiny random models, probe 4x32",
-                                    "rows": rows}, indent=2) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        write_results("convert-errors", {"what": "max |Δlogit| / max |logit|, tiny random models, probe 4x32",
+                                         "rows": rows})
         return
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="normswap-bench-"))
@@ -254,11 +262,7 @@ def main() -> None:
                   f"{m['peak_over_start_mib']:>15.0f}")
         print(f"largest job (fp32 input + fp32 output + one float64 slice): "
               f"{result['largest_group_bytes_est'] / 2**20:.0f} MiB; checkpoint {total / 2**20:.0f} MiB")
-        results = ROOT / "benchmarks" / "results"
-        results.mkdir(parents=True, exist_ok=True)
-        path = results / f"convert-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        write_results("convert", result)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

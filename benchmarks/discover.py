@@ -70,6 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import normswap  # noqa: F401  (sets the environment before transformers)
+    from normswap.fileio import write_text_atomic
 
     rows = [measure(name, args.repeat) for name in CONFIGS]
     print(f"{'config':<14} {'params':>8} {'norms':>6} {'converted':>9} {'build s':>8} {'discover s':>10} "
@@ -78,12 +79,12 @@ def main() -> None:
         print(f"{r['config']:<14} {r['params_billion']:>7}B {r['norms']:>6} {r['converted']:>9} "
               f"{r['build_s']:>8.2f} {r['discover_s']:>10.2f} {r['discover_cpu_s']:>14.2f}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    path = results / f"discover-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
+    path = ROOT / "benchmarks" / "results" / f"discover-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
     meta = {"host": socket.gethostname(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "python": platform.python_version(), "repeat": args.repeat}
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    # atomically, as every results file (a plain write_text truncated an earlier run's file of the
+    # same day before writing: a full disk or a kill mid-write left it half-written); makes the folders
+    write_text_atomic(path, json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
 
 

@@ -151,7 +151,7 @@ class CheckpointPerplexity:
     # The implementation normswap ran the model's norms with (the patch its normswap.json records);
     # None: the model's own modules.
     impl: str | None = None
-    device: str = "cpu"  # where it ran (PatchResult's)
+    device: str = field(kw_only=True)  # where it ran: loading.device_label's name, as PatchResult's
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "impl": self.impl, "data": self.data, "dtype": self.dtype,
@@ -171,7 +171,7 @@ class CheckpointDiff:
     # As CheckpointPerplexity.impl, per model: B's is also the impl it was patched with in memory.
     impl_a: str | None = None
     impl_b: str | None = None
-    device: str = "cpu"  # where both ran (PatchResult's)
+    device: str = field(kw_only=True)  # where both ran (CheckpointPerplexity's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_a": self.model_a, "model_b": self.model_b, "impl_a": self.impl_a, "impl_b": self.impl_b,
@@ -183,7 +183,7 @@ class PatchResult:
     """`normswap patch`: the verified report, where it was saved, and the --eval diff."""
 
     model: str
-    device: str
+    device: str  # where it ran: loading.device_label's name for parse_device's answer
     report: PatchReport
     saved_to: Path | None = None
     eval: CheckpointDiff | None = None
@@ -305,6 +305,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     from normswap.loading import (
         apply_recorded_patch,
         build_meta_model,
+        device_label,
         load_config,
         load_model,
         parse_device,
@@ -370,13 +371,14 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if baseline is not None:  # no bar: a swap without the per-module proof takes no time
         apply_recorded_patch(original, source.ref, baseline)
     forms = rms_forms(converted) if rms and converted is not None else {}
+    ran_on = device_label(device)
     try:
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
                        progress=progress)
     except VerificationError as e:
-        e.result = PatchResult(str(model), device or "cpu", e.report)
+        e.result = PatchResult(str(model), ran_on, e.report)
         raise
-    result = PatchResult(str(model), device or "cpu", report)
+    result = PatchResult(str(model), ran_on, report)
     if scoring:
         corpus, tokenizer = scoring
         reference = _float32_reference(source, config, m, device, noise_floor, progress)
@@ -579,7 +581,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
 
 def _evaluate_checkpoint(model, settings, impl, dtype, device, progress) -> CheckpointPerplexity:
     from normswap.evaluate import perplexity
-    from normswap.loading import load_config, parse_device, recorded_patch, resolve
+    from normswap.loading import device_label, load_config, parse_device, recorded_patch, resolve
 
     _require_settings("settings", settings)
     require_progress_fn(progress)
@@ -593,7 +595,7 @@ def _evaluate_checkpoint(model, settings, impl, dtype, device, progress) -> Chec
     loaded = _load_scored(source, parse_dtype(dtype), device, config, recorded, progress, (1, 1))
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
     return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result,
-                                impl=recorded["impl"] if recorded else None, device=device or "cpu")
+                                impl=recorded["impl"] if recorded else None, device=device_label(device))
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
@@ -614,7 +616,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 def _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor, progress) -> CheckpointDiff:
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
-    from normswap.loading import load_config, parse_device, recorded_patch, resolve
+    from normswap.loading import device_label, load_config, parse_device, recorded_patch, resolve
 
     n = option_labels(DIFF_OPTIONS)  # as diff_checkpoints installed them
     if (b is None) == (patched is None):
@@ -654,7 +656,7 @@ def _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor,
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
     return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff,
-                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b, device=device or "cpu")
+                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b, device=device_label(device))
 
 
 def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:

@@ -202,9 +202,9 @@ def _device(name: str | None) -> torch.device:
     """cpu, cuda or cuda:N (None: CUDA when there is one), as every command reads --device: any other
     torch device was taken as is, so meta timed a model that computes nothing and wrote its
     tokens/s, and mps/xpu failed after the config was read with torch's dispatcher listing."""
-    from normswap.loading import parse_device
+    from normswap.loading import device_label, parse_device
 
-    return torch.device(parse_device("auto" if name is None else name) or "cpu")
+    return torch.device(device_label(parse_device("auto" if name is None else name)))
 
 
 def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, progress: ProgressFn | None = None):
@@ -320,6 +320,18 @@ CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats", "compi
 BENCH_OPTIONS = (*CHECKED_OPTIONS, "fuse_residual")
 # Each count's smallest value (seq: the train step's loss needs a next token to predict).
 _AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
+# The largest of the counts that only multiply time, each with why more buys nothing: a typo
+# (--repeats 1000000000) would otherwise time one row for years, every row after it waiting. batch
+# and seq need no cap: seq is held to the model's context (_check_context), and a batch past the
+# memory fails its allocation at once.
+AT_MOST = {
+    # the median's standard error shrinks as 1/sqrt(repeats): at 10,000 it is 1% of the calls'
+    # spread, below what runs on one machine agree to; that many 1 s train steps is ~3 hours a row
+    "repeats": 10_000,
+    # warm-up settles compilation, autotuning, allocator and caches in a handful of calls (default
+    # 3); a thousand is far past that (a cuda-graph decode row captures after 3 calls of its own)
+    "warmup": 1_000,
+}
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -348,6 +360,10 @@ def check_config(cfg: BenchConfig) -> None:
         value = getattr(cfg, name)
         if value < least:
             raise BadInputError(f"{n[name]} {value}: must be at least {least}")
+    for name, most in AT_MOST.items():
+        value = getattr(cfg, name)
+        if value > most:
+            raise BadInputError(f"{n[name]} {value}: at most {most:,}; more only lengthens every row")
     _device(cfg.device)
     if cfg.compile:  # an unknown backend left every row 'not measured' and wrote that result, exit 0
         import torch._dynamo

@@ -79,6 +79,13 @@ def parse_device(name: str) -> str | None:
     return str(device)
 
 
+def device_label(device: str | None) -> str:
+    """What a report calls the device parse_device returned, and where bench builds its model:
+    None (weights where from_pretrained puts them) is the CPU. Decided here once, so patch's, ppl's
+    and diff's reports and bench's device cannot name it differently."""
+    return device or "cpu"
+
+
 def cache_dir(check: bool = True) -> Path:
     """normswap's cache folder: $NORMSWAP_CACHE, else $XDG_CACHE_HOME/normswap (~/.cache/normswap).
     check: refuse one that is, or lies under, something other than a folder, naming the variable

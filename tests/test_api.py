@@ -103,6 +103,26 @@ def test_a_failed_patch_carries_its_result(root, monkeypatch):
     assert e.value.result.model == str(root / "llama") and not e.value.result.to_dict()["ok"]
 
 
+def test_every_report_names_its_device_as_loading_device_label_does(root, monkeypatch):
+    """The device a report names (the CPU: parse_device's None) is decided in one place,
+    loading.device_label: patch's (a failed one's too, and its --eval's), ppl's and diff's reports
+    each wrote `device or "cpu"` themselves, so one could drift from the others. device_label is
+    made to answer something no copy of the old default would, and every report must say it."""
+    from normswap import loading
+    from normswap.swap import VerificationError
+
+    monkeypatch.setattr(loading, "device_label", lambda device: f"label of {device}")
+    settings = api.EvalSettings(root / "text.txt", max_length=32, max_tokens=64)
+    patched = api.patch_checkpoint(root / "llama", "torch", evaluation=settings)
+    assert patched.device == patched.eval.device == "label of None"
+    assert api.evaluate_checkpoint(root / "llama", settings).device == "label of None"
+    assert api.diff_checkpoints(root / "llama", settings=settings, patched="torch").device == "label of None"
+    monkeypatch.setattr("normswap.verify.MEAN_RATIO", 0.0)  # nothing can pass
+    with pytest.raises(VerificationError) as e:
+        api.patch_checkpoint(root / "llama", "torch")
+    assert e.value.result.device == "label of None"
+
+
 # -- convert_checkpoint ------------------------------------------------------------------------
 
 

@@ -266,6 +266,10 @@ BAD_OPTIONS = [
     (["--seq", "1"], dict(seq=1), "--seq 1: must be at least 2", "seq 1: must be at least 2"),
     (["--repeats", "0"], dict(repeats=0), "--repeats 0: must be at least 1", "repeats 0: must be at least 1"),
     (["--warmup", "-1"], dict(warmup=-1), "--warmup -1: must be at least 0", "warmup -1: must be at least 0"),
+    # a typo'd count timed one row for years (1,000,000,000 calls), every later row waiting on it
+    (["--repeats", "1000000000"], dict(repeats=10**9), "--repeats 1000000000: at most 10,000;",
+     "repeats 1000000000: at most 10,000;"),
+    (["--warmup", "10000000"], dict(warmup=10**7), "--warmup 10000000: at most 1,000;", "warmup 10000000: at most 1,000;"),
     (["--seq", "100"], dict(seq=100), "--seq 100 does not fit", "seq 100 does not fit"),
     # timed twice, two rows under one variant name (a reader keyed by variant kept one)
     (["--impl", "torch,torch"], dict(impls="torch,torch"), "--impl: torch named twice", "impls: torch named twice"),
@@ -276,11 +280,24 @@ BAD_OPTIONS = [
 ]
 
 
+def test_the_count_limits_themselves_are_accepted():
+    """AT_MOST is the largest count allowed, not the first refused."""
+    from normswap.bench import AT_MOST, BenchConfig, check_config
+
+    check_config(BenchConfig("unused", **AT_MOST))
+
+
 @pytest.mark.parametrize("cli_args,kwargs,cli_says,library_says", BAD_OPTIONS, ids=[b[3] for b in BAD_OPTIONS])
-def test_bad_options_are_named_as_each_caller_gave_them(tmp_path, cli_args, kwargs, cli_says, library_says):
+def test_bad_options_are_named_as_each_caller_gave_them(tmp_path, monkeypatch, cli_args, kwargs, cli_says,
+                                                       library_says):
     import normswap
+    from normswap import bench
     from normswap.errors import BadInputError, NormswapError
 
+    def no_timing(*args, **kwargs):  # refused before anything is timed (a count let through times for years)
+        raise AssertionError("a bad option reached the timing")
+
+    monkeypatch.setattr(bench, "time_calls", no_timing)
     model = _config_only("gpt2", tmp_path / "cfg")  # learned positions: 64
     out = tmp_path / "r.json"
     base = dict(impls="torch", modes="prefill", seq=4, repeats=1, warmup=0)

@@ -388,3 +388,65 @@ def test_the_lock_file_is_readable_by_other_users_whatever_the_umask(tmp_path):
             assert lock.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("script, argv, stem", [("discover", [], "discover"),
+                                                ("convert", ["--errors"], "convert-errors")])
+def test_a_benchmark_script_that_cannot_finish_its_results_file_leaves_the_earlier_one(tmp_path, monkeypatch,
+                                                                                         script, argv, stem):
+    """benchmarks/discover.py and convert.py wrote their JSON with a plain write_text, which empties
+    the file first: a disk that filled mid-write left the earlier run's results file of that day
+    half-written. Every results file goes through write_text_atomic. The disk here fills after a
+    few characters, whichever way a file under tmp_path is opened for writing; the measurements
+    are stand-ins (the scripts' own take minutes)."""
+    import datetime as dt
+    import io
+    import socket
+    import sys
+
+    from tests.benchmark_scripts import load_script
+
+    mod = load_script(script)
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    if script == "discover":
+        monkeypatch.setattr(mod, "CONFIGS", {"tiny": None})
+        monkeypatch.setattr(mod, "measure", lambda name, repeat: {
+            "config": name, "params_billion": 0.0, "norms": 1, "converted": 1, "build_s": 0.0, "discover_s": 0.0,
+            "discover_cpu_s": 0.0})
+    else:
+        cols = [f"{p}_{k}" for p in ("fp64", "fp32") for k in ("layernorm", "rms_reference", "rms_patch")]
+        monkeypatch.setattr(mod, "logit_errors", lambda: [{"arch": "gpt2", **dict.fromkeys(cols, 0.0)}])
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    earlier = results / f"{stem}-{socket.gethostname()}-{dt.date.today().isoformat()}.json"
+    earlier.write_text('{"rows": ["an earlier run"]}\n')
+
+    class FillsUp:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+            return False
+
+        def write(self, text):
+            self.f.write(text[:8])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open, real_fdopen = io.open, os.fdopen
+
+    def opening(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return FillsUp(f) if "w" in mode and str(file).startswith(str(tmp_path)) else f
+
+    monkeypatch.setattr(io, "open", opening)
+    monkeypatch.setattr(os, "fdopen", lambda fd, *a, **k: FillsUp(real_fdopen(fd, *a, **k)))
+    with pytest.raises(OSError, match="No space left"):
+        mod.main()
+    assert earlier.read_text() == '{"rows": ["an earlier run"]}\n'
+    assert [p.name for p in results.iterdir()] == [earlier.name]  # no temporary file left either

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.backends import BACKENDS
-from normswap.bench import MODES
+from normswap.bench import AT_MOST, MODES
 from normswap.cli.main import (
     ProgressBars,
     cli,
@@ -40,8 +40,10 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
 @device_option
 @click.option("--compile", "use_compile", is_flag=True, help="torch.compile every variant.")
 @click.option("--compile-backend", default="inductor", show_default=True, help="torch.compile backend (aot_eager: no codegen).")
-@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed calls before the timed ones.")
-@click.option("--repeats", type=int, default=10, show_default=True, help="Timed calls; the median is reported.")
+@click.option("--warmup", type=int, default=3, show_default=True,
+              help=f"Untimed calls before the timed ones (at most {AT_MOST['warmup']:,}).")
+@click.option("--repeats", type=int, default=10, show_default=True,
+              help=f"Timed calls (at most {AT_MOST['repeats']:,}); the median is reported.")
 @click.option("--load-weights", is_flag=True, help="Load MODEL's weights (default: random weights from its config).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Results file (default: benchmarks/results/bench-<model>-<device>-<date>.json under the "
