@@ -661,7 +661,7 @@ def bench_command(run: Run, ctx: dict) -> tuple[list[str] | None, Path | None]:
     if run.dry_run:
         impls = [b for b in impls if b in ("triton", "torch")]
     name = f"{run.prefix}-bench-{slug(Path(run.bench_model).name)}.json"
-    cmd = ["bench", run.bench_model, "--impl", ",".join(impls), "--json"]
+    cmd = ["bench", run.bench_model, "--impls", ",".join(impls), "--json"]
     cmd += ["--fuse-residual"] if "--fuse-residual" in text else []
     cmd += ["--dtype", "bf16"] if "--dtype" in text else []
     if run.dry_run:

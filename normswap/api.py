@@ -45,7 +45,7 @@ from normswap.errors import (
     require_bool,
     using_option_names,
 )
-from normswap.evaluate import HALF_DTYPES, DiffResult, PerplexityResult
+from normswap.evaluate import HALF_DTYPES, SCORING_OPTIONS, DiffResult, PerplexityResult
 from normswap.fileio import unwritable
 from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.swap import PatchReport, VerificationError
@@ -65,8 +65,10 @@ class EvalSettings:
     stride: int | None = None  # default: half the window
     max_tokens: int | None = None  # score only the first tokens of the data
     batch_size: int = 1
-    # what messages call max_length, stride, max_tokens, batch_size and text_field: the parameter
-    # names, or the flags a command line took them from (ppl's --max-length, patch's --eval-max-*)
+    # what messages call max_length, stride, max_tokens, batch_size and text_field (SCORING_OPTIONS):
+    # the parameter names, or the flags a command line took them from (ppl's --max-length, patch's
+    # --eval-max-*). The entry point given these settings installs them (_naming): everything
+    # below reads them from there (errors.option_labels), none takes them as a parameter.
     option_names: Mapping[str, str] | None = None
 
     def check(self) -> None:
@@ -75,16 +77,13 @@ class EvalSettings:
 
         if not isinstance(self.data, str | os.PathLike):
             raise TypeError(f"EvalSettings.data: expected a data path (str or path), got {type(self.data).__name__}")
-        check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size, self.option_names)
+        with using_option_names(self.option_names):  # as an entry point given them would name them
+            check_window_options(self.max_length, self.stride, self.max_tokens, self.batch_size)
 
     @property
     def window_kwargs(self) -> dict[str, Any]:
         return dict(max_length=self.max_length, stride=self.stride, max_tokens=self.max_tokens,
-                    batch_size=self.batch_size, text_field=self.text_field, option_names=self.option_names)
-
-
-# The EvalSettings fields messages name (text_field: normswap.data's, read while the data is scored).
-SETTINGS_OPTIONS = ("text_field", "max_length", "stride", "max_tokens", "batch_size")
+                    batch_size=self.batch_size, text_field=self.text_field)
 
 
 def _naming(options, option_names, settings):
@@ -94,7 +93,7 @@ def _naming(options, option_names, settings):
     field is named, so a message deep in the scoring (errors.way_out) knows the caller has it."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
-        names = option_labels(SETTINGS_OPTIONS) | names | dict(settings.option_names or {})
+        names = option_labels(SCORING_OPTIONS) | names | dict(settings.option_names or {})
     return using_option_names(names)
 
 
@@ -135,7 +134,8 @@ def demo_evaluation(max_tokens: int, *, option_names: Mapping[str, str] | None =
     message would name a window length the user never gave)."""
     from normswap.evaluate import check_window_options
 
-    check_window_options(None, None, max_tokens, names=option_names)
+    with using_option_names(option_names):
+        check_window_options(None, None, max_tokens)
     return EvalSettings(DEMO_TEXT, max_length=min(DEMO_WINDOW, max_tokens), max_tokens=max_tokens,
                         option_names=option_names)
 

@@ -42,7 +42,7 @@ import torch
 
 from normswap import data as text_data
 from normswap.data import Corpus, cut_pieces, open_corpus
-from normswap.errors import BadInputError, NormswapError, option_labels
+from normswap.errors import BadInputError, NormswapError, option_labels, using_option_names
 from normswap.progress import ProgressFn
 from normswap.verify import model_output
 from normswap.walk import require_module
@@ -171,15 +171,19 @@ def config_context_length(config) -> int | None:
     return None
 
 
-# The window options, named in messages as the caller calls them: the library's parameter names by
-# default; a command line passes its own flags (`ppl --max-length`, `patch --eval-max-length`).
+# The window options, named in messages as the caller calls them (errors.option_labels): the
+# library's parameter names by default; under a command line the flags it installed with
+# errors.using_option_names (`ppl --max-length`, `patch --eval-max-length`).
 WINDOW_OPTIONS = ("max_length", "stride", "max_tokens", "batch_size")
+# Those and the one normswap.data's messages name: what perplexity's and diff_models' caller (and
+# normswap.api's EvalSettings) may rename.
+SCORING_OPTIONS = (*WINDOW_OPTIONS, "text_field")
 
 
 def check_window_options(max_length: int | None, stride: int | None, max_tokens: int | None = None,
-                         batch_size: int = 1, names: Mapping[str, str] | None = None) -> None:
+                         batch_size: int = 1) -> None:
     """The checks that need no model: a CLI runs them before loading anything."""
-    n = option_labels(WINDOW_OPTIONS, names)
+    n = option_labels(WINDOW_OPTIONS)
     for key, value in zip(WINDOW_OPTIONS, (max_length, stride, max_tokens, batch_size), strict=True):
         # batch_size has no "default" None: None there is a wrong value, not a missing one
         if (value is not None or key == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)):
@@ -201,11 +205,10 @@ def check_window_options(max_length: int | None, stride: int | None, max_tokens:
         raise BadInputError(f"{n['batch_size']} {batch_size}: must be at least 1")
 
 
-def plan_window(models: Sequence, max_length: int | None, stride: int | None,
-                names: Mapping[str, str] | None = None) -> tuple[int, int]:
+def plan_window(models: Sequence, max_length: int | None, stride: int | None) -> tuple[int, int]:
     """(window, stride): the models' context capped by max_length; stride defaults to half of it."""
-    check_window_options(max_length, stride, names=names)
-    n = option_labels(WINDOW_OPTIONS, names)
+    check_window_options(max_length, stride)
+    n = option_labels(WINDOW_OPTIONS)
     contexts = [c for c in (model_context_length(m) for m in models) if c is not None]
     context = min(contexts) if contexts else None
     if max_length is None:
@@ -232,7 +235,6 @@ def sliding_windows(
     stride: int,
     max_tokens: int | None = None,
     short_ok: bool = True,
-    names: Mapping[str, str] | None = None,
 ) -> Iterator[Window]:
     """Cut the token stream into the recipe's windows, holding at most one window of tokens.
 
@@ -240,7 +242,7 @@ def sliding_windows(
     behaviour, used when the window is the model's context) and an error otherwise (the user asked
     for windows of that length: a number measured on fewer tokens would not be comparable).
     """
-    n = option_labels(WINDOW_OPTIONS, names)
+    n = option_labels(WINDOW_OPTIONS)
     tokens = _capped(_flatten(token_chunks), max_tokens)
     buf: list[int] = []
     buf_start = 0  # absolute position of buf[0]
@@ -531,13 +533,13 @@ class _Scoring:
     """Plans the windows, drives the models over them batch by batch, with a progress bar."""
 
     def __init__(self, models, tokenizer, data, *, max_length, stride, max_tokens, batch_size, progress,
-                 text_field, desc, option_names=None):
+                 text_field, desc):
         for m in models:
             _check_causal(m)
-        check_window_options(max_length, stride, max_tokens, batch_size, option_names)
-        self.window, self.stride = plan_window(models, max_length, stride, option_names)
+        check_window_options(max_length, stride, max_tokens, batch_size)
+        self.window, self.stride = plan_window(models, max_length, stride)
         windows = sliding_windows(token_chunks(tokenizer, data, text_field), self.window, self.stride,
-                                  max_tokens, short_ok=max_length is None, names=option_names)
+                                  max_tokens, short_ok=max_length is None)
         limits = [v for v in (_vocabulary_size(m) for m in models) if v is not None]
         self.vocab_limit = min(limits) if limits else None
         # Cut the first window before the bar appears: bad input fails with a clean line.
@@ -597,8 +599,7 @@ class _Scoring:
 
 def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | None = None,
                          stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1,
-                         text_field: str = "text", option_names: Mapping[str, str] | None = None,
-                         model_class: Callable | None = None) -> None:
+                         text_field: str = "text", model_class: Callable | None = None) -> None:
     """Raise the NormswapError that `perplexity` / `diff_models` would raise for these options and
     this data (encoder-decoder, no language-model head, unknown context length, stride past the
     window, text shorter than one window, ...), from the models' configs and the tokenizer alone. A CLI calls it before it
@@ -607,8 +608,7 @@ def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | N
     model_class(config): the class a config builds (normswap.loading.model_class), for the
     language-model head check; the caller passes it because loading.py sits above this module."""
     _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
-             max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="",
-             option_names=option_names)
+             max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="")
     for config in configs if model_class is not None else ():
         _check_language_model_head(model_class(config))
 
@@ -632,13 +632,27 @@ def perplexity(model, tokenizer, data, max_length: int | None = None,
     max_length caps the window (default: the model's context); stride defaults to half the window;
     max_tokens keeps only the first tokens of the corpus. progress: True draws a bar on stderr; a
     callable gets progress("perplexity", tokens done, max_tokens). Raises NormswapError on bad input
-    (BadInputError for a value no window can have). option_names: what to call max_length,
-    stride, max_tokens and batch_size in messages (a command line passes its flags).
+    (BadInputError for a value no window can have). option_names: what messages call
+    SCORING_OPTIONS (default: the names in effect, errors.using_option_names: the parameters', or
+    what an outer entry point such as normswap.api's was told).
     """
+    with _naming(option_names):
+        return _perplexity(model, tokenizer, data, max_length, stride, max_tokens, batch_size, progress, text_field)
+
+
+def _naming(option_names: Mapping[str, str] | None):
+    """perplexity's and diff_models' names: given ones make the call an entry point of its own
+    (every SCORING_OPTIONS named, so normswap.data's way_out offers its text_field); none leave
+    the names in effect alone (under an experiment, which has no text_field to offer)."""
+    return using_option_names(option_labels(SCORING_OPTIONS, option_names) if option_names else None)
+
+
+def _perplexity(model, tokenizer, data, max_length, stride, max_tokens, batch_size, progress,
+                text_field) -> PerplexityResult:
     require_module(model, weights=True)
     run = _Scoring([model], tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
-                   desc="perplexity", option_names=option_names)
+                   desc="perplexity")
     total = 0.0
     for _, (rows,), targets in run.batches():
         total += _nll_sum(rows, targets)
@@ -660,15 +674,22 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     reference: A's float32 self (A in half precision, loaded again in float32), scored on the same
     windows: the result's noise_floor then says how far A and B each are from it (module doc).
     This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
-    patched_copy(original, impl), tokenizer, open_corpus(PATH), ...).
+    patched_copy(original, impl), tokenizer, open_corpus(PATH), ...). option_names: perplexity's.
     """
+    with _naming(option_names):
+        return _diff_models(model_a, model_b, tokenizer, data, max_length, stride, max_tokens, batch_size, progress,
+                            text_field, reference)
+
+
+def _diff_models(model_a, model_b, tokenizer, data, max_length, stride, max_tokens, batch_size, progress,
+                 text_field, reference) -> DiffResult:
     for name, m in (("model_a", model_a), ("model_b", model_b), ("reference", reference)):
         if m is not None or name != "reference":
             require_module(m, name, weights=True)
     models = [model_a, model_b] + ([reference] if reference is not None else [])
     run = _Scoring(models, tokenizer, data, max_length=max_length, stride=stride,
                    max_tokens=max_tokens, batch_size=batch_size, progress=progress, text_field=text_field,
-                   desc="diff", option_names=option_names)
+                   desc="diff")
     ab, ra, rb = _PairStats(), _PairStats(), _PairStats()
     for _, rows, targets in run.batches():
         widths = {r.shape[-1] for r in rows}

@@ -25,7 +25,7 @@ def _config_only(arch, directory):
 def test_bench_cli_end_to_end(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
     out = tmp_path / "results" / "r.json"
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--fuse-residual", "--seq", "8",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--fuse-residual", "--seq", "8",
                                  "--dtype", "fp32", "--warmup", "1", "--repeats", "2", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -47,7 +47,7 @@ def test_bench_cli_end_to_end(tmp_path):
         assert row["fused_writers"] == (4 if variant == "torch+fused" else None)
 
     # The human table says where the numbers come from.
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--warmup", "0", "--repeats", "1", "--out", str(tmp_path / "r2.json")])
     assert r.exit_code == 0, r.output
     assert "CPU numbers" in r.stdout and "torch" in r.stdout
@@ -84,16 +84,46 @@ def test_decode_step_is_the_next_token_of_the_prompt(arch, fused):
 
 def test_bad_input_is_one_line(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
-    r = CliRunner().invoke(cli, ["bench", str(model), "--mode", "sprint"])
+    r = CliRunner().invoke(cli, ["bench", str(model), "--modes", "sprint"])
     assert r.exit_code == 2 and "unknown mode 'sprint'" in r.stderr and "Traceback" not in r.output
     r = CliRunner().invoke(cli, ["bench", str(tmp_path / "nope")])
     assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_every_list_option_is_spelled_as_the_library_names_it():
+    """One convention for the comma-separated list options: the flag is the library parameter's
+    name, plural (tune's --ops/--dtypes/--passes, experiment's --arms, bench_checkpoint's impls and
+    modes). bench spelled its lists --impl and --mode, singular beside tune's plurals."""
+    import click
+
+    lists = {(name, p.name): p.opts[0] for name, command in cli.commands.items() for p in command.params
+             if isinstance(p, click.Option) and (p.metavar in ("LIST", "A,B") or "omma-separated" in (p.help or ""))}
+    assert {("bench", "impls"), ("bench", "modes"), ("tune", "ops"), ("tune", "dtypes"), ("tune", "passes"),
+            ("experiment", "arms")} <= set(lists)
+    assert {k: flag for k, flag in lists.items() if flag != "--" + k[1].replace("_", "-")} == {}
+
+
+def test_bench_takes_its_lists_old_singular_names_and_hides_them(tmp_path):
+    """--impl and --mode, bench's spellings before --impls and --modes, still run (the scripts and
+    notes that wrote them), and --help shows only the new names."""
+    model = _config_only("llama", tmp_path / "cfg")
+    docs = []
+    for impls, modes in (("--impls", "--modes"), ("--impl", "--mode")):
+        out = tmp_path / f"{impls}.json"
+        r = CliRunner().invoke(cli, ["bench", str(model), impls, "torch", modes, "prefill", "--seq", "4", "--dtype",
+                                     "fp32", "--warmup", "0", "--repeats", "1", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        docs.append(json.loads(out.read_text()))
+    assert [(d["config"]["impls"], d["config"]["modes"]) for d in docs] == [(["torch"], ["prefill"])] * 2
+    shown = CliRunner().invoke(cli, ["bench", "--help"]).stdout
+    assert "--impls LIST" in shown and "--modes LIST" in shown
+    assert "--impl " not in shown and "--mode " not in shown and "--impl," not in shown and "--mode," not in shown
+
+
 def test_unwritable_out_fails_before_measuring(tmp_path):
     """The destination is checked first: a bench must not run for minutes and then lose its numbers."""
     model = _config_only("llama", tmp_path / "cfg")
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--repeats", "1", "--warmup", "0", "--out", "/proc/normswap-bench.json"])
     assert r.exit_code == 2 and "cannot write to /proc" in r.stderr, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and "eager" not in r.stderr  # no progress: nothing ran
@@ -123,7 +153,7 @@ def test_bench_checkpoint_is_the_bench_command(tmp_path, monkeypatch):
                                                           "torch decode": 4}
     # The command is this call and a renderer: the same document, apart from the timings.
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill,decode", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill,decode", "--seq", "4",
                                  "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--json"])
     assert r.exit_code == 0, r.output
     cli_doc = json.loads(r.stdout)
@@ -173,7 +203,7 @@ def test_out_replaces_only_an_earlier_bench_result(tmp_path):
     and the refusal comes before anything is measured."""
     model = _config_only("llama", tmp_path / "cfg")
     config = (model / "config.json").read_bytes()
-    args = ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4", "--repeats", "1",
+    args = ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4", "--repeats", "1",
             "--warmup", "0", "--dtype", "fp32"]
     r = CliRunner().invoke(cli, [*args, "--out", str(model / "config.json"), "--json"])
     assert r.exit_code == 2 and r.stdout == "", r.output
@@ -201,7 +231,7 @@ def test_a_failing_variant_is_a_row_not_a_crash(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "_measure", measure)
     out = tmp_path / "r.json"
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--repeats", "1", "--warmup", "0", "--dtype", "fp32", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     rows = {row["variant"]: row for row in json.loads(r.stdout)["rows"]}
@@ -218,7 +248,7 @@ def test_a_bench_that_measured_nothing_is_an_error_and_keeps_an_earlier_result(t
     def measure(cfg, m, ids, mode, device, pairs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 51200000000 bytes")
 
-    args = ["bench", str(model), "--impl", "torch", "--mode", "prefill,train", "--seq", "4", "--repeats", "1",
+    args = ["bench", str(model), "--impls", "torch", "--modes", "prefill,train", "--seq", "4", "--repeats", "1",
             "--warmup", "0", "--dtype", "fp32", "--out", str(tmp_path / "r.json")]
     assert CliRunner().invoke(cli, args).exit_code == 0
     earlier = (tmp_path / "r.json").read_text()
@@ -237,7 +267,7 @@ def test_a_sequence_longer_than_the_context_is_refused_before_building(tmp_path,
     'IndexError: index out of range in self' and exited 0 with a table of dashes; decode needs
     one position more than the prompt."""
     model = _config_only("gpt2", tmp_path / "cfg")
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", mode, "--seq", str(seq),
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", mode, "--seq", str(seq),
                                  "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 2, r.output
     assert f"--seq {seq}" in r.stderr and "the model's context is 64 positions" in r.stderr
@@ -249,7 +279,7 @@ def test_a_batch_that_cannot_be_allocated_is_bad_input(tmp_path, batch):
     """--batch 10**12 made torch fail to allocate the token ids (32 TB), 10**23 overflowed its size
     argument: internal errors (exit 1) for a number the user chose. Bad input naming the options."""
     model = _config_only("llama", tmp_path / "cfg")
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--batch", str(batch), "--out", str(tmp_path / "r.json")])
     assert r.exit_code == 2, r.output
     assert f"--batch {batch} x --seq 4: cannot allocate" in r.stderr
@@ -259,9 +289,9 @@ def test_a_batch_that_cannot_be_allocated_is_bad_input(tmp_path, batch):
 # check_config is the library's check, and the CLI's too; each caller's message names its own
 # options (the parameter, or the flag it came from), as EvalSettings.check's do.
 BAD_OPTIONS = [
-    (["--impl", ""], dict(impls=""), "--impl names no implementation", "impls names no implementation"),
-    (["--mode", ""], dict(modes=""), "--mode names no workload", "modes names no workload"),
-    (["--mode", "sprint"], dict(modes="sprint"), "--mode: unknown mode 'sprint'", "modes: unknown mode 'sprint'"),
+    (["--impls", ""], dict(impls=""), "--impls names no implementation", "impls names no implementation"),
+    (["--modes", ""], dict(modes=""), "--modes names no workload", "modes names no workload"),
+    (["--modes", "sprint"], dict(modes="sprint"), "--modes: unknown mode 'sprint'", "modes: unknown mode 'sprint'"),
     (["--batch", "0"], dict(batch=0), "--batch 0: must be at least 1", "batch 0: must be at least 1"),
     (["--seq", "1"], dict(seq=1), "--seq 1: must be at least 2", "seq 1: must be at least 2"),
     (["--repeats", "0"], dict(repeats=0), "--repeats 0: must be at least 1", "repeats 0: must be at least 1"),
@@ -272,7 +302,7 @@ BAD_OPTIONS = [
     (["--warmup", "10000000"], dict(warmup=10**7), "--warmup 10000000: at most 1,000;", "warmup 10000000: at most 1,000;"),
     (["--seq", "100"], dict(seq=100), "--seq 100 does not fit", "seq 100 does not fit"),
     # timed twice, two rows under one variant name (a reader keyed by variant kept one)
-    (["--impl", "torch,torch"], dict(impls="torch,torch"), "--impl: torch named twice", "impls: torch named twice"),
+    (["--impls", "torch,torch"], dict(impls="torch,torch"), "--impls: torch named twice", "impls: torch named twice"),
     # every row was 'not measured: InvalidBackend', the results file written (replacing an earlier
     # result at --out), exit 0
     (["--compile", "--compile-backend", "bogus"], dict(compile=True, compile_backend="bogus"),
@@ -301,7 +331,7 @@ def test_bad_options_are_named_as_each_caller_gave_them(tmp_path, monkeypatch, c
     model = _config_only("gpt2", tmp_path / "cfg")  # learned positions: 64
     out = tmp_path / "r.json"
     base = dict(impls="torch", modes="prefill", seq=4, repeats=1, warmup=0)
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--repeats", "1", "--warmup", "0", *cli_args, "--out", str(out)])
     assert r.exit_code == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.output
     assert r.stderr.startswith(f"normswap: error: {cli_says}"), r.stderr
@@ -329,7 +359,7 @@ def test_a_device_bench_cannot_time_on_is_refused_before_anything_runs(tmp_path,
         pytest.skip("this machine has a CUDA device")
     model = _config_only("llama", tmp_path / "cfg")
     out = tmp_path / "r.json"
-    r = CliRunner().invoke(cli, ["bench", str(model), "--impl", "torch", "--mode", "prefill", "--seq", "4",
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
                                  "--repeats", "1", "--warmup", "0", "--device", device, "--out", str(out)])
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("normswap: error: "), r.stderr[:500]

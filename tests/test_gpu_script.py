@@ -117,7 +117,7 @@ def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     offered = "--impl LIST\n--fuse-residual\n--dtype\n--seq N\n--warmup N\n--repeats N\n--out FILE"
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: offered)
     cmd, wrapper = gpu.bench_command(run, ctx)
-    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impl", "triton,torch", "--json",
+    assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impls", "triton,torch", "--json",
                                        "--fuse-residual", "--dtype", "bf16", "--seq", "2048", "--out",
                                        str(tmp_path / "dev-2000-01-01-bench-llama-1b.json")]
     run.dry_run = True  # CPU plumbing: no inductor, short calls

@@ -227,7 +227,7 @@ def test_no_public_name_exists_only_for_tests():
 
 
 def test_the_cli_lists_come_from_their_registries():
-    """--impl, --dtype and bench's --mode offer what the defining registry holds (issue 10: the
+    """--impl, --dtype and bench's --modes offer what the defining registry holds (issue 10: the
     command line kept an impl list of its own once)."""
     import click
 

@@ -256,6 +256,75 @@ def test_a_missing_text_field(root, tmp_path):
         assert message.endswith("no field 'text' (fields: body)"), message
 
 
+def test_the_window_options_are_named_as_each_caller_gave_them(root, tmp_path):
+    """The evaluation's window options reach their messages one way, the names in effect
+    (errors.using_option_names; perplexity and diff_models took them as a parameter beside it), at
+    each place one is refused: before anything is read (check_window_options), against the model's
+    context (plan_window) and against the text (sliding_windows). ppl's and diff's user reads
+    --stride, patch --eval's --eval-max-tokens, the demo's --max-tokens; a library caller the
+    parameter, a caller of perplexity itself too, in a process where the command line ran first."""
+    from normswap.evaluate import perplexity
+    from normswap.loading import load_model, load_tokenizer, resolve
+
+    src, text = root / "llama", root / "text.txt"
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning")  # 16 tokens: shorter than a window of 48
+    E = api.EvalSettings
+    cases = [  # (the command line's error, the library's, what each says after the option's name)
+        # before anything is read
+        (cli_error("ppl", src, "--data", text, "--max-length", 1), library_error(api.evaluate_checkpoint, src, E(
+            text, max_length=1)), ("--max-length", "max_length", " 1: a window needs at least 2 tokens")),
+        (cli_error("patch", src, "--impl", "torch", "--eval", text, "--eval-max-length", 1),
+         library_error(api.patch_checkpoint, src, "torch", evaluation=E(text, max_length=1)),
+         ("--eval-max-length", "max_length", " 1: a window needs at least 2 tokens")),
+        (cli_error("demo", "--max-tokens", 1), library_error(api.demo_evaluation, 1),
+         ("--max-tokens", "max_tokens", " 1: at least 2 tokens are needed to score one")),
+        # against the model's context (64 positions)
+        (cli_error("ppl", src, "--data", text, "--stride", 100), library_error(api.evaluate_checkpoint, src, E(
+            text, stride=100)), ("--stride", "stride", " 100 is larger than the window (64 tokens)")),
+        (cli_error("diff", src, "--patched", "torch", "--data", text, "--stride", 100),
+         library_error(api.diff_checkpoints, src, patched="torch", settings=E(text, stride=100)),
+         ("--stride", "stride", " 100 is larger than the window (64 tokens)")),
+        # against the text
+        (cli_error("patch", src, "--impl", "torch", "--eval", text, "--eval-max-length", 32, "--eval-max-tokens", 20),
+         library_error(api.patch_checkpoint, src, "torch", evaluation=E(text, max_length=32, max_tokens=20)),
+         ("--eval-max-tokens", "max_tokens", " 20 is shorter than one window (32 tokens)")),
+        (cli_error("ppl", src, "--data", short, "--max-length", 48),
+         library_error(api.evaluate_checkpoint, src, E(short, max_length=48)),
+         ("the text is shorter than one window: 16 tokens, window 48; pass --max-length",
+          "the text is shorter than one window: 16 tokens, window 48; pass max_length", " 16 or less, or more text")),
+    ]
+    for cli_says, library_says, (flag, parameter, rest) in cases:
+        assert (cli_says, library_says) == (flag + rest, parameter + rest) or (
+            cli_says.startswith(flag + rest) and library_says.startswith(parameter + rest)), (cli_says, library_says)
+    source = resolve(src)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    assert library_error(perplexity, model, tokenizer, short.read_text(), max_length=48, progress=False) == \
+        "the text is shorter than one window: 16 tokens, window 48; pass max_length 16 or less, or more text"
+    assert library_error(perplexity, model, tokenizer, TEXT, stride=100, progress=False).startswith(
+        "stride 100 is larger than the window (64 tokens)")
+
+
+def test_the_window_checks_read_the_names_in_effect_and_take_none():
+    """One way for names to reach the window checks, the names in effect: below the entry points
+    (api's, perplexity, diff_models) nothing takes them as a parameter. check_window_options,
+    plan_window and sliding_windows took `names`, _Scoring and check_before_loading
+    `option_names`, and EvalSettings.window_kwargs carried them down beside the context variable:
+    two ways to say one thing, free to disagree."""
+    import inspect
+
+    from normswap import evaluate
+    from normswap.errors import BadInputError
+
+    for f in (evaluate.check_window_options, evaluate.plan_window, evaluate.sliding_windows,
+              evaluate.check_before_loading, evaluate._Scoring):
+        assert not {"names", "option_names"} & set(inspect.signature(f).parameters), f
+    assert set(api.EvalSettings("x").window_kwargs) == {"max_length", "stride", "max_tokens", "batch_size",
+                                                         "text_field"}
+    with using_option_names({"stride": "--stride"}), pytest.raises(BadInputError, match="^--stride 0: "):
+        evaluate.check_window_options(None, 0)
+
+
 def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):
     save_tiny("gpt2", tmp_path / "gpt2")
     r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(tmp_path / "a"),

@@ -87,7 +87,7 @@ def test_bad_input_found_while_converting_removes_the_folders_made_for_out(tmp_p
 
 def test_a_failed_bench_write_removes_the_folders_made_for_its_file(tmp_path, gpt2, monkeypatch):
     monkeypatch.setattr(os, "replace", _raise(OSError(errno.ENOSPC, "No space left on device")))
-    r = _run(tmp_path, "bench", gpt2, "--impl", "torch", "--mode", "prefill", "--seq", "4", "--repeats", "1",
+    r = _run(tmp_path, "bench", gpt2, "--impls", "torch", "--modes", "prefill", "--seq", "4", "--repeats", "1",
              "--warmup", "0", "--out", "a/b/c/bench.json")
     assert r.exit_code == 2 and "No space left on device" in r.stderr
 

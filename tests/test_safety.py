@@ -425,7 +425,7 @@ def test_an_out_that_is_a_link_to_nothing_is_refused_not_written_through(src, gp
     elsewhere = tmp_path / "elsewhere"
     (tmp_path / "out").symlink_to(elsewhere / "x")
     args = {"patch": ["patch", src, "--impl", "torch"], "convert": ["convert", gpt2, "--to", "rms"],
-            "bench": ["bench", src, "--impl", "torch", "--repeats", "1", "--warmup", "0"],
+            "bench": ["bench", src, "--impls", "torch", "--repeats", "1", "--warmup", "0"],
             "experiment": ["experiment", ROOT / "recipes" / "smoke-kjv-tiny.toml"]}[cmd]
     for out, said in ((tmp_path / "out", "is a link to nothing"), (tmp_path / "out" / "sub", "a link to nothing")):
         for force in ([], ["--force"]) if cmd in ("patch", "convert") else ([],):
@@ -1175,7 +1175,7 @@ def test_a_float_tensor_stored_as_integers_is_refused_before_anything_is_written
     before = _tree(d)
     says = f"{d / 'model.safetensors'}: {name} is stored as {stored} where LlamaForCausalLM has a floating-point"
     for args in (["patch", d, "--impl", "torch", "--in-place"], ["patch", d, "--impl", "torch", "--out", tmp_path / "o"],
-                 ["bench", d, "--load-weights", "--impl", "torch", "--mode", "prefill", "--seq", "4",
+                 ["bench", d, "--load-weights", "--impls", "torch", "--modes", "prefill", "--seq", "4",
                   "--out", tmp_path / "o" / "b.json"]):
         assert_one_line_error(run(*args), says)
         assert _tree(d) == before and not (tmp_path / "o").exists()

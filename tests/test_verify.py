@@ -73,7 +73,7 @@ def test_a_float64_rms_norm_that_computes_in_float32_is_said_so(spec):
                f.endswith("run the model in fp32 (model.float())") for f in c.failures), c.failures
     # under an entry point that has a dtype option, its way: patch_checkpoint's, the command line's
     for names, way in (({"dtype": "dtype"}, " (dtype='fp32')"), ({"dtype": "--dtype"}, " (--dtype fp32)"),
-                       ({"impls": "--impl"}, "")):  # bench's command line has no option for it to name
+                       ({"impls": "--impls"}, "")):  # bench's command line has no option for it to name
         with using_option_names(names):
             failures = verify_module("n", m, build_replacement(m, spec, "reference"), spec, torch.float64, CFG).failures
         assert any(f.endswith(f"run the model in fp32{way}") for f in failures), failures

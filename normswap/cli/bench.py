@@ -10,6 +10,7 @@ import click
 from normswap.backends import BACKENDS
 from normswap.bench import AT_MOST, MODES
 from normswap.cli.main import (
+    OldSpellings,
     ProgressBars,
     cli,
     device_option,
@@ -21,16 +22,16 @@ from normswap.cli.main import (
 from normswap.dtypes import RUN_DTYPES
 
 # What bench_checkpoint's messages call its options here: the flags they came from.
-OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
+OPTION_NAMES = {"impls": "--impls", "modes": "--modes", "batch": "--batch", "seq": "--seq", "warmup": "--warmup",
                 "repeats": "--repeats", "compile_backend": "--compile-backend", "fuse_residual": "--fuse-residual"}
 
 
 @cli.command("bench", epilog=model_epilog())
 @click.argument("model")
-@click.option("--impl", "impls", default="torch,triton", show_default=True, metavar="LIST",
+@click.option("--impls", "--impl", "impls", cls=OldSpellings, default="torch,triton", show_default=True, metavar="LIST",
               help=f"Comma-separated impls to compare with the unpatched model ({', '.join(BACKENDS)}).")
 @click.option("--fuse-residual", is_flag=True, help="Also measure each impl with its residual adds fused into the norms.")
-@click.option("--mode", "modes", default=",".join(MODES), show_default=True, metavar="LIST",
+@click.option("--modes", "--mode", "modes", cls=OldSpellings, default=",".join(MODES), show_default=True, metavar="LIST",
               help=f"Comma-separated workloads ({', '.join(MODES)}): train is a fwd+bwd step, decode one step "
                    "with a KV cache.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences per call.")
@@ -51,7 +52,7 @@ OPTION_NAMES = {"impls": "--impl", "modes": "--mode", "batch": "--batch", "seq":
 @json_option
 def bench_cmd(model, impls, fuse_residual, modes, batch, seq, dtype, device, use_compile, compile_backend, warmup,
               repeats, load_weights, out, as_json):
-    """Time MODEL unpatched and patched with each --impl (and fused with --fuse-residual): a training
+    """Time MODEL unpatched and patched with each of --impls (and fused with --fuse-residual): a training
     step, a prefill and one decode step, side by side in one process; print a table and write JSON.
 
     MODEL may also be a directory holding only a config.json: by default the weights are random

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -228,6 +229,19 @@ def model_epilog(name: str = "MODEL") -> str:
 
 def json_option(f: Callable) -> Callable:
     return click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")(f)
+
+
+class OldSpellings(click.Option):
+    """An option whose spellings after the first are its old names: still accepted, left out of
+    --help (and so of the README's option lists). A list option is named as the library names its
+    parameter, in the plural (bench's --impls and --modes, as tune's --ops and experiment's
+    --arms); bench's --impl and --mode, their names before, keep working for the scripts that
+    wrote them. Messages name the first spelling."""
+
+    def get_help_record(self, ctx: click.Context):
+        shown = copy.copy(self)
+        shown.opts = self.opts[:1]
+        return click.Option.get_help_record(shown, ctx)
 
 
 def device_option(f: Callable) -> Callable:
