@@ -65,6 +65,7 @@ _TORCH_OTHER_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResp
 # norm-like class in transformers is neither recognised nor listed here.
 _CHANNELS_FIRST = "normalizes over dim 1 of channels-first maps, not over the last dimension"
 _BLOCK = "a block that holds norms among other modules, not a norm; its norms are found on their own"
+_INVERSE_RMS = "returns the inverse RMS scale, not the normalized input"
 UNSUPPORTED: dict[str, str] = {
     "AXK2GatedRMSNorm": "an RMSNorm followed by a learned sigmoid gate (an MLP on its output); "
                         "its inner RMSNorm is found on its own",
@@ -91,7 +92,11 @@ UNSUPPORTED: dict[str, str] = {
     "GradiumPhononTTSFlowLayerNorm": "a LayerNorm computed in the input dtype (no fp32 accumulation)",
     "PocketTTSFlowLayerNorm": "a LayerNorm computed in the input dtype (no fp32 accumulation)",
     "PocketTTSTimestepNorm": "divides by the unbiased standard deviation without centering",
-    "HYV4UnweightedRMSNorm": "returns the inverse RMS scale, not the normalized input",
+    **dict.fromkeys(("HYV4UnweightedRMSNorm", "HYV4VLUnweightedRMSNorm"), _INVERSE_RMS),
+    # Unit Euclidean norm (nGPT), not unit RMS: sqrt(d) times smaller than an RMS norm's output, eps
+    # added to the sum of squares. Not Llama4TextL2Norm, which despite its name divides by the RMS
+    # (mean of squares) and is recognised as a weightless RMSNorm.
+    "DoryL2Norm": "an L2 norm: x / sqrt(sum(x²) + eps), a sum of squares where an RMS norm takes their mean",
     "MuseSparkTextCenteredRMSNorm": "adds its 1 + weight offset in the parameters' dtype before upcasting",
     "MuseSparkTextInputScaledRMSNorm": "applies its gain before normalizing",
     "ChameleonLayerNorm": "per-head gains over (heads, head_dim) applied in the input dtype after a "

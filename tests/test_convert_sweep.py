@@ -28,8 +28,9 @@ NOT_BUILT = "not-built"  # the tiny config cannot be built (a validator, a missi
 # label -> outcome: "converts" (every LayerNorm), or the refusal categories of its refused norms,
 # with "converts" among them when the others convert (normswap convert --partial). Swept on the
 # transformers the table names (the README's list is rendered from it): another release adds or
-# drops architectures, and the test then says which.
-SWEEP_TRANSFORMERS = "5.23.0"
+# drops architectures, and the test then says which (SWEEP_BEFORE holds the earlier releases the
+# suite still runs on).
+SWEEP_TRANSFORMERS = "5.24.0"
 SWEEP: dict[str, tuple[str, ...]] = {
     'audioflamingo3': ('untraced',),
     'axk2': ('untraced',),
@@ -71,7 +72,6 @@ SWEEP: dict[str, tuple[str, ...]] = {
     'gemma3n': ('not-built',),
     'gemma3n_text': ('not-built',),
     'gemma4_assistant': ('not-built',),
-    'gemma4_unified_assistant': ('not-built',),
     'git': ('post-ln', 'untraced'),
     'glm_moe_dsa': ('untraced',),
     'glmasr': ('untraced',),
@@ -111,6 +111,10 @@ SWEEP: dict[str, tuple[str, ...]] = {
     'nemotron': ('norm-form',),
     'nllb-moe': ('uncenterable-term',),
     'olmo': ('converts',),
+    # Every LayerNorm is in the audio tower, which a text-only forward (input_ids) never runs; the
+    # Llama text model holds RMSNorms only. As audioflamingo3, glmasr, qwen2_audio, voxtral:
+    # UNTRACED_TOWERS holds it to that reason.
+    'omniasr': ('untraced',),
     'openai-gpt': ('post-ln',),
     'opt': ('converts',),
     'pegasus': ('converts', 'untraced'),
@@ -155,6 +159,33 @@ SWEEP: dict[str, tuple[str, ...]] = {
     'zamba2': ('not-built',),
     'zaya': ('not-built',),
 }
+
+
+# The table on earlier releases, as what differs there from the release after: release -> label ->
+# outcome before that release (None: no LM class with LayerNorms there). The suite runs on these
+# too (pyproject's range); older ones fail the table by what they lack, and the message says so.
+SWEEP_BEFORE: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "5.24": {
+        "omniasr": None,  # added in 5.24
+        # 5.23's tiny config cannot be built; 5.24's builds, and it holds no LayerNorm
+        "gemma4_unified_assistant": (NOT_BUILT,),
+    },
+}
+
+
+def sweep_for(version: str) -> dict[str, tuple[str, ...]]:
+    """SWEEP as it reads on transformers `version`: each later release's differences undone."""
+    from packaging.version import Version
+
+    table = dict(SWEEP)
+    for release, before in sorted(SWEEP_BEFORE.items(), key=lambda kv: Version(kv[0]), reverse=True):
+        if Version(version) < Version(release):
+            for label, result in before.items():
+                if result is None:
+                    table.pop(label, None)
+                else:
+                    table[label] = result
+    return table
 
 
 # Norms that compute in float32 whatever the model's dtype: the converted model's float64 logits
@@ -260,17 +291,56 @@ def sweep():
 
 
 def test_every_layer_norm_architecture_is_classified(sweep):
-    got = {label: r for label, (r, *_) in sweep.items()}
-    unknown = {k: v for k, v in got.items() if k not in SWEEP}
-    changed = {k: (SWEEP[k], v) for k, v in got.items() if k in SWEEP and SWEEP[k] != v}
-    gone = sorted(set(SWEEP) - set(got))
     import transformers
 
+    expected = sweep_for(transformers.__version__)
+    got = {label: r for label, (r, *_) in sweep.items()}
+    unknown = {k: v for k, v in got.items() if k not in expected}
+    changed = {k: (expected[k], v) for k, v in got.items() if k in expected and expected[k] != v}
+    gone = sorted(set(expected) - set(got))
     assert not unknown and not changed and not gone, (
         f"unclassified: {unknown}\nchanged (listed, found): {changed}\nno longer LayerNorm architectures: {gone}"
-        f"\n(SWEEP is the table for transformers {SWEEP_TRANSFORMERS}; this is {transformers.__version__})")
-    for result in SWEEP.values():
-        assert set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
+        f"\n(SWEEP is the table for transformers {SWEEP_TRANSFORMERS}, SWEEP_BEFORE undoes what "
+        f"{', '.join(sorted(SWEEP_BEFORE))} changed; this is {transformers.__version__})")
+    for table in (SWEEP, *SWEEP_BEFORE.values()):
+        for result in table.values():
+            assert result is None or set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
+
+
+def test_earlier_releases_differ_where_listed():
+    """Each SWEEP_BEFORE entry undoes a real difference (else it is a stale line)."""
+    for release, before in SWEEP_BEFORE.items():
+        later = sweep_for(release)
+        for label, result in before.items():
+            assert later.get(label) != result, (release, label)
+
+
+# Architectures whose LayerNorms all sit in another modality's tower, which the sweep's text-only
+# forward (input_ids) never runs: why they are 'untraced', held here per norm.
+UNTRACED_TOWERS = {
+    **dict.fromkeys(("audioflamingo3", "glmasr", "musicflamingo", "omniasr", "qwen2_audio", "qwen3_asr", "voxtral"),
+                    "model.audio_tower."),
+    **dict.fromkeys(("gemma3", "got_ocr2"), "model.vision_tower."),
+}
+
+
+def test_untraced_towers_are_untraced_because_they_never_run(sweep):
+    import transformers
+
+    here = sweep_for(transformers.__version__)
+    checked = []
+    for label, tower in sorted(UNTRACED_TOWERS.items()):
+        if label not in here:  # not in this release (omniasr before 5.24)
+            continue
+        assert here[label] == ("untraced",), label
+        _, model_type, class_name, _ = sweep[label]
+        _, d, model = outcome(label, model_type, class_name)
+        assert d is not None and set(d.norms) == set(layer_norm_paths(model)), label
+        for path, f in d.norms.items():
+            assert path.startswith(tower), (label, path)
+            assert (f.category, f.reason) == ("untraced", "it never ran in the traced forward"), (label, path)
+        checked.append(label)
+    assert len(checked) >= 8, checked
 
 
 def test_converted_architectures_are_exact(sweep, tmp_path):
@@ -291,7 +361,9 @@ def test_converted_architectures_are_exact(sweep, tmp_path):
 
 
 def render_readme() -> str:
-    """The README's architecture list, from SWEEP."""
+    """The README's architecture list, from SWEEP (and SWEEP_BEFORE)."""
+    from packaging.version import Version
+
     whole = sorted(k for k, v in SWEEP.items() if v == (CONVERTS,))
     partial = sorted(k for k, v in SWEEP.items() if CONVERTS in v and v != (CONVERTS,))
     refused: dict[str, list[str]] = {}
@@ -309,6 +381,9 @@ def render_readme() -> str:
         lines.append(f"- {cats}: " + ", ".join(f"`{k}`" for k in sorted(labels)))
     lines += ["", f"Not built tiny by the sweep ({len(not_built)}; their configs need more than the size knobs, so "
               "whether they hold LayerNorms is not known): " + ", ".join(f"`{k}`" for k in not_built) + "."]
+    for release, before in sorted(SWEEP_BEFORE.items(), key=lambda kv: Version(kv[0]), reverse=True):
+        lines += ["", f"Before transformers {release}: " + "; ".join(
+            f"`{k}` " + ("absent" if v is None else f"{', '.join(v)}") for k, v in sorted(before.items())) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -168,7 +168,8 @@ def test_sweep_covers_the_families_by_their_own_route():
     assert methods.get("OlmoLayerNorm") == "probe"
 
 
-@pytest.mark.parametrize("name", ["DebertaLayerNorm", "EomtLayerNorm2d", "ImageGPTLayerNorm"])
+@pytest.mark.parametrize("name", ["DebertaLayerNorm", "EomtLayerNorm2d", "ImageGPTLayerNorm", "DoryL2Norm",
+                                  "HYV4UnweightedRMSNorm", "HYV4VLUnweightedRMSNorm"])
 def test_unsupported_classes_really_are_not_recognised(name):
     """The list is not a dumping ground: these would not pass as norms without it."""
     classes, _ = norm_like_classes()
@@ -179,6 +180,42 @@ def test_unsupported_classes_really_are_not_recognised(name):
         assert check_class(classes[name]) is not None
     finally:
         registry.UNSUPPORTED[name] = saved
+
+
+# What the UNSUPPORTED reasons of these weightless classes say they compute, in float64 from
+# (x, eps). DoryL2Norm (transformers 5.24) is an L2 norm, not an RMS norm; the HYV4 pair returns
+# the inverse RMS scale. Each is held to the class's own output below, so a reason cannot
+# misdescribe its class.
+SAID_TO_COMPUTE = {
+    "DoryL2Norm": lambda x, eps: x * (x.pow(2).sum(-1, keepdim=True) + eps).rsqrt(),
+    "HYV4UnweightedRMSNorm": lambda x, eps: (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt(),
+    "HYV4VLUnweightedRMSNorm": lambda x, eps: (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAID_TO_COMPUTE))
+def test_unsupported_arithmetic_is_what_its_reason_says(name):
+    import transformers
+
+    classes, _ = norm_like_classes()
+    if name not in classes:
+        pytest.skip(f"{name} is not in transformers {transformers.__version__}")
+    module = instantiate(classes[name])
+    assert not list(module.parameters()), "weightless: no gain to randomise"
+    g = torch.Generator().manual_seed(5)
+    x64 = torch.randn(3, 5, H, generator=g, dtype=torch.float64) * 1.5 + 0.4
+    x64[2] *= 1e-3  # rows small enough that where eps is added (sum or mean of squares) shows
+    for dtype in (torch.float32, torch.bfloat16):
+        x = x64.to(dtype)
+        expected = SAID_TO_COMPUTE[name](x.double(), module.eps)
+        with torch.no_grad():
+            y = module(x)
+        assert y.dtype == dtype and y.shape == expected.shape, (y.dtype, y.shape, expected.shape)
+        # Computed in float32, rounded once to the input dtype: within a few float32 ulps, or one
+        # ulp of a bfloat16 output, of each row's scale.
+        err = ((y.double() - expected).abs() / expected.abs().amax(-1, keepdim=True)).max().item()
+        limit = 4 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps
+        assert err <= limit, f"{name} in {dtype}: {err:.3g} of the row scale from its reason's arithmetic"
 
 
 class BrandNewRMSNorm(torch.nn.Module):
