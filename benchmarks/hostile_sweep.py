@@ -527,6 +527,9 @@ def cases(fx: dict) -> list[Case]:
         Case("experiment: data.train shorter than one sequence",
              ["experiment", fx["gpt2_recipe"], "--set", f"data.train={fx['short']}", "--out", out / "x"],
              "data.train: the training text has", ci=True),
+        Case("experiment: data.eval_max_tokens under one window",  # named by its recipe key, not max_tokens
+             ["experiment", fx["gpt2_recipe"], "--set", "data.eval_max_tokens=20", "--out", out / "x"],
+             "data.eval_max_tokens 20 is shorter than one window", ci=True),
         Case("experiment: finetune.batch_size 10**15",
              ["experiment", fx["gpt2_recipe"], "--set", f"finetune.batch_size={10**15}", "--out", out / "x"],
              "cannot allocate it", ci=True),

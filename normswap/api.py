@@ -522,7 +522,7 @@ def bench_checkpoint(
     normswap.bench.BenchConfig (fuse_residual, batch, seq, dtype, device, compile, warmup,
     repeats, load_weights, ...). Bad input, an unavailable impl and an unwritable destination
     raise NormswapError before anything is measured. option_names: what those messages call
-    impls, modes, batch, seq, warmup, repeats and fuse_residual (the CLI's {"impls": "--impl", ...}; default:
+    impls, modes, batch, seq, warmup, repeats and fuse_residual (the CLI's {"impls": "--impls", ...}; default:
     these names)."""
     from normswap.bench import BENCH_OPTIONS
 

@@ -120,6 +120,16 @@ def test_bench_takes_its_lists_old_singular_names_and_hides_them(tmp_path):
     assert "--impl " not in shown and "--mode " not in shown and "--impl," not in shown and "--mode," not in shown
 
 
+def test_bench_runs_where_loading_device_label_puts_parse_devices_cpu(monkeypatch):
+    """f2a5b0c made bench ask loading.device_label, as patch's, ppl's and diff's reports do, where
+    it had its own `or "cpu"`; test_api's check of the reports could not see bench's (a label
+    torch cannot parse). device_label is made to answer another real device for the CPU."""
+    from normswap import loading
+
+    monkeypatch.setattr(loading, "device_label", lambda device: "meta" if device is None else device)
+    assert bench._device("cpu") == torch.device("meta")
+
+
 def test_unwritable_out_fails_before_measuring(tmp_path):
     """The destination is checked first: a bench must not run for minutes and then lose its numbers."""
     model = _config_only("llama", tmp_path / "cfg")

@@ -785,6 +785,65 @@ def test_bad_texts_and_arms_the_model_cannot_make_are_refused_before_out(tmp_pat
             run_experiment(path, tmp_path / "out", ["original"], overrides=[override], progress=False)
 
 
+EVAL_TEXT = "In the beginning God created the heaven and the earth."  # 54 tokens: under a 64-token window
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.eval=short.txt"], "the text is shorter than one window: 54 tokens, window 64; "
+                              "pass data.eval_max_length 54 or less, or more text"),
+    (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
+    # 100 is capped at the model's 64 positions; the recipe only holds the stride to the 100
+    (["data.eval_max_length=100", "data.eval_stride=80"], "data.eval_stride 80 is larger than the window (64 tokens): "
+                                                          "tokens between windows would never be scored"),
+])
+def test_the_evaluation_window_messages_name_the_recipe_keys(tmp_path, monkeypatch, overrides, message):
+    """An experiment's evaluation windows come from its recipe's data.eval_* keys, and its
+    messages said max_length, max_tokens and stride, names its user never wrote; library and
+    command line alike (both write the recipe)."""
+    from tiny_models import save_tiny
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    save_tiny("gpt2", tmp_path / "gpt2")  # 64 positions
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)
+    path = model_recipe(tmp_path, tmp_path / "gpt2", ["original"])
+    with pytest.raises(NormswapError) as e:
+        run_experiment(path, tmp_path / "out", overrides=overrides, progress=False)
+    assert str(e.value) == message
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(tmp_path / "out"), *sets, "--no-progress"])
+    assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
+
+
+def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path, monkeypatch):
+    """The pretraining's held-out perplexity takes its window from pretrain.context, not from the
+    data.eval_* keys run_experiment names for the experiment's evaluations: a held-out text shorter
+    than it is refused naming pretrain.context (the training itself is skipped here)."""
+    from types import SimpleNamespace
+
+    from normswap.errors import NormswapError, using_option_names
+    from normswap.experiment import pretrain, runner
+
+    def no_training(accelerator, model, section, batches, state, **kwargs):
+        return SimpleNamespace(step=0, train_seconds=0.0, losses=[])
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pretrain, "train", no_training)
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1)
+    with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
+        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, tmp_path / "short.txt",
+                                   progress=False)
+    assert re.fullmatch(r"the text is shorter than one window: (\d+) tokens, window 64; "
+                        r"pass pretrain\.context \1 or less, or more text", str(e.value)), str(e.value)
+
+
 # --------------------------------------------------------------------------- resume
 
 

@@ -114,7 +114,7 @@ def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     ctx = {"backends": {"triton": None, "torch": None, "compile": None, "liger": "no CUDA", "quack": "absent"}}
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "")
     assert gpu.bench_command(run, ctx) == (None, None) and "does not exist" in logged[0]
-    offered = "--impl LIST\n--fuse-residual\n--dtype\n--seq N\n--warmup N\n--repeats N\n--out FILE"
+    offered = "--impls LIST\n--fuse-residual\n--dtype\n--seq N\n--warmup N\n--repeats N\n--out FILE"
     monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: offered)
     cmd, wrapper = gpu.bench_command(run, ctx)
     assert wrapper is None and cmd == ["bench", "cfg/llama-1b", "--impls", "triton,torch", "--json",
@@ -124,7 +124,7 @@ def test_bench_command_follows_what_the_tree_offers(gpu, tmp_path, monkeypatch):
     cmd, _ = gpu.bench_command(run, ctx)
     assert cmd[3] == "triton,torch" and cmd[8:14] == ["--seq", "16", "--warmup", "1", "--repeats", "2"]
     run.dry_run = False
-    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impl LIST")
+    monkeypatch.setattr(gpu, "_normswap_help", lambda r, c: "--impls LIST")
     cmd, wrapper = gpu.bench_command(run, ctx)
     assert cmd[-1] == "--json" and wrapper == tmp_path / "dev-2000-01-01-bench-llama-1b.json"
 

@@ -25,6 +25,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
+from normswap.errors import using_option_names
 from normswap.experiment.recipe import PretrainSection, file_digest
 from normswap.experiment.trainer import RandomWindows, StopFlag, train
 from normswap.progress import ProgressBars
@@ -147,8 +148,11 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
 
         # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
         with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
-            ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context,
-                             progress=bars if progress else False, batch_size=8)
+            # its window is pretrain.context, so its messages name that key, not the data.eval_*
+            # keys run_experiment installed for the experiment's own evaluations
+            with using_option_names({"max_length": "pretrain.context"}):
+                ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context,
+                                 progress=bars if progress else False, batch_size=8)
         info = {
             "steps": history.step, "train_seconds": round(history.train_seconds, 1),
             "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len

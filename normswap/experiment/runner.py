@@ -212,12 +212,18 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
 
     stop: a StopFlag; once set (Ctrl-C, SIGTERM, or a caller) the running arm checkpoints and Interrupted is
     raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
-    with using_option_names(option_labels(EXPERIMENT_OPTIONS, option_names)):
+    with using_option_names(option_labels(EXPERIMENT_OPTIONS, option_names) | EVAL_WINDOW_KEYS):
         return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step)
 
 
 # The options run_experiment's messages name, as option_names renames them.
 EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
+# The evaluation's window options (diff_models' parameters, _eval_windows) by the recipe keys
+# they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
+# than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens. Every caller
+# writes these keys, so option_names does not rename them.
+EVAL_WINDOW_KEYS = {"max_length": "data.eval_max_length", "stride": "data.eval_stride",
+                    "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
 def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
@@ -302,7 +308,7 @@ def _check_fits(recipe: Recipe, model) -> None:
 
 
 def _eval_windows(recipe: Recipe) -> dict:
-    """The evaluation's window options, as diff_models takes them."""
+    """The evaluation's window options, as diff_models takes them (EVAL_WINDOW_KEYS: their keys)."""
     d = recipe.data
     return {"max_length": d.eval_max_length, "stride": d.eval_stride or None, "max_tokens": d.eval_max_tokens,
             "batch_size": d.eval_batch_size}
