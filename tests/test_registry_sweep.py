@@ -12,6 +12,7 @@ import importlib
 import inspect
 import pkgutil
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,16 +169,46 @@ def test_sweep_covers_the_families_by_their_own_route():
     assert methods.get("OlmoLayerNorm") == "probe"
 
 
+def installed_class(name: str) -> type:
+    """The class `name` of the installed transformers, or a skip where that release has none (as
+    5.23 has no DoryL2Norm). A class its source defines but the sweep could not import (a modeling
+    module that failed on a missing dependency) fails: skipping it would pass off an unchecked class
+    as one the release lacks."""
+    import transformers
+    import transformers.models
+
+    classes, failed = norm_like_classes()
+    if name in classes:
+        return classes[name]
+    root = Path(transformers.models.__file__).parent
+    defined = sorted(str(f.relative_to(root)) for f in root.glob("*/modeling_*.py")
+                     if f"class {name}(" in f.read_text(encoding="utf-8"))
+    assert not defined, f"{name} is defined in {defined} but was not imported (failed imports: {failed})"
+    pytest.skip(f"{name} is not in transformers {transformers.__version__}")
+
+
+def test_a_class_that_failed_to_import_fails_its_checks_instead_of_skipping(monkeypatch):
+    classes, failed = norm_like_classes()
+    assert installed_class("DebertaLayerNorm") is classes["DebertaLayerNorm"]
+    without = {k: v for k, v in classes.items() if k != "DebertaLayerNorm"}
+    monkeypatch.setattr(f"{__name__}.norm_like_classes", lambda: (without, failed))
+    with pytest.raises(AssertionError, match=r"DebertaLayerNorm is defined in \['deberta/modeling_deberta.py'\]"):
+        try:
+            installed_class("DebertaLayerNorm")
+        except pytest.skip.Exception as skip:  # a skip would leave this test skipped, not failed
+            pytest.fail(f"skipped a class its release defines: {skip}")
+    with pytest.raises(pytest.skip.Exception, match="NoSuchRMSNorm is not in transformers"):
+        installed_class("NoSuchRMSNorm")
+
+
 @pytest.mark.parametrize("name", ["DebertaLayerNorm", "EomtLayerNorm2d", "ImageGPTLayerNorm", "DoryL2Norm",
                                   "HYV4UnweightedRMSNorm", "HYV4VLUnweightedRMSNorm"])
 def test_unsupported_classes_really_are_not_recognised(name):
     """The list is not a dumping ground: these would not pass as norms without it."""
-    classes, _ = norm_like_classes()
-    if name not in classes:
-        pytest.skip(f"{name} not in this transformers")
+    cls = installed_class(name)
     saved = registry.UNSUPPORTED.pop(name)
     try:
-        assert check_class(classes[name]) is not None
+        assert check_class(cls) is not None
     finally:
         registry.UNSUPPORTED[name] = saved
 
@@ -195,12 +226,7 @@ SAID_TO_COMPUTE = {
 
 @pytest.mark.parametrize("name", sorted(SAID_TO_COMPUTE))
 def test_unsupported_arithmetic_is_what_its_reason_says(name):
-    import transformers
-
-    classes, _ = norm_like_classes()
-    if name not in classes:
-        pytest.skip(f"{name} is not in transformers {transformers.__version__}")
-    module = instantiate(classes[name])
+    module = instantiate(installed_class(name))
     assert not list(module.parameters()), "weightless: no gain to randomise"
     g = torch.Generator().manual_seed(5)
     x64 = torch.randn(3, 5, H, generator=g, dtype=torch.float64) * 1.5 + 0.4
