@@ -464,7 +464,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
     from normswap.loading import build_meta_model, check_stored_tensors, load_config, resolve
-    from normswap.manifest import new_manifest, read_manifest_if_any, write_manifest
+    from normswap.manifest import carried_record, new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
     _require_path("out", out)
@@ -496,7 +496,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config)
         step(progress, "verify", 1, 1)
-        write_manifest(tmp, new_manifest(convert=section, carried_folders=real_folders(tmp)))
+        write_manifest(tmp, new_manifest(convert=section, carried_folders=carried_record(tmp, real_folders(tmp))))
     return ConvertResult(str(model), section, out=target, notes=notes)
 
 

@@ -57,7 +57,7 @@ from normswap.errors import (
     way_out,
 )
 from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
-from normswap.manifest import recorded_carried_folders
+from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
 
 RENAME_NOREPLACE = 1  # linux/fs.h
@@ -487,7 +487,8 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, conve
             write_manifest(tmp, new_manifest(
                 convert=conversion, patch=patch_section(report, source.ref if source is not None else None),
                 # in place the folders are the user's, but those an earlier output was written with
-                carried_folders=recorded_carried_folders(target) & real_folders(tmp) if in_place else real_folders(tmp)))
+                carried_folders=carried_record(tmp, recorded_carried_folders(target) & real_folders(tmp) if in_place
+                                               else real_folders(tmp))))
         except OSError:
             raise
         except NormswapError:

@@ -16,7 +16,7 @@ from normswap.carry import carry_over, real_folders
 from normswap.convert import apply_plan, check_zero_mean
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
-from normswap.manifest import new_manifest, rms_forms, write_manifest
+from normswap.manifest import carried_record, new_manifest, rms_forms, write_manifest
 from normswap.plan import build_manifest, check_refusals, plan_conversion
 from normswap.progress import ProgressFn
 from normswap.verify import (
@@ -99,7 +99,7 @@ def convert_directory(
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).
     if manifest:
-        write_manifest(out, new_manifest(convert=section, carried_folders=real_folders(out)))
+        write_manifest(out, new_manifest(convert=section, carried_folders=carried_record(out, real_folders(out))))
     return section
 
 

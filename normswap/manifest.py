@@ -12,10 +12,11 @@ loads them as they are. What normswap did lives only here, one section per comma
                           # converted
       "patch": {...},     # normswap patch: its PatchConfig (impl, paths, rms_forms, strict) and
                           # per-module spec and proof; absent if not patched
-      "carried_folders": [...]  # the top-level folders a new output folder (patch --out, convert)
-                          # was written with, copies of its source's (carry.py): what a later
-                          # --force may remove with it; absent where the folders are the user's
-                          # own (--in-place) and in files of older versions
+      "carried_folders": {...}  # the top-level folders a new output folder (patch --out, convert)
+                          # was written with, copies of its source's (carry.py), name -> [inode,
+                          # change time in ns] as written: what a later --force may remove with
+                          # it while each is still that folder; absent where the folders are the
+                          # user's own (--in-place) and in files of older versions
     }
 
 "Runs as RMS" is held once. A patch section's "rms_forms" (path -> RmsForm) says which norms the
@@ -51,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -76,32 +78,57 @@ SECTIONS = ("convert", "patch")
 
 
 def new_manifest(convert: dict | None = None, patch: dict | None = None,
-                 carried_folders: Iterable[str] | None = None) -> dict[str, Any]:
+                 carried_folders: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The whole file; a section that is None is left out. carried_folders: the folders a new
-    output folder holds (carry.real_folders of it), None for a folder that is the user's own."""
+    output folder holds (carried_record of it), None for a folder that is the user's own."""
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "normswap_version": __version__,
-        "updated": _now(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for name, section in (("convert", convert), ("patch", patch)):
         if section is not None:
             manifest[name] = section
     if carried_folders is not None:
-        manifest["carried_folders"] = sorted(carried_folders)
+        manifest["carried_folders"] = dict(sorted(carried_folders.items()))
     return manifest
+
+
+def _folder_identity(path: Path) -> list[int] | None:
+    """A folder as it is now: [inode, change time in ns], None for anything but a real folder. A
+    folder removed and made again under its name (the user's own code/ where normswap's was) has
+    another: the change time is the kernel's and no copy or touch sets it back, and it also tells
+    a reused inode apart."""
+    try:
+        s = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    return [s.st_ino, s.st_ctime_ns] if stat.S_ISDIR(s.st_mode) else None
+
+
+def carried_record(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, list[int]]:
+    """new_manifest's carried_folders: each of `names` (folders of `directory`, a staging folder)
+    with its identity, taken once the folder is complete; the publish renames the staging folder,
+    which keeps its folders' identities."""
+    record = {name: _folder_identity(Path(directory) / name) for name in names}
+    return {name: ident for name, ident in record.items() if ident is not None}
 
 
 def recorded_carried_folders(directory: str | os.PathLike) -> set[str]:
     """The folders an earlier output's normswap.json says normswap wrote into it (new_manifest's
-    carried_folders): none where it says nothing, or cannot be read (only what it names for
-    certain may be removed with the old tree)."""
+    carried_folders) and that are still the folders it wrote (same identity): none where it says
+    nothing, or cannot be read (only what it names for certain may be removed with the old tree).
+    A plain top-level, non-hidden name only, whatever a hand-edited file holds."""
     try:
         data = jsonsafe.read(Path(directory) / MANIFEST_NAME)
     except (OSError, ValueError):
         return set()
     folders = data.get("carried_folders") if isinstance(data, dict) else None
-    return {n for n in folders if isinstance(n, str) and not n.startswith(".")} if isinstance(folders, list) else set()
+    if not isinstance(folders, dict):
+        return set()
+    return {name for name, ident in folders.items()
+            if isinstance(name, str) and name and not name.startswith(".") and "/" not in name and "\0" not in name
+            and ident is not None and ident == _folder_identity(Path(directory) / name)}
 
 
 def patch_section(report, source: str | None = None) -> dict[str, Any]:

@@ -198,31 +198,68 @@ def test_case1_force_replaces_an_earlier_output_of_another_model_with_the_folder
     (a / "2_Dense" / "config.json").write_text('{"in_features": 4}')
     out = tmp_path / "out"
     assert run("patch", a, "--impl", "torch", "--out", out).exit_code == 0
-    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == ["2_Dense", "code"]
+    assert list(json.loads((out / "normswap.json").read_text())["carried_folders"]) == ["2_Dense", "code"]
     assert run("patch", out, "--impl", "torch", "--in-place").exit_code == 0  # its folders are still its own
-    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == ["2_Dense", "code"]
+    assert list(json.loads((out / "normswap.json").read_text())["carried_folders"]) == ["2_Dense", "code"]
     b = ("patch", src, "--impl", "torch") if command == "patch" else ("convert", gpt2, "--to", "rms")
     manifest = json.loads((out / "normswap.json").read_text())
     for name in ("runs", ".git"):
         _users_folder(out, name)
         if name == ".git":
-            manifest["carried_folders"].append(".git")  # a hand-edited file does not make it ours
+            # a hand-edited file does not make it ours
+            manifest["carried_folders"][".git"] = [(out / ".git").stat().st_ino, (out / ".git").stat().st_ctime_ns]
             (out / "normswap.json").write_text(json.dumps(manifest))
         before = _tree(out)
         r = run(*b, "--out", out, "--force")
         assert_one_line_error(r, f"{out} holds {name}/, which the new output would not hold")
         assert _tree(out) == before
         shutil.rmtree(out / name)
-    del manifest["carried_folders"]  # an output of a version that did not say
+    carried = manifest.pop("carried_folders")  # an output of a version that did not say
     (out / "normswap.json").write_text(json.dumps(manifest))
     assert_one_line_error(run(*b, "--out", out, "--force"), f"{out} holds 2_Dense/, which the new output would not")
-    manifest["carried_folders"] = ["2_Dense", "code"]
+    manifest["carried_folders"] = list(carried)  # names alone (this session's first form) do not say it is ours
+    (out / "normswap.json").write_text(json.dumps(manifest))
+    assert_one_line_error(run(*b, "--out", out, "--force"), f"{out} holds 2_Dense/, which the new output would not")
+    manifest["carried_folders"] = carried
     (out / "normswap.json").write_text(json.dumps(manifest))
     r = run(*b, "--out", out, "--force")
     assert r.exit_code == 0, r.stderr
     assert not (out / "code").exists() and not (out / "2_Dense").exists()
-    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == []
+    assert json.loads((out / "normswap.json").read_text())["carried_folders"] == {}
     assert (a / "code" / "modeling_a.py").is_file() and (a / "2_Dense" / "config.json").is_file()
+
+
+def test_case1_force_refuses_a_carried_folder_the_user_replaced_with_their_own(src, gpt2, tmp_path):
+    """carried_folders named the folders by name alone: the user who removed an output's carried
+    code/ and put a code/ of their own there (same name) lost it whole to --force of another model,
+    as did one whose hand-edited normswap.json named a folder of theirs. What the file records is
+    each folder as written (inode and change time), so a folder made since is refused as the
+    user's."""
+    import shutil
+
+    a = tmp_path / "a"
+    shutil.copytree(src, a)
+    (a / "code").mkdir()
+    (a / "code" / "modeling_a.py").write_text("# model A's code")
+    out = tmp_path / "out"
+    assert run("patch", a, "--impl", "torch", "--out", out).exit_code == 0
+    shutil.rmtree(out / "code")
+    (out / "code").mkdir()
+    (out / "code" / "mine.py").write_text("# the user's own, no other copy")
+    before = _tree(out)
+    for b in (("patch", src, "--impl", "torch"), ("convert", gpt2, "--to", "rms")):
+        r = run(*b, "--out", out, "--force")
+        assert_one_line_error(r, f"{out} holds code/, which the new output would not hold")
+        assert _tree(out) == before
+    _users_folder(out, "runs")  # named by hand in the file, in the form it is written in
+    manifest = json.loads((out / "normswap.json").read_text())
+    manifest["carried_folders"] = {"code": manifest["carried_folders"]["code"], "runs": manifest["carried_folders"]["code"]}
+    (out / "normswap.json").write_text(json.dumps(manifest))
+    shutil.rmtree(out / "code")
+    before = _tree(out)
+    assert_one_line_error(run("patch", src, "--impl", "torch", "--out", out, "--force"),
+                          f"{out} holds runs/, which the new output would not hold")
+    assert _tree(out) == before
 
 
 def test_in_place_keeps_the_models_folders_intact(src, tmp_path):
