@@ -119,8 +119,11 @@ def recorded_carried_folders(directory: str | os.PathLike) -> set[str]:
     carried_folders) and that are still the folders it wrote (same identity): none where it says
     nothing, or cannot be read (only what it names for certain may be removed with the old tree).
     A plain top-level, non-hidden name only, whatever a hand-edited file holds."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():  # a pipe in its place blocked --force's check forever on the read
+        return set()
     try:
-        data = jsonsafe.read(Path(directory) / MANIFEST_NAME)
+        data = jsonsafe.read(path)
     except (OSError, ValueError):
         return set()
     folders = data.get("carried_folders") if isinstance(data, dict) else None

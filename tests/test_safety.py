@@ -262,6 +262,30 @@ def test_case1_force_refuses_a_carried_folder_the_user_replaced_with_their_own(s
     assert _tree(out) == before
 
 
+def test_case1_force_onto_a_folder_whose_normswap_json_is_a_pipe_refuses_without_blocking(src, tmp_path):
+    """check_replaceable read normswap.json for its carried_folders (0ffdf96) whatever it was: a
+    pipe in its place (a checkpoint folder with config.json beside it) blocked --force forever on
+    the read. Anything but a file records no folder, and the user's folder is refused."""
+    import threading
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text((src / "config.json").read_text())
+    os.mkfifo(out / "normswap.json")
+    _users_folder(out, "runs")
+    before = _tree(out)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(run("patch", src, "--impl", "torch", "--out", out, "--force")))
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():  # unblock the read so that the suite goes on, then fail
+        os.close(os.open(out / "normswap.json", os.O_WRONLY | os.O_NONBLOCK))
+        worker.join()
+        pytest.fail("--force blocked on the read of a pipe named normswap.json")
+    assert_one_line_error(result[0], f"{out} holds runs/, which the new output would not hold")
+    assert _tree(out) == before
+
+
 def test_in_place_keeps_the_models_folders_intact(src, tmp_path):
     """--in-place keeps every folder of the model's own (.git, checkpoint-1/) byte for byte."""
     import shutil
