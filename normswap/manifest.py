@@ -84,7 +84,7 @@ def new_manifest(convert: dict | None = None, patch: dict | None = None,
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "normswap_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "updated": _now(),
     }
     for name, section in (("convert", convert), ("patch", patch)):
         if section is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -66,6 +67,8 @@ def test_save_stock_reload_and_normswap_load(arch, tmp_path):
 
     whole = read_manifest(out)
     assert whole["format"] == "normswap/2" and whole["normswap_version"] and "convert" not in whole
+    # the top-level keys the manifest module's docstring documents (3181104 renamed "updated" by mistake)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", whole["updated"]) and "created" not in whole
     m = whole["patch"]
     assert m["impl"] == "torch"
     assert [e["path"] for e in m["modules"]] == [e.path for e in report.patched]
