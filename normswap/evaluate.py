@@ -636,14 +636,15 @@ def perplexity(model, tokenizer, data, max_length: int | None = None,
     SCORING_OPTIONS (default: the names in effect, errors.using_option_names: the parameters', or
     what an outer entry point such as normswap.api's was told).
     """
-    with _naming(option_names):
+    with _using_given_scoring_names(option_names):
         return _perplexity(model, tokenizer, data, max_length, stride, max_tokens, batch_size, progress, text_field)
 
 
-def _naming(option_names: Mapping[str, str] | None):
-    """perplexity's and diff_models' names: given ones make the call an entry point of its own
-    (every SCORING_OPTIONS named, so normswap.data's way_out offers its text_field); none leave
-    the names in effect alone (under an experiment, which has no text_field to offer)."""
+def _using_given_scoring_names(option_names: Mapping[str, str] | None):
+    """Installs perplexity's and diff_models' option_names when given: they make the call an entry
+    point of its own (every SCORING_OPTIONS named, so normswap.data's way_out offers its
+    text_field); none leave the names in effect alone (under an api entry point, whose
+    api._using_entry_point_names named them, or an experiment, which has no text_field to offer)."""
     return using_option_names(option_labels(SCORING_OPTIONS, option_names) if option_names else None)
 
 
@@ -676,7 +677,7 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
     patched_copy(original, impl), tokenizer, open_corpus(PATH), ...). option_names: perplexity's.
     """
-    with _naming(option_names):
+    with _using_given_scoring_names(option_names):
         return _diff_models(model_a, model_b, tokenizer, data, max_length, stride, max_tokens, batch_size, progress,
                             text_field, reference)
 
