@@ -820,6 +820,78 @@ def test_the_evaluation_window_messages_name_the_recipe_keys(tmp_path, monkeypat
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
 
 
+BOUND = "one per byte of the text at most: the tokenizer [pretrain] trains is byte-level BPE"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the pretraining's own held-out perplexity (a window of pretrain.context) is the first to score it
+    (["data.eval=short.txt"], f"the text is shorter than one window: at most 54 tokens ({BOUND}), window 64; "
+                              "pass pretrain.context 54 or less, or more text"),
+    (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
+    (["data.eval_max_length=100", "data.eval_stride=80"], "data.eval_stride 80 is larger than the window (64 tokens): "
+                                                          "tokens between windows would never be scored"),
+    (["data.train=short.txt", "finetune.seq_len=60"],
+     f"data.train: the training text has at most 54 tokens ({BOUND}), fewer than one sequence of 61"),
+    (["pretrain.text=short.txt", "pretrain.seq_len=60"],
+     f"pretrain.text: the training text has at most 54 tokens ({BOUND}), fewer than one sequence of 61"),
+])
+def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatch, overrides, message):
+    """With [pretrain] the tokenizer is trained with the model, so the evaluation's window options
+    (against each other and pretrain.context) and texts too short for a window or a sequence were
+    refused only after the pretraining. Refused before it, with the messages of the check after it:
+    the options exactly, the texts by their bytes (the byte-level BPE makes at most one token of each)."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))  # nothing pretrained
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)
+    with pytest.raises(NormswapError) as e:
+        run_experiment(path, tmp_path / "out", overrides=overrides, progress=False)
+    assert str(e.value) == message
+    assert not (tmp_path / "out").exists()
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(tmp_path / "out"), *sets, "--no-progress"])
+    assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
+
+
+def test_a_cached_pretraining_is_not_held_to_its_held_out_window(tmp_path, pretrained_dir):
+    """The check before pretraining holds the held-out text to the pretraining's own window
+    (pretrain.context) only when the pretraining is to run: a cached one scores nothing again, so a
+    held-out text shorter than that context but long enough for the evaluation's windows runs."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)  # 54 bytes: under pretrain.context's 64 positions
+    result = run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt", "data.eval_max_length=16"],
+                            progress=False)
+    assert Path(result.model_path) == pretrained_dir
+    assert result.data["eval"]["max_length"] == 16 and result.data["arms"]["original"]["evals"][0]["ppl"] > 1
+
+
+def test_the_pretrained_tokenizer_makes_at_most_one_token_per_byte():
+    """The bound the checks before pretraining rest on (pretrain.most_tokens), on texts that a
+    tokenizer could make more tokens of than characters: multi-byte letters, emoji, control
+    characters, the special token's own spelling, random code points."""
+    import random
+
+    from normswap.experiment.pretrain import encode, most_tokens, train_tokenizer
+
+    rng = random.Random(0)
+    noise = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x800),
+                                    rng.randrange(0x800, 0xD800), rng.randrange(0x10000, 0x110000)]))
+                    for _ in range(3000))
+    training = GENESIS.read_text()[:20000] + noise[:1000]
+    tokenizer = train_tokenizer(training, 400)
+    for text in ("a", " ", "\n\n", "naïve café ☃ 🤖 日本語", "<|endoftext|>x<|endoftext|>", "\x00\x01\t\r\x7f",
+                 noise, GENESIS.read_text()[:5000]):
+        tokens = encode(tokenizer, text).numel()
+        assert 1 <= tokens <= most_tokens(text), (text[:40], tokens, most_tokens(text))
+    assert most_tokens("naïve") == 6 and most_tokens("🤖") == 4
+
+
 def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path, monkeypatch):
     """The pretraining's held-out perplexity takes its window from pretrain.context, not from the
     data.eval_* keys run_experiment names for the experiment's evaluations: a held-out text shorter

@@ -118,9 +118,7 @@ class RandomWindows:
     """Training batches: random windows of seq_len tokens from one token stream (see the module doc)."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int):
-        if ids.numel() <= seq_len:
-            raise NormswapError(f"the training text has {ids.numel()} tokens, fewer than one sequence "
-                                f"of {seq_len + 1}")
+        check_training_text(ids.numel(), seq_len)
         self.ids, self.seq_len, self.batch_size, self.seed = ids, seq_len, batch_size, seed
 
     def micro_batches(self, step: int, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
@@ -139,6 +137,15 @@ class RandomWindows:
             raise NormswapError(_step_too_large(n, self.seq_len, one_line(e))) from None
         mine = rows.view(grad_accum * world, self.batch_size, self.seq_len)[rank * grad_accum:(rank + 1) * grad_accum]
         return list(mine)
+
+
+def check_training_text(tokens: int, seq_len: int, at_most: str | None = None) -> None:
+    """Refuse a training text of `tokens` tokens, too short for one sequence of seq_len + 1 (inputs
+    and their next tokens). at_most: `tokens` is only the most the text can hold, for the reason
+    given (a tokenizer not trained yet), and the message says so."""
+    if tokens <= seq_len:
+        count = f"{tokens} tokens" if at_most is None else f"at most {tokens} tokens ({at_most})"
+        raise NormswapError(f"the training text has {count}, fewer than one sequence of {seq_len + 1}")
 
 
 def check_step_fits(n: int, seq_len: int) -> None:
