@@ -1052,6 +1052,45 @@ def test_a_checkpoint_from_before_the_count_was_recorded_counts_accelerates_file
     check_resumable(tmp_path / "absent", 2, "arm")  # no checkpoint: nothing to resume
 
 
+def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
+    """A checkpoint with neither a recorded process count nor accelerate's random-state files was
+    resumed unchecked: whatever count wrote it, this run went on from it with its own batches.
+    Every checkpoint normswap writes has both (save_state writes one random_states_<rank>.pkl per
+    process, also before the count was recorded), so such a folder is not normswap's, or not whole:
+    refused, naming it and what it lacks, nothing removed. Either one alone still says the count."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    state = tmp_path / "state"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    step = state / "step-000002"
+    assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
+    (step / "random_states_0.pkl").unlink()
+    check_resumable(state, 1, "arm")  # the recorded count alone says it
+    written = json.loads((step / "trainer.json").read_text())
+    (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
+    before = _files(state)
+    message = (f"arm: its checkpoint {step} records no process count (num_processes in trainer.json) and holds no "
+               "random-state files (random_states_*.pkl), as every checkpoint normswap writes does: not one "
+               f"normswap wrote, or not whole, so it cannot be resumed as the run it belongs to; delete {state} to "
+               "train it from the start")
+    with pytest.raises(NormswapError) as refused:
+        check_resumable(state, 1, "arm")
+    assert str(refused.value) == message
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False, desc="arm")
+    assert str(refused.value) == message
+    assert _files(state) == before  # nothing removed or rewritten
+
+
 def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,
                                                                                     monkeypatch):
     """`normswap experiment` stopped mid-arm on 1 process, rerun under `accelerate launch

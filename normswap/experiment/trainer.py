@@ -261,15 +261,22 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     (NormswapError, nothing removed) to resume it under another number of processes than the one
     that wrote it: a step's sequences are grad_accum x processes draws (RandomWindows), so the
     resumed steps would see other batches, a bigger or smaller batch than the steps before them,
-    and the result would belong to neither process count. `what` names the training in the
-    message (an arm, "pretrain")."""
+    and the result would belong to neither process count. A checkpoint that says no count (none
+    recorded, no random-state files) is refused too: normswap never writes one. `what` names the
+    training in the message (an arm, "pretrain")."""
     found = latest_checkpoint(state_dir)
     if found is None:
         return None
     history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
-    # A checkpoint from before the count was recorded: accelerate's save_state writes one RNG file per process.
+    # A checkpoint from before the count was recorded (4a66f5b): accelerate's save_state writes one
+    # RNG file per process, always, so every checkpoint normswap wrote says its count one way or the other.
     saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
-    if saved is not None and saved != num_processes:
+    if saved is None:  # resumed unchecked, it could continue another count's run with this one's batches
+        raise NormswapError(f"{what}: its checkpoint {found} records no process count (num_processes in "
+                            f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl), as every "
+                            "checkpoint normswap writes does: not one normswap wrote, or not whole, so it cannot "
+                            f"be resumed as the run it belongs to; delete {state_dir} to train it from the start")
+    if saved != num_processes:
         trained_on = count_noun(saved, "process")
         raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {trained_on} and this "
                             f"run has {num_processes}: the process count decides the batches, so the resumed "
