@@ -558,6 +558,24 @@ def test_a_mistyped_option_is_suggested_only_the_spellings_help_shows():
     assert "Did you mean '--no-readers'?" in says, says
 
 
+def test_a_mistyped_option_is_suggested_close_spellings_on_click_8_3(monkeypatch):
+    """pyproject allows click 8.1 on; up to 8.3 NoSuchOption keeps the possibilities it is given
+    (the parser passes the close matches; the installed 8.5 picks them in NoSuchOption): handed
+    every spelling --help shows, `bench --imp` listed all of bench's options. Under that
+    constructor, the suggestions are still the close ones."""
+    import click
+
+    def init_8_3(self, option_name, message=None, possibilities=None, ctx=None):
+        click.UsageError.__init__(self, message or f"No such option: {option_name}", ctx)
+        self.option_name, self.possibilities = option_name, possibilities
+
+    monkeypatch.setattr(click.exceptions.NoSuchOption, "__init__", init_8_3)
+    says = CliRunner().invoke(cli, ["bench", "--imp", "x"]).stderr
+    assert "'--impls'" in says and "'--warmup'" in says and "--dtype" not in says, says
+    says = CliRunner().invoke(cli, ["scan", "--no-consumer"]).stderr
+    assert "--json" not in says and "--no-consumers" not in says, says
+
+
 @pytest.mark.parametrize("arch,converts,refused", [
     ("gpt2", 2 * L + 1, {}),
     ("bert", 0, {"post-ln": 2 * L + 1}),  # every norm's output is the stream; plus BertModel has no head norm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import json
 import os
@@ -78,7 +79,9 @@ def _usage_line(e: click.UsageError) -> str:
     if isinstance(e, click.NoSuchOption) and e.possibilities and e.ctx is not None:
         # click suggests from every spelling the parser knows, an old or hidden one included
         # (`bench --imp`: "Did you mean one of: '--impl', '--impls'"): offer only those --help shows.
-        e = click.NoSuchOption(e.option_name, e.message, _shown_long_spellings(e.ctx), e.ctx)
+        # The close ones picked here: up to click 8.3, NoSuchOption lists every possibility it is given.
+        close = difflib.get_close_matches(e.option_name, _shown_long_spellings(e.ctx))
+        e = click.NoSuchOption(e.option_name, e.message, close, e.ctx)
     message = e.format_message()
     if isinstance(e, click.MissingParameter):
         # click lays a missing choice's values out as "Choose from:\n\ta,\n\tb": its own line
