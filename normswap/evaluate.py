@@ -285,8 +285,12 @@ def _check_first_window(tokens: int, window: int, max_tokens: int | None, short_
     if tokens < window and not short_ok and tokens == max_tokens:
         raise NormswapError(f"{n['max_tokens']} {max_tokens} is shorter than one window ({window} tokens)")
     if tokens < window and not short_ok:
-        raise NormswapError(f"the text is shorter than one window: {count}, window {window}; "
-                            f"pass {n['max_length']} {tokens} or less, or more text")
+        # A bound is no count to pass: the text's tokens are likely fewer, and a window of the
+        # bound would pass this check only to be refused once the tokenizer exists (after the
+        # pretraining, hours in).
+        fits = (f"{n['max_length']} {tokens} or less" if at_most is None else
+                f"{n['max_length']} no more than its token count, which only the tokenizer tells (likely under {tokens})")
+        raise NormswapError(f"the text is shorter than one window: {count}, window {window}; pass {fits}, or more text")
 
 
 def _flatten(chunks: Iterable[Sequence[int]]) -> Iterator[int]:

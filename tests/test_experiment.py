@@ -826,7 +826,8 @@ BOUND = "one per byte of the text at most: the tokenizer [pretrain] trains is by
 @pytest.mark.parametrize("overrides, message", [
     # the pretraining's own held-out perplexity (a window of pretrain.context) is the first to score it
     (["data.eval=short.txt"], f"the text is shorter than one window: at most 54 tokens ({BOUND}), window 64; "
-                              "pass pretrain.context 54 or less, or more text"),
+                              "pass pretrain.context no more than its token count, which only the tokenizer tells "
+                              "(likely under 54), or more text"),
     (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
     (["data.eval_max_length=100", "data.eval_stride=80"], "data.eval_stride 80 is larger than the window (64 tokens): "
                                                           "tokens between windows would never be scored"),
@@ -857,6 +858,28 @@ def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatc
     sets = [a for o in overrides for a in ("--set", o)]
     r = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(tmp_path / "out"), *sets, "--no-progress"])
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
+
+
+def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, monkeypatch):
+    """Before the pretraining the held-out text's tokens are known only as a bound (its bytes), and
+    the refusal said "pass pretrain.context 54 or less": a user who did was refused after the
+    pretraining (hours in, on a real recipe), the trained tokenizer making 26 tokens of the 54
+    bytes ("26 tokens, window 54; pass pretrain.context 26 or less"). The advice names no number
+    the count could be under, and following the old one shows why."""
+    from normswap.errors import NormswapError
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)
+    with pytest.raises(NormswapError) as before:
+        run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt"], progress=False)
+    assert "54 or less" not in str(before.value) and "pretrain.context no more than its token count" in str(
+        before.value), str(before.value)
+    # what the old advice led to: the check before passes, the pretraining runs, the count refuses it
+    with pytest.raises(NormswapError, match=r"the text is shorter than one window: \d+ tokens, window 54"):
+        run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt", "pretrain.context=54",
+                                                          "pretrain.steps=2", "data.eval_max_length=16"],
+                       progress=False)
 
 
 def test_a_cached_pretraining_is_not_held_to_its_held_out_window(tmp_path, pretrained_dir):
