@@ -882,6 +882,24 @@ def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, mo
                        progress=False)
 
 
+def test_a_training_text_of_one_token_is_counted_in_the_singular():
+    """c05bdd8 made check_training_text say '1 token', not '1 tokens', but its test takes either
+    ('(1 token|\\d+ tokens)', and 200 bytes of one letter make more than one): the count itself,
+    exact and as a bound."""
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import check_training_text
+
+    with pytest.raises(NormswapError) as e:
+        check_training_text(1, 32)
+    assert str(e.value) == "the training text has 1 token, fewer than one sequence of 33"
+    with pytest.raises(NormswapError) as e:
+        check_training_text(1, 32, "why")
+    assert str(e.value) == "the training text has at most 1 token (why), fewer than one sequence of 33"
+    with pytest.raises(NormswapError) as e:
+        check_training_text(2, 32)
+    assert str(e.value) == "the training text has 2 tokens, fewer than one sequence of 33"
+
+
 def test_a_text_long_in_bytes_but_short_in_tokens_is_still_refused_once_the_tokenizer_exists(tmp_path, monkeypatch):
     """The bound lets through what only the trained tokenizer can tell: 200 bytes of one letter,
     merged into a few tokens, pass the check before the pretraining (seq_len 32) and are refused
