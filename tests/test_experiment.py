@@ -922,6 +922,29 @@ def test_a_text_long_in_bytes_but_short_in_tokens_is_still_refused_once_the_toke
                         str(e.value)), str(e.value)
 
 
+def test_a_training_text_short_in_tokens_is_refused_before_the_arms(tmp_path, pretrained_dir, monkeypatch):
+    """With [pretrain] a data.train long enough in bytes (80, past a sequence of 33) but not in
+    tokens (' the' twenty times: twenty tokens) passes the check before the pretraining; it was
+    tokenized, and refused, only when the first arm that trains began, after the arms before it
+    had run their evaluations. Refused once the tokenizer exists, before any arm."""
+    import re
+
+    import normswap.evaluate
+    from normswap.errors import NormswapError
+
+    def evaluated(*a, **k):
+        raise AssertionError("an arm ran")
+
+    monkeypatch.setattr(normswap.evaluate, "diff_models", evaluated)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "approx+ft"])
+    (tmp_path / "words.txt").write_text(" the" * 20)
+    with pytest.raises(NormswapError) as e:
+        run_experiment(path, tmp_path / "out", overrides=["data.train=words.txt"], progress=False)
+    assert re.fullmatch(r"data\.train: the training text has \d+ tokens?, fewer than one sequence of 33",
+                        str(e.value)), str(e.value)
+    assert not (tmp_path / "out" / "arms").exists()
+
+
 def test_a_cached_pretraining_is_not_held_to_its_held_out_window(tmp_path, pretrained_dir):
     """The check before pretraining holds the held-out text to the pretraining's own window
     (pretrain.context) only when the pretraining is to run: a cached one scores nothing again, so a

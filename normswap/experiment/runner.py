@@ -444,6 +444,11 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     ft = recipe.finetune
     d = recipe.data
     eval_ids = encode(tokenizer, texts["eval"])
+    if train_ids is None and "train" in texts:
+        # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
+        # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
+        # first arm that trains begins, after the arms before it have run.
+        train_ids = _train_windows(recipe, tokenizer, texts["train"]).ids
 
     windows = _eval_windows(recipe)
     floor = None
