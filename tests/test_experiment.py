@@ -1165,9 +1165,9 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
     before = _files(state)
     message = (f"arm: its checkpoint {step} records no process count (num_processes in trainer.json) and holds no "
-               "random-state files (random_states_*.pkl), as every checkpoint normswap writes does: not one "
-               f"normswap wrote, or not whole, so it cannot be resumed as the run it belongs to; delete {state} to "
-               "train it from the start")
+               "random-state files (random_states_*.pkl); every checkpoint normswap writes has one or the other, "
+               "so it is not one normswap wrote, or not whole, and cannot be resumed as the run it belongs to; "
+               f"delete {state} to train it from the start")
     with pytest.raises(NormswapError) as refused:
         check_resumable(state, 1, "arm")
     assert str(refused.value) == message

@@ -274,9 +274,10 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
     if saved is None:  # resumed unchecked, it could continue another count's run with this one's batches
         raise NormswapError(f"{what}: its checkpoint {found} records no process count (num_processes in "
-                            f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl), as every "
-                            "checkpoint normswap writes does: not one normswap wrote, or not whole, so it cannot "
-                            f"be resumed as the run it belongs to; delete {state_dir} to train it from the start")
+                            f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl); every "
+                            "checkpoint normswap writes has one or the other, so it is not one normswap wrote, or "
+                            "not whole, and cannot be resumed as the run it belongs to; "
+                            f"delete {state_dir} to train it from the start")
     if saved != num_processes:
         trained_on = count_noun(saved, "process")
         raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {trained_on} and this "
