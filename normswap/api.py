@@ -488,7 +488,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
                      "conversion (run `normswap patch` on the output)")
     # Same staging and publishing as patch: a fresh directory beside the target, verified there,
     # then renamed into place (an existing one is exchanged atomically).
-    with staged_dir(target, replace=force) as tmp:
+    with staged_dir(target, replace=force, source=source) as tmp:
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,
