@@ -46,7 +46,7 @@ from normswap.errors import (
     using_option_names,
 )
 from normswap.evaluate import HALF_DTYPES, SCORING_OPTIONS, DiffResult, PerplexityResult
-from normswap.fileio import unwritable
+from normswap.fileio import cannot_write, unwritable
 from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.swap import PatchReport, VerificationError
 
@@ -427,7 +427,7 @@ def _check_writable(target: Path, folder: bool) -> None:
     """Fail before the (long) load or measurement when the destination cannot be written."""
     why = unwritable(target, folder=folder)
     if why:
-        raise NormswapError(f"cannot write to {target}: {why}")
+        raise cannot_write(target, why)
 
 
 # ---------------------------------------------------------------------------------------------
