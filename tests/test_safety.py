@@ -555,7 +555,7 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path):
+def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, gpt2, tmp_path):
     fewer = _edited_copy(src, tmp_path / "fewer", num_hidden_layers=1)
     before = _tree(fewer)
     r = run("patch", fewer, "--impl", "torch", "--in-place")
@@ -564,7 +564,9 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
 
     more = _edited_copy(src, tmp_path / "more", num_hidden_layers=3)
     r = run("patch", more, "--impl", "torch", "--out", tmp_path / "out")
-    assert_one_line_error(r, "tensor(s) missing from the checkpoint: model.layers.2.")
+    # refused before the model was allocated, naming config.json's field (test_loading holds that)
+    assert_one_line_error(r, "(num_hidden_layers is 3 there, but the weights hold 2 layers: 9 tensor(s) of "
+                             "model.layers.2 missing from the checkpoint)")
     assert not (tmp_path / "out").exists()
     # evaluation and the library loader follow the same rule
     (tmp_path / "t.txt").write_text("some text to score " * 20)
@@ -574,6 +576,13 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
 
     with pytest.raises(NormswapError, match="missing from the checkpoint"):
         load_model(resolve(more))
+
+    # convert said "the checkpoint has no tensor transformer.h.2.ln_2.weight", after planning the extra layer
+    deeper = _edited_copy(gpt2, tmp_path / "deeper", n_layer=3)
+    assert_one_line_error(run("convert", deeper, "--to", "rms", "--out", tmp_path / "c"),
+                          "(n_layer is 3 there, but the weights hold 2 layers: 12 tensor(s) of transformer.h.2 "
+                          "missing from the checkpoint)")
+    assert not (tmp_path / "c").exists()
 
     wide = _edited_copy(src, tmp_path / "wide", intermediate_size=64)
     r = run("patch", wide, "--impl", "torch")
