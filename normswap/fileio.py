@@ -192,6 +192,18 @@ def link_to_nothing(path: str | os.PathLike) -> Path | None:
     return None
 
 
+# What flock gives where the file system has no locks at all (not a held lock): an NFS mount whose
+# lock daemon is missing (ENOLCK), some SMB/CIFS and FUSE mounts (EOPNOTSUPP, ENOSYS).
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+class LocksUnsupported(NormswapError):
+    """path_lock found no locks on the lock file's file system. Its one line, `cannot lock PATH:
+    REASON`, is the error where the lock keeps two writers of one file or folder apart; a caller
+    whose lock only saves duplicated work (the built-in model's first-use conversion, which
+    publishes atomically anyway) may go on without it."""
+
+
 class LockHeld(Exception):
     """path_lock(wait=False) found the lock held; `holder` is the pid its holder wrote ("" unknown)."""
 
@@ -211,7 +223,9 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
     without following links: a link planted at the name (often a shared folder or /tmp) would have
     the pid written over the file it points at. Another user's lock file (one we may not write, or,
     in a sticky folder such as /tmp, not open to create) is locked read-only: flock needs no write
-    access, and that user's run and ours still exclude each other. No flock (Windows): no lock."""
+    access, and that user's run and ours still exclude each other. No flock (Windows): no lock.
+    A file system without locks is LocksUnsupported (a NormswapError), any other failure of the
+    flock a NormswapError: `cannot lock PATH: REASON`."""
     try:
         import fcntl
     except ImportError:
@@ -226,8 +240,13 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 raise LockHeld(holder if holder.isdigit() else "") from None
-            except OSError as e:  # a file system without flock (some network mounts)
-                raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+                if _same_file(path, fd):  # no run can hold a lock there: left, it would keep
+                    with contextlib.suppress(OSError):  # made_folders from removing its folder
+                        os.unlink(path)
+                raise LocksUnsupported(f"cannot lock {path}: {e.strerror or e}") from None
             if _same_file(path, fd):
                 break
         except BaseException:  # held, refused, or interrupted (Ctrl-C, SIGTERM) while waiting

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from normswap.errors import NormswapError
-from normswap.fileio import LockHeld, path_lock, unwritable, write_text_atomic
+from normswap.fileio import LockHeld, LocksUnsupported, path_lock, unwritable, write_text_atomic
 from tests.lock_checks import held_by_a_thread, wait_until_someone_waits_on
 
 
@@ -353,10 +353,39 @@ def test_a_file_system_without_flock_is_one_line_naming_the_lock(tmp_path, monke
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     before = _fds()
-    with pytest.raises(NormswapError, match=r"^cannot lock .*t\.lock: No locks available$"):
+    with pytest.raises(LocksUnsupported, match=r"^cannot lock .*t\.lock: No locks available$"):
         with path_lock(tmp_path / "t.lock", wait=True):
             pass
     assert _fds() == before
+    assert list(tmp_path.iterdir()) == []  # the lock file it made, which no run could ever hold, is gone
+
+
+def test_a_lock_that_keeps_writers_apart_is_not_skipped_on_a_file_system_without_flock(tmp_path, monkeypatch):
+    """Where the lock keeps two writers apart (an --out folder, the user launch table) a file system
+    without locks stays one line and exit 2, with nothing written and nothing left: only the built-in
+    model's conversion, whose lock just saves duplicated work, goes on without it (test_loading).
+    The lock file it made was left beside the target and kept the --out folders made for the run."""
+    import fcntl
+
+    from click.testing import CliRunner
+    from tiny_models import save_tiny
+
+    from normswap.cli import cli
+    from normswap.kernels import launch_table
+    from normswap.kernels._common import ROW_BUCKETS
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "Operation not supported")))
+    out = tmp_path / "made" / "out"
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(out)])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.strip().splitlines()[-1] == (f"normswap: error: cannot lock {tmp_path}/made/.out.normswap.lock: "
+                                                 "Operation not supported"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
+    table = tmp_path / "tables" / "launch.json"
+    with pytest.raises(LocksUnsupported, match=r"^cannot lock .*launch\.json\.lock: Operation not supported$"):
+        launch_table.update(table, "sm_90", [], ROW_BUCKETS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
 def test_an_interrupt_after_the_flock_does_not_keep_the_lock(tmp_path, monkeypatch):
