@@ -429,6 +429,77 @@ def test_a_holder_removes_only_its_own_lock_file(tmp_path):
     assert not lock.exists()
 
 
+# A second process taking path_lock(wait=False) on sys.argv[1] where Python has no fcntl.
+_LOCK_WITHOUT_FCNTL = """
+import sys
+import filelock  # the platform's lock is taken before fcntl goes: on Windows it never needs fcntl
+sys.modules["fcntl"] = None
+from normswap.fileio import LockHeld, path_lock
+try:
+    with path_lock(sys.argv[1], wait=False):
+        print("locked")
+except LockHeld as e:
+    print("held", repr(e.holder))
+"""
+
+
+def test_without_fcntl_path_lock_still_keeps_threads_and_processes_apart(tmp_path, monkeypatch):
+    """Where Python has no fcntl (Windows) path_lock held no lock at all, so its callers ran
+    together: a second run on one --out removed the first's staging folder as a killed run's while
+    the first wrote into it, two tunes on one launch table dropped each other's entries. There it
+    takes the platform's lock (filelock's); fcntl is made absent here, so the lock under filelock is
+    its Unix one, and what is shown is path_lock's contract: a second taker, thread or process, is
+    refused at once (LockHeld, holder unknown: Windows keeps a held file's bytes from being read) or
+    waits, and enters once the first lets go."""
+    import subprocess
+    import sys
+    import threading
+
+    import filelock  # noqa: F401  (imported while fcntl is there, as it is on Windows without it)
+
+    from normswap.checkpoint import target_lock
+
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    with pytest.raises(ImportError):
+        import fcntl  # noqa: F401
+    lock = tmp_path / "t.lock"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with contextlib.ExitStack() as waiter:
+        with held_by_a_thread(lock, wait=False) as inside:
+            assert inside.wait(60)
+            with pytest.raises(LockHeld) as held:
+                with path_lock(lock, wait=False):
+                    pass
+            assert held.value.holder == ""
+            p = subprocess.run([sys.executable, "-c", _LOCK_WITHOUT_FCNTL, str(lock)], env=env,
+                               capture_output=True, text=True, timeout=120)
+            assert p.stdout == "held ''\n", p.stderr[-2000:]
+            target = tmp_path / "out"
+            with held_by_a_thread(lock.parent / ".out.normswap.lock", wait=False) as other_run:
+                assert other_run.wait(60)
+                with pytest.raises(NormswapError, match=f"^another normswap run is writing {target}; try again"):
+                    with target_lock(target):
+                        pass
+            entered = threading.Event()
+
+            def wait_for_it():
+                with path_lock(lock, wait=True):
+                    entered.set()
+
+            t = threading.Thread(target=wait_for_it)
+            t.start()
+            waiter.callback(t.join, 60)
+            assert not entered.wait(1.0)  # it waits while the first holds the lock
+        assert entered.wait(60)  # and enters once it is let go
+    p = subprocess.run([sys.executable, "-c", _LOCK_WITHOUT_FCNTL, str(lock)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout == "locked\n", p.stderr[-2000:]
+    with pytest.raises(NormswapError, match=r"^cannot create the lock file .*t\.lock: its folder .*gone does not exist$"):
+        with path_lock(tmp_path / "gone" / "t.lock", wait=True):
+            pass
+    assert not (tmp_path / "gone").exists()
+
+
 def test_a_lock_whose_folder_is_gone_says_so(tmp_path):
     with pytest.raises(NormswapError, match=r"^cannot create the lock file .*t\.lock: its folder .*gone does not exist$"):
         with path_lock(tmp_path / "gone" / "t.lock", wait=True):
