@@ -527,6 +527,37 @@ def test_usage_errors_are_one_line_and_exit_2(args, says):
     assert len(lines) == 1 and lines[0].startswith("normswap: error: ") and says in lines[0], result.stderr
 
 
+def test_a_mistyped_option_is_suggested_only_the_spellings_help_shows():
+    """An old spelling (bench's --impl and --mode, scan's --no-consumers) is still accepted but hidden
+    from --help; click's "Did you mean" offered it beside the current one (`bench --imp`: '--impl',
+    '--impls'). Every command's hidden spellings, and the group's, mistyped: none is suggested, the
+    current one still is."""
+    import click
+
+    from normswap.cli.main import OldSpellings
+
+    hidden = []
+    for path, command in [([], cli)] + [([name], c) for name, c in cli.commands.items()]:
+        for p in command.params:
+            if isinstance(p, click.Option):
+                old = p.opts + p.secondary_opts if p.hidden else p.opts[1:] if isinstance(p, OldSpellings) else []
+                hidden += [(path, spelling) for spelling in old]
+    assert {(tuple(path), s) for path, s in hidden} >= {(("bench",), "--impl"), (("bench",), "--mode"),
+                                                           (("scan",), "--no-consumers")}
+    for path, spelling in hidden:
+        for typo in (spelling[:-1], spelling + "x"):
+            result = CliRunner().invoke(cli, [*path, typo])
+            lines = result.stderr.strip().splitlines()
+            assert result.exit_code == 2 and len(lines) == 1, result.stderr
+            assert f"No such option '{typo}'" in lines[0] and f"'{spelling}'" not in lines[0], lines[0]
+    says = CliRunner().invoke(cli, ["bench", "--imp", "x"]).stderr
+    assert "Did you mean one of: '--impls', '--warmup'?" in says, says
+    says = CliRunner().invoke(cli, ["bench", "--mod", "x"]).stderr
+    assert "Did you mean one of: '--modes', '--out'?" in says, says
+    says = CliRunner().invoke(cli, ["scan", "--no-reader"]).stderr
+    assert "Did you mean '--no-readers'?" in says, says
+
+
 @pytest.mark.parametrize("arch,converts,refused", [
     ("gpt2", 2 * L + 1, {}),
     ("bert", 0, {"post-ln": 2 * L + 1}),  # every norm's output is the stream; plus BertModel has no head norm

@@ -75,6 +75,10 @@ def _usage_line(e: click.UsageError) -> str:
     if isinstance(e, click.exceptions.NoArgsIsHelpError):
         return e.format_message()  # no command at all: the help itself, as it is laid out
     hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+    if isinstance(e, click.NoSuchOption) and e.possibilities and e.ctx is not None:
+        # click suggests from every spelling the parser knows, an old or hidden one included
+        # (`bench --imp`: "Did you mean one of: '--impl', '--impls'"): offer only those --help shows.
+        e = click.NoSuchOption(e.option_name, e.message, _shown_long_spellings(e.ctx), e.ctx)
     message = e.format_message()
     if isinstance(e, click.MissingParameter):
         # click lays a missing choice's values out as "Choose from:\n\ta,\n\tb": its own line
@@ -236,12 +240,25 @@ class OldSpellings(click.Option):
     --help (and so of the README's option lists). A list option is named as the library names its
     parameter, in the plural (bench's --impls and --modes, as tune's --ops and experiment's
     --arms); bench's --impl and --mode, their names before, keep working for the scripts that
-    wrote them. Messages name the first spelling."""
+    wrote them, as does scan's --no-consumers (--no-readers). Messages name the first spelling, and
+    a mistyped option is suggested only the first (_usage_line)."""
 
     def get_help_record(self, ctx: click.Context):
         shown = copy.copy(self)
         shown.opts = self.opts[:1]
         return click.Option.get_help_record(shown, ctx)
+
+
+def _shown_long_spellings(ctx: click.Context) -> list[str]:
+    """The long spellings of ctx's command's options that --help shows: not a hidden option's, not
+    an OldSpellings' old names. A mistyped option is suggested these (click's parser offers the
+    long ones only, as here)."""
+    spellings = []
+    for param in ctx.command.get_params(ctx):
+        if isinstance(param, click.Option) and not param.hidden:
+            opts = param.opts[:1] if isinstance(param, OldSpellings) else param.opts
+            spellings += [o for o in opts + param.secondary_opts if len(o) > 2]  # not -h
+    return spellings
 
 
 def device_option(f: Callable) -> Callable:

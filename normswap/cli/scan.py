@@ -6,20 +6,19 @@ import sys
 
 import click
 
-from normswap.cli.main import ProgressBars, cli, emit, json_option, model_epilog, report_console
+from normswap.cli.main import OldSpellings, ProgressBars, cli, emit, json_option, model_epilog, report_console
 from normswap.loading import DEFAULT_MODEL
 
 
 @cli.command(epilog=model_epilog())
 @click.argument("model", required=False, default=DEFAULT_MODEL)
 @click.option("--strict", is_flag=True, help="Fail (exit 2) on a norm-like module normswap does not recognise.")
-@click.option("--no-readers", "no_readers", is_flag=True,
+# --no-consumers: the flag's name before "readers" became the one name (scan said "consumers"), kept for scripts.
+@click.option("--no-readers", "--no-consumers", "no_readers", cls=OldSpellings, is_flag=True,
               help="Skip the traced forward that finds which modules read each norm's output "
                    "(and whether convert makes each LayerNorm an RMSNorm).")
-# The flag's name before "readers" became the one name (scan said "consumers"): kept for scripts.
-@click.option("--no-consumers", "no_consumers", is_flag=True, hidden=True)
 @json_option
-def scan(model: str, strict: bool, no_readers: bool, no_consumers: bool, as_json: bool) -> None:
+def scan(model: str, strict: bool, no_readers: bool, as_json: bool) -> None:
     """List every norm in MODEL: path, class, kind, eps, offset, casting, dtype, shape, whether it
     has a weight and a bias, its readers, and for each LayerNorm whether `normswap convert` makes
     it an RMSNorm (and why not); MODEL defaults to smollm2-135m. Built on the meta device: no
@@ -27,7 +26,7 @@ def scan(model: str, strict: bool, no_readers: bool, no_consumers: bool, as_json
     from normswap.scan import scan as run_scan
 
     with ProgressBars() as bars:  # a built-in model's first use converts it (~20 s): say so
-        doc = run_scan(model, strict=strict, with_readers=not (no_readers or no_consumers), warn=False,
+        doc = run_scan(model, strict=strict, with_readers=not no_readers, warn=False,
                        progress=bars)
     warn_unknown(doc)
     emit(doc, as_json, render)
