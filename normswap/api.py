@@ -67,8 +67,8 @@ class EvalSettings:
     batch_size: int = 1
     # what messages call max_length, stride, max_tokens, batch_size and text_field (SCORING_OPTIONS):
     # the parameter names, or the flags a command line took them from (ppl's --max-length, patch's
-    # --eval-max-*). The entry point given these settings installs them (_naming): everything
-    # below reads them from there (errors.option_labels), none takes them as a parameter.
+    # --eval-max-*). The entry point given these settings installs them (_using_entry_point_names):
+    # everything below reads them from there (errors.option_labels), none takes them as a parameter.
     option_names: Mapping[str, str] | None = None
 
     def check(self) -> None:
@@ -86,11 +86,13 @@ class EvalSettings:
                     batch_size=self.batch_size, text_field=self.text_field)
 
 
-def _naming(options, option_names, settings):
-    """The names an entry point's messages use: its own options', and its evaluation settings'
-    (their field names unless settings.option_names, or the entry point's option_names, renames
-    them; the settings' own win: the demo's --max-tokens over patch's --eval-max-tokens). Every
-    field is named, so a message deep in the scoring (errors.way_out) knows the caller has it."""
+def _using_entry_point_names(options, option_names, settings):
+    """Installs (errors.using_option_names) the names an api entry point's messages use: its own
+    options', and its evaluation settings' (their field names unless settings.option_names, or the
+    entry point's option_names, renames them; the settings' own win: the demo's --max-tokens over
+    patch's --eval-max-tokens). Every field is named, so a message deep in the scoring
+    (errors.way_out) knows the caller has it. evaluate._using_given_scoring_names is the scoring
+    functions' own: the scoring options only, and only when their caller names them."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
         names = option_labels(SCORING_OPTIONS) | names | dict(settings.option_names or {})
@@ -280,7 +282,7 @@ def patch_checkpoint(
     flags, {"in_place": "--in-place", ...}), here and in everything the call runs.
     """
     with contextlib.ExitStack() as held:
-        held.enter_context(_naming(PATCH_OPTIONS, option_names, evaluation))
+        held.enter_context(_using_entry_point_names(PATCH_OPTIONS, option_names, evaluation))
         return _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, device, strict, force,
                                  max_shard_size, rms, fuse_residual, evaluation, noise_floor, progress)
 
@@ -576,7 +578,7 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
     model runs, as patch_checkpoint's (auto: the CUDA device when there is one, where natively the
     Triton kernels must run). option_names: what messages call impl, dtype and device
     (patch_checkpoint's)."""
-    with _naming(EVALUATE_OPTIONS, option_names, settings):
+    with _using_entry_point_names(EVALUATE_OPTIONS, option_names, settings):
         return _evaluate_checkpoint(model, settings, impl, dtype, device, progress)
 
 
@@ -610,7 +612,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
     loaded in float32 (stock) and judges B against A's own distance from it. device: where all of
     them run (evaluate_checkpoint's). option_names: what messages call patched, impl, dtype and
     device (patch_checkpoint's)."""
-    with _naming(DIFF_OPTIONS, option_names, settings):
+    with _using_entry_point_names(DIFF_OPTIONS, option_names, settings):
         return _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor, progress)
 
 

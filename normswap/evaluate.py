@@ -242,7 +242,6 @@ def sliding_windows(
     behaviour, used when the window is the model's context) and an error otherwise (the user asked
     for windows of that length: a number measured on fewer tokens would not be comparable).
     """
-    n = option_labels(WINDOW_OPTIONS)
     tokens = _capped(_flatten(token_chunks), max_tokens)
     buf: list[int] = []
     buf_start = 0  # absolute position of buf[0]
@@ -258,15 +257,7 @@ def sliding_windows(
         stream_end = buf_start + len(buf)
         end = min(begin + window, stream_end)
         if begin == 0:
-            if end < 2:
-                raise NormswapError(f"the text has {end} token{'s' * (end != 1)}; at least 2 are needed to score one")
-            if end < window and not short_ok and end == max_tokens:
-                raise NormswapError(f"{n['max_tokens']} {max_tokens} is shorter than one window ({window} tokens)")
-            if end < window and not short_ok:
-                raise NormswapError(
-                    f"the text is shorter than one window: {end} tokens, window {window}; "
-                    f"pass {n['max_length']} {end} or less, or more text"
-                )
+            _check_first_window(end, window, max_tokens, short_ok)
         # Tokens before prev_end were scored by an earlier window; position 0 never can be (no context).
         win = Window(buf[begin - buf_start:end - buf_start], max(1, prev_end - begin), end - prev_end)
         if win.scored > 0:  # with stride == window a last window of 1 token has nothing to score
@@ -277,6 +268,25 @@ def sliding_windows(
         begin += stride
         del buf[:begin - buf_start]
         buf_start = begin
+
+
+def _check_first_window(tokens: int, window: int, max_tokens: int | None, short_ok: bool,
+                        at_most: str | None = None) -> None:
+    """Refuse a first window of `tokens` tokens (the text's, capped by the window and max_tokens) that
+    cannot be scored as asked (sliding_windows). at_most: `tokens` is only the most the text can
+    hold, for the reason given (a tokenizer not made yet: check_before_tokenizing); what is refused
+    then is refused for any count up to it, and the messages say "at most"."""
+    n = option_labels(WINDOW_OPTIONS)
+    count = f"{tokens} token{'s' * (tokens != 1)}"
+    if at_most is not None:
+        count = f"at most {count} ({at_most})"
+    if tokens < 2:
+        raise NormswapError(f"the text has {count}; at least 2 are needed to score one")
+    if tokens < window and not short_ok and tokens == max_tokens:
+        raise NormswapError(f"{n['max_tokens']} {max_tokens} is shorter than one window ({window} tokens)")
+    if tokens < window and not short_ok:
+        raise NormswapError(f"the text is shorter than one window: {count}, window {window}; "
+                            f"pass {n['max_length']} {tokens} or less, or more text")
 
 
 def _flatten(chunks: Iterable[Sequence[int]]) -> Iterator[int]:
@@ -613,6 +623,23 @@ def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | N
         _check_language_model_head(model_class(config))
 
 
+def check_before_tokenizing(configs: Sequence, most_tokens: int, why: str, max_length: int | None = None,
+                            stride: int | None = None, max_tokens: int | None = None, batch_size: int = 1) -> None:
+    """check_before_loading for a text whose tokenizer is not made yet (an experiment's [pretrain]
+    trains it): the window options against each other and the models' context, and the text
+    against the first window by `most_tokens`, the most tokens the tokenizer can make of it (`why`
+    says why, in the message). It refuses only what scoring would refuse whatever the count up to
+    that bound; the count itself is checked once the tokenizer exists."""
+    models = [_ConfigOnly(c) for c in configs]
+    for m in models:
+        _check_causal(m)
+    check_window_options(max_length, stride, max_tokens, batch_size)
+    window, _ = plan_window(models, max_length, stride)
+    first = min(window, most_tokens, most_tokens if max_tokens is None else max_tokens)
+    # a message that counts the text's tokens (the bound is the smallest) says the count is a bound
+    _check_first_window(first, window, max_tokens, max_length is None, at_most=why if first == most_tokens else None)
+
+
 def _check_language_model_head(cls) -> None:
     """Refuse, before any weights load, a model that returns no logits: the class the config builds
     must be one of transformers' generating classes (every causal LM is; a bare encoder such as
@@ -636,14 +663,15 @@ def perplexity(model, tokenizer, data, max_length: int | None = None,
     SCORING_OPTIONS (default: the names in effect, errors.using_option_names: the parameters', or
     what an outer entry point such as normswap.api's was told).
     """
-    with _naming(option_names):
+    with _using_given_scoring_names(option_names):
         return _perplexity(model, tokenizer, data, max_length, stride, max_tokens, batch_size, progress, text_field)
 
 
-def _naming(option_names: Mapping[str, str] | None):
-    """perplexity's and diff_models' names: given ones make the call an entry point of its own
-    (every SCORING_OPTIONS named, so normswap.data's way_out offers its text_field); none leave
-    the names in effect alone (under an experiment, which has no text_field to offer)."""
+def _using_given_scoring_names(option_names: Mapping[str, str] | None):
+    """Installs perplexity's and diff_models' option_names when given: they make the call an entry
+    point of its own (every SCORING_OPTIONS named, so normswap.data's way_out offers its
+    text_field); none leave the names in effect alone (under an api entry point, whose
+    api._using_entry_point_names named them, or an experiment, which has no text_field to offer)."""
     return using_option_names(option_labels(SCORING_OPTIONS, option_names) if option_names else None)
 
 
@@ -676,7 +704,7 @@ def diff_models(model_a, model_b, tokenizer, data, max_length: int | None = None
     This is also what `normswap patch ... --eval PATH` reports: diff_models(original,
     patched_copy(original, impl), tokenizer, open_corpus(PATH), ...). option_names: perplexity's.
     """
-    with _naming(option_names):
+    with _using_given_scoring_names(option_names):
         return _diff_models(model_a, model_b, tokenizer, data, max_length, stride, max_tokens, batch_size, progress,
                             text_field, reference)
 

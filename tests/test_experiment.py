@@ -820,6 +820,78 @@ def test_the_evaluation_window_messages_name_the_recipe_keys(tmp_path, monkeypat
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
 
 
+BOUND = "one per byte of the text at most: the tokenizer [pretrain] trains is byte-level BPE"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the pretraining's own held-out perplexity (a window of pretrain.context) is the first to score it
+    (["data.eval=short.txt"], f"the text is shorter than one window: at most 54 tokens ({BOUND}), window 64; "
+                              "pass pretrain.context 54 or less, or more text"),
+    (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
+    (["data.eval_max_length=100", "data.eval_stride=80"], "data.eval_stride 80 is larger than the window (64 tokens): "
+                                                          "tokens between windows would never be scored"),
+    (["data.train=short.txt", "finetune.seq_len=60"],
+     f"data.train: the training text has at most 54 tokens ({BOUND}), fewer than one sequence of 61"),
+    (["pretrain.text=short.txt", "pretrain.seq_len=60"],
+     f"pretrain.text: the training text has at most 54 tokens ({BOUND}), fewer than one sequence of 61"),
+])
+def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatch, overrides, message):
+    """With [pretrain] the tokenizer is trained with the model, so the evaluation's window options
+    (against each other and pretrain.context) and texts too short for a window or a sequence were
+    refused only after the pretraining. Refused before it, with the messages of the check after it:
+    the options exactly, the texts by their bytes (the byte-level BPE makes at most one token of each)."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))  # nothing pretrained
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)
+    with pytest.raises(NormswapError) as e:
+        run_experiment(path, tmp_path / "out", overrides=overrides, progress=False)
+    assert str(e.value) == message
+    assert not (tmp_path / "out").exists()
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(tmp_path / "out"), *sets, "--no-progress"])
+    assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
+
+
+def test_a_cached_pretraining_is_not_held_to_its_held_out_window(tmp_path, pretrained_dir):
+    """The check before pretraining holds the held-out text to the pretraining's own window
+    (pretrain.context) only when the pretraining is to run: a cached one scores nothing again, so a
+    held-out text shorter than that context but long enough for the evaluation's windows runs."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    (tmp_path / "short.txt").write_text(EVAL_TEXT)  # 54 bytes: under pretrain.context's 64 positions
+    result = run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt", "data.eval_max_length=16"],
+                            progress=False)
+    assert Path(result.model_path) == pretrained_dir
+    assert result.data["eval"]["max_length"] == 16 and result.data["arms"]["original"]["evals"][0]["ppl"] > 1
+
+
+def test_the_pretrained_tokenizer_makes_at_most_one_token_per_byte():
+    """The bound the checks before pretraining rest on (pretrain.most_tokens), on texts that a
+    tokenizer could make more tokens of than characters: multi-byte letters, emoji, control
+    characters, the special token's own spelling, random code points."""
+    import random
+
+    from normswap.experiment.pretrain import encode, most_tokens, train_tokenizer
+
+    rng = random.Random(0)
+    noise = "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x800),
+                                    rng.randrange(0x800, 0xD800), rng.randrange(0x10000, 0x110000)]))
+                    for _ in range(3000))
+    training = GENESIS.read_text()[:20000] + noise[:1000]
+    tokenizer = train_tokenizer(training, 400)
+    for text in ("a", " ", "\n\n", "naïve café ☃ 🤖 日本語", "<|endoftext|>x<|endoftext|>", "\x00\x01\t\r\x7f",
+                 noise, GENESIS.read_text()[:5000]):
+        tokens = encode(tokenizer, text).numel()
+        assert 1 <= tokens <= most_tokens(text), (text[:40], tokens, most_tokens(text))
+    assert most_tokens("naïve") == 6 and most_tokens("🤖") == 4
+
+
 def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path, monkeypatch):
     """The pretraining's held-out perplexity takes its window from pretrain.context, not from the
     data.eval_* keys run_experiment names for the experiment's evaluations: a held-out text shorter
@@ -978,6 +1050,45 @@ def test_a_checkpoint_from_before_the_count_was_recorded_counts_accelerates_file
         check_resumable(tmp_path / "state", 1, "arm")
     check_resumable(tmp_path / "state", 2, "arm")
     check_resumable(tmp_path / "absent", 2, "arm")  # no checkpoint: nothing to resume
+
+
+def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
+    """A checkpoint with neither a recorded process count nor accelerate's random-state files was
+    resumed unchecked: whatever count wrote it, this run went on from it with its own batches.
+    Every checkpoint normswap writes has both (save_state writes one random_states_<rank>.pkl per
+    process, also before the count was recorded), so such a folder is not normswap's, or not whole:
+    refused, naming it and what it lacks, nothing removed. Either one alone still says the count."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    state = tmp_path / "state"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    step = state / "step-000002"
+    assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
+    (step / "random_states_0.pkl").unlink()
+    check_resumable(state, 1, "arm")  # the recorded count alone says it
+    written = json.loads((step / "trainer.json").read_text())
+    (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
+    before = _files(state)
+    message = (f"arm: its checkpoint {step} records no process count (num_processes in trainer.json) and holds no "
+               "random-state files (random_states_*.pkl), as every checkpoint normswap writes does: not one "
+               f"normswap wrote, or not whole, so it cannot be resumed as the run it belongs to; delete {state} to "
+               "train it from the start")
+    with pytest.raises(NormswapError) as refused:
+        check_resumable(state, 1, "arm")
+    assert str(refused.value) == message
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False, desc="arm")
+    assert str(refused.value) == message
+    assert _files(state) == before  # nothing removed or rewritten
 
 
 def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,

@@ -325,6 +325,26 @@ def test_the_window_checks_read_the_names_in_effect_and_take_none():
         evaluate.check_window_options(None, 0)
 
 
+def test_each_helper_that_installs_names_has_a_name_of_its_own():
+    """One name per concept: api's helper that installs an entry point's names (its options' and its
+    evaluation settings') and evaluate's that installs the scoring options' names only when a caller
+    gives them were both `_naming`. Every module-level function of normswap that returns
+    errors.using_option_names(...) is named for what it installs, none twice."""
+    import ast
+    from pathlib import Path
+
+    import normswap
+
+    installers = {}
+    for path in sorted(Path(normswap.__file__).parent.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(r, ast.Return) and isinstance(r.value, ast.Call)
+                    and getattr(r.value.func, "id", None) == "using_option_names" for r in ast.walk(node)):
+                installers.setdefault(node.name, []).append(path.name)
+    assert installers == {"_using_entry_point_names": ["api.py"], "_using_given_scoring_names": ["evaluate.py"]}
+
+
 def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):
     save_tiny("gpt2", tmp_path / "gpt2")
     r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(tmp_path / "a"),

@@ -25,9 +25,9 @@ import torch
 
 from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
-from normswap.errors import using_option_names
+from normswap.errors import NormswapError, using_option_names
 from normswap.experiment.recipe import PretrainSection, file_digest
-from normswap.experiment.trainer import RandomWindows, StopFlag, train
+from normswap.experiment.trainer import RandomWindows, StopFlag, check_training_text, train
 from normswap.progress import ProgressBars
 
 EOS = "<|endoftext|>"
@@ -70,16 +70,61 @@ def train_tokenizer(text: str, vocab_size: int):
                                    model_max_length=1 << 30)
 
 
-def build_model(section: PretrainSection, vocab_size: int, eos_id: int, seed: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+# Why a text of n bytes makes at most n tokens (most_tokens), as messages give it.
+ONE_TOKEN_PER_BYTE = "one per byte of the text at most: the tokenizer [pretrain] trains is byte-level BPE"
 
-    config = GPT2Config(
+
+def most_tokens(text: str) -> int:
+    """The most tokens a train_tokenizer tokenizer makes of `text`: its UTF-8 byte count. The
+    byte-level pre-tokenizer turns every byte into one symbol of the initial alphabet (all 256 are
+    in it, so none is unknown), BPE merges only ever join symbols, and the special token (EOS)
+    spans 13 bytes: every token covers at least one byte. What the pretrained model's scoring and
+    training would refuse for too few tokens is found with it before the pretraining."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def model_config(section: PretrainSection, vocab_size: int, eos_id: int):
+    """The GPT2Config of [pretrain]'s model (its context is pretrain.context's positions)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
         vocab_size=vocab_size, n_positions=section.context, n_embd=section.n_embd, n_layer=section.n_layer,
         n_head=section.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         initializer_range=section.init_std, bos_token_id=eos_id, eos_token_id=eos_id,
     )
+
+
+def build_model(section: PretrainSection, vocab_size: int, eos_id: int, seed: int):
+    from transformers import GPT2LMHeadModel
+
+    config = model_config(section, vocab_size, eos_id)
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
+
+
+def _heldout_windows(section: PretrainSection) -> dict:
+    """The window options of the pretraining's held-out perplexity (a window of pretrain.context)."""
+    return {"max_length": section.context, "batch_size": 8}
+
+
+# Its window is pretrain.context, so its messages name that key, not the data.eval_* keys
+# run_experiment installs for the experiment's own evaluations.
+_HELDOUT_NAMES = {"max_length": "pretrain.context"}
+
+
+def check_pretraining_texts(section: PretrainSection, eval_text: str) -> None:
+    """What the pretraining would refuse for too few tokens once its tokenizer is trained, found
+    before (most_tokens' bound): pretrain.text against one sequence, and the held-out text against
+    the held-out perplexity's window. The exact counts are checked again after the tokenizer."""
+    try:
+        check_training_text(most_tokens(read_text(section.text)), section.seq_len, ONE_TOKEN_PER_BYTE)
+    except NormswapError as e:
+        raise NormswapError(f"pretrain.text: {e}") from None
+    from normswap.evaluate import check_before_tokenizing
+
+    with using_option_names(_HELDOUT_NAMES):
+        check_before_tokenizing([model_config(section, section.vocab_size, 0)], most_tokens(eval_text),
+                                ONE_TOKEN_PER_BYTE, **_heldout_windows(section))
 
 
 def encode(tokenizer, text: str) -> torch.Tensor:
@@ -139,7 +184,10 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     eval_ids = encode(tokenizer, read_text(eval_text))
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
     model.to(parse_dtype(section.dtype))
-    batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
+    try:
+        batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
+    except NormswapError as e:
+        raise NormswapError(f"pretrain.text: {e}") from None
     history = train(accelerator, model, section, batches, partial / "state", stop=stop, progress=progress,
                     desc="pretrain", log_prefix="pretrain/")
     info = {}
@@ -148,11 +196,9 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
 
         # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
         with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
-            # its window is pretrain.context, so its messages name that key, not the data.eval_*
-            # keys run_experiment installed for the experiment's own evaluations
-            with using_option_names({"max_length": "pretrain.context"}):
-                ppl = perplexity(model, tokenizer, eval_ids, max_length=section.context,
-                                 progress=bars if progress else False, batch_size=8)
+            with using_option_names(_HELDOUT_NAMES):
+                ppl = perplexity(model, tokenizer, eval_ids, progress=bars if progress else False,
+                                 **_heldout_windows(section))
         info = {
             "steps": history.step, "train_seconds": round(history.train_seconds, 1),
             "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
@@ -180,8 +226,6 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
 
 def _read_info(final: Path) -> dict:
     """The INFO_FILE of a cached pretraining, refused as bad input when it is not what we wrote."""
-    from normswap.errors import NormswapError
-
     remedy = f"delete {final} to pretrain again"
     info = jsonsafe.read_or_refuse(final / INFO_FILE, remedy)
     if not isinstance(info, dict):

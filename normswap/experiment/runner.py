@@ -43,7 +43,17 @@ from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, option_labels, using_option_names
 from normswap.experiment import report
 from normswap.experiment.arms import build_arm, check_arms
-from normswap.experiment.pretrain import encode, ensure_pretrained, read_text
+from normswap.experiment.pretrain import (
+    INFO_FILE,
+    ONE_TOKEN_PER_BYTE,
+    check_pretraining_texts,
+    encode,
+    ensure_pretrained,
+    model_config,
+    most_tokens,
+    pretrain_dir,
+    read_text,
+)
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import (
     Interrupted,
@@ -52,6 +62,7 @@ from normswap.experiment.trainer import (
     any_process,
     check_resumable,
     check_step_fits,
+    check_training_text,
     train,
 )
 from normswap.fileio import made_folders, target_path, write_text_atomic
@@ -293,10 +304,33 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
             except NormswapError as e:
                 raise NormswapError(f"finetune: {e}") from None
             train_ids = windows.ids
+    else:
+        _check_before_pretraining(recipe, texts)
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step)
+
+
+def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
+    """With [pretrain], the tokenizer is trained with the model, so what the texts' token counts
+    decide (a held-out text shorter than a window, a training text shorter than a sequence) was
+    found only after the pretraining, minutes to hours in. Found here instead where it is certain:
+    the window options against each other and pretrain.context, the texts by the most tokens the
+    tokenizer can make of them (pretrain.most_tokens). The counts between that bound and what the
+    windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
+    p = recipe.pretrain
+    if not (pretrain_dir(p, recipe.seed, recipe.name) / INFO_FILE).is_file():  # a cached one is not trained again
+        check_pretraining_texts(p, texts["eval"])
+    from normswap.evaluate import check_before_tokenizing
+
+    check_before_tokenizing([model_config(p, p.vocab_size, 0)], most_tokens(texts["eval"]), ONE_TOKEN_PER_BYTE,
+                            **_eval_windows(recipe))
+    if "train" in texts:
+        try:
+            check_training_text(most_tokens(texts["train"]), recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
+        except NormswapError as e:
+            raise NormswapError(f"data.train: {e}") from None
 
 
 def _check_fits(recipe: Recipe, model) -> None:

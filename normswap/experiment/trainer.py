@@ -118,9 +118,7 @@ class RandomWindows:
     """Training batches: random windows of seq_len tokens from one token stream (see the module doc)."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int, batch_size: int, seed: int):
-        if ids.numel() <= seq_len:
-            raise NormswapError(f"the training text has {ids.numel()} tokens, fewer than one sequence "
-                                f"of {seq_len + 1}")
+        check_training_text(ids.numel(), seq_len)
         self.ids, self.seq_len, self.batch_size, self.seed = ids, seq_len, batch_size, seed
 
     def micro_batches(self, step: int, rank: int, world: int, grad_accum: int) -> list[torch.Tensor]:
@@ -139,6 +137,15 @@ class RandomWindows:
             raise NormswapError(_step_too_large(n, self.seq_len, one_line(e))) from None
         mine = rows.view(grad_accum * world, self.batch_size, self.seq_len)[rank * grad_accum:(rank + 1) * grad_accum]
         return list(mine)
+
+
+def check_training_text(tokens: int, seq_len: int, at_most: str | None = None) -> None:
+    """Refuse a training text of `tokens` tokens, too short for one sequence of seq_len + 1 (inputs
+    and their next tokens). at_most: `tokens` is only the most the text can hold, for the reason
+    given (a tokenizer not trained yet), and the message says so."""
+    if tokens <= seq_len:
+        count = f"{tokens} tokens" if at_most is None else f"at most {tokens} tokens ({at_most})"
+        raise NormswapError(f"the training text has {count}, fewer than one sequence of {seq_len + 1}")
 
 
 def check_step_fits(n: int, seq_len: int) -> None:
@@ -254,15 +261,22 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     (NormswapError, nothing removed) to resume it under another number of processes than the one
     that wrote it: a step's sequences are grad_accum x processes draws (RandomWindows), so the
     resumed steps would see other batches, a bigger or smaller batch than the steps before them,
-    and the result would belong to neither process count. `what` names the training in the
-    message (an arm, "pretrain")."""
+    and the result would belong to neither process count. A checkpoint that says no count (none
+    recorded, no random-state files) is refused too: normswap never writes one. `what` names the
+    training in the message (an arm, "pretrain")."""
     found = latest_checkpoint(state_dir)
     if found is None:
         return None
     history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
-    # A checkpoint from before the count was recorded: accelerate's save_state writes one RNG file per process.
+    # A checkpoint from before the count was recorded (4a66f5b): accelerate's save_state writes one
+    # RNG file per process, always, so every checkpoint normswap wrote says its count one way or the other.
     saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
-    if saved is not None and saved != num_processes:
+    if saved is None:  # resumed unchecked, it could continue another count's run with this one's batches
+        raise NormswapError(f"{what}: its checkpoint {found} records no process count (num_processes in "
+                            f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl), as every "
+                            "checkpoint normswap writes does: not one normswap wrote, or not whole, so it cannot "
+                            f"be resumed as the run it belongs to; delete {state_dir} to train it from the start")
+    if saved != num_processes:
         trained_on = count_noun(saved, "process")
         raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {trained_on} and this "
                             f"run has {num_processes}: the process count decides the batches, so the resumed "
