@@ -5,12 +5,16 @@ from normswap._env import install_triton_hook
 install_triton_hook()
 
 from normswap._version import __version__  # noqa: E402
-from normswap.errors import BadInputError, NormswapError  # noqa: E402
 
 # The public API, imported on first use: `import normswap` stays instant (no torch), and each
-# name pulls in only what it needs of torch and transformers.
+# name pulls in only what it needs of torch and transformers. The command line's entry point
+# imports this package before it can answer Ctrl-C (cli.main): what runs here imports no module
+# the interpreter has not loaded already (normswap.errors brought re; an interrupt in it was a
+# traceback).
 # (The scan is normswap.scan.scan: a top-level `scan` function would clash with that submodule.)
 _LAZY = {
+    "BadInputError": "normswap.errors",
+    "NormswapError": "normswap.errors",
     "NormSpec": "normswap.specs",
     "RmsForm": "normswap.modules",
     "PatchConfig": "normswap.swap",

@@ -13,9 +13,13 @@ launched_main: whether this process is the first (or only) one of a launch, read
 variables, for work done before an Accelerator exists.
 """
 
-import importlib.abc
 import os
 import sys
+
+# Imported by the command line's entry point before it can answer Ctrl-C (cli.main): nothing here
+# but what the interpreter has loaded already. importlib.abc alone pulled in tempfile, shutil and
+# the compression modules (20 ms idle, far longer on a loaded machine), and an interrupt in them
+# ended the process with a traceback.
 
 
 def prepare_triton_env() -> None:
@@ -29,8 +33,9 @@ def prepare_triton_env() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-class _BeforeTriton(importlib.abc.MetaPathFinder):
-    """Runs prepare_triton_env when triton is first imported, then steps aside (finds nothing)."""
+class _BeforeTriton:
+    """Runs prepare_triton_env when triton is first imported, then steps aside (finds nothing). A
+    meta path finder needs only find_spec (importlib.abc.MetaPathFinder adds nothing it uses)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "triton":

@@ -3,8 +3,6 @@ and the benchmarks read them without importing the package (whose __init__ impor
 that write manifests)."""
 
 import os
-import subprocess
-from pathlib import Path
 
 __version__ = "0.1.0"
 
@@ -20,7 +18,11 @@ def git_commit() -> str | None:
     $NORMSWAP_COMMIT, when set, is the answer instead."""
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]
-    root = Path(__file__).resolve().parent.parent
+    # Imported here: `import normswap` reads __version__ before the command line can answer Ctrl-C
+    # (cli.main), and subprocess brings threading, selectors and locale with it.
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=5, check=True)

@@ -402,7 +402,8 @@ _OTHERS = 0o077
 @dataclass(frozen=True)
 class ModeBounds:
     """The permissions an output may give users other than its owner, read from the model it is
-    written from (as group/other bits; _OTHERS where nothing bounds them): a private model's output
+    written from (as group/other bits; _OTHERS where nothing bounds them; only its read and search
+    bits count, _bounded): a private model's output
     is private too, whatever names its files take. weights: what every stock weight file of the
     source allows (the most restrictive of them; a GGUF source: the .gguf file), for the weight
     files and indexes written anew, which may be named otherwise than the source's (resharded by
@@ -456,11 +457,12 @@ def settle_modes(directory: Path, target: Path, bounds: ModeBounds) -> None:
     private model's 0640 weights stay 0640 in place, a 0444 one read-only), else from its own: a
     written file's what a plain open gives (0666 less the umask; transformers writes its
     safetensors through 0600 temporary files), a carried copy its source's; the
-    folder from the folder it replaces, else 0777 less the umask. Then neither keeps a group or
-    other permission that `bounds` (the source model's) does not allow: the output of a private
-    model is no more readable than the model, whatever its files are named (files matched by name
-    alone gave a resharded model's new shards, or a private model's --out copy, 0644). Owner bits
-    are not bounded: the output is the user's to rewrite. A hard link (--in-place keeps the user's
+    folder from the folder it replaces, else 0777 less the umask. Then neither keeps a read or
+    search permission for group or others that `bounds` (the source model's) does not allow, nor
+    anything for a class left with neither (_bounded): the output of a private model is no more
+    readable than the model, whatever its files are named (files matched by name alone gave a
+    resharded model's new shards, or a private model's --out copy, 0644). Owner bits are not
+    bounded: the output is the user's to rewrite. A hard link (--in-place keeps the user's
     own files so) is left as it is: its mode is the user's file's."""
     for p in directory.iterdir():
         st = p.lstat()
@@ -477,9 +479,22 @@ def settle_modes(directory: Path, target: Path, bounds: ModeBounds) -> None:
             # a carried private copy comes back to it through the bound of its namesake
             mode = stat.S_IMODE(st.st_mode)
             mode = 0o666 & ~umask() if mode == 0o600 else mode
-        os.chmod(p, mode & ~(_OTHERS & ~bounds.file(p.name)))
+        os.chmod(p, _bounded(mode, bounds.file(p.name)))
     mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o777 & ~umask()
-    os.chmod(directory, mode & ~(_OTHERS & ~bounds.folder))
+    os.chmod(directory, _bounded(mode, bounds.folder))
+
+
+def _bounded(mode: int, allowed: int) -> int:
+    """`mode` with no group/other read or search bit that `allowed` (the source's) lacks, and no
+    bit at all for a class left with neither. The bound is on who may read the model: its write
+    bits say nothing of the output, which is the user's (a model of another user's, 0644 in a
+    0755 folder, written by a group with umask 002 into its shared folder gave 0644 files in a 0755
+    folder, which the group could no longer rewrite)."""
+    mode &= ~(_OTHERS & 0o055 & ~allowed)
+    for who in (0o070, 0o007):
+        if not mode & who & 0o055:
+            mode &= ~who
+    return mode
 
 
 def parse_shard_size(value: str | int) -> int:

@@ -202,6 +202,18 @@ def link_to_nothing(path: str | os.PathLike) -> Path | None:
     return None
 
 
+# What flock gives where the file system has no locks at all (not a held lock): an NFS mount whose
+# lock daemon is missing (ENOLCK), some SMB/CIFS and FUSE mounts (EOPNOTSUPP, ENOSYS).
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+class LocksUnsupported(NormswapError):
+    """path_lock found no locks on the lock file's file system. Its one line, `cannot lock PATH:
+    REASON`, is the error where the lock keeps two writers of one file or folder apart; a caller
+    whose lock only saves duplicated work (the built-in model's first-use conversion, which
+    publishes atomically anyway) may go on without it."""
+
+
 class LockHeld(Exception):
     """path_lock(wait=False) found the lock held; `holder` is the pid its holder wrote ("" unknown)."""
 
@@ -221,13 +233,17 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
     without following links: a link planted at the name (often a shared folder or /tmp) would have
     the pid written over the file it points at. Another user's lock file (one we may not write, or,
     in a sticky folder such as /tmp, not open to create) is locked read-only: flock needs no write
-    access, and that user's run and ours still exclude each other. No flock (Windows): no lock."""
+    access, and that user's run and ours still exclude each other. No flock (Windows): the
+    platform's lock through the filelock package (_lock_without_flock).
+    A file system without locks is LocksUnsupported (a NormswapError), any other failure of the
+    flock a NormswapError: `cannot lock PATH: REASON`."""
+    path = Path(path)
     try:
         import fcntl
     except ImportError:
-        yield
+        with _lock_without_flock(path, wait=wait):
+            yield
         return
-    path = Path(path)
     while True:
         fd = _open_lock_file(path)
         try:
@@ -236,8 +252,13 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 raise LockHeld(holder if holder.isdigit() else "") from None
-            except OSError as e:  # a file system without flock (some network mounts)
-                raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+                if _same_file(path, fd):  # no run can hold a lock there: left, it would keep
+                    with contextlib.suppress(OSError):  # made_folders from removing its folder
+                        os.unlink(path)
+                raise LocksUnsupported(f"cannot lock {path}: {e.strerror or e}") from None
             if _same_file(path, fd):
                 break
         except BaseException:  # held, refused, or interrupted (Ctrl-C, SIGTERM) while waiting
@@ -256,6 +277,33 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
                     os.unlink(path)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _lock_without_flock(path: Path, *, wait: bool) -> Iterator[None]:
+    """path_lock where Python has no fcntl (Windows): filelock's lock for the platform (LockFileEx on
+    Windows), a package torch already requires. Without it path_lock held nothing there, and its
+    callers rely on the exclusion, not only on saving work: a second run on one --out removed the
+    first's staging folder as a killed run's while the first wrote it, two tunes on one table
+    dropped each other's entries, two experiments trained into one pretraining folder. filelock's
+    Windows lock removes its file on release (where no other process has it open; that one holds
+    the lock next and removes it). Windows locks a held file's bytes against reading, so a refused
+    run cannot read the holder's pid there: LockHeld("") (unknown)."""
+    import filelock
+
+    if not path.parent.is_dir():  # filelock would make the folders (made_folders' job, with their removal)
+        raise NormswapError(f"cannot create the lock file {path}: its folder {path.parent} does not exist")
+    lock = filelock.FileLock(str(path))
+    try:
+        lock.acquire(timeout=-1 if wait else 0)  # 0: one try; -1: until it is free (Ctrl-C still ends the wait)
+    except filelock.Timeout:
+        raise LockHeld("") from None
+    except OSError as e:
+        raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _same_file(path: Path, fd: int) -> bool:

@@ -14,6 +14,7 @@ import re
 import reprlib
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from normswap.errors import (
     option_setting,
     using_option_names,
 )
-from normswap.fileio import link_to_nothing, path_lock
+from normswap.fileio import LocksUnsupported, link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
@@ -210,12 +211,24 @@ def builtin_model_dir(name: str, progress: bool | ProgressFn | None = None) -> P
     # One conversion at a time: a second command waits for the first's copy instead of making its
     # own, and the holder removes what a killed conversion left (a model-sized hidden folder that
     # nothing else would ever remove: under the lock none is another run's)
-    with path_lock(target.parent / f".{name}.normswap.lock", wait=True):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(path_lock(target.parent / f".{name}.normswap.lock", wait=True))
+            locked = True
+        except LocksUnsupported as e:
+            # A cache on a mount without locks (NFS without its lock daemon, some SMB and FUSE
+            # mounts) could never hold the model. The lock only saves a second conversion: each
+            # converts into a folder of its own and publishes it whole by a rename that keeps a
+            # copy already there, so two at once cost time, never a copy.
+            warnings.warn(f"{e}; converting {name} without the lock (two first uses at once each convert)",
+                          stacklevel=2)
+            locked = False
         if _converted(target):
             return target
-        for stale in target.parent.glob(f".{name}.*"):
-            if stale.is_dir() and not stale.is_symlink():
-                shutil.rmtree(stale, ignore_errors=True)
+        if locked:  # unlocked, a hidden folder may be another run's conversion in progress
+            for stale in target.parent.glob(f".{name}.*"):
+                if stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
         return _convert_builtin(gguf_dir, gguf_name, target, stage, progress)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from normswap.errors import NormswapError
-from normswap.fileio import LockHeld, path_lock, unwritable, write_text_atomic
+from normswap.fileio import LockHeld, LocksUnsupported, path_lock, unwritable, write_text_atomic
 from tests.lock_checks import held_by_a_thread, wait_until_someone_waits_on
 
 
@@ -400,10 +400,39 @@ def test_a_file_system_without_flock_is_one_line_naming_the_lock(tmp_path, monke
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     before = _fds()
-    with pytest.raises(NormswapError, match=r"^cannot lock .*t\.lock: No locks available$"):
+    with pytest.raises(LocksUnsupported, match=r"^cannot lock .*t\.lock: No locks available$"):
         with path_lock(tmp_path / "t.lock", wait=True):
             pass
     assert _fds() == before
+    assert list(tmp_path.iterdir()) == []  # the lock file it made, which no run could ever hold, is gone
+
+
+def test_a_lock_that_keeps_writers_apart_is_not_skipped_on_a_file_system_without_flock(tmp_path, monkeypatch):
+    """Where the lock keeps two writers apart (an --out folder, the user launch table) a file system
+    without locks stays one line and exit 2, with nothing written and nothing left: only the built-in
+    model's conversion, whose lock just saves duplicated work, goes on without it (test_loading).
+    The lock file it made was left beside the target and kept the --out folders made for the run."""
+    import fcntl
+
+    from click.testing import CliRunner
+    from tiny_models import save_tiny
+
+    from normswap.cli import cli
+    from normswap.kernels import launch_table
+    from normswap.kernels._common import ROW_BUCKETS
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.EOPNOTSUPP, "Operation not supported")))
+    out = tmp_path / "made" / "out"
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(out)])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.strip().splitlines()[-1] == (f"normswap: error: cannot lock {tmp_path}/made/.out.normswap.lock: "
+                                                 "Operation not supported"), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
+    table = tmp_path / "tables" / "launch.json"
+    with pytest.raises(LocksUnsupported, match=r"^cannot lock .*launch\.json\.lock: Operation not supported$"):
+        launch_table.update(table, "sm_90", [], ROW_BUCKETS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2"]
 
 
 def test_an_interrupt_after_the_flock_does_not_keep_the_lock(tmp_path, monkeypatch):
@@ -445,6 +474,77 @@ def test_a_holder_removes_only_its_own_lock_file(tmp_path):
             with path_lock(lock, wait=False):
                 pass
     assert not lock.exists()
+
+
+# A second process taking path_lock(wait=False) on sys.argv[1] where Python has no fcntl.
+_LOCK_WITHOUT_FCNTL = """
+import sys
+import filelock  # the platform's lock is taken before fcntl goes: on Windows it never needs fcntl
+sys.modules["fcntl"] = None
+from normswap.fileio import LockHeld, path_lock
+try:
+    with path_lock(sys.argv[1], wait=False):
+        print("locked")
+except LockHeld as e:
+    print("held", repr(e.holder))
+"""
+
+
+def test_without_fcntl_path_lock_still_keeps_threads_and_processes_apart(tmp_path, monkeypatch):
+    """Where Python has no fcntl (Windows) path_lock held no lock at all, so its callers ran
+    together: a second run on one --out removed the first's staging folder as a killed run's while
+    the first wrote into it, two tunes on one launch table dropped each other's entries. There it
+    takes the platform's lock (filelock's); fcntl is made absent here, so the lock under filelock is
+    its Unix one, and what is shown is path_lock's contract: a second taker, thread or process, is
+    refused at once (LockHeld, holder unknown: Windows keeps a held file's bytes from being read) or
+    waits, and enters once the first lets go."""
+    import subprocess
+    import sys
+    import threading
+
+    import filelock  # noqa: F401  (imported while fcntl is there, as it is on Windows without it)
+
+    from normswap.checkpoint import target_lock
+
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    with pytest.raises(ImportError):
+        import fcntl  # noqa: F401
+    lock = tmp_path / "t.lock"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with contextlib.ExitStack() as waiter:
+        with held_by_a_thread(lock, wait=False) as inside:
+            assert inside.wait(60)
+            with pytest.raises(LockHeld) as held:
+                with path_lock(lock, wait=False):
+                    pass
+            assert held.value.holder == ""
+            p = subprocess.run([sys.executable, "-c", _LOCK_WITHOUT_FCNTL, str(lock)], env=env,
+                               capture_output=True, text=True, timeout=120)
+            assert p.stdout == "held ''\n", p.stderr[-2000:]
+            target = tmp_path / "out"
+            with held_by_a_thread(lock.parent / ".out.normswap.lock", wait=False) as other_run:
+                assert other_run.wait(60)
+                with pytest.raises(NormswapError, match=f"^another normswap run is writing {target}; try again"):
+                    with target_lock(target):
+                        pass
+            entered = threading.Event()
+
+            def wait_for_it():
+                with path_lock(lock, wait=True):
+                    entered.set()
+
+            t = threading.Thread(target=wait_for_it)
+            t.start()
+            waiter.callback(t.join, 60)
+            assert not entered.wait(1.0)  # it waits while the first holds the lock
+        assert entered.wait(60)  # and enters once it is let go
+    p = subprocess.run([sys.executable, "-c", _LOCK_WITHOUT_FCNTL, str(lock)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout == "locked\n", p.stderr[-2000:]
+    with pytest.raises(NormswapError, match=r"^cannot create the lock file .*t\.lock: its folder .*gone does not exist$"):
+        with path_lock(tmp_path / "gone" / "t.lock", wait=True):
+            pass
+    assert not (tmp_path / "gone").exists()
 
 
 def test_a_lock_whose_folder_is_gone_says_so(tmp_path):

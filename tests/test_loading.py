@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -894,6 +895,41 @@ def test_a_killed_first_use_conversion_leaves_nothing_for_good(tiny_builtin):
     other.mkdir()
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
     assert sorted(p.name for p in tiny_builtin.parent.iterdir()) == [".another-builtin.abc", "tiny-builtin"]
+
+
+@pytest.mark.parametrize("err", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_a_cache_on_a_file_system_without_locks_still_gives_the_built_in_model(tiny_builtin, monkeypatch, err):
+    """A cache on a mount without flock (NFS without its lock daemon: ENOLCK; some SMB and FUSE
+    mounts: EOPNOTSUPP, ENOSYS) failed every first use with 'cannot lock ...', so the built-in
+    model could never be used there. The lock only saves a second conversion: without it the run
+    says so in one warning and converts. Unlocked, it must not remove a hidden folder as a killed
+    run's: it may be another first use's conversion in progress. No lock file is left behind."""
+    import errno
+    import fcntl
+    import shutil
+
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    code = getattr(errno, err)
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(code, os.strerror(code))))
+    cache = tiny_builtin.parent
+    another_run = cache / ".tiny-builtin.in-progress"
+    another_run.mkdir(parents=True)
+    (another_run / "model.safetensors").write_bytes(b"being written")
+    said = rf"cannot lock {cache}/\.tiny-builtin\.normswap\.lock: {os.strerror(code)}; converting tiny-builtin without the lock"
+    with pytest.warns(UserWarning, match=f"^{said}"):
+        assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert loading._converted(tiny_builtin)
+    assert sorted(p.name for p in cache.iterdir()) == [".tiny-builtin.in-progress", "tiny-builtin"]
+    assert (another_run / "model.safetensors").read_bytes() == b"being written"
+    shutil.rmtree(tiny_builtin)
+    r = CliRunner().invoke(cli, ["scan", "tiny-builtin", "--json", "--no-readers"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["path"] == str(tiny_builtin)
+    warned = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1 and re.match(f"^normswap: warning: {said}", warned[0]), r.stderr
 
 
 def test_the_built_in_models_first_use_is_a_stage_of_the_callers_progress(tiny_builtin, capfd):

@@ -643,6 +643,41 @@ def test_case9_ctrl_c_prints_one_line_and_exits_130(src, driver):
         assert json.loads(p.stdout)["model"] == str(src)  # the finished run's output is all there
 
 
+# A signal at the first import of a module outside normswap, from the console script's own import
+# of the entry point on: the driver imports no more than that script does (os, sys, both loaded at
+# start-up; no signal.py), and sends the signal with os.kill.
+_SIGNAL_AT_THE_FIRST_IMPORT = """
+import os, sys
+SIG = int(sys.argv[1])
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] != "normswap":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), SIG)
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, line, code", [(signal.SIGINT, "normswap: interrupted", 130),
+                                             (signal.SIGTERM, "normswap: terminated", 143)], ids=["SIGINT", "SIGTERM"])
+def test_case9_nothing_before_the_entry_point_answers_an_interrupt_imports_a_module(src, sig, line, code):
+    """`from normswap.cli import main`, which the console script runs before main() can set its
+    handlers, imported importlib.abc (tempfile, shutil, bz2, lzma), subprocess (threading, locale,
+    selectors), re and signal.py: ~35 ms idle, up to 0.22 s on a loaded machine, where a Ctrl-C
+    ended the run with a KeyboardInterrupt traceback and death by the signal (-2), a SIGTERM with
+    no line (-15). It now imports only normswap's own modules: the first other import
+    comes after main() answers signals."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_AT_THE_FIRST_IMPORT, str(int(sig)), "scan", str(src), "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == code, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == line and p.stdout == "", p.stderr[-3000:]
+
+
 # A library that catches the KeyboardInterrupt on its way and raises another error in its place, as
 # numpy's C initialisation does when Ctrl-C lands in it (an ImportError, or a module left half made
 # that fails the next import): at start-up (numpy, under torch's import) and during the command
@@ -1334,8 +1369,9 @@ def test_in_place_rewritten_files_keep_the_mode_of_the_files_they_replace(src, t
     assert r.exit_code == 0, r.stderr
     for name in ("model.safetensors", "config.json"):
         assert (d / name).stat().st_mode & 0o7777 == mode, name
-    # a file the folder did not hold: the umask's 0664, but no more open to others than config.json
-    assert (d / "normswap.json").stat().st_mode & 0o7777 == 0o664 & ~(0o077 & ~mode)
+    # a file the folder did not hold: the umask's 0664, but nothing for a class config.json does
+    # not let read (the group's write bit stays where the group may read config.json)
+    assert (d / "normswap.json").stat().st_mode & 0o7777 == {0o640: 0o660, 0o600: 0o600, 0o444: 0o664}[mode]
 
 
 def _modes(d: Path) -> dict[str, int]:
@@ -1390,7 +1426,11 @@ def test_a_private_models_output_is_no_more_readable_than_the_model(src, gpt2, t
     weights = sorted(n for n in modes if STOCK_WEIGHTS.fullmatch(n))
     assert weights == (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                         "model.safetensors.index.json"] if "resharded" in how else ["model.safetensors"])
-    want = {written.name: 0o750, "README.md": 0o644, **{n: 0o640 for n in weights},
+    # the group may read the weights and the folder, so the umask's group write stays on what is
+    # new (the replaced public output's 0644 and 0755 have none)
+    replaced = how in ("patch-in-place-resharded", "patch-force-over-a-public-output")
+    want = {written.name: 0o750 if replaced else 0o770, "README.md": 0o644,
+            **{n: 0o640 if how == "patch-force-over-a-public-output" else 0o660 for n in weights},
             **{n: 0o600 for n in ("config.json", "generation_config.json", "normswap.json", "tokenizer.json",
                                   "tokenizer_config.json")}}
     assert {n: oct(m) for n, m in modes.items()} == {n: oct(m) for n, m in want.items()}
@@ -1430,3 +1470,30 @@ def test_the_staging_folder_is_shut_while_the_run_writes(src, tmp_path):
     (left,) = [q for q in tmp_path.iterdir() if q.name.startswith(".out.normswap-")]
     assert left.stat().st_mode & 0o777 == 0o700
     assert (left / "normswap.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["patch", "convert"])
+def test_a_readable_models_output_keeps_the_group_bits_the_umask_gives(src, gpt2, tmp_path, command):
+    """The bound on an output's modes is on who may read the model, not on its write bits: a model
+    of another user's (0644 files in a 0755 folder), written by a group with umask 002, came out
+    0644 files in a 0755 folder (037d066 dropped every group bit the model lacked), so the group
+    that shares the output could no longer rewrite it (patch --in-place, --force). The umask's 0664
+    and 0775 stay, as before 037d066."""
+    import shutil
+
+    d, out = tmp_path / "m", tmp_path / "out"
+    shutil.copytree(gpt2 if command == "convert" else src, d)
+    for p in d.iterdir():
+        p.chmod(0o644)
+    d.chmod(0o755)
+    old_umask = os.umask(0o002)
+    try:
+        r = run(*(["convert", d, "--to", "rms"] if command == "convert" else ["patch", d, "--impl", "torch"]),
+                "--out", out)
+    finally:
+        os.umask(old_umask)
+    assert r.exit_code == 0, r.stderr
+    modes = _modes(out)
+    # what is written anew (a carried tokenizer keeps its source's 0644, as before 037d066)
+    written = ["out", "model.safetensors", "config.json", "normswap.json"]
+    assert {n: oct(modes[n]) for n in written} == {n: oct(0o775 if n == "out" else 0o664) for n in written}

@@ -2,16 +2,20 @@
 
 Commands build configs and call the library; they hold no logic of their own.
 
-`main` is the console entry point. It imports nothing heavy before it can answer Ctrl-C: an
-interrupt at any moment (start-up imports included) prints one line and exits 130, and so does
+`main` is the console entry point. Before it can answer Ctrl-C, what the console script imports
+(normswap, normswap.cli and the leaves they read) imports no module the interpreter has not loaded
+already: an interrupt there, in a module's import, ended the process with a traceback (and by the
+signal: exit -2), a window of 35 ms idle, several times that on a loaded machine.
+An interrupt at any moment after (start-up imports included) prints one line and exits 130, and so does
 one during the interpreter's shutdown after a finished run (atexit handlers of torch and tqdm),
 up to its last moments (see main).
 SIGTERM (`kill`, `timeout`, a batch scheduler's cancel, `docker stop`) is an interrupt too, so the
 same clean-up runs (a staging directory and lock file removed): one line, exit 143.
 """
 
+# Not signal.py, which start-up has not loaded (cli.signals says why): the built-in module under it.
+import _signal as signal
 import os
-import signal
 import sys
 
 from normswap.cli.signals import Terminated, interruption, raise_interrupt
@@ -51,7 +55,6 @@ def _reopen_closed_std_streams() -> None:
 
 
 def main() -> None:
-    _reopen_closed_std_streams()
     # Start-up, imports only: nothing is written yet, so an interrupt ends the process at once.
     # Raised as an exception it could land inside a C extension's initialisation (numpy's, under
     # torch's import), which turns it into an ImportError or leaves the module half made: an
@@ -59,8 +62,9 @@ def main() -> None:
     # A signal ignored by whoever started us stays ignored (as Python leaves an ignored SIGINT): a
     # shell script's background job ('normswap ... &') ignores SIGINT so that a Ctrl-C meant for the
     # script's foreground command does not end it; set here unconditionally, it did end it.
-    ours = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    ours = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
     _handle(ours, _interrupted)
+    _reopen_closed_std_streams()
     try:
         from normswap.cli.main import run
 

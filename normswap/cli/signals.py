@@ -1,7 +1,10 @@
 """How the command line names an interrupt: Ctrl-C, or SIGTERM raised as Terminated. A leaf (no
 imports of normswap), read by the entry point before anything heavy is imported and by the group."""
 
-import signal
+# _signal, the built-in module under signal.py: read before the entry point can answer Ctrl-C, and
+# signal.py is not loaded at start-up (it brings enum and functools): an interrupt in its import
+# was a traceback. Its numbers and handlers are the same, as plain ints.
+from _signal import SIGTERM
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -31,7 +34,7 @@ def raise_interrupt(signum: int, _frame=None) -> None:
     inside a C extension's initialisation (numpy's) comes out as an ImportError, which transformers'
     lazy import of a model class turns into "Could not import module 'GPT2LMHeadModel'"; a run that
     then fails was interrupted, not broken (received_interrupt)."""
-    error = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+    error = Terminated() if signum == SIGTERM else KeyboardInterrupt()
     _RECEIVED.append(error)
     raise error
 
