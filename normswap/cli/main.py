@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import json
 import os
@@ -80,7 +79,9 @@ def _usage_line(e: click.UsageError) -> str:
         # click suggests from every spelling the parser knows, an old or hidden one included
         # (`bench --imp`: "Did you mean one of: '--impl', '--impls'"): offer only those --help shows.
         # The close ones picked here: up to click 8.3, NoSuchOption lists every possibility it is given.
-        close = difflib.get_close_matches(e.option_name, _shown_long_spellings(e.ctx))
+        from difflib import get_close_matches  # here: the start-up imports nothing it need not (0849d85)
+
+        close = get_close_matches(e.option_name, _shown_long_spellings(e.ctx))
         e = click.NoSuchOption(e.option_name, e.message, close, e.ctx)
     message = e.format_message()
     if isinstance(e, click.MissingParameter):
