@@ -46,7 +46,7 @@ from normswap.errors import (
     using_option_names,
 )
 from normswap.evaluate import HALF_DTYPES, SCORING_OPTIONS, DiffResult, PerplexityResult
-from normswap.fileio import unwritable
+from normswap.fileio import cannot_write, unwritable
 from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.swap import PatchReport, VerificationError
 
@@ -429,7 +429,7 @@ def _check_writable(target: Path, folder: bool) -> None:
     """Fail before the (long) load or measurement when the destination cannot be written."""
     why = unwritable(target, folder=folder)
     if why:
-        raise NormswapError(f"cannot write to {target}: {why}")
+        raise cannot_write(target, why)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
                      "conversion (run `normswap patch` on the output)")
     # Same staging and publishing as patch: a fresh directory beside the target, verified there,
     # then renamed into place (an existing one is exchanged atomically).
-    with staged_dir(target, replace=force) as tmp:
+    with staged_dir(target, replace=force, source=source) as tmp:
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,

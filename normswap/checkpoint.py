@@ -44,6 +44,7 @@ import tempfile
 import threading
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.carry import STOCK_WEIGHTS, carried_folders, carry_over, real_folders
@@ -319,14 +320,16 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
 
 
 @contextmanager
-def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool = False) -> Iterator[Path]:
+def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool = False, *,
+               source=None) -> Iterator[Path]:
     """Yield a fresh directory beside `target`; publish it there when the block exits cleanly.
 
     replace=False refuses an existing target (the CLI's --out without --force), also one that
     appears while the block runs. replace=True replaces only what check_replaceable allows
     (in_place: the directory is the model's own). The target's lock is held throughout. Any
     exception, including a failed check inside the block, removes the staging directory and
-    leaves the target untouched.
+    leaves the target untouched. source: the loading.ModelSource the output is written from,
+    whose modes bound the output's (ModeBounds); None: a folder of normswap's own making.
     """
     target = target_path(target)
     if target.exists() and not replace:
@@ -348,11 +351,10 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
             _OUR_STAGING.add(tmp)
             try:
-                # mkdtemp makes 0700; the published directory gets the mode a plain mkdir would give it
-                # (or the replaced directory's own mode)
-                os.chmod(tmp, target.stat().st_mode & 0o7777 if target.exists() else 0o777 & ~umask())
+                # mkdtemp's 0700 stays while the run writes (and on what a kill leaves): the new
+                # weights are no one else's to read before their modes are settled
                 yield tmp
-                _normalise_file_modes(tmp, target)
+                settle_modes(tmp, target, ModeBounds.of(source))
                 _kill_point("before-publish")
                 publish_dir(tmp, target, replace=replace, in_place=in_place)
             except OSError as e:
@@ -393,15 +395,77 @@ def remove_stale_staging(target: Path) -> list[Path]:
 _OUR_STAGING: set[Path] = set()
 
 
-def _normalise_file_modes(directory: Path, target: Path) -> None:
-    """The files written anew get the mode of the file of the same name they replace in `target`
-    (a private model's 0600 or 0640 weights stay private, a 0444 stays read-only), as the folder
-    keeps its own; a new name, the mode a plain open gives (0666 less the umask): files written
-    through temporary files come out 0600, save_pretrained's follow the umask."""
-    mode = 0o666 & ~umask()
+# The group and other permission bits: what a mode lets users other than the owner do.
+_OTHERS = 0o077
+
+
+@dataclass(frozen=True)
+class ModeBounds:
+    """The permissions an output may give users other than its owner, read from the model it is
+    written from (as group/other bits; _OTHERS where nothing bounds them; only its read and search
+    bits count, _bounded): a private model's output
+    is private too, whatever names its files take. weights: what every stock weight file of the
+    source allows (the most restrictive of them; a GGUF source: the .gguf file), for the weight
+    files and indexes written anew, which may be named otherwise than the source's (resharded by
+    --max-shard-size, model.safetensors from a pytorch_model.bin). files: each top-level file of
+    the source folder by name, for the file of that name in the output (a carried copy, or one
+    rewritten from it: config.json, generation_config.json). rest: the source's config.json, for a
+    file the source has no namesake of (normswap.json, a GGUF's tokenizer files). folder: the
+    source folder's (a GGUF file's read bits, as a folder's read and search bits)."""
+
+    weights: int = _OTHERS
+    files: dict = field(default_factory=dict)
+    rest: int = _OTHERS
+    folder: int = _OTHERS
+
+    @classmethod
+    def of(cls, source) -> ModeBounds:
+        if source is None:
+            return cls()
+        if source.gguf_file:
+            bits = _others_allowed([source.path / source.gguf_file])
+            return cls(weights=bits, rest=bits, folder=bits | (bits & 0o044) >> 2)
+        try:
+            entries = list(source.path.iterdir())
+        except OSError:
+            entries = []  # it was read to load the model: nothing to bound by where it is gone
+        files = {p.name: _others_allowed([p]) for p in entries if p.is_file()}  # links followed: a hub cache's blobs
+        return cls(weights=_others_allowed([p for p in entries if STOCK_WEIGHTS.fullmatch(p.name)]),
+                   files=files, rest=files.get("config.json", _OTHERS), folder=_others_allowed([source.path]))
+
+    def file(self, name: str) -> int:
+        if STOCK_WEIGHTS.fullmatch(name):
+            return self.weights
+        return self.files.get(name, self.rest)
+
+
+def _others_allowed(paths) -> int:
+    """The group/other bits that every one of `paths` (followed through links) allows."""
+    bits = _OTHERS
+    for p in paths:
+        try:
+            bits &= os.stat(p).st_mode
+        except OSError:
+            continue
+    return bits
+
+
+def settle_modes(directory: Path, target: Path, bounds: ModeBounds) -> None:
+    """The modes of a staged output, settled before it is published in `target`'s place.
+
+    Each top-level file starts from the mode of the file of its name it replaces in `target` (a
+    private model's 0640 weights stay 0640 in place, a 0444 one read-only), else from its own: a
+    written file's what a plain open gives (0666 less the umask; transformers writes its
+    safetensors through 0600 temporary files), a carried copy its source's; the
+    folder from the folder it replaces, else 0777 less the umask. Then neither keeps a read or
+    search permission for group or others that `bounds` (the source model's) does not allow, nor
+    anything for a class left with neither (_bounded): the output of a private model is no more
+    readable than the model, whatever its files are named (files matched by name alone gave a
+    resharded model's new shards, or a private model's --out copy, 0644). Owner bits are not
+    bounded: the output is the user's to rewrite. A hard link (--in-place keeps the user's
+    own files so) is left as it is: its mode is the user's file's."""
     for p in directory.iterdir():
         st = p.lstat()
-        # a hard link is a user's own file carried over by --in-place: its mode is theirs
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             continue
         try:
@@ -409,9 +473,28 @@ def _normalise_file_modes(directory: Path, target: Path) -> None:
         except OSError:
             old = None
         if old is not None and stat.S_ISREG(old.st_mode):
-            os.chmod(p, stat.S_IMODE(old.st_mode))
-        elif (st.st_mode & 0o777) == 0o600:
-            os.chmod(p, mode)
+            mode = stat.S_IMODE(old.st_mode)
+        else:
+            # 0600 is a temporary file's (transformers writes its safetensors so), not a chosen mode;
+            # a carried private copy comes back to it through the bound of its namesake
+            mode = stat.S_IMODE(st.st_mode)
+            mode = 0o666 & ~umask() if mode == 0o600 else mode
+        os.chmod(p, _bounded(mode, bounds.file(p.name)))
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o777 & ~umask()
+    os.chmod(directory, _bounded(mode, bounds.folder))
+
+
+def _bounded(mode: int, allowed: int) -> int:
+    """`mode` with no group/other read or search bit that `allowed` (the source's) lacks, and no
+    bit at all for a class left with neither. The bound is on who may read the model: its write
+    bits say nothing of the output, which is the user's (a model of another user's, 0644 in a
+    0755 folder, written by a group with umask 002 into its shared folder gave 0644 files in a 0755
+    folder, which the group could no longer rewrite)."""
+    mode &= ~(_OTHERS & 0o055 & ~allowed)
+    for who in (0o070, 0o007):
+        if not mode & who & 0o055:
+            mode &= ~who
+    return mode
 
 
 def parse_shard_size(value: str | int) -> int:
@@ -476,7 +559,7 @@ def save_patched(model, report, target: str | os.PathLike, *, source=None, conve
         conversion = _conversion_of(source)  # read (and validated) before anything is written
     in_place = source is not None and source.path.resolve() == target
     step(progress, "save", 0, 4)
-    with staged_dir(target, replace=replace, in_place=in_place) as tmp:
+    with staged_dir(target, replace=replace, in_place=in_place, source=source) as tmp:
         try:
             write_model_files(model, tmp, max_shard_size)
             step(progress, "save", 1, 4)

@@ -148,6 +148,12 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     return None
 
 
+def cannot_write(path: str | os.PathLike, why: str) -> BadInputError:
+    """The one line for a destination that cannot be written, `why` as unwritable says it
+    ("cannot write to /x/locked/sub/out: /x/locked cannot be entered (Permission denied)")."""
+    return BadInputError(f"cannot write to {path}: {why}")
+
+
 def _unreachable(path: Path) -> str | None:
     """Why the way to `path` cannot be taken: a folder on it that this user may not enter (a
     private home, a 0700 folder of another user's). Each entry on the way is asked of the file
@@ -172,6 +178,10 @@ def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
     if not str(out).strip():
         raise BadInputError(f"the output {what} is empty; pass a {what} name")
     path = Path(out).expanduser()
+    # the questions below (is it a link?) raised PermissionError below another user's 0700 folder:
+    # "/x/locked/sub: Permission denied", worded otherwise than unwritable's reason
+    if why := _unreachable(path):
+        raise cannot_write(path.absolute(), why)
     # resolve() follows a link to nothing to where it points: --out LINK wrote the output at the
     # link's target (made its missing folders, /nonexistent/x included), not at the name given.
     if (link := link_to_nothing(path)) is not None:

@@ -612,36 +612,57 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
       failed as a memory error or took the machine's memory before the mismatch was said. Here it
       is the same line, before any allocation. A tensor that transformers' conversion mapping
       merges or reshapes on load (per-expert MoE weights fused into one) is left to the load.
+    - a tensor of the model that no stored tensor fills: a config with more layers than its
+      weights (num_hidden_layers 5000 over a 2-layer model's) had transformers allocate every
+      layer, then initialise the missing ones randomly; the load refused that, once it had
+      allocated them (minutes and gigabytes for a 70B-class config over a small model's weights).
+      Not missing: a tensor tied to a stored one (the head tied to the embedding: transformers
+      ties either way round), one the class declares it may lack
+      (_keys_to_ignore_on_load_missing), one a converter fills (each of its targets), and a
+      non-persistent buffer (not in the state dict at all). The same rule as the load's
+      (check_loading_info), said with the config.json field when the missing tensors are the
+      layers past the ones the weights hold.
     - a floating-point tensor of the model (a norm's gain, a Linear weight) stored as integers or
       booleans: from_pretrained casts it to float without a word, so normswap would patch, score
       and re-save a model that is not what the file holds. An integer buffer (old checkpoints'
       position_ids) still loads.
 
-    Not checked: GGUF files (transformers de-quantises them), quantised checkpoints (a
-    quantization_config: packed integer weights are their format), pickled weights (their dtypes
-    and shapes are only known once loaded)."""
+    Pickled weights (pytorch_model.bin) are checked for missing tensors only, from their names
+    (_weight_names): their dtypes and shapes are only known once loaded. Not checked: GGUF files
+    (transformers de-quantises them and names their tensors, and their layer count is the file's
+    own metadata), quantised checkpoints (a quantization_config: packed integer weights are their
+    format)."""
     from normswap import streaming as st
 
     if source.gguf_file or getattr(config, "quantization_config", None) is not None:
         return
-    if not ((source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()):
-        return
-    try:
-        files, _, _ = st.checkpoint_layout(source.path)
-        headers = {file: st.read_header(source.path / file) for file in files}
-    except NormswapError:
-        return  # a malformed index or file: the load reports it, as for any checkpoint
+    if (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file():
+        try:
+            files, indexed, _ = st.checkpoint_layout(source.path)
+            headers = {file: st.read_header(source.path / file) for file in files}
+        except NormswapError:
+            return  # a malformed index or file: the load reports it, as for any checkpoint
+        # what the index names is not missing: sent to a shard that does not hold it, it is the
+        # index's fault, which the conversion and the load name (streaming.CheckpointReader)
+        headers[None] = dict.fromkeys(indexed, None)
+    else:
+        # pickled: names only; none read (no weights, or unreadable ones) is for the load to say
+        headers = {None: dict.fromkeys(_weight_names(source.path), None)}
+        if not headers[None]:
+            return
     meta = build_meta_model(source, config) if meta is None else meta
     state = meta.state_dict()
     model_name = _loaded_name(meta, state)
     mismatched = []
+    filled: set[str] = set()
     for file, header in headers.items():
         for key, entry in header.items():
-            if not isinstance(entry, dict):  # __metadata__
+            if key == "__metadata__":
                 continue
-            name, as_stored = model_name(key)
+            name, as_stored, fills = model_name(key)
+            filled.update(fills)
             tensor = state.get(name)
-            if tensor is None:
+            if tensor is None or not isinstance(entry, dict):
                 continue
             if _NOT_FLOAT.fullmatch(str(entry.get("dtype"))) and tensor.is_floating_point():
                 raise NormswapError(f"{source.path / file}: {key} is stored as {entry['dtype']} where "
@@ -650,19 +671,43 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
             shape = entry.get("shape")
             if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
                 mismatched.append((name, shape, list(tensor.shape)))
-    check_loading_info(meta, {"mismatched_keys": mismatched}, str(source.ref))
+    check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled)},
+                       str(source.ref))
+
+
+def _unfilled(meta, filled: set[str]) -> list[str]:
+    """The names of `meta`'s state dict that no stored tensor fills (`filled`: the names the stored
+    ones load into), save those tied to a filled one: one object under several names in the model,
+    or a pair of transformers' tied-weights mapping, which from_pretrained ties either way round."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    groups = [set(names) for names in names_of.values() if len(names) > 1]
+    groups += [{target, source} for target, source in (getattr(meta, "all_tied_weights_keys", None) or {}).items()]
+    filled = set(filled)
+    grown = True
+    while grown:  # a chain of ties (a -> b, c -> b) fills all of them from any one
+        grown = False
+        for group in groups:
+            if group & filled and not group <= filled:
+                filled |= group
+                grown = True
+    return [name for names in names_of.values() for name in names if name not in filled]
 
 
 def _loaded_name(meta, state: dict):
-    """key -> (the name of the model tensor from_pretrained loads a checkpoint's `key` into, and
-    whether it loads it as stored): with transformers' own renaming (a bare base model's checkpoint
-    without the prefix, legacy LayerNorm.gamma/beta) and its converters (per-expert MoE weights
-    fused into one tensor: not as stored). That machinery is transformers' internals; where it is
-    missing or fails, the prefix rule alone."""
+    """key -> (the name of the model tensor from_pretrained loads a checkpoint's `key` into,
+    whether it loads it as stored, and every model tensor it fills): with transformers' own
+    renaming (a bare base model's checkpoint without the prefix, legacy LayerNorm.gamma/beta) and
+    its converters (per-expert MoE weights fused into one tensor: not as stored; a fused gate/up
+    tensor split into two: it fills both, as transformers names a converter's other targets).
+    That machinery is transformers' internals; where it is missing or fails, the prefix rule
+    alone."""
     prefix = getattr(meta, "base_model_prefix", "")
 
-    def by_prefix(key: str) -> tuple[str, bool]:
-        return (key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"), True
+    def by_prefix(key: str) -> tuple[str, bool, tuple[str, ...]]:
+        name = key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"
+        return name, True, (name,)
 
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -673,13 +718,18 @@ def _loaded_name(meta, state: dict):
         return by_prefix
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_source = {pattern: converter for converter in converters for pattern in converter.source_patterns}
 
-    def loaded(key: str) -> tuple[str, bool]:
+    def loaded(key: str) -> tuple[str, bool, tuple[str, ...]]:
         try:
-            name, converter = rename_source_key(key, renamings, converters, prefix, state)
+            name, source_pattern = rename_source_key(key, renamings, converters, prefix, state)
+            converter = by_source.get(source_pattern)
+            # transformers' own spelling of a converter's other targets (core_model_loading)
+            fills = (name,) if converter is None else \
+                tuple(name.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
         except Exception:  # noqa: BLE001
             return by_prefix(key)
-        return (name, converter is None) if name in state else by_prefix(key)
+        return (name, source_pattern is None, fills) if name in state else by_prefix(key)
 
     return loaded
 
@@ -744,7 +794,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
     keys the architecture declares ignorable (transformers already leaves tied ones out)."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
-        return sorted(k for k in keys if not any(p.search(k) for p in patterns))
+        return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
 
     def first(keys):
         return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
@@ -756,7 +806,9 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
             [f"{k} (checkpoint {list(a)}, config {list(b)})" for k, a, b in mismatched]))
-    if missing:
+    if missing and (layers := _layers_past_the_stored(model, missing)):
+        problems.append(layers)
+    elif missing:
         problems.append(f"{len(missing)} tensor(s) missing from the checkpoint: {first(missing)}")
     if unexpected:
         problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
@@ -765,6 +817,48 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
     if problems:
         raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
                             "is the config from another model size?")
+
+
+def _natural(name: str) -> list:
+    """A sort key that puts model.layers.2 before model.layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _layers_past_the_stored(model, missing: list[str]) -> str | None:
+    """'num_hidden_layers is 5000 there, but the weights hold 2 layers: ...' when the missing
+    tensors are exactly those of the layers past the ones the weights hold, in a list of layers as
+    long as a layer-count field of config.json says (the field named as the file spells it:
+    n_layer for GPT-2); None otherwise."""
+    config = getattr(model, "config", None)
+    counts: dict[int, list[str]] = {}
+
+    def collect(fields: dict, prefix: str = "") -> None:
+        for name, value in fields.items():
+            if isinstance(value, dict):
+                collect(value, f"{prefix}{name}.")
+            elif isinstance(value, int) and not isinstance(value, bool) and _LAYER_COUNT.fullmatch(str(name)):
+                counts.setdefault(value, []).append(prefix + name)
+
+    with contextlib.suppress(Exception):  # a config that cannot say: the plain message
+        collect(config.to_dict())
+    lists = [(path, module) for path, module in model.named_modules()
+             if path and isinstance(module, torch.nn.ModuleList) and len(module) in counts]
+    for path, layers in sorted(lists, key=lambda item: item[0].count(".")):
+        under = f"{path}."
+        if not all(name.startswith(under) for name in missing):
+            continue
+        index = {name: int(rest.split(".", 1)[0]) for name in model.state_dict()
+                 if name.startswith(under) and (rest := name[len(under):]).split(".", 1)[0].isdigit()}
+        gone = set(missing)
+        held = {i for name, i in index.items() if name not in gone}
+        stored = len(held)
+        if held != set(range(stored)) or not 0 < stored < len(layers) or any(index.get(m, -1) < stored for m in missing):
+            continue
+        field = " / ".join(counts[len(layers)])
+        past = f"{under}{stored}" + (f" to {under}{len(layers) - 1}" if len(layers) - stored > 1 else "")
+        return (f"{field} is {len(layers)} there, but the weights hold {stored} layer{'s' * (stored > 1)}: "
+                f"{len(missing)} tensor(s) of {past} missing from the checkpoint")
+    return None
 
 
 def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = None):

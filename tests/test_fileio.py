@@ -172,6 +172,53 @@ def test_a_folder_on_the_way_that_cannot_be_entered_is_a_reason_not_an_exception
         shutil.rmtree(base)
 
 
+def test_an_output_below_a_folder_that_cannot_be_entered_is_refused_in_unwritables_words():
+    """patch/convert --out /x/locked/sub/o said "/x/locked/sub: Permission denied" (target_path's
+    look for a link raised PermissionError), bench --out below the same folder "cannot write to
+    ...: /x/locked cannot be entered (Permission denied)". One line now, the same for every command
+    with an output (fileio.cannot_write with unwritable's reason), exit 2."""
+    import shutil
+
+    from click.testing import CliRunner
+    from tiny_models import save_tiny
+
+    from normswap.cli import cli
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        save_tiny("gpt2", base / "m")  # a LayerNorm model: convert has work to do
+        for p in [base / "m", *(base / "m").iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)  # the model is readable by all: only the output is refused
+        locked = base / "locked"
+        (locked / "sub").mkdir(parents=True)
+        locked.chmod(0o000)
+        said = f"{locked} cannot be entered (Permission denied)"
+
+        def runs():
+            out = []
+            for args in (["patch", base / "m", "--impl", "torch", "--out", locked / "sub" / "o"],
+                         ["convert", base / "m", "--to", "rms", "--out", locked / "sub" / "o"],
+                         ["patch", base / "m", "--impl", "torch", "--out", locked / "new" / "deeper" / "o"],
+                         ["bench", base / "m", "--impls", "torch", "--modes", "prefill", "--seq", "8", "--batch", "1",
+                          "--out", locked / "sub" / "o.json"]):
+                r = CliRunner().invoke(cli, [str(a) for a in args])
+                out.append((r.exit_code, r.stderr))
+            return out
+
+        # imported as root: as nobody the child cannot read a Python installed under /root
+        import importlib.readers  # noqa: F401  (convert reads its architecture data through it)
+
+        answers = _as_a_user_the_bits_bind(runs)
+        want = [f"cannot write to {locked / 'sub' / 'o'}: {said}", f"cannot write to {locked / 'sub' / 'o'}: {said}",
+                f"cannot write to {locked / 'new' / 'deeper' / 'o'}: {said}",
+                f"cannot write to {locked / 'sub' / 'o.json'}: {said}"]
+        assert answers == [(2, f"normswap: error: {line}\n") for line in want]
+    finally:
+        locked.chmod(0o700)
+        shutil.rmtree(base)
+
+
 class _Failed(Exception):
     pass
 

@@ -656,6 +656,132 @@ def test_check_stored_tensors_without_transformers_renaming_still_adds_the_prefi
         loading.check_stored_tensors(src, loading.load_config(src))
 
 
+# ---- tensors the config has and the weights do not
+
+
+def _with_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return loading.resolve(dst)
+
+
+def _unallocated(monkeypatch):
+    """load_model's from_pretrained made an error: what it refuses must be refused before it."""
+    def allocate(*args, **kwargs):
+        raise AssertionError("the model was allocated")
+
+    monkeypatch.setattr(loading, "from_pretrained_checked", allocate)
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "pickled"])
+@pytest.mark.parametrize("layers", [3, 300])
+def test_a_config_with_more_layers_than_its_weights_is_refused_before_the_model_is_allocated(
+        tmp_path, monkeypatch, layout, layers):
+    """num_hidden_layers 5000 over a 2-layer model's weights: transformers allocated 5000 layers
+    (gigabytes for a real model's width), initialised the 4998 missing ones randomly, and only then
+    did check_loading_info refuse the load. Refused from the weights' names alone now (safetensors
+    headers, a pickled file's names), with the config.json field (as the file spells it: n_layer
+    for GPT-2) and the layers missing. One layer too many (2 -> 3) is refused the same way."""
+    from tiny_models import tiny_model
+
+    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
+    d = tmp_path / "two"
+    model = tiny_model(arch)
+    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    if layout == "pickled":
+        for p in d.glob("model*.safetensors*"):
+            p.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
+    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    src = _with_config(d, tmp_path / "more", **{field: layers})
+    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
+    per_layer = sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
+    past = f"{prefix}2" + (f" to {prefix}{layers - 1}" if layers > 3 else "")
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert _one_line(e) == (f"{tmp_path / 'more'}: the weights do not match config.json ({field} is {layers} there, "
+                            f"but the weights hold 2 layers: {per_layer * (layers - 2)} tensor(s) of {past} missing "
+                            "from the checkpoint); is the config from another model size?")
+
+
+def test_tensors_a_checkpoint_may_lack_are_not_missing(tmp_path, monkeypatch):
+    """What transformers fills without the checkpoint holding it is not refused before the load:
+    a head tied to the embedding (either way round), a bias the class declares it may lack
+    (_keys_to_ignore_on_load_missing: BART's final_logits_bias), a converter's other targets (a
+    fused gate/up tensor that fills two), per-expert weights fused into one. Each loads."""
+    from safetensors.torch import load_file, save_file
+    from sweep_models import tiny_config
+    from tiny_models import tiny_model
+    from transformers import CONFIG_MAPPING
+
+    cases = {"gpt2": tiny_model("gpt2")}  # lm_head tied to wte, not stored
+    for model_type, cls in (("bart", "BartForConditionalGeneration"), ("hrm_text", "HrmTextForCausalLM"),
+                            ("mixtral", "MixtralForCausalLM")):
+        if model_type in CONFIG_MAPPING:  # (hrm_text: transformers 5.24)
+            import transformers
+
+            torch.manual_seed(0)
+            cases[model_type] = getattr(transformers, cls)(tiny_config(model_type)).eval()
+    for name, model in cases.items():
+        d = tmp_path / name
+        model.save_pretrained(d)
+        stored = set(load_file(d / "model.safetensors"))
+        if name == "gpt2":
+            assert "lm_head.weight" not in stored
+            # the head stored and the embedding not: transformers ties the other way round
+            tensors = load_file(d / "model.safetensors")
+            tensors["lm_head.weight"] = tensors.pop("transformer.wte.weight")
+            save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        if name == "bart":
+            tensors = load_file(d / "model.safetensors")
+            del tensors["final_logits_bias"]
+            save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        if name == "hrm_text":
+            assert any("gate_up_proj" in k for k in stored)  # one stored tensor, two of the model's
+        if name == "mixtral":
+            assert any(".experts.1." in k for k in stored)  # per expert, fused on load
+        src = loading.resolve(d)
+        loading.check_stored_tensors(src, loading.load_config(src))
+        assert loading.load_model(src) is not None, name
+
+
+def test_a_base_checkpoint_under_a_causal_lm_with_its_own_head_is_refused_before_allocation(tmp_path, monkeypatch):
+    """A base model's weights under a config naming the causal LM, whose head is not tied: the
+    head is missing (transformers would make it up); refused before the load, as the load refused it."""
+    from tiny_models import tiny_model
+
+    d = tmp_path / "base"
+    model = tiny_model("llama", tie_word_embeddings=False)
+    model.model.save_pretrained(d)  # the LlamaModel alone
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(loading.resolve(d))
+    assert "(1 tensor(s) missing from the checkpoint: lm_head.weight)" in _one_line(e)
+
+
+def test_an_index_that_names_a_tensor_is_left_to_say_where_it_is(tmp_path):
+    """A tensor the index names (in a shard that does not hold it) is not called missing: the
+    index is what is wrong, and the conversion and the load say so (test_streaming)."""
+    from tiny_models import tiny_model
+
+    d = tmp_path / "sharded"
+    tiny_model("llama").save_pretrained(d, max_shard_size="20KB")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    (d / last).unlink()
+    (d / last).write_bytes((d / sorted(set(index["weight_map"].values()))[0]).read_bytes())
+    src = loading.resolve(d)
+    loading.check_stored_tensors(src, loading.load_config(src))
+
+
 @pytest.fixture
 def tiny_builtin(tmp_path, monkeypatch):
     """A built-in model "tiny-builtin": the tiny Llama GGUF, shipped in a package of its own as

@@ -555,7 +555,7 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
-def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path):
+def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, gpt2, tmp_path):
     fewer = _edited_copy(src, tmp_path / "fewer", num_hidden_layers=1)
     before = _tree(fewer)
     r = run("patch", fewer, "--impl", "torch", "--in-place")
@@ -564,7 +564,9 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
 
     more = _edited_copy(src, tmp_path / "more", num_hidden_layers=3)
     r = run("patch", more, "--impl", "torch", "--out", tmp_path / "out")
-    assert_one_line_error(r, "tensor(s) missing from the checkpoint: model.layers.2.")
+    # refused before the model was allocated, naming config.json's field (test_loading holds that)
+    assert_one_line_error(r, "(num_hidden_layers is 3 there, but the weights hold 2 layers: 9 tensor(s) of "
+                             "model.layers.2 missing from the checkpoint)")
     assert not (tmp_path / "out").exists()
     # evaluation and the library loader follow the same rule
     (tmp_path / "t.txt").write_text("some text to score " * 20)
@@ -574,6 +576,13 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, tmp_path
 
     with pytest.raises(NormswapError, match="missing from the checkpoint"):
         load_model(resolve(more))
+
+    # convert said "the checkpoint has no tensor transformer.h.2.ln_2.weight", after planning the extra layer
+    deeper = _edited_copy(gpt2, tmp_path / "deeper", n_layer=3)
+    assert_one_line_error(run("convert", deeper, "--to", "rms", "--out", tmp_path / "c"),
+                          "(n_layer is 3 there, but the weights hold 2 layers: 12 tensor(s) of transformer.h.2 "
+                          "missing from the checkpoint)")
+    assert not (tmp_path / "c").exists()
 
     wide = _edited_copy(src, tmp_path / "wide", intermediate_size=64)
     r = run("patch", wide, "--impl", "torch")
@@ -1360,4 +1369,131 @@ def test_in_place_rewritten_files_keep_the_mode_of_the_files_they_replace(src, t
     assert r.exit_code == 0, r.stderr
     for name in ("model.safetensors", "config.json"):
         assert (d / name).stat().st_mode & 0o7777 == mode, name
-    assert (d / "normswap.json").stat().st_mode & 0o7777 == 0o664
+    # a file the folder did not hold: the umask's 0664, but nothing for a class config.json does
+    # not let read (the group's write bit stays where the group may read config.json)
+    assert (d / "normswap.json").stat().st_mode & 0o7777 == {0o640: 0o660, 0o600: 0o600, 0o444: 0o664}[mode]
+
+
+def _modes(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o7777 for p in [d, *d.iterdir()]}
+
+
+def _private_copy(model: Path, d: Path) -> None:
+    """`model` as a private model: its weights readable by the group only, its other files the
+    owner's, its folder shut to others, save a README the owner has made public."""
+    import shutil
+
+    from normswap.carry import STOCK_WEIGHTS
+
+    shutil.copytree(model, d)
+    (d / "README.md").write_text("public card\n")
+    for p in d.iterdir():
+        os.chmod(p, 0o640 if STOCK_WEIGHTS.fullmatch(p.name) else 0o644 if p.name == "README.md" else 0o600)
+    d.chmod(0o750)
+
+
+@pytest.mark.parametrize("how", ["patch-out", "patch-out-resharded", "patch-in-place-resharded",
+                                 "patch-force-over-a-public-output", "convert-out"])
+def test_a_private_models_output_is_no_more_readable_than_the_model(src, gpt2, tmp_path, how):
+    """Modes were matched by file name: a file the target did not hold got 0666 less the umask, and
+    a copied 0600 one was opened up to it too. So --out of a private model (0640 weights, 0600
+    config and tokenizer, a 0750 folder) came out 0664 in a 0775 folder, --max-shard-size's new
+    shards (in place too) 0664 beside the 0640 model.safetensors they replaced, and --force over an
+    earlier public output kept that output's 0644. Now every file keeps no group/other permission
+    its kind lacks in the model (weights: the weights'; a file with a namesake: that file's;
+    normswap.json: config.json's), nor the folder the model folder's."""
+    from normswap.carry import STOCK_WEIGHTS
+
+    d, out = tmp_path / "m", tmp_path / "out"
+    _private_copy(gpt2 if how.startswith("convert") else src, d)
+    args = {"patch-out": ["--out", out], "patch-out-resharded": ["--out", out, "--max-shard-size", "50KB"],
+            "patch-in-place-resharded": ["--in-place", "--max-shard-size", "50KB"],
+            "patch-force-over-a-public-output": ["--out", out, "--force"],
+            "convert-out": ["--out", out]}[how]
+    if how == "patch-force-over-a-public-output":
+        assert run("patch", src, "--impl", "torch", "--out", out).exit_code == 0
+        for p in [out, *out.iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    old_umask = os.umask(0o002)
+    try:
+        r = run(*(["convert", d, "--to", "rms"] if how.startswith("convert") else ["patch", d, "--impl", "torch"]),
+                *args)
+    finally:
+        os.umask(old_umask)
+    assert r.exit_code == 0, r.stderr
+    written = d if how == "patch-in-place-resharded" else out
+    modes = _modes(written)
+    weights = sorted(n for n in modes if STOCK_WEIGHTS.fullmatch(n))
+    assert weights == (["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                        "model.safetensors.index.json"] if "resharded" in how else ["model.safetensors"])
+    # the group may read the weights and the folder, so the umask's group write stays on what is
+    # new (the replaced public output's 0644 and 0755 have none)
+    replaced = how in ("patch-in-place-resharded", "patch-force-over-a-public-output")
+    want = {written.name: 0o750 if replaced else 0o770, "README.md": 0o644,
+            **{n: 0o640 if how == "patch-force-over-a-public-output" else 0o660 for n in weights},
+            **{n: 0o600 for n in ("config.json", "generation_config.json", "normswap.json", "tokenizer.json",
+                                  "tokenizer_config.json")}}
+    assert {n: oct(m) for n, m in modes.items()} == {n: oct(m) for n, m in want.items()}
+
+
+def test_a_private_gguf_makes_a_private_output(tmp_path):
+    """A .gguf's output (weights, config.json, normswap.json) written 0664 from a 0600 file: the
+    GGUF file is the model, weights and config at once, and its read bits bound the folder's."""
+    from test_loading import write_tiny_llama_gguf
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    gguf.chmod(0o600)
+    old_umask = os.umask(0o002)
+    try:
+        r = run("patch", gguf, "--impl", "torch", "--out", tmp_path / "out")
+    finally:
+        os.umask(old_umask)
+    assert r.exit_code == 0, r.stderr
+    modes = _modes(tmp_path / "out")
+    assert {n: oct(m) for n, m in modes.items()} == {n: oct(0o700 if n == "out" else 0o600) for n in modes}
+    assert "model.safetensors" in modes and "normswap.json" in modes
+
+
+def test_the_staging_folder_is_shut_while_the_run_writes(src, tmp_path):
+    """The staging folder was given the output's mode before anything was written, so while a run
+    worked, and in what a kill -9 left of it, the new files lay in a 0755 folder, a private model's
+    config and carried tokenizer at 0644. It stays mkdtemp's 0700 until the modes are settled."""
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
+               NORMSWAP_TEST_KILL_AT="after-manifest", NORMSWAP_TEST_KILL_SIGNAL="KILL")
+    p = subprocess.run([sys.executable, "-m", "normswap", "patch", str(d), "--impl", "torch", "--out",
+                        str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    (left,) = [q for q in tmp_path.iterdir() if q.name.startswith(".out.normswap-")]
+    assert left.stat().st_mode & 0o777 == 0o700
+    assert (left / "normswap.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["patch", "convert"])
+def test_a_readable_models_output_keeps_the_group_bits_the_umask_gives(src, gpt2, tmp_path, command):
+    """The bound on an output's modes is on who may read the model, not on its write bits: a model
+    of another user's (0644 files in a 0755 folder), written by a group with umask 002, came out
+    0644 files in a 0755 folder (037d066 dropped every group bit the model lacked), so the group
+    that shares the output could no longer rewrite it (patch --in-place, --force). The umask's 0664
+    and 0775 stay, as before 037d066."""
+    import shutil
+
+    d, out = tmp_path / "m", tmp_path / "out"
+    shutil.copytree(gpt2 if command == "convert" else src, d)
+    for p in d.iterdir():
+        p.chmod(0o644)
+    d.chmod(0o755)
+    old_umask = os.umask(0o002)
+    try:
+        r = run(*(["convert", d, "--to", "rms"] if command == "convert" else ["patch", d, "--impl", "torch"]),
+                "--out", out)
+    finally:
+        os.umask(old_umask)
+    assert r.exit_code == 0, r.stderr
+    modes = _modes(out)
+    # what is written anew (a carried tokenizer keeps its source's 0644, as before 037d066)
+    written = ["out", "model.safetensors", "config.json", "normswap.json"]
+    assert {n: oct(modes[n]) for n in written} == {n: oct(0o775 if n == "out" else 0o664) for n in written}
