@@ -39,7 +39,7 @@ _LAZY = {
     "launch_table_status": "normswap.kernels.tune",
 }
 
-__all__ = ["BadInputError", "NormswapError", "__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):

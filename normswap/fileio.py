@@ -255,8 +255,13 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
             except OSError as e:
                 if e.errno not in _NO_LOCKS:
                     raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
-                if _same_file(path, fd):  # no run can hold a lock there: left, it would keep
-                    with contextlib.suppress(OSError):  # made_folders from removing its folder
+                # Left, a lock file would keep made_folders from removing its folder; but ENOLCK is
+                # also what one NFS client without its lock daemon gets while another, whose locks
+                # work, holds the lock: a holder's file (its pid written) stays, or a third run would
+                # make a new one and lock it beside the holder. An empty one is this run's, or one
+                # whose taker locks again the file at the path after its flock (the loop below).
+                if os.fstat(fd).st_size == 0 and _same_file(path, fd):
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
                 raise LocksUnsupported(f"cannot lock {path}: {e.strerror or e}") from None
             if _same_file(path, fd):
@@ -267,8 +272,9 @@ def path_lock(path: str | os.PathLike, *, wait: bool) -> Iterator[None]:
         os.close(fd)  # released and removed by its holder meanwhile: lock the file now there
     try:
         with contextlib.suppress(OSError):  # opened read-only: another user's file keeps its pid
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            pid = str(os.getpid()).encode()
+            os.pwrite(fd, pid, 0)  # before the truncation: a held file is never empty (see above)
+            os.ftruncate(fd, len(pid))
         yield
     finally:
         try:

@@ -407,6 +407,31 @@ def test_a_file_system_without_flock_is_one_line_naming_the_lock(tmp_path, monke
     assert list(tmp_path.iterdir()) == []  # the lock file it made, which no run could ever hold, is gone
 
 
+def test_a_refused_flock_never_removes_a_lock_file_another_run_holds(tmp_path, monkeypatch):
+    """flock's ENOLCK is not only 'this mount has no locks': it is what one NFS client without its
+    lock daemon gets while another client, whose locks work, holds the lock (and what a kernel out
+    of lock records gives). The refused run removed the lock file whatever it held, so a third run
+    made a new one and locked it while the holder still wrote: two writers of one target. Only an
+    empty file (made by this run, or by one that has not locked it yet, which then locks again the
+    file at the path) is removed; a holder's has its pid."""
+    import fcntl
+
+    lock = tmp_path / "t.lock"
+    real_flock = fcntl.flock
+    with held_by_a_thread(lock, wait=False) as inside:
+        assert inside.wait(60)
+        monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks available")))
+        with pytest.raises(LocksUnsupported):
+            with path_lock(lock, wait=True):
+                pass
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        assert lock.read_text() == str(os.getpid())  # the holder's file is still there
+        with pytest.raises(LockHeld):  # and still keeps a third run out
+            with path_lock(lock, wait=False):
+                pass
+    assert not lock.exists()  # removed by its holder on release
+
+
 def test_a_lock_that_keeps_writers_apart_is_not_skipped_on_a_file_system_without_flock(tmp_path, monkeypatch):
     """Where the lock keeps two writers apart (an --out folder, the user launch table) a file system
     without locks stays one line and exit 2, with nothing written and nothing left: only the built-in

@@ -216,3 +216,11 @@ def test_an_original_that_raises_in_its_own_dtype_is_not_blamed_on_the_dtype(mon
     with pytest.raises(normswap.VerificationError, match="another input shape") as e:
         normswap.patch(tiny_model("gpt2"), "torch")
     assert "verify in the dtype" not in str(e.value)
+
+
+def test_each_public_name_is_listed_once():
+    """0849d85 made BadInputError and NormswapError lazy (in _LAZY) but kept them in __all__ beside
+    *_LAZY: each was listed twice (what `from normswap import *`, documentation tools and
+    `help(normswap)` read)."""
+    assert len(normswap.__all__) == len(set(normswap.__all__)), sorted(normswap.__all__)
+    assert {"BadInputError", "NormswapError", "__version__"} <= set(normswap.__all__)
