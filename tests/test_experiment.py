@@ -859,6 +859,28 @@ def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatc
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
 
 
+def test_a_text_long_in_bytes_but_short_in_tokens_is_still_refused_once_the_tokenizer_exists(tmp_path, monkeypatch):
+    """The bound lets through what only the trained tokenizer can tell: 200 bytes of one letter,
+    merged into a few tokens, pass the check before the pretraining (seq_len 32) and are refused
+    after the tokenizer is trained, before any training step, naming pretrain.text (it named no key)."""
+    import re
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    def no_training(*a, **k):
+        raise AssertionError("the pretraining started")
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pretrain, "train", no_training)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    (tmp_path / "same.txt").write_text("a" * 200)
+    with pytest.raises(NormswapError) as e:
+        run_experiment(path, tmp_path / "out", overrides=["pretrain.text=same.txt"], progress=False)
+    assert re.fullmatch(r"pretrain\.text: the training text has (1 token|\d+ tokens), fewer than one sequence of 33",
+                        str(e.value)), str(e.value)
+
+
 def test_a_cached_pretraining_is_not_held_to_its_held_out_window(tmp_path, pretrained_dir):
     """The check before pretraining holds the held-out text to the pretraining's own window
     (pretrain.context) only when the pretraining is to run: a cached one scores nothing again, so a

@@ -144,7 +144,8 @@ def check_training_text(tokens: int, seq_len: int, at_most: str | None = None) -
     and their next tokens). at_most: `tokens` is only the most the text can hold, for the reason
     given (a tokenizer not trained yet), and the message says so."""
     if tokens <= seq_len:
-        count = f"{tokens} tokens" if at_most is None else f"at most {tokens} tokens ({at_most})"
+        count = f"{tokens} token{'s' * (tokens != 1)}"
+        count = count if at_most is None else f"at most {count} ({at_most})"
         raise NormswapError(f"the training text has {count}, fewer than one sequence of {seq_len + 1}")
 
 
