@@ -421,6 +421,10 @@ def check_config(config, where) -> None:
 
 def _check_fields(fields: dict, where, prefix: str = "") -> None:
     for name, value in fields.items():
+        # a config class may hold a table keyed by numbers (Aria's projector_patch_to_query_dict,
+        # {1225: 128} from the file's {"1225": 128}): its keys are no field names (a str-only regex
+        # raised TypeError on them, an internal error for every command on an Aria model)
+        name = str(name)
         if isinstance(value, dict):
             _check_fields(value, where, f"{prefix}{name}.")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -656,6 +656,25 @@ def test_check_stored_tensors_without_transformers_renaming_still_adds_the_prefi
         loading.check_stored_tensors(src, loading.load_config(src))
 
 
+def test_a_config_holding_a_table_keyed_by_numbers_is_checked(tmp_path):
+    """AriaConfig turns its projector_patch_to_query_dict's keys ("1225") into ints; the field check
+    matched every key of the config's dict with a str-only regex, so load_config on any Aria model
+    (and with it every command) was an internal error: TypeError, exit 1."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "AriaConfig"):
+        pytest.skip("no Aria in this transformers")
+    d = tmp_path / "aria"
+    transformers.AriaConfig().save_pretrained(d)
+    assert '"1225"' in (d / "config.json").read_text()
+    config = loading.load_config(loading.resolve(d))
+    assert 1225 in config.projector_patch_to_query_dict
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = -1  # the check still reads past the table
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NormswapError, match="text_config.num_hidden_layers is -1"):
+        loading.load_config(loading.resolve(d))
+
+
 # ---- tensors the config has and the weights do not
 
 
