@@ -477,6 +477,9 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: an unknown architectures name", ["bench", fx["unknown_arch"], "--impls", "torch", "--modes", "prefill",
                                                       "--seq", "4", "--out", out / "b.json"],
              "has no model class of that name", ci=True),
+        Case("bench: --out a named pipe", ["bench", L, "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                           "--out", fx["pipe"]], "it is not a regular file (a pipe, socket or device)",
+             ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impls", "torch"], "repeats", ci=True),
         # --seq past G's 64 positions: a cap that stopped working fails the case at once (the context
         # check comes after the count checks) instead of timing for years
@@ -560,6 +563,8 @@ def cases(fx: dict) -> list[Case]:
         Case("tune: --out is not a launch table", ["tune", "--out", T], "is not a valid launch table", ci=True),
         Case("tune: --out ''", ["tune", "--out", ""], "the output file is empty", ci=True, cwd=fx["user_dir"]),
         Case("tune: --out nested too deeply", ["tune", "--out", fx["deep_json"]], "nested too deeply", ci=True),
+        Case("tune: --out a named pipe", ["tune", "--out", fx["pipe"]], "it is not a regular file (a pipe, socket",
+             ci=True),
         Case("tune: --out is a directory", ["tune", "--out", fx["root"] / "llama"], "is a directory", ci=True),
         Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
     ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -224,6 +226,23 @@ def test_out_replaces_only_an_earlier_bench_result(tmp_path):
     first = json.loads(out.read_text())
     assert CliRunner().invoke(cli, [*args, "--out", str(out)]).exit_code == 0  # an earlier result: replaced
     assert json.loads(out.read_text())["created"] >= first["created"]
+
+
+def test_out_never_replaces_a_pipe_or_device(tmp_path):
+    """As root, `bench MODEL --out /dev/null` (a user keeping only the --json report) renamed its
+    results file over the null device and exited 0: /dev/null was a regular file for the whole
+    machine from then on. A named pipe went the same way. Only a regular file may be replaced,
+    and the refusal comes before anything is measured. (A pipe here: a test must not risk
+    /dev/null.)"""
+    model = _config_only("llama", tmp_path / "cfg")
+    fifo = tmp_path / "results.pipe"
+    os.mkfifo(fifo)
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", "--dtype", "fp32", "--out", str(fifo), "--json"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.strip() == (f"normswap: error: cannot write to {fifo}: it is not a regular file (a pipe, "
+                                "socket or device); refusing to replace it"), r.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 def test_a_failing_variant_is_a_row_not_a_crash(tmp_path, monkeypatch):
