@@ -332,6 +332,8 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: --max-shard-size -5GB", [*P, L, "--impl", "torch", "--out", out, "--max-shard-size", "-5GB"],
              "--max-shard-size", ci=True),
         Case("patch: --only with a bad regex", [*P, L, "--impl", "torch", "--only", "["], "--only '['", ci=True),
+        Case("patch: --only with a repeat count past re's limit", [*P, L, "--impl", "torch", "--only", "a{99999999999}"],
+             "--only 'a{99999999999}': not a regular expression", ci=True),
         Case("patch: --exclude with a bad regex", [*P, L, "--impl", "torch", "--exclude", "(a"], "--exclude '(a'",
              ci=True),
         Case("patch: --device tpu", [*P, L, "--impl", "torch", "--device", "tpu"], "unknown device", ci=True),
