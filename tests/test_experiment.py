@@ -1607,6 +1607,24 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, m
                       progress=False)
 
 
+@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 1e307), ("sgd", 1e308)])  # adamw's step: lr / 0.1
+def test_a_learning_rate_past_the_dtypes_range_is_one_line(tmp_path, optimizer, lr):
+    """finetune.lr = 1e308 passed the recipe's checks (finite, not negative) and then torch refused
+    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1)."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import trainer
+    from normswap.experiment.recipe import TrainSettings
+
+    batches = trainer.RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=2, warmup_steps=0, lr=lr, optimizer=optimizer, schedule="constant")
+    with pytest.raises(NormswapError, match=rf"^arm: step 1: the update at learning rate {re.escape(f'{lr:g}')} \(weight_decay 0\) "
+                                            r"overflows the weights' dtype \(.*\); lower the learning rate$"):
+        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "s",
+                      progress=False, desc="arm")
+
+
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():
     import signal
 

@@ -322,6 +322,21 @@ def _out_of_memory_is_bad_input(where: str):
                             "(grad_accum keeps the batch)") from None
 
 
+@contextlib.contextmanager
+def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
+    """An update the weights' dtype cannot hold is the recipe's learning rate (or weight decay), not a
+    bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5 in
+    float16) into the weights' type, which was an internal error (exit 1). A smaller but still
+    absurd rate trains into a non-finite loss, which the step's check reports the same way."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "without overflow" not in str(e):
+            raise
+        raise NormswapError(f"{where}: the update at learning rate {lr:g} (weight_decay {s.weight_decay:g}) "
+                            f"overflows the weights' dtype ({one_line(e)}); lower the learning rate") from None
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
@@ -413,7 +428,8 @@ def train(
                     total += value.detach().float()
             if settings.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            optimizer.step()
+            with _overflow_is_bad_input(f"{desc}: step {step + 1}", lr, settings):
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_loss = accelerator.reduce(total / ga, reduction="mean").item()
             if not math.isfinite(step_loss):
