@@ -495,6 +495,8 @@ def cases(fx: dict) -> list[Case]:
                                                         "--modes", "prefill", "--seq", "4", "--out", out / "b.json"],
              "(checkpoint [32, 48], config [32, 64])", ci=True),
         Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
+        Case("experiment: the recipe is /dev/zero", ["experiment", "/dev/zero"], "/dev/zero: more than 1 MiB, not a recipe",
+             ci=True),
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
         Case("experiment: a recipe nested too deeply", ["experiment", fx["deep_recipe"], "--out", out / "x"],
              "deep.toml: not valid TOML (nested too deeply)", ci=True),

@@ -191,6 +191,19 @@ def test_not_toml_and_missing_file(tmp_path):
         load_recipe(tmp_path / "absent.toml")
 
 
+def test_a_recipe_file_past_a_mebibyte_is_not_read_to_the_end(tmp_path):
+    """`normswap experiment /dev/zero` read until memory ran out (MemoryError, exit 1): a recipe is
+    read up to 1 MiB and refused past it. (A file here, which the read without the bound parsed:
+    a test must not fill the machine's memory when the bound is gone.)"""
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 110_000)  # 1.05 MiB of comments: valid TOML
+    with pytest.raises(RecipeError, match=r"^.*big.toml: more than 1 MiB, not a recipe file$"):
+        load_recipe(big)
+    crlf = write_recipe(tmp_path / "crlf.toml", PRETRAIN)  # the bounded read still takes CRLF and a pipe's text
+    crlf.write_bytes(crlf.read_bytes().replace(b"\n", b"\r\n"))
+    assert load_recipe(crlf).to_dict() == load_recipe(write_recipe(tmp_path / "lf.toml", PRETRAIN)).to_dict()
+
+
 def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
     path = write_recipe(tmp_path / "r.toml", PRETRAIN)
     for args in (["--set", "finetune.stepz=1"], ["--arms", "original,nonsense"], ["--set", "seed=x y"],
