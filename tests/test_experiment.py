@@ -873,6 +873,53 @@ def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatc
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
 
 
+@pytest.mark.parametrize("override", ["pretrain.n_layer=1099511627776", "pretrain.n_embd=1099511627776",
+                                      "pretrain.context=1099511627776"])
+def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretraining(tmp_path, monkeypatch, override):
+    """n_embd = 2**40 was an internal error from the allocator (exit 1); n_layer = 2**40 built layer
+    after layer until the machine's memory ran out. Refused from the shape, before anything is built."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr(pretrain, "physical_memory", lambda: 2**30)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    big = [override] + (["pretrain.seq_len=8"] if "context" in override else [])
+    with pytest.raises(NormswapError, match=r"^pretrain: a model of [\d,]+ parameters takes [\d,.]+ GiB in float32, "
+                                            r"more than this machine's 1\.0 GiB of memory; lower n_layer, n_embd, "
+                                            r"context or vocab_size$"):
+        run_experiment(path, tmp_path / "out", overrides=big, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    pretrain.check_model_fits(load_recipe(path).pretrain, GENESIS.read_text())
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
+                                                                                          n_head=4, context=16)])
+def test_the_pretrained_models_parameter_count_is_the_models(shape):
+    from transformers import GPT2LMHeadModel
+
+    from normswap.experiment.pretrain import model_config, parameter_count
+    from normswap.experiment.recipe import PretrainSection
+
+    section = PretrainSection(text="t.txt", **shape)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(model_config(section, 300, 0))
+    assert parameter_count(section, 300) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_vocabulary_larger_than_the_text_allows_trains_the_same_tokenizer():
+    """The tokenizers trainer reserves room for vocab_size entries first: 2**62 panicked inside Rust
+    (a traceback past normswap's handler), 10**9 aborted the process. It cannot make more than
+    most_vocabulary's entries, so the request is capped there, and the result is the same."""
+    from normswap.experiment.pretrain import most_vocabulary, train_tokenizer
+
+    text = "In the beginning God created the heaven and the earth. " * 20
+    capped = train_tokenizer(text, most_vocabulary(text))
+    assert train_tokenizer(text, 2**62).get_vocab() == capped.get_vocab()
+    assert len(capped) < most_vocabulary(text)
+
+
 def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, monkeypatch):
     """Before the pretraining the held-out text's tokens are known only as a bound (its bytes), and
     the refusal said "pass pretrain.context 54 or less": a user who did was refused after the
