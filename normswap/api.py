@@ -117,9 +117,9 @@ def _require_flags(**flags) -> None:
             require_bool(name, value)
 
 
-def _require_path(name: str, value, optional: bool = False) -> None:
+def _require_path(name: str, value, optional: bool = False, what: str = "folder") -> None:
     if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
-        raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a {what} path (str or path), got {type(value).__name__}")
 
 
 # What `normswap demo` scores: the embedded text (Genesis, KJV), in windows of at most this many
@@ -545,6 +545,8 @@ def _bench_checkpoint(model, impls, modes, out, results_dir, progress, options) 
     from normswap.loading import require_reference
 
     require_progress_fn(progress)
+    _require_path("out", out, optional=True, what="file")  # Path(5) failed inside pathlib
+    _require_path("results_dir", results_dir)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
     check_config(config)

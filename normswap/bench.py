@@ -339,13 +339,20 @@ def check_config(cfg: BenchConfig) -> None:
     messages name impls, modes, batch, seq, warmup, repeats and compile_backend as the entry point
     running them was told to (run_bench's, bench_checkpoint's option_names)."""
     from normswap.backends import BACKENDS
-    from normswap.errors import BadInputError
+    from normswap.dtypes import RUN_DTYPES
+    from normswap.errors import BadInputError, require_bool
 
     n = option_labels(CHECKED_OPTIONS)
     for name, _least in _AT_LEAST:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
             raise TypeError(f"{n[name]}: expected a whole number (int), got {value!r}")
+    for name in ("fuse_residual", "compile", "load_weights"):  # load_weights="no" loaded the weights
+        require_bool(option_labels((name,))[name], getattr(cfg, name))
+    if not isinstance(cfg.dtype, str):
+        # The result records the config as JSON: torch.float32 was timed in full, and then every
+        # number was lost to "Object of type dtype is not JSON serializable".
+        raise TypeError(f"dtype: expected a name such as {', '.join(map(repr, RUN_DTYPES))}, got {cfg.dtype!r}")
     if not cfg.impls:  # only the unpatched model would be timed: nothing to compare it with
         raise BadInputError(f"{n['impls']} names no implementation; expected one or more of {', '.join(BACKENDS)}")
     if not cfg.modes:

@@ -339,6 +339,29 @@ BAD_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("kwargs, says", [
+    # "no" is truthy: load_weights="no" loaded the weights, compile="yes" compiled, fuse_residual=2 fused
+    (dict(load_weights="no"), "load_weights: expected True or False, got 'no'"),
+    (dict(compile="yes"), "compile: expected True or False, got 'yes'"),
+    (dict(fuse_residual=2), "fuse_residual: expected True or False, got 2"),
+    # timed in full, then every number lost: "Object of type dtype is not JSON serializable"
+    (dict(dtype=torch.float32), "dtype: expected a name such as 'fp32', 'fp16', 'bf16', got torch.float32"),
+    # pathlib's own "expected str, bytes or os.PathLike object, not int", naming no parameter
+    (dict(out=5), "out: expected a file path (str or path), got int"),
+    (dict(results_dir=None, out=None), "results_dir: expected a folder path (str or path), got NoneType"),
+])
+def test_a_wrong_kind_of_value_is_refused_before_anything_is_timed(tmp_path, monkeypatch, kwargs, says):
+    import normswap
+    from normswap import bench
+
+    monkeypatch.setattr(bench, "time_calls", lambda *a, **k: pytest.fail("a bad option reached the timing"))
+    model = _config_only("gpt2", tmp_path / "cfg")
+    out = tmp_path / "r.json"
+    with pytest.raises(TypeError) as e:
+        normswap.bench_checkpoint(model, "torch", **dict(modes="prefill", seq=4, repeats=1, warmup=0, out=out) | kwargs)
+    assert str(e.value) == says and not out.exists()
+
+
 def test_the_count_limits_themselves_are_accepted():
     """AT_MOST is the largest count allowed, not the first refused."""
     from normswap.bench import AT_MOST, BenchConfig, check_config
