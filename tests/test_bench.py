@@ -362,6 +362,25 @@ def test_a_wrong_kind_of_value_is_refused_before_anything_is_timed(tmp_path, mon
     assert str(e.value) == says and not out.exists()
 
 
+def test_train_and_decode_on_a_model_without_a_language_model_head_are_refused_before_it_is_built(tmp_path):
+    """bench on BertModel: every train and decode variant failed inside the timing ("'BaseModelOutput...'
+    object has no attribute 'loss'"), beside a FutureWarning of transformers', and the run ended in
+    "nothing was measured: eager decode: AttributeError: ...". Prefill times its forward."""
+    import normswap
+    from normswap.errors import NormswapError
+
+    model = _config_only("bert", tmp_path / "cfg")
+    args = ["bench", str(model), "--impls", "torch", "--seq", "4", "--repeats", "1", "--warmup", "0", "--dtype", "fp32"]
+    r = CliRunner().invoke(cli, [*args, "--modes", "prefill,decode", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and r.stderr == ("normswap: error: BertModel has no language-model head, which --modes "
+                                             "decode needs; time its forward alone with --modes prefill\n"), r.stderr
+    with pytest.raises(NormswapError, match=r"^BertModel has no language-model head, which modes train and decode need;"):
+        normswap.bench_checkpoint(model, "torch", modes="train,decode", seq=4, out=tmp_path / "r.json")
+    assert not (tmp_path / "r.json").exists()
+    r = CliRunner().invoke(cli, [*args, "--modes", "prefill", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+
+
 def test_the_count_limits_themselves_are_accepted():
     """AT_MOST is the largest count allowed, not the first refused."""
     from normswap.bench import AT_MOST, BenchConfig, check_config
