@@ -1145,6 +1145,75 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
+@pytest.fixture(scope="module")
+def two_step_state(tmp_path_factory):
+    """A training state checkpointed at steps 1 and 2 (LATEST -> step-000002), as train leaves it."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    state = tmp_path_factory.mktemp("two-steps") / "state"
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=2, warmup_steps=0, checkpoint_every=1),
+          batches, state, progress=False)
+    assert sorted(p.name for p in state.iterdir()) == ["LATEST", "step-000002"]
+    return state, batches
+
+
+def _edited_history(**fields):
+    def edit(state):
+        path = state / "step-000002" / "trainer.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+    return edit
+
+
+@pytest.mark.parametrize("damage, says", [
+    # read as "no checkpoint": training began at step 0 and its first checkpoint removed step-000002
+    (lambda s: (s / "LATEST").write_text(""), "LATEST names '', which is no checkpoint in"),
+    (lambda s: (s / "LATEST").write_text("step-000099"), "LATEST names 'step-000099', which is no checkpoint in"),
+    # another run's checkpoint, resumed as this one's
+    (lambda s: (s / "LATEST").write_text("../../elsewhere/step-000002"), "LATEST names '../../elsewhere/step-000002'"),
+    # internal errors: UnicodeDecodeError, IsADirectoryError at the first save
+    (lambda s: (s / "LATEST").write_bytes(b"\xff\xfe"), "LATEST: cannot read it ('utf-8' codec can't decode"),
+    (lambda s: ((s / "LATEST").unlink(), (s / "LATEST").mkdir()), "LATEST: cannot read it ("),
+    # fields of another kind: TypeError / AttributeError / RuntimeError deep in the training loop
+    (_edited_history(step="2"), "trainer.json: not a training state that normswap wrote (step is '2')"),
+    (_edited_history(step=None), "(step is None)"),
+    (_edited_history(step=2.5), "(step is 2.5)"),
+    (_edited_history(losses="abc"), "(losses is 'abc')"),
+    (_edited_history(train_seconds="x"), "(train_seconds is 'x')"),
+    (_edited_history(num_processes="1"), "(num_processes is '1')"),  # was "trained on 1 processes and this run has 1"
+    # a step past the run's end "finished" the arm with two losses
+    (_edited_history(step=10**6), "(2 losses for step 1000000, one per step)"),
+    # accelerate's reader on files it did not write: torch's RuntimeError, FileNotFoundError
+    (lambda s: [f.write_bytes(f.read_bytes()[:100]) for f in (s / "step-000002").glob("*model*.bin")],
+     "train: cannot resume from its checkpoint"),
+    (lambda s: [f.unlink() for f in (s / "step-000002").glob("optimizer*.bin")], "train: cannot resume from its "),
+])
+def test_a_damaged_checkpoint_is_refused_and_kept(two_step_state, tmp_path, damage, says):
+    """A training state that is not what train wrote is one line naming it and the way out, and
+    nothing in the folder is removed or rewritten (the checkpoint may be all the run has)."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import train
+
+    base, batches = two_step_state
+    state = tmp_path / "run" / "state"
+    shutil.copytree(base, state)
+    damage(state)
+    before = _files(state)
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=4, warmup_steps=0,
+              checkpoint_every=1), batches, state, progress=False)
+    assert says in str(refused.value) and str(refused.value).endswith(f"delete {state} to train from the start")
+    assert _files(state) == before and (state / "step-000002").is_dir()
+
+
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
     """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
     written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming
