@@ -95,7 +95,7 @@ def _using_entry_point_names(options, option_names, settings):
     functions' own: the scoring options only, and only when their caller names them."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
-        names = option_labels(SCORING_OPTIONS) | names | dict(settings.option_names or {})
+        names = option_labels(SCORING_OPTIONS) | names | option_labels((), settings.option_names)
     return using_option_names(names)
 
 
