@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, option_labels
 
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.
@@ -189,6 +189,9 @@ def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
     an empty or blank one: Path("") is the current directory, and an unset shell variable passed
     as --out "$OUT" would write (or with --force, replace) whatever directory the user happens to
     be in."""
+    if not isinstance(out, str | os.PathLike):  # Path(5): pathlib's "expected str, bytes or os.PathLike object"
+        label = option_labels(("out",))["out"]
+        raise TypeError(f"{label}: expected the output {what}'s path (str or path), got {type(out).__name__}")
     if not str(out).strip():
         raise BadInputError(f"the output {what} is empty; pass a {what} name")
     path = Path(out).expanduser()

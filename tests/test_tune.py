@@ -589,6 +589,8 @@ def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, m
                          ({"out": tmp_path / "t.json", "report_path": tmp_path / "t.json"}, "would be one file")):
         with pytest.raises(BadInputError, match=says):
             tune.tune_launches(hidden=[4096], **kwargs)
+    with pytest.raises(TypeError, match=r"^out: expected the output file's path \(str or path\), got int$"):
+        tune.tune_launches(hidden=[4096], out=5)  # was pathlib's message, naming no parameter
     assert broken.read_text() == '{"schema": 1}' and measured == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
 
