@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -1078,6 +1079,12 @@ def _two_processes_accelerator():
     class TwoProcesses(Accelerator):
         num_processes = 2
 
+        def save_state(self, output_dir=None, **kwargs):
+            saved = super().save_state(output_dir, **kwargs)
+            # and the file rank 1's save_state writes (a checkpoint without it is refused as not whole)
+            shutil.copyfile(Path(output_dir) / "random_states_0.pkl", Path(output_dir) / "random_states_1.pkl")
+            return saved
+
     return TwoProcesses(cpu=True)
 
 
@@ -1160,7 +1167,8 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     step = state / "step-000002"
     assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
     (step / "random_states_0.pkl").unlink()
-    check_resumable(state, 1, "arm")  # the recorded count alone says it
+    with pytest.raises(NormswapError, match="was written by 1 process but lacks random_states_0.pkl"):
+        check_resumable(state, 1, "arm")  # the recorded count alone says it, and that a file is missing
     written = json.loads((step / "trainer.json").read_text())
     (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
     before = _files(state)
@@ -1175,6 +1183,52 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
         train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False, desc="arm")
     assert str(refused.value) == message
     assert _files(state) == before  # nothing removed or rewritten
+
+
+def test_a_checkpoint_that_lacks_a_processs_random_state_file_is_refused(tmp_path):
+    """accelerate's load_state reads random_states_<rank>.pkl and, when it is not there, only logs
+    it: a checkpoint whose count says 2 with one file (a file lost; a node of a run without a shared
+    file system) resumed from this start's random state, not the interrupted run's (the dropout of
+    the resumed steps changed, unsaid). Refused on every process (each sees every rank's file), one
+    line naming the folder and the file, nothing removed; the file back, it resumes as the run
+    uninterrupted would have gone on."""
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    assert random_layer_norm_gpt2().config.resid_pdrop > 0  # dropout draws from the saved random state
+    whole = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
+                  progress=False)
+    state = tmp_path / "state"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    step = state / "step-000002"
+    kept = step / "random_states_1.pkl"
+    kept.rename(tmp_path / "kept.pkl")
+    before = _files(state)
+    message = (f"arm: its checkpoint {step} was written by 2 processes but lacks random_states_1.pkl (accelerate "
+               "writes one random-state file per process; resumed without it, the steps would go on from another "
+               f"random state than the interrupted run's, unsaid); put it back, or delete {state} to train it "
+               "from the start")
+    with pytest.raises(NormswapError) as refused:
+        check_resumable(state, 2, "arm")  # on either rank: check_resumable looks at every rank's file
+    assert str(refused.value) == message
+    with pytest.raises(NormswapError) as refused:
+        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              desc="arm")
+    assert str(refused.value) == message
+    assert _files(state) == before  # nothing removed or rewritten
+    (tmp_path / "kept.pkl").rename(kept)
+    # random_layer_norm_gpt2 seeds torch: this start's random state is the one step 1 began from,
+    # and only the checkpoint's (step 3's) makes the resumed steps those of the uninterrupted run
+    resumed = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state,
+                    progress=False)
+    assert resumed.losses == whole.losses
 
 
 def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,

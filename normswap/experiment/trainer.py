@@ -278,6 +278,19 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
                             "checkpoint normswap writes has one or the other, so it is not one normswap wrote, or "
                             "not whole, and cannot be resumed as the run it belongs to; "
                             f"delete {state_dir} to train it from the start")
+    # accelerate's load_state reads random_states_<rank>.pkl on each process and, when it is missing,
+    # only logs it: the resumed steps would draw dropout from this start's random state, not the
+    # interrupted run's, and nothing would say so. Every rank's file is checked on every process (a
+    # shared folder gives each the same answer, so all refuse together rather than one rank leaving
+    # the others at the next barrier); a node that holds only its own ranks' files (several nodes
+    # without a shared file system) lacks the main process's model and optimizer files too.
+    missing = [name for name in (f"random_states_{rank}.pkl" for rank in range(saved)) if not (found / name).is_file()]
+    if missing:
+        raise NormswapError(f"{what}: its checkpoint {found} was written by {count_noun(saved, 'process')} but "
+                            f"lacks {', '.join(missing)} (accelerate writes one random-state file per process; "
+                            "resumed without it, the steps would go on from another random state than the "
+                            "interrupted run's, unsaid); put it back, or delete "
+                            f"{state_dir} to train it from the start")
     if saved != num_processes:
         trained_on = count_noun(saved, "process")
         raise NormswapError(f"{what}: its checkpoint at step {history.step} was trained on {trained_on} and this "
