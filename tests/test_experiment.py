@@ -790,7 +790,7 @@ EVAL_TEXT = "In the beginning God created the heaven and the earth."  # 54 token
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.eval=short.txt"], "the text is shorter than one window: 54 tokens, window 64; "
+    (["data.eval=short.txt"], "data.eval: the text is shorter than one window: 54 tokens, window 64; "
                               "pass data.eval_max_length 54 or less, or more text"),
     (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
     # 100 is capped at the model's 64 positions; the recipe only holds the stride to the 100
@@ -826,7 +826,8 @@ BOUND = "one per byte of the text at most: the tokenizer [pretrain] trains is by
 
 @pytest.mark.parametrize("overrides, message", [
     # the pretraining's own held-out perplexity (a window of pretrain.context) is the first to score it
-    (["data.eval=short.txt"], f"the text is shorter than one window: at most 54 tokens ({BOUND}), window 64; "
+    (["data.eval=short.txt"], f"data.eval: the text is shorter than one window: at most 54 tokens ({BOUND}), "
+                              "window 64; "
                               "pass pretrain.context no more than its token count, which only the tokenizer tells "
                               "(likely under 54), or more text"),
     (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
@@ -877,7 +878,7 @@ def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, mo
     assert "54 or less" not in str(before.value) and "pretrain.context no more than its token count" in str(
         before.value), str(before.value)
     # what the old advice led to: the check before passes, the pretraining runs, the count refuses it
-    with pytest.raises(NormswapError, match=r"the text is shorter than one window: \d+ tokens, window 54"):
+    with pytest.raises(NormswapError, match=r"^data\.eval: the text is shorter than one window: \d+ tokens, window 54"):
         run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt", "pretrain.context=54",
                                                           "pretrain.steps=2", "data.eval_max_length=16"],
                        progress=False)
@@ -999,7 +1000,7 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
         pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, tmp_path / "short.txt",
                                    progress=False)
-    assert re.fullmatch(r"the text is shorter than one window: (\d+) tokens, window 64; "
+    assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "
                         r"pass pretrain\.context \1 or less, or more text", str(e.value)), str(e.value)
 
 

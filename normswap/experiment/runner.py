@@ -229,11 +229,12 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
 
 # The options run_experiment's messages name, as option_names renames them.
 EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
-# The evaluation's window options (diff_models' parameters, _eval_windows) by the recipe keys
-# they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
-# than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens. Every caller
-# writes these keys, so option_names does not rename them.
-EVAL_WINDOW_KEYS = {"max_length": "data.eval_max_length", "stride": "data.eval_stride",
+# The evaluation's text and window options (diff_models' parameters, _eval_windows) by the recipe
+# keys they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
+# than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens, and `the
+# text is shorter than one window` of data.eval (also the pretraining's held-out text). Every
+# caller writes these keys, so option_names does not rename them.
+EVAL_WINDOW_KEYS = {"data": "data.eval", "max_length": "data.eval_max_length", "stride": "data.eval_stride",
                     "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
