@@ -65,7 +65,14 @@ from normswap.experiment.trainer import (
     check_training_text,
     train,
 )
-from normswap.fileio import made_folders, target_path, write_text_atomic
+from normswap.fileio import (
+    cannot_make,
+    cannot_write,
+    made_folders,
+    target_path,
+    unwritable,
+    write_text_atomic,
+)
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -255,10 +262,14 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
             # Two runs writing one OUT would train an arm into one state folder, each removing the
             # other's checkpoints, and write each other's reports: the second is refused at once,
             # by the lock beside OUT that patch and convert take for --out.
+            # An OUT that cannot be written is said as patch and convert say theirs, before the lock
+            # file beside it ("cannot create the lock file ...") or a folder on the way cannot be made.
+            if why := unwritable(out, folder=True):
+                raise cannot_write(out, why)
             try:
                 held.enter_context(made_folders(out.parent))
             except OSError as e:
-                raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+                raise cannot_make(out, e) from None
             held.enter_context(target_lock(out))
         return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
                             on_step=on_step)
