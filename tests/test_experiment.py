@@ -719,6 +719,43 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     assert not final.with_name(final.name + ".partial").exists()
 
 
+@pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
+                                         (["original", "approx+ft"], JOSHUA.name)])
+def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
+    """pretrain.text was read whole for the check before the run (the most tokens it can make) and
+    again by the pretraining, and a third time as data.train when it is that file (the shipped
+    recipes pretrain on their data.train): 2 s a read for a 100 MB text here. Read once now, and the
+    pretraining's tokenizer is trained on what was read."""
+    from normswap.experiment import pretrain, runner
+
+    class Pretraining(Exception):
+        pass
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
+    real = pretrain.read_text
+    whole, reads, trained_on = real(recipe.pretrain.text), [], []
+
+    def counted(path):
+        reads.append(Path(path).name)
+        return real(path)
+
+    def train_tokenizer(text, vocab_size):
+        trained_on.append(text)
+        raise Pretraining
+
+    monkeypatch.setattr(pretrain, "read_text", counted)
+    monkeypatch.setattr(runner, "read_text", counted)
+    monkeypatch.setattr(pretrain, "train_tokenizer", train_tokenizer)
+    with pytest.raises(Pretraining):
+        run_experiment(tmp_path / "r.toml", tmp_path / "out", overrides=[f'data.train="{train}"'] if train else [],
+                       progress=False)
+    assert trained_on == [whole]
+    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA), and
+    # data.train when it is that file and an arm trains
+    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+
+
 def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, monkeypatch):
     """A run that found no cached pretraining, then took the lock just as the run holding it
     published the entry and let go, trained it all again (minutes) and replaced the entry the

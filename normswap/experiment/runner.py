@@ -333,7 +333,11 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
     windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
     p = recipe.pretrain
     if not (pretrain_dir(p, recipe.seed, recipe.name) / INFO_FILE).is_file():  # a cached one is not trained again
-        check_pretraining_texts(p, texts["eval"])
+        # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
+        # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
+        same = "train" in texts and Path(p.text) == Path(recipe.data.train)
+        texts["pretrain"] = texts["train"] if same else read_text(p.text)
+        check_pretraining_texts(p, texts["pretrain"], texts["eval"])
     from normswap.evaluate import check_before_tokenizing
 
     check_before_tokenizing([model_config(p, p.vocab_size, 0)], most_tokens(texts["eval"]), ONE_TOKEN_PER_BYTE,
@@ -444,8 +448,10 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     pretrain_info = None
     if recipe.pretrain is not None:
         set_seed(recipe.seed)
+        # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
-                                                     recipe.data.eval, stop=stop, progress=progress)
+                                                     recipe.data.eval, text=texts.pop("pretrain", None), stop=stop,
+                                                     progress=progress)
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
         _check_fits(recipe, loaded[0])
