@@ -259,13 +259,13 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
     with contextlib.ExitStack() as held:
         if _is_main_process(accelerator):
+            # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
+            # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
+            if why := unwritable(out, folder=True):
+                raise cannot_write(out, why)
             # Two runs writing one OUT would train an arm into one state folder, each removing the
             # other's checkpoints, and write each other's reports: the second is refused at once,
             # by the lock beside OUT that patch and convert take for --out.
-            # An OUT that cannot be written is said as patch and convert say theirs, before the lock
-            # file beside it ("cannot create the lock file ...") or a folder on the way cannot be made.
-            if why := unwritable(out, folder=True):
-                raise cannot_write(out, why)
             try:
                 held.enter_context(made_folders(out.parent))
             except OSError as e:
