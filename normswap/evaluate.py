@@ -561,9 +561,12 @@ class _Scoring:
         self.vocab_limit = min(limits) if limits else None
         # Cut the first window before the bar appears: bad input fails with a clean line, naming a
         # text read from a file by its path, as normswap.data's messages do (what `data` is called
-        # otherwise: the names in effect).
+        # otherwise: the names in effect). Installed with the scoring options' names (those in
+        # effect, else the parameters'): a name alone would read, to errors.way_out, as an entry
+        # point without text_field, and a direct call of perplexity on a .jsonl would lose its
+        # "pick one with text_field=FIELD".
         path = data.path if isinstance(data, Corpus) else data if isinstance(data, os.PathLike) else None
-        with using_option_names(None if path is None else {"data": os.fspath(path)}):
+        with using_option_names(None if path is None else option_labels(SCORING_OPTIONS) | {"data": os.fspath(path)}):
             first = next(windows)
         self._check_ids(first.ids)
         self.windows = itertools.chain([first], windows)

@@ -238,6 +238,12 @@ def test_a_missing_text_field(root, tmp_path):
         "no field 'text' (fields: body); pick one with --eval-text-field FIELD")
     assert library_error(api.patch_checkpoint, src, "torch", evaluation=api.EvalSettings(rows)).endswith(
         "no field 'text' (fields: body); pick one with text_field=FIELD")
+    from normswap.evaluate import perplexity
+    from normswap.loading import load_model, load_tokenizer, resolve
+
+    source = resolve(src)  # perplexity itself, on a data path: its parameter (named as the file's path is)
+    assert library_error(perplexity, load_model(source), load_tokenizer(source), rows, progress=False).endswith(
+        "no field 'text' (fields: body); pick one with text_field=FIELD")
     r = CliRunner().invoke(cli, ["patch", str(src), "--impl", "torch", "--eval", str(rows), "--eval-text-field", "body",
                                  "--eval-max-length", "32", "--json"])
     assert r.exit_code == 0, r.stderr
