@@ -601,11 +601,17 @@ def test_check_stored_tensors_reads_the_shards_headers_and_spares_what_is_not_a_
     src = loading.resolve(d)
     config = loading.load_config(src)
     loading.check_stored_tensors(src, config)  # all floats
-    # an integer tensor the model has no floating-point place for is not this check's business
-    # (an old checkpoint's position_ids); the load reports an unknown one
+    # an integer tensor the model has no place for is not a dtype fault: it is one the load drops
+    # (refused as such, test_stored_tensors_the_load_drops_without_a_word_are_not_refused)
     last = index["model.norm.weight"]
     _retype_in_place(d / last, "model.extra_counter", torch.int64)
-    loading.check_stored_tensors(src, config)
+    with pytest.raises(NormswapError, match=r"\(1 tensor\(s\) the config has no place for: model.extra_counter\)"):
+        loading.check_stored_tensors(src, config)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / last)
+    del tensors["model.extra_counter"]
+    save_file(tensors, d / last, metadata={"format": "pt"})
     name = "model.layers.1.post_attention_layernorm.weight"
     _retype_in_place(d / index[name], name, torch.int16)
     with pytest.raises(NormswapError) as e:
@@ -727,6 +733,90 @@ def test_a_config_with_more_layers_than_its_weights_is_refused_before_the_model_
                             f"but the weights hold 2 layers: {per_layer * (layers - 2)} tensor(s) of {past} missing "
                             "from the checkpoint); is the config from another model size?")
 
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "pickled"])
+@pytest.mark.parametrize("layers", [3, 5])
+def test_a_config_with_fewer_layers_than_its_weights_is_refused_before_the_model_is_allocated(
+        tmp_path, monkeypatch, layout, layers):
+    """num_hidden_layers 2 over a 5-layer model's weights: from_pretrained built the 2-layer model,
+    loaded it, dropped the other layers' tensors, and only then did check_loading_info refuse it,
+    naming no field ('90 tensor(s) the config has no place for: model.layers.2.input_layernorm...');
+    convert first streamed every tensor into a converted copy, refused by its verification. Refused
+    from the weights' names now, naming config.json's field and the layers the weights hold, as
+    the opposite case is said."""
+    from tiny_models import tiny_model
+
+    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
+    d = tmp_path / "deep"
+    model = tiny_model(arch, **{field: layers})
+    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    if layout == "pickled":
+        for p in d.glob("model*.safetensors*"):
+            p.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
+    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    src = _with_config(d, tmp_path / "fewer", **{field: 2})
+    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
+    per_layer = sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
+    if arch == "gpt2":  # its ignorable "attn.bias" (a regex) matches c_attn.bias too: the load drops it unsaid
+        per_layer -= 1
+    past = f"{prefix}2" + (f" to {prefix}{layers - 1}" if layers > 3 else "")
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert _one_line(e) == (f"{tmp_path / 'fewer'}: the weights do not match config.json ({field} is 2 there, "
+                            f"but the weights hold {layers} layers: {per_layer * (layers - 2)} tensor(s) of {past} "
+                            "the config has no place for); is the config from another model size?")
+
+
+def test_stored_tensors_the_load_drops_without_a_word_are_not_refused(tmp_path, monkeypatch):
+    """What from_pretrained drops without reporting it is not refused before the load: names the
+    class declares ignorable (GPT-2's attention masks, transformer.h.0.attn.bias, saved by older
+    transformers), an old checkpoint's rotary inv_freq per layer and its position_ids buffer, and a
+    tied head stored as well as the embedding. An unknown tensor is refused before the load, with
+    the load's own words; so is a tensor under a layer the model has (not a layer count's fault)."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    cases = {}
+    gpt2 = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(gpt2)
+    tensors = load_file(gpt2 / "model.safetensors")
+    tensors["transformer.h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()  # tied, and stored twice
+    cases[gpt2] = tensors
+    llama = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(llama)
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    cases[llama] = tensors
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    tensors = load_file(bert / "model.safetensors")
+    tensors["embeddings.position_ids"] = torch.arange(64)[None]
+    cases[bert] = tensors
+    for d, tensors in cases.items():
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        src = loading.resolve(d)
+        loading.check_stored_tensors(src, loading.load_config(src))
+        assert loading.load_model(src) is not None, d.name
+
+    from transformers import LlamaForCausalLM
+
+    stock = load_file(llama / "model.safetensors")
+    for extra, says in (("model.extra_thing", "(1 tensor(s) the config has no place for: model.extra_thing)"),
+                        ("model.layers.1.extra_thing",
+                         "(1 tensor(s) the config has no place for: model.layers.1.extra_thing)")):
+        save_file({**stock, extra: torch.ones(4)}, llama / "model.safetensors", metadata={"format": "pt"})
+        model, info = LlamaForCausalLM.from_pretrained(llama, output_loading_info=True)
+        with pytest.raises(NormswapError, match=re.escape(says)):  # what the load refuses ...
+            loading.check_loading_info(model, info, str(llama))
+        with monkeypatch.context() as m:  # ... is refused before it
+            _unallocated(m)
+            with pytest.raises(NormswapError) as e:
+                loading.load_model(loading.resolve(llama))
+        assert says in _one_line(e)
 
 def test_tensors_a_checkpoint_may_lack_are_not_missing(tmp_path, monkeypatch):
     """What transformers fills without the checkpoint holding it is not refused before the load:
