@@ -583,12 +583,15 @@ def build_meta_model(source: ModelSource, config=None):
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None,
-               config=None):
+               config=None, meta=None):
     """The model with its weights, in eval mode. `config`: load_config(source) when the caller
-    already read it (reading a GGUF's takes seconds)."""
+    already read it (reading a GGUF's takes seconds); `meta`: build_meta_model(source, config) when
+    the caller already built it (a filter checked, a conversion planned on it), so that the check
+    of the stored tensors does not build it again (50 ms for SmolLM2-135M, 150 ms for a
+    70B-class config of 80 layers)."""
     config = load_config(source) if config is None else config
     _name_architecture(source, config)
-    check_stored_tensors(source, config)  # before from_pretrained allocates the model the config describes
+    check_stored_tensors(source, config, meta)  # before from_pretrained allocates the model the config describes
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"

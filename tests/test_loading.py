@@ -891,6 +891,40 @@ def test_an_index_that_names_a_tensor_is_left_to_say_where_it_is(tmp_path):
     loading.check_stored_tensors(src, loading.load_config(src))
 
 
+@pytest.mark.parametrize("command", ["patch --only", "convert", "convert pickled"])
+def test_a_command_builds_the_meta_model_of_its_model_once(tmp_path, monkeypatch, command):
+    """patch with a filter built the meta model to check it, then the load's check of the stored
+    tensors built it again; convert built it to plan, again in its verification's load of the
+    original, and for pickled weights a third time in the conversion's own load (150 ms each for
+    a 70B-class config of 80 layers). The caller's meta model is passed on now: one per model
+    (convert's verification builds the converted output's, another model's)."""
+    from safetensors.torch import load_file
+
+    import normswap
+
+    d = tmp_path / "m"
+    save_tiny("gpt2", d)
+    if command == "convert pickled":
+        torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+        (d / "model.safetensors").unlink()
+    built = []
+    real = loading.build_meta_model
+
+    def counted(source, config=None):
+        built.append(source.path)
+        return real(source, config)
+
+    monkeypatch.setattr(loading, "build_meta_model", counted)
+    if command == "patch --only":
+        result = normswap.patch_checkpoint(d, "torch", only="ln_f", device="cpu")
+        assert [m.path for m in result.report.patched] == ["transformer.ln_f"]
+        assert built == [d.resolve()]
+    else:
+        normswap.convert_checkpoint(d, tmp_path / "out")
+        assert built.count(d.resolve()) == 1 and len(built) == 2, built
+        assert (tmp_path / "out" / "normswap.json").is_file()
+
+
 @pytest.fixture
 def tiny_builtin(tmp_path, monkeypatch):
     """A built-in model "tiny-builtin": the tiny Llama GGUF, shipped in a package of its own as
