@@ -642,14 +642,15 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
       position_ids) still loads.
 
     Pickled weights (pytorch_model.bin) are checked for missing and unplaced tensors only, from
-    their names (_weight_names): their dtypes and shapes are only known once loaded. Not checked: GGUF files
-    (transformers de-quantises them and names their tensors, and their layer count is the file's
-    own metadata), quantised checkpoints (a quantization_config: packed integer weights are their
-    format)."""
+    their names (_weight_names): their dtypes and shapes are only known once loaded. Quantised
+    checkpoints (a quantization_config: packed integer weights, scales, names of their own) are
+    checked for whole layers only (_quantised_layers). Not checked: GGUF files (the config is the
+    file's own metadata; transformers de-quantises every tensor before it names them)."""
     from normswap import streaming as st
 
-    if source.gguf_file or getattr(config, "quantization_config", None) is not None:
+    if source.gguf_file:
         return
+    quantised = getattr(config, "quantization_config", None) is not None
     if (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file():
         try:
             files, indexed, _ = st.checkpoint_layout(source.path)
@@ -680,6 +681,10 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
     order = _load_order()
     stored = sorted(((file, key, entry) for file, header in headers.items() for key, entry in header.items()
                      if key != "__metadata__"), key=lambda item: order(item[1]))
+    if quantised:
+        if problems := _quantised_layers(meta, [model_name(key)[0] for file, key, _ in stored if file in read]):
+            _weights_do_not_match(source.ref, problems)
+        return
     for file, key, entry in stored:
         name, as_stored, fills = model_name(key)
         tensor = state.get(name)
@@ -844,13 +849,14 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
                         raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
                                             ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
-    check_loading_info(model, info, ref)
+    check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
     return model
 
 
-def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
+def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> None:
     """One line naming the first few keys when the checkpoint and the model disagree, except the
-    keys the architecture declares ignorable (transformers already leaves tied ones out)."""
+    keys the architecture declares ignorable (transformers already leaves tied ones out). gguf: the
+    model was described by a GGUF file's own metadata, not by a config.json."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
@@ -876,8 +882,41 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
     if info.get("error_msgs"):
         problems.append(one_line(info["error_msgs"][0]))
     if problems:
-        raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
-                            "is the config from another model size?")
+        _weights_do_not_match(ref, problems, gguf)
+
+
+def _weights_do_not_match(ref, problems: list[str], gguf: bool = False) -> None:
+    if gguf:  # no config.json: the config is read from the file's metadata (block_count: num_hidden_layers)
+        raise NormswapError(f"{ref}: its tensors do not match the model its own GGUF metadata describes "
+                            f"({'; '.join(problems)}); is the file damaged or edited?")
+    raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
+                        "is the config from another model size?")
+
+
+def _quantised_layers(meta, names: list[str]) -> list[str]:
+    """What a quantised checkpoint's tensor names (`names`, as transformers renames them) say
+    against the layer counts of its config, which the meta model (built without the quantizer)
+    has: its stored names are not the model's (q_proj.qweight, .scales, weight_scale_inv, packed
+    weights), so only whole layers are counted, by the index in the names under each list of
+    layers (_layer_lists). Said: the last layers of the list with no tensor at all (config more
+    layers than the weights hold), and tensors of layers past the list, save what the load drops
+    without a word (_not_ignored_on_load: DeepSeek-V3's stored MTP layer, model.layers.61). A list
+    no name falls under, or a gap, is left to the load."""
+    problems = []
+    for under, length, field in _layer_lists(meta):
+        held = {i for name in names if (i := _layer_index(name, under)) is not None}
+        if not held:
+            continue
+        stored = max(held) + 1
+        if stored < length and held == set(range(stored)):
+            past = f"{under}{stored}" + (f" to {under}{length - 1}" if length - stored > 1 else "")
+            problems.append(f"{field} is {length} there, but the weights hold {_layers(stored)}: no tensor of "
+                            f"{past} in the checkpoint")
+        elif stored > length and held >= set(range(length)):
+            past = _not_ignored_on_load(meta, {name for name in names if (_layer_index(name, under) or 0) >= length})
+            if past and (layers := _layers_past_the_config(meta, sorted(past, key=_natural), [])):
+                problems.append(layers)
+    return problems
 
 
 def _natural(name: str) -> list:

@@ -410,16 +410,17 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
 
 
 
-def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48):
+def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, block_count=None):
     """A tiny float32 Llama GGUF with random weights and no tokenizer: what llama.cpp writes,
-    shapes as transformers' GGUF loader expects them (arrays in torch layout)."""
+    shapes as transformers' GGUF loader expects them (arrays in torch layout). block_count: the
+    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file)."""
     import numpy as np
     gguf = pytest.importorskip("gguf")
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(64)
     w.add_embedding_length(hidden)
-    w.add_block_count(layers)
+    w.add_block_count(layers if block_count is None else block_count)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
@@ -461,6 +462,21 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
+
+
+def test_a_gguf_whose_metadata_counts_more_blocks_than_it_holds_names_the_file_not_a_config_json(tmp_path):
+    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers): no config.json
+    can disagree with it, so it is not checked before the load (reading the tensor names means
+    parsing the whole metadata again, seconds on a real file). A damaged file whose block_count
+    exceeds its blocks is refused by the load; it said 'the weights do not match config.json ...
+    is the config from another model size?' of a file with no config.json."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=2, block_count=4))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert _one_line(e) == (f"{src.ref}: its tensors do not match the model its own GGUF metadata describes "
+                            "(num_hidden_layers is 4 there, but the weights hold 2 layers: 18 tensor(s) of "
+                            "model.layers.2 to model.layers.3 missing from the checkpoint); is the file damaged or "
+                            "edited?")
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
@@ -857,6 +873,141 @@ def test_tensors_a_checkpoint_may_lack_are_not_missing(tmp_path, monkeypatch):
         src = loading.resolve(d)
         loading.check_stored_tensors(src, loading.load_config(src))
         assert loading.load_model(src) is not None, name
+
+
+# A quantised checkpoint's names, as each format stores a Linear's weight (and what it keeps as is: the
+# norms, the embedding). No quantisation library runs here (no bitsandbytes, gptqmodel, autoawq,
+# compressed-tensors, no GPU): the fixtures are names and tiny tensors, what the check reads.
+_QUANTISED = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
+             {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                     {"weight": torch.uint8, "weight.absmax": torch.float32, "weight.quant_map": torch.float32,
+                      "weight.quant_state.bitsandbytes__nf4": torch.uint8}),
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]},
+            {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32}),
+}
+
+
+def _save_quantised(d, model, method: str, layers: range | None = None, **config_changes):
+    """`model`'s checkpoint as `method` stores it (names only, tiny tensors), its layers `layers`
+    (default: all), with config.json's quantization_config and `config_changes`."""
+    from safetensors.torch import save_file
+
+    quantization, parts = _QUANTISED[method]
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    tensors = {}
+    for name in model.state_dict():
+        if layers is not None and (i := re.search(r"\.layers\.(\d+)\.", name)) and int(i[1]) not in layers:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if module in linears:
+            for part, dtype in parts.items():
+                tensors[f"{module}.{part}"] = torch.zeros(2).to(dtype)
+        else:
+            tensors[name] = torch.zeros(2)
+    d.mkdir()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict() | {"architectures": [type(model).__name__],
+                                       "quantization_config": quantization} | config_changes
+    (d / "config.json").write_text(json.dumps(config))
+    return loading.resolve(d)
+
+
+@pytest.mark.parametrize("method", sorted(_QUANTISED))
+def test_a_quantised_checkpoint_with_layers_the_config_lacks_or_has_too_many_is_refused_before_allocation(
+        tmp_path, monkeypatch, method):
+    """A quantised checkpoint (a quantization_config) was not checked at all before the load: its
+    stored names are not the model's (q_proj.qweight, weight.absmax, weight_scale_inv). Whole
+    layers still are: a config with a layer more than the weights hold, or one fewer, is refused
+    from the names; the checkpoint as it is passes (its names are not refused as unplaced)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    loading.check_stored_tensors(src := _save_quantised(tmp_path / "same", model, method),
+                                 loading.load_config(src))
+    _unallocated(monkeypatch)
+    more = _save_quantised(tmp_path / "more", model, method, layers=range(2))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(more)
+    assert _one_line(e) == (f"{more.path}: the weights do not match config.json (num_hidden_layers is 3 there, but "
+                            "the weights hold 2 layers: no tensor of model.layers.2 in the checkpoint); is the config "
+                            "from another model size?")
+    fewer = _save_quantised(tmp_path / "fewer", model, method, num_hidden_layers=1)
+    per_layer = sum(1 for k in load_file_names(fewer.path) if k.startswith("model.layers.1."))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(fewer)
+    assert f"(num_hidden_layers is 1 there, but the weights hold 3 layers: {2 * per_layer} tensor(s) of " \
+           "model.layers.1 to model.layers.2 the config has no place for)" in _one_line(e)
+
+
+def load_file_names(d):
+    from safetensors import safe_open
+
+    with safe_open(d / "model.safetensors", "pt") as f:
+        return list(f.keys())
+
+
+def test_a_quantised_checkpoints_layer_the_class_ignores_is_not_refused(tmp_path):
+    """DeepSeek-V3's FP8 checkpoint stores its multi-token-prediction layer as model.layers.61
+    past the config's 61 layers; transformers drops it without a word
+    (_keys_to_ignore_on_load_unexpected), and so must the check. A layer past the config that is
+    not ignorable (model.layers.60 over 60 layers) is refused."""
+    from sweep_models import tiny_config
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("no DeepSeek-V3 in this transformers")
+    config = tiny_config("deepseek_v3")
+    config.num_hidden_layers = 62
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    src = _save_quantised(tmp_path / "mtp", model, "fp8", num_hidden_layers=61)
+    loading.check_stored_tensors(src, loading.load_config(src))
+    src = _save_quantised(tmp_path / "one_more", model, "fp8", layers=range(61), num_hidden_layers=60)
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_tensors(src, loading.load_config(src))
+    assert "(num_hidden_layers is 60 there, but the weights hold 61 layers: " in _one_line(e)
+
+
+def test_a_real_fp8_checkpoint_loads_and_its_layer_counts_are_checked_as_the_load_checks_them(tmp_path, monkeypatch):
+    """FP8 is the one quantised format transformers loads on a CPU (it de-quantises the blocks):
+    a tiny FP8 Llama with real values passes the check and loads; over a config of one layer, the
+    check and the load itself both refuse it (the check before allocation)."""
+    import math
+
+    from safetensors.torch import save_file
+    from tiny_models import tiny_model
+
+    pytest.importorskip("accelerate")  # transformers' FP8 quantizer needs it
+    model = tiny_model("llama", num_hidden_layers=3)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.rsplit(".", 1)[0] in linears:
+            tensors[name] = value.to(torch.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = torch.ones(math.ceil(value.shape[0] / 16), math.ceil(value.shape[1] / 16))
+        else:
+            tensors[name] = value.contiguous()
+    config = model.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16], "activation_scheme": "dynamic"}}
+    for name, layers in (("fp8", 3), ("fewer", 1)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    src = loading.resolve(tmp_path / "fp8")
+    loaded = loading.load_model(src)
+    assert sum(1 for _ in loaded.model.layers) == 3
+    src = loading.resolve(tmp_path / "fewer")
+    config = loading.load_config(src)
+    with pytest.raises(NormswapError, match="the config has no place for"):  # the load's own check
+        loading.check_loading_info(*loading.model_class(config).from_pretrained(
+            src.path, config=config, output_loading_info=True), src.ref)
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert "(num_hidden_layers is 1 there, but the weights hold 3 layers: 32 tensor(s) of model.layers.1 to " \
+           "model.layers.2 the config has no place for)" in _one_line(e)  # as stored: weights and scales
 
 
 def test_a_base_checkpoint_under_a_causal_lm_with_its_own_head_is_refused_before_allocation(tmp_path, monkeypatch):
