@@ -57,7 +57,7 @@ from normswap.errors import (
     option_setting,
     way_out,
 )
-from normswap.fileio import LockHeld, made_folders, path_lock, sibling_name, target_path, umask
+from normswap.fileio import LockHeld, cannot_make, made_folders, path_lock, sibling_name, target_path, umask
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
 
@@ -342,13 +342,13 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
             # the folders this run makes for --out a/b/c/out go again if it fails
             folders.enter_context(made_folders(parent))
         except OSError as e:
-            raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+            raise cannot_make(target, e) from None
         with target_lock(target):
             try:
                 remove_stale_staging(target)
                 tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
             except OSError as e:
-                raise NormswapError(f"cannot write to {parent}: {e.strerror or e}") from None
+                raise cannot_make(target, e) from None
             _OUR_STAGING.add(tmp)
             try:
                 # mkdtemp's 0700 stays while the run writes (and on what a kill leaves): the new

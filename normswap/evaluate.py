@@ -276,12 +276,15 @@ def _check_first_window(tokens: int, window: int, max_tokens: int | None, short_
     cannot be scored as asked (sliding_windows). at_most: `tokens` is only the most the text can
     hold, for the reason given (a tokenizer not made yet: check_before_tokenizing); what is refused
     then is refused for any count up to it, and the messages say "at most"."""
-    n = option_labels(WINDOW_OPTIONS)
+    n = option_labels((*WINDOW_OPTIONS, "data"))
     count = f"{tokens} token{'s' * (tokens != 1)}"
     if at_most is not None:
         count = f"at most {count} ({at_most})"
+    # Which text, as the training texts' messages say theirs (data.train: ...): an experiment scores
+    # data.eval, and `patch --eval` / `ppl --data` a file (_Scoring names its path).
+    text = f"{n['data']}: the text"
     if tokens < 2:
-        raise NormswapError(f"the text has {count}; at least 2 are needed to score one")
+        raise NormswapError(f"{text} has {count}; at least 2 are needed to score one")
     if tokens < window and not short_ok and tokens == max_tokens:
         raise NormswapError(f"{n['max_tokens']} {max_tokens} is shorter than one window ({window} tokens)")
     if tokens < window and not short_ok:
@@ -290,7 +293,7 @@ def _check_first_window(tokens: int, window: int, max_tokens: int | None, short_
         # pretraining, hours in).
         fits = (f"{n['max_length']} {tokens} or less" if at_most is None else
                 f"{n['max_length']} no more than its token count, which only the tokenizer tells (likely under {tokens})")
-        raise NormswapError(f"the text is shorter than one window: {count}, window {window}; pass {fits}, or more text")
+        raise NormswapError(f"{text} is shorter than one window: {count}, window {window}; pass {fits}, or more text")
 
 
 def _flatten(chunks: Iterable[Sequence[int]]) -> Iterator[int]:
@@ -556,8 +559,15 @@ class _Scoring:
                                   max_tokens, short_ok=max_length is None)
         limits = [v for v in (_vocabulary_size(m) for m in models) if v is not None]
         self.vocab_limit = min(limits) if limits else None
-        # Cut the first window before the bar appears: bad input fails with a clean line.
-        first = next(windows)
+        # Cut the first window before the bar appears: bad input fails with a clean line, naming a
+        # text read from a file by its path, as normswap.data's messages do (what `data` is called
+        # otherwise: the names in effect). Installed with the scoring options' names (those in
+        # effect, else the parameters'): a name alone would read, to errors.way_out, as an entry
+        # point without text_field, and a direct call of perplexity on a .jsonl would lose its
+        # "pick one with text_field=FIELD".
+        path = data.path if isinstance(data, Corpus) else data if isinstance(data, os.PathLike) else None
+        with using_option_names(None if path is None else option_labels(SCORING_OPTIONS) | {"data": os.fspath(path)}):
+            first = next(windows)
         self._check_ids(first.ids)
         self.windows = itertools.chain([first], windows)
         self.models, self.max_tokens, self.batch_size = models, max_tokens, batch_size

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError
+from normswap.errors import BadInputError, NormswapError, one_line
 
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.
@@ -152,6 +152,15 @@ def cannot_write(path: str | os.PathLike, why: str) -> BadInputError:
     """The one line for a destination that cannot be written, `why` as unwritable says it
     ("cannot write to /x/locked/sub/out: /x/locked cannot be entered (Permission denied)")."""
     return BadInputError(f"cannot write to {path}: {why}")
+
+
+def cannot_make(target: str | os.PathLike, error: OSError) -> BadInputError:
+    """cannot_write for a destination folder `target` whose making failed (the folders above it,
+    made_folders; its staging folder beside it), in the words of the check before the work
+    (unwritable: a folder that cannot be entered, one not writable, a file in the way), or the
+    error's own where unwritable finds nothing wrong (the place changed since it looked). Every
+    such failure is the place the caller chose, not the run's fault: bad input, as unwritable's are."""
+    return cannot_write(target, unwritable(target, folder=True) or one_line(error))
 
 
 def _unreachable(path: Path) -> str | None:

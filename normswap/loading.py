@@ -246,7 +246,7 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             if target.exists() and not _converted(target):  # a half-made directory from an older normswap
-                shutil.rmtree(target)
+                _remove_half_made(target)
             try:
                 os.rename(tmp, target)  # fails on a folder with files: never replaces another run's copy
             except OSError as e:
@@ -260,6 +260,31 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
                 shutil.rmtree(tmp, ignore_errors=True)
         bar.update(1)
     return target
+
+
+def _remove_half_made(target: Path) -> None:
+    """Remove the half-made `target` an older normswap left (it converted into the cache entry
+    itself). Without the conversion lock (a cache on a file system without locks) two first uses
+    can find it at once: removed by an rmtree each, the one whose walk the other's removal overtook
+    failed (FileNotFoundError), and an rmtree begun just after the other had published its copy
+    there removed that copy under it. It is moved aside first, onto a folder of this run's own (a
+    rename is atomic: one run moves it, the other finds it gone), and what was moved is looked at
+    again: a copy another run published between this run's look and its rename is put back."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # swept as a killed run's
+    try:
+        os.rename(target, aside)  # onto an empty folder: replaces it
+    except OSError as e:
+        os.rmdir(aside)
+        if isinstance(e, FileNotFoundError):  # another first use moved it first
+            return
+        raise
+    if _converted(aside):
+        try:
+            os.rename(aside, target)
+            return
+        except OSError:  # a third run has published there meanwhile: this copy is a spare
+            pass
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _converted(target: Path) -> bool:

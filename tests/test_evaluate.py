@@ -177,8 +177,11 @@ def test_a_text_shorter_than_the_context_is_one_window_unless_a_length_was_asked
     ids = random_ids(30, seed=5)
     r = perplexity(llama, None, ids, progress=False)  # window = context 64
     assert (r.windows, r.max_length, r.tokens) == (1, 30, 29)
-    with pytest.raises(NormswapError, match="shorter than one window: 30 tokens, window 48"):
+    with pytest.raises(NormswapError) as short:
         perplexity(llama, None, ids, max_length=48, progress=False)
+    # the text by its parameter's name (a file by its path, an experiment's by its recipe key)
+    assert str(short.value) == ("data: the text is shorter than one window: 30 tokens, window 48; pass max_length "
+                                "30 or less, or more text")
     with pytest.raises(NormswapError, match="max_tokens 20 is shorter than one window"):
         perplexity(llama, None, ids, max_length=24, max_tokens=20, progress=False)
     # a command line names its own flags

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -718,6 +719,43 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     assert not final.with_name(final.name + ".partial").exists()
 
 
+@pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
+                                         (["original", "approx+ft"], JOSHUA.name)])
+def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
+    """pretrain.text was read whole for the check before the run (the most tokens it can make) and
+    again by the pretraining, and a third time as data.train when it is that file (the shipped
+    recipes pretrain on their data.train): 2 s a read for a 100 MB text here. Read once now, and the
+    pretraining's tokenizer is trained on what was read."""
+    from normswap.experiment import pretrain, runner
+
+    class Pretraining(Exception):
+        pass
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
+    real = pretrain.read_text
+    whole, reads, trained_on = real(recipe.pretrain.text), [], []
+
+    def counted(path):
+        reads.append(Path(path).name)
+        return real(path)
+
+    def train_tokenizer(text, vocab_size):
+        trained_on.append(text)
+        raise Pretraining
+
+    monkeypatch.setattr(pretrain, "read_text", counted)
+    monkeypatch.setattr(runner, "read_text", counted)
+    monkeypatch.setattr(pretrain, "train_tokenizer", train_tokenizer)
+    with pytest.raises(Pretraining):
+        run_experiment(tmp_path / "r.toml", tmp_path / "out", overrides=[f'data.train="{train}"'] if train else [],
+                       progress=False)
+    assert trained_on == [whole]
+    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA), and
+    # data.train when it is that file and an arm trains
+    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+
+
 def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, monkeypatch):
     """A run that found no cached pretraining, then took the lock just as the run holding it
     published the entry and let go, trained it all again (minutes) and replaced the entry the
@@ -789,7 +827,7 @@ EVAL_TEXT = "In the beginning God created the heaven and the earth."  # 54 token
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.eval=short.txt"], "the text is shorter than one window: 54 tokens, window 64; "
+    (["data.eval=short.txt"], "data.eval: the text is shorter than one window: 54 tokens, window 64; "
                               "pass data.eval_max_length 54 or less, or more text"),
     (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
     # 100 is capped at the model's 64 positions; the recipe only holds the stride to the 100
@@ -825,7 +863,8 @@ BOUND = "one per byte of the text at most: the tokenizer [pretrain] trains is by
 
 @pytest.mark.parametrize("overrides, message", [
     # the pretraining's own held-out perplexity (a window of pretrain.context) is the first to score it
-    (["data.eval=short.txt"], f"the text is shorter than one window: at most 54 tokens ({BOUND}), window 64; "
+    (["data.eval=short.txt"], f"data.eval: the text is shorter than one window: at most 54 tokens ({BOUND}), "
+                              "window 64; "
                               "pass pretrain.context no more than its token count, which only the tokenizer tells "
                               "(likely under 54), or more text"),
     (["data.eval_max_tokens=20"], "data.eval_max_tokens 20 is shorter than one window (64 tokens)"),
@@ -876,7 +915,7 @@ def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, mo
     assert "54 or less" not in str(before.value) and "pretrain.context no more than its token count" in str(
         before.value), str(before.value)
     # what the old advice led to: the check before passes, the pretraining runs, the count refuses it
-    with pytest.raises(NormswapError, match=r"the text is shorter than one window: \d+ tokens, window 54"):
+    with pytest.raises(NormswapError, match=r"^data\.eval: the text is shorter than one window: \d+ tokens, window 54"):
         run_experiment(path, tmp_path / "out", overrides=["data.eval=short.txt", "pretrain.context=54",
                                                           "pretrain.steps=2", "data.eval_max_length=16"],
                        progress=False)
@@ -998,7 +1037,7 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
         pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, tmp_path / "short.txt",
                                    progress=False)
-    assert re.fullmatch(r"the text is shorter than one window: (\d+) tokens, window 64; "
+    assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "
                         r"pass pretrain\.context \1 or less, or more text", str(e.value)), str(e.value)
 
 
@@ -1077,6 +1116,12 @@ def _two_processes_accelerator():
 
     class TwoProcesses(Accelerator):
         num_processes = 2
+
+        def save_state(self, output_dir=None, **kwargs):
+            saved = super().save_state(output_dir, **kwargs)
+            # and the file rank 1's save_state writes (a checkpoint without it is refused as not whole)
+            shutil.copyfile(Path(output_dir) / "random_states_0.pkl", Path(output_dir) / "random_states_1.pkl")
+            return saved
 
     return TwoProcesses(cpu=True)
 
@@ -1160,7 +1205,8 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     step = state / "step-000002"
     assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
     (step / "random_states_0.pkl").unlink()
-    check_resumable(state, 1, "arm")  # the recorded count alone says it
+    with pytest.raises(NormswapError, match="was written by 1 process but lacks random_states_0.pkl"):
+        check_resumable(state, 1, "arm")  # the recorded count alone says it, and that a file is missing
     written = json.loads((step / "trainer.json").read_text())
     (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
     before = _files(state)
@@ -1175,6 +1221,52 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
         train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False, desc="arm")
     assert str(refused.value) == message
     assert _files(state) == before  # nothing removed or rewritten
+
+
+def test_a_checkpoint_that_lacks_a_processs_random_state_file_is_refused(tmp_path):
+    """accelerate's load_state reads random_states_<rank>.pkl and, when it is not there, only logs
+    it: a checkpoint whose count says 2 with one file (a file lost; a node of a run without a shared
+    file system) resumed from this start's random state, not the interrupted run's (the dropout of
+    the resumed steps changed, unsaid). Refused on every process (each sees every rank's file), one
+    line naming the folder and the file, nothing removed; the file back, it resumes as the run
+    uninterrupted would have gone on."""
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    assert random_layer_norm_gpt2().config.resid_pdrop > 0  # dropout draws from the saved random state
+    whole = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
+                  progress=False)
+    state = tmp_path / "state"
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    step = state / "step-000002"
+    kept = step / "random_states_1.pkl"
+    kept.rename(tmp_path / "kept.pkl")
+    before = _files(state)
+    message = (f"arm: its checkpoint {step} was written by 2 processes but lacks random_states_1.pkl (accelerate "
+               "writes one random-state file per process; resumed without it, the steps would go on from another "
+               f"random state than the interrupted run's, unsaid); put it back, or delete {state} to train it "
+               "from the start")
+    with pytest.raises(NormswapError) as refused:
+        check_resumable(state, 2, "arm")  # on either rank: check_resumable looks at every rank's file
+    assert str(refused.value) == message
+    with pytest.raises(NormswapError) as refused:
+        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              desc="arm")
+    assert str(refused.value) == message
+    assert _files(state) == before  # nothing removed or rewritten
+    (tmp_path / "kept.pkl").rename(kept)
+    # random_layer_norm_gpt2 seeds torch: this start's random state is the one step 1 began from,
+    # and only the checkpoint's (step 3's) makes the resumed steps those of the uninterrupted run
+    resumed = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state,
+                    progress=False)
+    assert resumed.losses == whole.losses
 
 
 def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,

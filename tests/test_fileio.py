@@ -219,6 +219,82 @@ def test_an_output_below_a_folder_that_cannot_be_entered_is_refused_in_unwritabl
         shutil.rmtree(base)
 
 
+def test_a_destination_whose_folders_cannot_be_made_is_refused_in_unwritables_words():
+    """Three places built "cannot write to PARENT: REASON" by hand as a NormswapError for a failed
+    mkdir (staged_dir's folders and staging folder, experiment --out's folders), worded otherwise
+    than the check patch and convert make first ("cannot write to OUT: FOLDER is not writable
+    (Permission denied)", a BadInputError): experiment --out ro/new/run said "cannot write to
+    ro/new: Permission denied", --out ro/run "cannot create the lock file ro/.run.normswap.lock:
+    Permission denied", --out FILE/run "cannot write to FILE: FILE is not a folder", and a library
+    caller of staged_dir a NormswapError. Each is the caller's place: fileio.cannot_write's line,
+    with unwritable's reason, exit 2, nothing made. As nobody where root ignores permission bits."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from normswap.checkpoint import staged_dir
+    from normswap.cli import cli
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        ro, file = base / "ro", base / "file"
+        ro.mkdir(mode=0o755)  # root's: nobody may not write in it
+        file.write_text("")
+        (base / "t.txt").write_text("In the beginning\n")
+        recipe = base / "r.toml"
+        recipe.write_text('name = "t"\nimpl = "torch"\narms = ["original"]\n[model]\npath = "m"\n'
+                          '[data]\neval = "t.txt"\ntrain = "t.txt"\n')
+        for p in base.iterdir():
+            p.chmod(0o755 if p.is_dir() else 0o644)
+
+        def runs():
+            out = []
+            for where in (ro / "new" / "run", ro / "run", file / "run"):
+                r = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(where), "--no-progress"])
+                out.append((r.exit_code, r.stderr))
+            try:
+                with staged_dir(ro / "new" / "o"):
+                    pass
+            except NormswapError as e:
+                out.append((type(e).__name__, isinstance(e, ValueError), str(e)))
+            return out
+
+        # As root first, where the run goes on to the missing model (and removes the folders it made):
+        # what the child imports is imported here (as nobody, a Python installed under /root is unreadable).
+        warm = CliRunner().invoke(cli, ["experiment", str(recipe), "--out", str(base / "w" / "run"), "--no-progress"])
+        assert warm.exit_code == 2 and "m: no such file or directory" in warm.stderr, warm.output
+        answers = _as_a_user_the_bits_bind(runs)
+        denied = f"{ro} is not writable (Permission denied)"
+        assert answers == [(2, f"normswap: error: cannot write to {ro / 'new' / 'run'}: {denied}\n"),
+                           (2, f"normswap: error: cannot write to {ro / 'run'}: {denied}\n"),
+                           (2, f"normswap: error: cannot write to {file / 'run'}: {file} is not a folder\n"),
+                           ("BadInputError", True, f"cannot write to {ro / 'new' / 'o'}: {denied}")]
+        assert sorted(p.name for p in base.iterdir()) == ["file", "r.toml", "ro", "t.txt"] and not any(ro.iterdir())
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_staging_folder_that_cannot_be_made_is_refused_in_unwritables_words(tmp_path, monkeypatch):
+    """The mkdir of the staging folder failing (a read-only file system, as root meets it: root
+    ignores permission bits) said "cannot write to PARENT: Read-only file system", a NormswapError;
+    now cannot_write's line for the target with unwritable's reason (its probe meets the same
+    file system), a BadInputError."""
+    import errno
+
+    from normswap.checkpoint import staged_dir
+    from normswap.errors import BadInputError
+
+    def erofs(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", erofs)
+    with pytest.raises(BadInputError) as e, staged_dir(tmp_path / "o"):
+        pass
+    assert str(e.value) == f"cannot write to {tmp_path / 'o'}: {tmp_path} is not writable (Read-only file system)"
+    assert list(tmp_path.iterdir()) == []
+
+
 class _Failed(Exception):
     pass
 
@@ -333,7 +409,7 @@ def test_made_folders_under_a_file_names_what_is_in_the_way(tmp_path, blocker):
 
     save_tiny("gpt2", tmp_path / "gpt2")
     r = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(notes / "run")])
-    assert r.exit_code == 2 and r.stderr.strip() == f"normswap: error: cannot write to {notes}: {notes} {why}", r.stderr
+    assert r.exit_code == 2 and r.stderr.strip() == f"normswap: error: cannot write to {notes / 'run'}: {notes} {why}", r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "notes.txt"]
     assert notes.read_text() == "mine"
 

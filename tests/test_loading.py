@@ -1129,6 +1129,48 @@ def test_a_built_in_copy_another_process_made_meanwhile_is_kept(tiny_builtin, mo
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and (tiny_builtin / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("other", ["removes it", "removes it and publishes"])
+def test_two_unlocked_first_uses_over_an_older_half_made_folder_both_get_the_model(tiny_builtin, monkeypatch, other):
+    """On a cache without locks two first uses can both find the half-made folder an older
+    normswap left at the cache entry, and each removed it with an rmtree: the other's removal,
+    come first, failed this run (FileNotFoundError), and a copy the other published between this
+    run's look and its rmtree was removed under it (the other reading it). Here the other run acts
+    at that moment, as this one looks: this run still publishes, or keeps the other's copy."""
+    import errno
+    import fcntl
+    import shutil
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks")))
+    tiny_builtin.mkdir(parents=True)
+    (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
+    real_load, real_converted = loading._load_gguf, loading._converted
+    loaded = []
+
+    def load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def the_other_run_acts_as_this_one_looks(target):
+        if loaded and target == tiny_builtin and not hasattr(load, "acted"):
+            load.acted = True
+            shutil.rmtree(tiny_builtin)  # the other run's removal of the half-made folder
+            if other == "removes it and publishes":
+                copy = tiny_builtin.parent / ".tiny-builtin.other"
+                loaded[0][0].save_pretrained(copy)
+                (copy / "in-use").write_text("the other run reads this copy")
+                copy.rename(tiny_builtin)
+            return False  # what this run saw: the half-made folder
+        return real_converted(target)
+
+    monkeypatch.setattr(loading, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_converted", the_other_run_acts_as_this_one_looks)
+    with pytest.warns(UserWarning, match="without the lock"):
+        assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert load.acted and real_converted(tiny_builtin)
+    assert (tiny_builtin / "in-use").is_file() == (other == "removes it and publishes")
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
+
+
 def test_a_second_first_use_waits_for_the_first_conversion_instead_of_converting_again(tiny_builtin, monkeypatch):
     """Two commands started at once on a fresh machine: the second waits on the first's conversion
     lock (4fc71bb) and then uses its copy, rather than de-quantising the GGUF a second time (~20 s

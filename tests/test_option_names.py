@@ -238,6 +238,12 @@ def test_a_missing_text_field(root, tmp_path):
         "no field 'text' (fields: body); pick one with --eval-text-field FIELD")
     assert library_error(api.patch_checkpoint, src, "torch", evaluation=api.EvalSettings(rows)).endswith(
         "no field 'text' (fields: body); pick one with text_field=FIELD")
+    from normswap.evaluate import perplexity
+    from normswap.loading import load_model, load_tokenizer, resolve
+
+    source = resolve(src)  # perplexity itself, on a data path: its parameter (named as the file's path is)
+    assert library_error(perplexity, load_model(source), load_tokenizer(source), rows, progress=False).endswith(
+        "no field 'text' (fields: body); pick one with text_field=FIELD")
     r = CliRunner().invoke(cli, ["patch", str(src), "--impl", "torch", "--eval", str(rows), "--eval-text-field", "body",
                                  "--eval-max-length", "32", "--json"])
     assert r.exit_code == 0, r.stderr
@@ -291,8 +297,9 @@ def test_the_window_options_are_named_as_each_caller_gave_them(root, tmp_path):
          ("--eval-max-tokens", "max_tokens", " 20 is shorter than one window (32 tokens)")),
         (cli_error("ppl", src, "--data", short, "--max-length", 48),
          library_error(api.evaluate_checkpoint, src, E(short, max_length=48)),
-         ("the text is shorter than one window: 16 tokens, window 48; pass --max-length",
-          "the text is shorter than one window: 16 tokens, window 48; pass max_length", " 16 or less, or more text")),
+         (f"{short}: the text is shorter than one window: 16 tokens, window 48; pass --max-length",
+          f"{short}: the text is shorter than one window: 16 tokens, window 48; pass max_length",
+          " 16 or less, or more text")),
     ]
     for cli_says, library_says, (flag, parameter, rest) in cases:
         assert (cli_says, library_says) == (flag + rest, parameter + rest) or (
@@ -300,9 +307,39 @@ def test_the_window_options_are_named_as_each_caller_gave_them(root, tmp_path):
     source = resolve(src)
     model, tokenizer = load_model(source), load_tokenizer(source)
     assert library_error(perplexity, model, tokenizer, short.read_text(), max_length=48, progress=False) == \
-        "the text is shorter than one window: 16 tokens, window 48; pass max_length 16 or less, or more text"
+        "data: the text is shorter than one window: 16 tokens, window 48; pass max_length 16 or less, or more text"
     assert library_error(perplexity, model, tokenizer, TEXT, stride=100, progress=False).startswith(
         "stride 100 is larger than the window (64 tokens)")
+
+
+def test_a_text_too_short_for_a_window_is_named_as_its_caller_gave_it(root, tmp_path):
+    """"the text is shorter than one window" and "the text has 1 token" named no text, where a
+    command reads one (ppl/diff --data, patch --eval) and an experiment two or three (data.eval,
+    data.train, pretrain.text: the training ones said theirs). A file is named by its path, as
+    normswap.data's other refusals of it are; a text given in memory by the parameter (as the
+    caller calls it); an experiment's held-out text by data.eval (test_experiment)."""
+    from normswap.evaluate import perplexity
+    from normswap.loading import load_model, load_tokenizer, resolve
+
+    src = root / "llama"
+    short, one = tmp_path / "short.txt", tmp_path / "one.txt"
+    short.write_text("In the beginning")  # 16 tokens
+    one.write_text("I")  # 1 token
+    window = "the text is shorter than one window: 16 tokens, window 48; pass {} 16 or less, or more text"
+    assert cli_error("ppl", src, "--data", short, "--max-length", 48) == f"{short}: " + window.format("--max-length")
+    assert cli_error("diff", src, "--patched", "torch", "--data", short, "--max-length", 48) == \
+        f"{short}: " + window.format("--max-length")
+    assert cli_error("patch", src, "--impl", "torch", "--out", tmp_path / "p", "--eval", short,
+                     "--eval-max-length", 48) == f"{short}: " + window.format("--eval-max-length")
+    assert library_error(api.evaluate_checkpoint, src, api.EvalSettings(short, max_length=48)) == \
+        f"{short}: " + window.format("max_length")
+    assert cli_error("ppl", src, "--data", one) == f"{one}: the text has 1 token; at least 2 are needed to score one"
+    source = resolve(src)
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    assert library_error(perplexity, model, tokenizer, "I", progress=False) == \
+        "data: the text has 1 token; at least 2 are needed to score one"
+    assert library_error(perplexity, model, tokenizer, "In the beginning", max_length=48, progress=False,
+                         option_names={"data": "held_out"}) == "held_out: " + window.format("max_length")
 
 
 def test_the_window_checks_read_the_names_in_effect_and_take_none():

@@ -112,12 +112,13 @@ def _heldout_windows(section: PretrainSection) -> dict:
 _HELDOUT_NAMES = {"max_length": "pretrain.context"}
 
 
-def check_pretraining_texts(section: PretrainSection, eval_text: str) -> None:
+def check_pretraining_texts(section: PretrainSection, text: str, eval_text: str) -> None:
     """What the pretraining would refuse for too few tokens once its tokenizer is trained, found
-    before (most_tokens' bound): pretrain.text against one sequence, and the held-out text against
-    the held-out perplexity's window. The exact counts are checked again after the tokenizer."""
+    before (most_tokens' bound): pretrain.text (`text`, read_text(section.text)) against one
+    sequence, and the held-out text against the held-out perplexity's window. The exact counts are
+    checked again after the tokenizer."""
     try:
-        check_training_text(most_tokens(read_text(section.text)), section.seq_len, ONE_TOKEN_PER_BYTE)
+        check_training_text(most_tokens(text), section.seq_len, ONE_TOKEN_PER_BYTE)
     except NormswapError as e:
         raise NormswapError(f"pretrain.text: {e}") from None
     from normswap.evaluate import check_before_tokenizing
@@ -141,9 +142,12 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
 
 
 def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str | Path,
-                      *, stop: StopFlag | None = None, progress: bool = True) -> tuple[Path, dict]:
+                      *, text: str | None = None, stop: StopFlag | None = None,
+                      progress: bool = True) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
-    and its info (steps, time, held-out perplexity, unigram baseline)."""
+    and its info (steps, time, held-out perplexity, unigram baseline). text: section.text's
+    contents (read_text) when the caller has read them already (the runner, for its check before
+    the run): a large text is seconds a read; None reads them if the pretraining runs."""
     from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name)
@@ -158,11 +162,11 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
     with lock:
         if (final / INFO_FILE).is_file():  # published by a run that held the lock until just now
             return final, _read_info(final)
-        return _pretrain(accelerator, section, seed, final, eval_text, stop=stop, progress=progress)
+        return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress)
 
 
-def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str | Path, *,
-              stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
+def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str | Path,
+              text: str | None, *, stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
     """ensure_pretrained's training, under the cache entry's lock."""
     from transformers import PreTrainedTokenizerFast
 
@@ -170,7 +174,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
 
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
-    text = read_text(section.text)
+    text = read_text(section.text) if text is None else text
     if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
         tok_dir.mkdir(parents=True, exist_ok=True)
         tmp = partial / "tokenizer.tmp"

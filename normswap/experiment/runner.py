@@ -65,7 +65,14 @@ from normswap.experiment.trainer import (
     check_training_text,
     train,
 )
-from normswap.fileio import made_folders, target_path, write_text_atomic
+from normswap.fileio import (
+    cannot_make,
+    cannot_write,
+    made_folders,
+    target_path,
+    unwritable,
+    write_text_atomic,
+)
 from normswap.jsonsafe import finite_or_null
 
 if TYPE_CHECKING:
@@ -229,11 +236,12 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
 
 # The options run_experiment's messages name, as option_names renames them.
 EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
-# The evaluation's window options (diff_models' parameters, _eval_windows) by the recipe keys
-# they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
-# than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens. Every caller
-# writes these keys, so option_names does not rename them.
-EVAL_WINDOW_KEYS = {"max_length": "data.eval_max_length", "stride": "data.eval_stride",
+# The evaluation's text and window options (diff_models' parameters, _eval_windows) by the recipe
+# keys they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
+# than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens, and `the
+# text is shorter than one window` of data.eval (also the pretraining's held-out text). Every
+# caller writes these keys, so option_names does not rename them.
+EVAL_WINDOW_KEYS = {"data": "data.eval", "max_length": "data.eval_max_length", "stride": "data.eval_stride",
                     "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
@@ -251,13 +259,17 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
     with contextlib.ExitStack() as held:
         if _is_main_process(accelerator):
+            # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
+            # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
+            if why := unwritable(out, folder=True):
+                raise cannot_write(out, why)
             # Two runs writing one OUT would train an arm into one state folder, each removing the
             # other's checkpoints, and write each other's reports: the second is refused at once,
             # by the lock beside OUT that patch and convert take for --out.
             try:
                 held.enter_context(made_folders(out.parent))
             except OSError as e:
-                raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+                raise cannot_make(out, e) from None
             held.enter_context(target_lock(out))
         return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
                             on_step=on_step)
@@ -321,7 +333,11 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
     windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
     p = recipe.pretrain
     if not (pretrain_dir(p, recipe.seed, recipe.name) / INFO_FILE).is_file():  # a cached one is not trained again
-        check_pretraining_texts(p, texts["eval"])
+        # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
+        # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
+        same = "train" in texts and Path(p.text) == Path(recipe.data.train)
+        texts["pretrain"] = texts["train"] if same else read_text(p.text)
+        check_pretraining_texts(p, texts["pretrain"], texts["eval"])
     from normswap.evaluate import check_before_tokenizing
 
     check_before_tokenizing([model_config(p, p.vocab_size, 0)], most_tokens(texts["eval"]), ONE_TOKEN_PER_BYTE,
@@ -432,8 +448,10 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     pretrain_info = None
     if recipe.pretrain is not None:
         set_seed(recipe.seed)
+        # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
-                                                     recipe.data.eval, stop=stop, progress=progress)
+                                                     recipe.data.eval, text=texts.pop("pretrain", None), stop=stop,
+                                                     progress=progress)
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
         _check_fits(recipe, loaded[0])

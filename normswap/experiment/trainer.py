@@ -263,8 +263,9 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     that wrote it: a step's sequences are grad_accum x processes draws (RandomWindows), so the
     resumed steps would see other batches, a bigger or smaller batch than the steps before them,
     and the result would belong to neither process count. A checkpoint that says no count (none
-    recorded, no random-state files) is refused too: normswap never writes one. `what` names the
-    training in the message (an arm, "pretrain")."""
+    recorded, no random-state files) is refused too: normswap never writes one; and so is one that
+    lacks a process's random-state file (accelerate would resume that process from another random
+    state, unsaid). `what` names the training in the message (an arm, "pretrain")."""
     found = latest_checkpoint(state_dir)
     if found is None:
         return None
@@ -284,6 +285,21 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
                             f"run has {num_processes}: the process count decides the batches, so the resumed "
                             f"steps would see other data; run it again on {trained_on}, or delete {state_dir} "
                             f"to train it from the start on {num_processes}")
+    # accelerate's load_state reads random_states_<rank>.pkl on each process and, when it is missing,
+    # only logs it: the resumed steps would draw dropout from this start's random state, not the
+    # interrupted run's, and nothing would say so. Every rank's file is checked on every process (a
+    # shared folder gives each the same answer, so all refuse together rather than one rank leaving
+    # the others at the next barrier); a node that holds only its own ranks' files (several nodes
+    # without a shared file system) lacks the main process's model and optimizer files too.
+    # (After the count's check: the loop is as long as this run's count, whatever the file says.)
+    missing = [name for name in (f"random_states_{rank}.pkl" for rank in range(num_processes))
+               if not (found / name).is_file()]
+    if missing:
+        raise NormswapError(f"{what}: its checkpoint {found} was written by {count_noun(saved, 'process')} but "
+                            f"lacks {', '.join(missing)} (accelerate writes one random-state file per process; "
+                            "resumed without it, the steps would go on from another random state than the "
+                            "interrupted run's, unsaid); put it back, or delete "
+                            f"{state_dir} to train it from the start")
     return found, history
 
 
