@@ -1190,6 +1190,26 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
+def test_float16_weights_train_with_adamw(tmp_path):
+    """finetune.dtype = "fp16": AdamW added its eps (1e-8, which is 0 in float16) to sqrt(v) in the
+    weights' dtype, so every weight whose gradient was 0 (the embedding rows no batch used) became
+    0/0 = NaN at the first step, at any learning rate, lr = 0 included: every fp16 recipe stopped
+    with "the training loss is nan at step 2 (lower the learning rate?)"."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, build_optimizer, train
+
+    model = random_layer_norm_gpt2().half()
+    batches = RandomWindows(torch.randint(0, 32, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    history = train(Accelerator(cpu=True), model, TrainSettings(steps=3, warmup_steps=0, dtype="fp16"), batches,
+                    tmp_path / "state", progress=False)
+    assert len(history.losses) == 3 and all(math.isfinite(x) for x in history.losses), history.losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the float32 optimizer is torch's own
+    assert build_optimizer(random_layer_norm_gpt2(), TrainSettings()).defaults["eps"] == 1e-8
+
+
 @pytest.fixture(scope="module")
 def two_step_state(tmp_path_factory):
     """A training state checkpointed at steps 1 and 2 (LATEST -> step-000002), as train leaves it."""

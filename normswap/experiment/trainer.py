@@ -182,7 +182,13 @@ def build_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Opt
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     if s.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=s.lr, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95))
+    # AdamW's eps is added to sqrt(v) in the weights' dtype: torch's 1e-8 is 0 in float16, so every
+    # weight whose gradient was 0 (an embedding row no batch used) became 0/0 = NaN at the first
+    # step, whatever the learning rate (finetune.dtype = "fp16": "the training loss is nan at step 2").
+    # The smallest normal number of the dtype instead where 1e-8 is below it (float16 only).
+    dtype = params[0].dtype if params else torch.float32
+    eps = max(1e-8, torch.finfo(dtype).tiny) if dtype.is_floating_point else 1e-8
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=eps)
 
 
 def lm_loss(model, ids: torch.Tensor, teacher=None) -> torch.Tensor:
