@@ -436,28 +436,86 @@ _LAYER_COUNT = re.compile(r"(\w+_)?(layers|layer)")
 
 def check_config(config, where) -> None:
     """Refuse a config whose sizes or eps make no model: transformers accepts a negative layer
-    count or a zero hidden size and fails (or warns) later, deep inside torch."""
+    count or a zero hidden size and fails (or warns) later, deep inside torch. A value equal to
+    the config class's own default is never refused: transformers' defaults are its statement of
+    what is valid, and some are sentinels outside the rule (-1 for 'unlimited' or 'not set':
+    XLNetConfig.max_position_embeddings, ViltConfig.num_images, Phi4's audio chunk_size), which
+    refused every model of those architectures."""
     names = getattr(config, "architectures", None)
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         # reprlib: the value is shown shortened, as the one error line must stay short whatever the file holds
         raise NormswapError(f"{where}: architectures is a {type(names).__name__} ({reprlib.repr(names)}); it must "
                             "be a list of class names")
+    default = _default_config(type(config))
     for name in _POSITIVE:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        value = _field(config, name)
+        if (isinstance(value, int) and not isinstance(value, bool) and value < 1
+                and not _is_default(value, _field(default, name))):
             raise NormswapError(f"{where}: {name} is {value}; it must be at least 1")
-    _check_fields(config.to_dict(), where)
+    _check_fields(config.to_dict(), where, _default_fields(type(config)))
 
 
-def _check_fields(fields: dict, where, prefix: str = "") -> None:
+def _field(config, name):
+    """config.name, or None where the config has none. A config of per-layer settings
+    (Dots3NoteTextConfig) raises its own RuntimeError for a global read of one that varies by
+    layer (num_attention_heads): an internal error for every command; the per-layer values are
+    checked among the config's fields."""
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
+
+
+def _is_default(value, default) -> bool:
+    # NaN equals nothing, its own default included: a NaN is refused whatever the class says
+    return isinstance(default, (int, float)) and not isinstance(default, bool) and value == default
+
+
+@functools.cache
+def _default_config(cls):
+    """The config class built with its own defaults, once per class (milliseconds); None for one
+    that cannot be built without arguments (its defaults then excuse nothing)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a composite says at info/warning level that it fills in its parts
+    try:
+        return cls()
+    except Exception:
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+@functools.cache
+def _default_fields(cls) -> dict:
+    default = _default_config(cls)
+    return default.to_dict() if default is not None else {}
+
+
+def _sub_defaults(value: dict, parent_default) -> dict:
+    """The defaults a nested dict is held to: its own config class's where it is a sub-config
+    naming its model_type (a Llava's text_config may be a Mistral's, whatever the class's default
+    part is), else the parent's default for that field (a rope_scaling table, ...)."""
+    model_type = value.get("model_type")
+    if isinstance(model_type, str):
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if model_type in CONFIG_MAPPING:
+            return _default_fields(CONFIG_MAPPING[model_type])
+    return parent_default if isinstance(parent_default, dict) else {}
+
+
+def _check_fields(fields: dict, where, defaults: dict, prefix: str = "") -> None:
     for name, value in fields.items():
+        default = defaults.get(name)
         # a config class may hold a table keyed by numbers (Aria's projector_patch_to_query_dict,
         # {1225: 128} from the file's {"1225": 128}): its keys are no field names (a str-only regex
         # raised TypeError on them, an internal error for every command on an Aria model)
         name = str(name)
         if isinstance(value, dict):
-            _check_fields(value, where, f"{prefix}{name}.")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            _check_fields(value, where, _sub_defaults(value, default), f"{prefix}{name}.")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or _is_default(value, default):
             continue
         elif _EPS_LIKE.fullmatch(name) and not (math.isfinite(value) and value >= 0):
             raise NormswapError(f"{where}: {prefix}{name} is {value}; an eps must be finite and not negative")

@@ -697,6 +697,70 @@ def test_a_config_holding_a_table_keyed_by_numbers_is_checked(tmp_path):
         loading.load_config(loading.resolve(d))
 
 
+
+def _default_configs():
+    """Every config class transformers has, built with its own defaults (a few cannot be built
+    without arguments: they have no defaults to check)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    built = {}
+    for model_type in CONFIG_MAPPING:
+        try:
+            built[model_type] = CONFIG_MAPPING[model_type]()
+        except Exception:
+            continue
+    return built
+
+
+def test_no_config_class_is_refused_for_its_own_defaults():
+    """check_config refused transformers' own defaults, so every command exited 2 on every model of
+    the architecture: XLNet (max_position_embeddings is -1, 'unlimited'), ViLT (num_images is -1),
+    Phi4-multimodal (audio_config.chunk_size is -1). Enumerated from transformers itself: a release
+    that adds such a default is excused by the same rule, or fails here by name."""
+    pytest.importorskip("transformers")
+    configs = _default_configs()
+    assert len(configs) > 100
+    refused = {}
+    for model_type, config in configs.items():
+        try:
+            loading.check_config(config, model_type)
+        except Exception as e:  # NormswapError, or an internal error such as Dots3NoteText's
+            refused[model_type] = f"{type(e).__name__}: {e}"
+    assert refused == {}
+
+
+@pytest.mark.parametrize("model_type, change, says", [
+    ("xlnet", dict(n_layer=-1), "num_hidden_layers is -1; it must be at least 1"),
+    ("xlnet", dict(vocab_size=0), "vocab_size is 0; it must be at least 1"),
+    ("vilt", dict(num_images=-2), "num_images is -2; a size or count cannot be negative"),
+    ("vilt", dict(num_hidden_layers=10**12), "num_hidden_layers is 1000000000000; normswap takes at most"),
+    ("vilt", dict(layer_norm_eps=float("nan")), "layer_norm_eps is nan; an eps must be finite"),
+    ("phi4_multimodal", dict(audio_config=dict(chunk_size=-2)), "audio_config.chunk_size is -2"),
+    # -1 is the class's default for chunk_size, not for the audio encoder's block count
+    ("phi4_multimodal", dict(audio_config=dict(num_blocks=-1)), "audio_config.num_blocks is -1; a size or count"),
+    ("dots3_note_text", dict(vocab_size=0), "vocab_size is 0; it must be at least 1"),
+])
+def test_architectures_with_sentinel_defaults_load_and_still_refuse_nonsense(tmp_path, model_type, change, says):
+    """The defaults excuse only themselves: the same architectures' real nonsense (a negative
+    count the class does not default to, a zero size, a NaN eps, 10**12 layers) is still refused.
+    Read through load_config, the path every command takes, from the file save_pretrained writes."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    d = tmp_path / model_type
+    CONFIG_MAPPING[model_type]().save_pretrained(d)
+    config = loading.load_config(loading.resolve(d))  # its defaults load: every command refused them
+    assert config.model_type == model_type
+    cfg = json.loads((d / "config.json").read_text())
+    for key, value in change.items():
+        if isinstance(value, dict):
+            cfg[key].update(value)
+        else:
+            cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NormswapError, match=re.escape(says)):
+        loading.load_config(loading.resolve(d))
+
+
 # ---- tensors the config has and the weights do not
 
 
