@@ -544,8 +544,8 @@ def _name_architecture(source: ModelSource, config) -> None:
 
 def _head_class_of_weights(source: ModelSource, config) -> type | None:
     """The causal (else sequence-to-sequence) LM class of the config's model_type when the folder's
-    safetensors were saved from it: every tensor name is one that class holds, and not every one
-    is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
+    safetensors were saved from it: every tensor name is one that class loads (as transformers
+    renames it) or drops without a word, and not every one is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
     Built as the base model, such a folder lost its head: a Llama was refused ("no place for
     lm_head.weight"), a GPT-2 re-saved as a GPT2Model, and ppl found no logits to score; stock
     AutoModelForCausalLM loads it with its head. None when the weights say nothing (config only)
@@ -566,11 +566,20 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
                 model = cls._from_config(config)
         except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
             continue
-        # Names the class declares ignorable are not evidence against it: a GPT-2 saved by an older
-        # transformers holds its attention masks (transformer.h.0.attn.bias), which loading drops.
-        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-        holds = set(model.state_dict())
-        if all(k in holds or any(p.search(k) for p in ignored) for k in keys):
+        # Each name as the load names it (_loaded_name: per-expert MoE weights that transformers
+        # fuses, legacy gamma/beta, a missing prefix), and what the load drops without a word
+        # (_not_ignored_on_load: GPT-2's attention masks saved by an older transformers, old rotary
+        # inv_freq and position_ids buffers) is not evidence against it: a Mixtral as its own
+        # save_pretrained writes it, or an old Llama's inv_freq, was built as the base model and
+        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it.
+        holds = model.state_dict()
+        loaded_name = _loaded_name(model, holds)
+        unplaced: set[str] = set()
+        for key in sorted(keys, key=_load_order()):  # a renaming may depend on the keys before it
+            name, _, fills = loaded_name(key)
+            if name not in holds:
+                unplaced.update(fills or (key,))
+        if not _not_ignored_on_load(model, unplaced):
             return cls
     return None
 
