@@ -1279,6 +1279,41 @@ def test_a_damaged_checkpoint_is_refused_and_kept(two_step_state, tmp_path, dama
     assert _files(state) == before and (state / "step-000002").is_dir()
 
 
+@pytest.mark.parametrize("error, then", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "with more memory free"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), "with more memory free"),
+    (PermissionError(13, "Permission denied", "optimizer.bin"), "as a user who may read it"),
+])
+def test_a_sound_checkpoint_that_cannot_be_loaded_now_is_not_called_damaged(two_step_state, tmp_path,
+                                                                            monkeypatch, error, then):
+    """Out of memory while loading (a GPU another job holds) or a file this user may not read says
+    nothing of the checkpoint: the refusal told the user to delete the state folder, throwing away a
+    sound checkpoint. It says what to change instead, and nothing is removed."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import train
+
+    base, batches = two_step_state
+    state = tmp_path / "run" / "state"
+    shutil.copytree(base, state)
+    before = _files(state)
+
+    def load_state(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(Accelerator, "load_state", load_state)
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=4, warmup_steps=0,
+              checkpoint_every=1), batches, state, progress=False)
+    assert str(refused.value).startswith(f"train: cannot resume from its checkpoint {state / 'step-000002'} (")
+    assert str(refused.value).endswith(f"; it is kept: run again {then}") and "delete" not in str(refused.value)
+    assert _files(state) == before
+
+
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
     """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
     written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming
