@@ -1314,6 +1314,28 @@ def test_a_sound_checkpoint_that_cannot_be_loaded_now_is_not_called_damaged(two_
     assert _files(state) == before
 
 
+def test_a_latest_this_user_may_not_read_is_not_called_damaged(two_step_state, tmp_path, monkeypatch):
+    """LATEST unreadable for this user (another user's run) told the user to delete the state folder."""
+    import pathlib
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import latest_checkpoint
+
+    read_text = pathlib.Path.read_text
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "LATEST":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", refuse)
+    base, _batches = two_step_state
+    with pytest.raises(NormswapError) as refused:
+        latest_checkpoint(base)
+    assert str(refused.value).startswith(f"{base / 'LATEST'}: cannot read it (") and "Permission denied" in str(
+        refused.value) and str(refused.value).endswith("); it is kept: run again as a user who may read it")
+
+
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
     """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
     written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming

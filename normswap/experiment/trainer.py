@@ -260,6 +260,8 @@ def latest_checkpoint(state_dir: Path) -> Path | None:
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
+        if isinstance(e, PermissionError):  # this user's, not the checkpoint's: deleting would lose a sound one
+            remedy = "it is kept: run again as a user who may read it"
         raise NormswapError(f"{pointer}: cannot read it ({one_line(e)}); {remedy}") from None
     if not re.fullmatch(r"step-\d{6,}", name) or not (state_dir / name / TRAINER_STATE).is_file():
         raise NormswapError(f"{pointer} names {name!r}, which is no checkpoint in {state_dir} (a step-NNNNNN "
