@@ -359,14 +359,15 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
             held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
+    meta = None  # built here only for a filter; else the load's check of the stored tensors builds it
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
         meta = build_meta_model(source, config)
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
             raise NormswapError(f"{n['only']}/{n['exclude']} leave no recognised norm to patch in {model}")
-        del meta
 
     step(progress, "load", 0, 1)
-    m = load_model(source, dtype=torch_dtype, device=device, config=config)
+    m = load_model(source, dtype=torch_dtype, device=device, config=config, meta=meta)
+    del meta
     step(progress, "load", 1, 1)
 
     original = copy.deepcopy(m) if scoring else None
@@ -496,7 +497,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
                                     progress=progress or False, config=config, manifest=False,
                                     planned=(meta, plan), target=target)
         step(progress, "verify", 0, 1)
-        section["verification"] = verify_conversion(source, tmp, section, config=config)
+        section["verification"] = verify_conversion(source, tmp, section, config=config, meta=meta)
         step(progress, "verify", 1, 1)
         write_manifest(tmp, new_manifest(convert=section, carried_folders=carried_record(tmp, real_folders(tmp))))
     return ConvertResult(str(model), section, out=target, notes=notes)

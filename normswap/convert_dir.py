@@ -87,7 +87,8 @@ def convert_directory(
     else:  # GGUF or pickled weights: load whole, convert in memory, save with transformers
         # With --dtype, load in float64 and cast after the conversion: loading straight into the
         # target dtype would round the weights once before the float64 arithmetic and once after.
-        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config)
+        model = loading.load_model(source, dtype=torch.float64 if dtype is not None else None, config=config,
+                                   meta=meta)
         if plan.untie is not None and source.gguf_file is None:  # pickled: transformers left them untied or tied
             _refuse_a_head_stored_apart(source, plan.untie, model.state_dict().get)
         apply_plan(model, plan)  # the plan built above from the meta model: it names tensors only
@@ -139,10 +140,11 @@ def _run_as_rms(model, manifest) -> None:
 
 
 def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None,
-                      config=None) -> dict:
+                      config=None, meta=None) -> dict:
     """Reload the converted directory with stock transformers; compare its logits (and those of
     its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance.
-    config: loading.load_config(source) when the caller already read it."""
+    config: loading.load_config(source), and meta: loading.build_meta_model(source, config), when
+    the caller already has them (the load of the original then builds no meta model of its own)."""
     from normswap import loading
 
     config = loading.load_config(source) if config is None else config
@@ -156,7 +158,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
     batch = probe_batch(config, ProbeConfig(batch=2, seq_len=32)) if batch is None else batch
-    original = loading.load_model(source, dtype=run_dtype, config=config)
+    original = loading.load_model(source, dtype=run_dtype, config=config, meta=meta)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
     ref = model_output(original, batch, raw=True)[1]
     check_reference_output("logits", ref, f"{source.ref} (the original)")

@@ -609,12 +609,15 @@ def build_meta_model(source: ModelSource, config=None):
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: str | None = None,
-               config=None):
+               config=None, meta=None):
     """The model with its weights, in eval mode. `config`: load_config(source) when the caller
-    already read it (reading a GGUF's takes seconds)."""
+    already read it (reading a GGUF's takes seconds); `meta`: build_meta_model(source, config) when
+    the caller already built it (a filter checked, a conversion planned on it), so that the check
+    of the stored tensors does not build it again (50 ms for SmolLM2-135M, 150 ms for a
+    70B-class config of 80 layers)."""
     config = load_config(source) if config is None else config
     _name_architecture(source, config)
-    check_stored_tensors(source, config)  # before from_pretrained allocates the model the config describes
+    check_stored_tensors(source, config, meta)  # before from_pretrained allocates the model the config describes
     cls = model_class(config)
     kwargs = dict(source.from_pretrained_kwargs)
     kwargs["dtype"] = dtype if dtype is not None else "auto"
@@ -634,7 +637,7 @@ _NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
 def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
     """Refuse, from the safetensors files' headers alone, a checkpoint whose tensors the model its
     config describes cannot take as they are stored; the meta model (built here when `meta` is
-    None) gives the model's tensors. Two faults:
+    None) gives the model's tensors. The faults:
 
     - a tensor of another shape than the config gives. The load refuses it too
       (check_loading_info), but only once transformers has allocated the whole model: a config
@@ -652,20 +655,28 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
       non-persistent buffer (not in the state dict at all). The same rule as the load's
       (check_loading_info), said with the config.json field when the missing tensors are the
       layers past the ones the weights hold.
+    - a stored tensor the model has no place for: a config with fewer layers than its weights
+      (num_hidden_layers 2 over a 12-layer model's) had the load drop the other layers' tensors
+      and only then refuse it, naming no field; convert streamed every tensor into a converted copy
+      before its verification refused it. Not refused: what from_pretrained drops without a word
+      (_not_ignored_on_load: the class's ignorable names, old rotary inv_freq and position_ids
+      buffers), nor an index's name no shard holds. Said with the config.json field when they are
+      the layers past the config's count.
     - a floating-point tensor of the model (a norm's gain, a Linear weight) stored as integers or
       booleans: from_pretrained casts it to float without a word, so normswap would patch, score
       and re-save a model that is not what the file holds. An integer buffer (old checkpoints'
       position_ids) still loads.
 
-    Pickled weights (pytorch_model.bin) are checked for missing tensors only, from their names
-    (_weight_names): their dtypes and shapes are only known once loaded. Not checked: GGUF files
-    (transformers de-quantises them and names their tensors, and their layer count is the file's
-    own metadata), quantised checkpoints (a quantization_config: packed integer weights are their
-    format)."""
+    Pickled weights (pytorch_model.bin) are checked for missing and unplaced tensors only, from
+    their names (_weight_names): their dtypes and shapes are only known once loaded. Quantised
+    checkpoints (a quantization_config: packed integer weights, scales, names of their own) are
+    checked for whole layers only (_quantised_layers). Not checked: GGUF files (the config is the
+    file's own metadata; transformers de-quantises every tensor before it names them)."""
     from normswap import streaming as st
 
-    if source.gguf_file or getattr(config, "quantization_config", None) is not None:
+    if source.gguf_file:
         return
+    quantised = getattr(config, "quantization_config", None) is not None
     if (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file():
         try:
             files, indexed, _ = st.checkpoint_layout(source.path)
@@ -673,36 +684,81 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
         except NormswapError:
             return  # a malformed index or file: the load reports it, as for any checkpoint
         # what the index names is not missing: sent to a shard that does not hold it, it is the
-        # index's fault, which the conversion and the load name (streaming.CheckpointReader)
+        # index's fault, which the conversion and the load name (streaming.CheckpointReader);
+        # nor is it a tensor the load reads (it reads the shards' own names)
         headers[None] = dict.fromkeys(indexed, None)
+        read = set(files)
     else:
-        # pickled: names only; none read (no weights, or unreadable ones) is for the load to say
+        # pickled: names only; none read (no weights, or unreadable ones) is for the load to say.
+        # Those of a single file are the tensors the load reads; an index's are what it says the
+        # shards hold (as the safetensors index's are)
         headers = {None: dict.fromkeys(_weight_names(source.path), None)}
         if not headers[None]:
             return
+        from transformers.utils import WEIGHTS_NAME
+
+        read = {None} if (source.path / WEIGHTS_NAME).is_file() else set()
     meta = build_meta_model(source, config) if meta is None else meta
     state = meta.state_dict()
     model_name = _loaded_name(meta, state)
     mismatched = []
     filled: set[str] = set()
-    for file, header in headers.items():
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            name, as_stored, fills = model_name(key)
-            filled.update(fills)
-            tensor = state.get(name)
-            if tensor is None or not isinstance(entry, dict):
-                continue
-            if _NOT_FLOAT.fullmatch(str(entry.get("dtype"))) and tensor.is_floating_point():
-                raise NormswapError(f"{source.path / file}: {key} is stored as {entry['dtype']} where "
-                                    f"{type(meta).__name__} has a floating-point tensor; transformers would cast it "
-                                    "without a word, and the model run would not be the one in the file")
-            shape = entry.get("shape")
-            if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
-                mismatched.append((name, shape, list(tensor.shape)))
-    check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled)},
-                       str(source.ref))
+    unexpected: set[str] = set()
+    order = _load_order()
+    stored = sorted(((file, key, entry) for file, header in headers.items() for key, entry in header.items()
+                     if key != "__metadata__"), key=lambda item: order(item[1]))
+    if quantised:
+        if problems := _quantised_layers(meta, [model_name(key)[0] for file, key, _ in stored if file in read]):
+            _weights_do_not_match(source.ref, problems)
+        return
+    for file, key, entry in stored:
+        name, as_stored, fills = model_name(key)
+        tensor = state.get(name)
+        if tensor is None:
+            if file in read:  # dropped on load, as transformers names it (each of a converter's targets)
+                unexpected.update(fills)
+            continue
+        filled.update(fills)
+        if not isinstance(entry, dict):
+            continue
+        if _NOT_FLOAT.fullmatch(str(entry.get("dtype"))) and tensor.is_floating_point():
+            raise NormswapError(f"{source.path / file}: {key} is stored as {entry['dtype']} where "
+                                f"{type(meta).__name__} has a floating-point tensor; transformers would cast it "
+                                "without a word, and the model run would not be the one in the file")
+        shape = entry.get("shape")
+        if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
+            mismatched.append((name, shape, list(tensor.shape)))
+    check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
+                              "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+
+
+def _load_order():
+    """The order in which from_pretrained takes a checkpoint's keys (transformers' own sort key,
+    else the natural one): a renaming of its conversion mapping may depend on the keys it has
+    already seen (GroupWeightRename fires only after its first pattern has matched)."""
+    try:
+        from transformers.core_model_loading import dot_natural_key
+    except ImportError:  # another transformers: its internals moved
+        return _natural
+    return dot_natural_key
+
+
+def _not_ignored_on_load(meta, unexpected: set[str]) -> set[str]:
+    """The stored tensors the model has no place for (`unexpected`, named as transformers names
+    them) that from_pretrained reports: it drops, without a word, those matching the class's
+    _keys_to_ignore_on_load_unexpected, and old checkpoints' rotary inv_freq and position_ids
+    buffers when the model has such buffers (now non-persistent). Its own rule, asked of it; where
+    that is missing (another transformers), none: the load says what it drops."""
+    from types import SimpleNamespace
+
+    if not unexpected:
+        return set()
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(unexpected))
+    try:
+        meta._adjust_missing_and_unexpected_keys(info)
+    except Exception:  # noqa: BLE001  (transformers' internals moved: leave it to the load)
+        return set()
+    return set(info.unexpected_keys)
 
 
 def _unfilled(meta, filled: set[str]) -> list[str]:
@@ -731,13 +787,15 @@ def _loaded_name(meta, state: dict):
     renaming (a bare base model's checkpoint without the prefix, legacy LayerNorm.gamma/beta) and
     its converters (per-expert MoE weights fused into one tensor: not as stored; a fused gate/up
     tensor split into two: it fills both, as transformers names a converter's other targets).
+    A key that fills nothing gets the names transformers reports it under as unexpected (each of a
+    converter's targets). Keys go in _load_order: a renaming may depend on the ones seen before.
     That machinery is transformers' internals; where it is missing or fails, the prefix rule
-    alone."""
+    alone, and a key it maps to nothing gets no name to report (the load names it)."""
     prefix = getattr(meta, "base_model_prefix", "")
 
     def by_prefix(key: str) -> tuple[str, bool, tuple[str, ...]]:
         name = key if key in state or f"{prefix}.{key}" not in state else f"{prefix}.{key}"
-        return name, True, (name,)
+        return name, True, (name,) if name in state else ()
 
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -753,13 +811,15 @@ def _loaded_name(meta, state: dict):
     def loaded(key: str) -> tuple[str, bool, tuple[str, ...]]:
         try:
             name, source_pattern = rename_source_key(key, renamings, converters, prefix, state)
+            if name not in state and key in state:  # transformers' second try: the key as stored, prefix rule alone
+                name, source_pattern = rename_source_key(key, [], [], prefix, state)
             converter = by_source.get(source_pattern)
             # transformers' own spelling of a converter's other targets (core_model_loading)
             fills = (name,) if converter is None else \
                 tuple(name.replace(converter.target_patterns[0], t) for t in converter.target_patterns)
         except Exception:  # noqa: BLE001
             return by_prefix(key)
-        return (name, source_pattern is None, fills) if name in state else by_prefix(key)
+        return name, source_pattern is None, fills
 
     return loaded
 
@@ -815,13 +875,14 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
                         raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
                                             ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
-    check_loading_info(model, info, ref)
+    check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
     return model
 
 
-def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
+def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> None:
     """One line naming the first few keys when the checkpoint and the model disagree, except the
-    keys the architecture declares ignorable (transformers already leaves tied ones out)."""
+    keys the architecture declares ignorable (transformers already leaves tied ones out). gguf: the
+    model was described by a GGUF file's own metadata, not by a config.json."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
@@ -840,13 +901,48 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3) -> None:
         problems.append(layers)
     elif missing:
         problems.append(f"{len(missing)} tensor(s) missing from the checkpoint: {first(missing)}")
-    if unexpected:
+    if unexpected and (layers := _layers_past_the_config(model, unexpected, missing)):
+        problems.append(layers)
+    elif unexpected:
         problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
     if info.get("error_msgs"):
         problems.append(one_line(info["error_msgs"][0]))
     if problems:
-        raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
-                            "is the config from another model size?")
+        _weights_do_not_match(ref, problems, gguf)
+
+
+def _weights_do_not_match(ref, problems: list[str], gguf: bool = False) -> None:
+    if gguf:  # no config.json: the config is read from the file's metadata (block_count: num_hidden_layers)
+        raise NormswapError(f"{ref}: its tensors do not match the model its own GGUF metadata describes "
+                            f"({'; '.join(problems)}); is the file damaged or edited?")
+    raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
+                        "is the config from another model size?")
+
+
+def _quantised_layers(meta, names: list[str]) -> list[str]:
+    """What a quantised checkpoint's tensor names (`names`, as transformers renames them) say
+    against the layer counts of its config, which the meta model (built without the quantizer)
+    has: its stored names are not the model's (q_proj.qweight, .scales, weight_scale_inv, packed
+    weights), so only whole layers are counted, by the index in the names under each list of
+    layers (_layer_lists). Said: the last layers of the list with no tensor at all (config more
+    layers than the weights hold), and tensors of layers past the list, save what the load drops
+    without a word (_not_ignored_on_load: DeepSeek-V3's stored MTP layer, model.layers.61). A list
+    no name falls under, or a gap, is left to the load."""
+    problems = []
+    for under, length, field in _layer_lists(meta):
+        held = {i for name in names if (i := _layer_index(name, under)) is not None}
+        if not held:
+            continue
+        stored = max(held) + 1
+        if stored < length and held == set(range(stored)):
+            past = f"{under}{stored}" + (f" to {under}{length - 1}" if length - stored > 1 else "")
+            problems.append(f"{field} is {length} there, but the weights hold {_layers(stored)}: no tensor of "
+                            f"{past} in the checkpoint")
+        elif stored > length and held >= set(range(length)):
+            past = _not_ignored_on_load(meta, {name for name in names if (_layer_index(name, under) or 0) >= length})
+            if past and (layers := _layers_past_the_config(meta, sorted(past, key=_natural), [])):
+                problems.append(layers)
+    return problems
 
 
 def _natural(name: str) -> list:
@@ -854,11 +950,10 @@ def _natural(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _layers_past_the_stored(model, missing: list[str]) -> str | None:
-    """'num_hidden_layers is 5000 there, but the weights hold 2 layers: ...' when the missing
-    tensors are exactly those of the layers past the ones the weights hold, in a list of layers as
-    long as a layer-count field of config.json says (the field named as the file spells it:
-    n_layer for GPT-2); None otherwise."""
+def _layer_lists(model):
+    """(prefix, length, field) of each list of layers in `model` (a ModuleList, shallowest first)
+    as long as a layer-count field of its config says, `field` named as config.json spells it
+    (n_layer for GPT-2; several fields of that value joined by ' / ')."""
     config = getattr(model, "config", None)
     counts: dict[int, list[str]] = {}
 
@@ -869,25 +964,60 @@ def _layers_past_the_stored(model, missing: list[str]) -> str | None:
             elif isinstance(value, int) and not isinstance(value, bool) and _LAYER_COUNT.fullmatch(str(name)):
                 counts.setdefault(value, []).append(prefix + name)
 
-    with contextlib.suppress(Exception):  # a config that cannot say: the plain message
+    with contextlib.suppress(Exception):  # a config that cannot say: no list is counted
         collect(config.to_dict())
     lists = [(path, module) for path, module in model.named_modules()
              if path and isinstance(module, torch.nn.ModuleList) and len(module) in counts]
     for path, layers in sorted(lists, key=lambda item: item[0].count(".")):
-        under = f"{path}."
+        yield f"{path}.", len(layers), " / ".join(counts[len(layers)])
+
+
+def _layer_index(name: str, under: str) -> int | None:
+    """i for a name under `under` followed by i (model.layers.7.mlp... under model.layers.)."""
+    if not name.startswith(under):
+        return None
+    head = name[len(under):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _layers(count: int) -> str:
+    return f"{count} layer{'s' * (count > 1)}"
+
+
+def _layers_past_the_stored(model, missing: list[str]) -> str | None:
+    """'num_hidden_layers is 5000 there, but the weights hold 2 layers: ...' when the missing
+    tensors are exactly those of the layers past the ones the weights hold, in a list of layers as
+    long as a layer-count field of config.json says (_layer_lists); None otherwise."""
+    for under, length, field in _layer_lists(model):
         if not all(name.startswith(under) for name in missing):
             continue
-        index = {name: int(rest.split(".", 1)[0]) for name in model.state_dict()
-                 if name.startswith(under) and (rest := name[len(under):]).split(".", 1)[0].isdigit()}
+        index = {name: i for name in model.state_dict() if (i := _layer_index(name, under)) is not None}
         gone = set(missing)
         held = {i for name, i in index.items() if name not in gone}
         stored = len(held)
-        if held != set(range(stored)) or not 0 < stored < len(layers) or any(index.get(m, -1) < stored for m in missing):
+        if held != set(range(stored)) or not 0 < stored < length or any(index.get(m, -1) < stored for m in missing):
             continue
-        field = " / ".join(counts[len(layers)])
-        past = f"{under}{stored}" + (f" to {under}{len(layers) - 1}" if len(layers) - stored > 1 else "")
-        return (f"{field} is {len(layers)} there, but the weights hold {stored} layer{'s' * (stored > 1)}: "
+        past = f"{under}{stored}" + (f" to {under}{length - 1}" if length - stored > 1 else "")
+        return (f"{field} is {length} there, but the weights hold {_layers(stored)}: "
                 f"{len(missing)} tensor(s) of {past} missing from the checkpoint")
+    return None
+
+
+def _layers_past_the_config(model, unexpected: list[str], missing: list[str]) -> str | None:
+    """'num_hidden_layers is 2 there, but the weights hold 12 layers: ...' when the tensors the
+    model has no place for are exactly those of the layers past the config's count, every one of
+    them holding some, in a list of layers as long as a layer-count field says (_layer_lists),
+    and none of that list's own tensors is missing; None otherwise."""
+    for under, length, field in _layer_lists(model):
+        index = {_layer_index(name, under) for name in unexpected}
+        if None in index or any(name.startswith(under) for name in missing):
+            continue
+        stored = max(index) + 1
+        if index != set(range(length, stored)):
+            continue
+        past = f"{under}{length}" + (f" to {under}{stored - 1}" if stored - length > 1 else "")
+        return (f"{field} is {length} there, but the weights hold {_layers(stored)}: "
+                f"{len(unexpected)} tensor(s) of {past} the config has no place for")
     return None
 
 

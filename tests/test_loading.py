@@ -410,16 +410,17 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
 
 
 
-def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48):
+def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, block_count=None):
     """A tiny float32 Llama GGUF with random weights and no tokenizer: what llama.cpp writes,
-    shapes as transformers' GGUF loader expects them (arrays in torch layout)."""
+    shapes as transformers' GGUF loader expects them (arrays in torch layout). block_count: the
+    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file)."""
     import numpy as np
     gguf = pytest.importorskip("gguf")
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(64)
     w.add_embedding_length(hidden)
-    w.add_block_count(layers)
+    w.add_block_count(layers if block_count is None else block_count)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
@@ -461,6 +462,21 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
+
+
+def test_a_gguf_whose_metadata_counts_more_blocks_than_it_holds_names_the_file_not_a_config_json(tmp_path):
+    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers): no config.json
+    can disagree with it, so it is not checked before the load (reading the tensor names means
+    parsing the whole metadata again, seconds on a real file). A damaged file whose block_count
+    exceeds its blocks is refused by the load; it said 'the weights do not match config.json ...
+    is the config from another model size?' of a file with no config.json."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=2, block_count=4))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert _one_line(e) == (f"{src.ref}: its tensors do not match the model its own GGUF metadata describes "
+                            "(num_hidden_layers is 4 there, but the weights hold 2 layers: 18 tensor(s) of "
+                            "model.layers.2 to model.layers.3 missing from the checkpoint); is the file damaged or "
+                            "edited?")
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
@@ -601,11 +617,17 @@ def test_check_stored_tensors_reads_the_shards_headers_and_spares_what_is_not_a_
     src = loading.resolve(d)
     config = loading.load_config(src)
     loading.check_stored_tensors(src, config)  # all floats
-    # an integer tensor the model has no floating-point place for is not this check's business
-    # (an old checkpoint's position_ids); the load reports an unknown one
+    # an integer tensor the model has no place for is not a dtype fault: it is one the load drops
+    # (refused as such, test_stored_tensors_the_load_drops_without_a_word_are_not_refused)
     last = index["model.norm.weight"]
     _retype_in_place(d / last, "model.extra_counter", torch.int64)
-    loading.check_stored_tensors(src, config)
+    with pytest.raises(NormswapError, match=r"\(1 tensor\(s\) the config has no place for: model.extra_counter\)"):
+        loading.check_stored_tensors(src, config)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / last)
+    del tensors["model.extra_counter"]
+    save_file(tensors, d / last, metadata={"format": "pt"})
     name = "model.layers.1.post_attention_layernorm.weight"
     _retype_in_place(d / index[name], name, torch.int16)
     with pytest.raises(NormswapError) as e:
@@ -728,6 +750,90 @@ def test_a_config_with_more_layers_than_its_weights_is_refused_before_the_model_
                             "from the checkpoint); is the config from another model size?")
 
 
+@pytest.mark.parametrize("layout", ["single", "sharded", "pickled"])
+@pytest.mark.parametrize("layers", [3, 5])
+def test_a_config_with_fewer_layers_than_its_weights_is_refused_before_the_model_is_allocated(
+        tmp_path, monkeypatch, layout, layers):
+    """num_hidden_layers 2 over a 5-layer model's weights: from_pretrained built the 2-layer model,
+    loaded it, dropped the other layers' tensors, and only then did check_loading_info refuse it,
+    naming no field ('90 tensor(s) the config has no place for: model.layers.2.input_layernorm...');
+    convert first streamed every tensor into a converted copy, refused by its verification. Refused
+    from the weights' names now, naming config.json's field and the layers the weights hold, as
+    the opposite case is said."""
+    from tiny_models import tiny_model
+
+    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
+    d = tmp_path / "deep"
+    model = tiny_model(arch, **{field: layers})
+    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    if layout == "pickled":
+        for p in d.glob("model*.safetensors*"):
+            p.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
+    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    src = _with_config(d, tmp_path / "fewer", **{field: 2})
+    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
+    per_layer = sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
+    if arch == "gpt2":  # its ignorable "attn.bias" (a regex) matches c_attn.bias too: the load drops it unsaid
+        per_layer -= 1
+    past = f"{prefix}2" + (f" to {prefix}{layers - 1}" if layers > 3 else "")
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert _one_line(e) == (f"{tmp_path / 'fewer'}: the weights do not match config.json ({field} is 2 there, "
+                            f"but the weights hold {layers} layers: {per_layer * (layers - 2)} tensor(s) of {past} "
+                            "the config has no place for); is the config from another model size?")
+
+
+def test_stored_tensors_the_load_drops_without_a_word_are_not_refused(tmp_path, monkeypatch):
+    """What from_pretrained drops without reporting it is not refused before the load: names the
+    class declares ignorable (GPT-2's attention masks, transformer.h.0.attn.bias, saved by older
+    transformers), an old checkpoint's rotary inv_freq per layer and its position_ids buffer, and a
+    tied head stored as well as the embedding. An unknown tensor is refused before the load, with
+    the load's own words; so is a tensor under a layer the model has (not a layer count's fault)."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import tiny_model
+
+    cases = {}
+    gpt2 = tmp_path / "gpt2"
+    tiny_model("gpt2").save_pretrained(gpt2)
+    tensors = load_file(gpt2 / "model.safetensors")
+    tensors["transformer.h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()  # tied, and stored twice
+    cases[gpt2] = tensors
+    llama = tmp_path / "llama"
+    tiny_model("llama").save_pretrained(llama)
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    cases[llama] = tensors
+    bert = tmp_path / "bert"
+    tiny_model("bert").save_pretrained(bert)
+    tensors = load_file(bert / "model.safetensors")
+    tensors["embeddings.position_ids"] = torch.arange(64)[None]
+    cases[bert] = tensors
+    for d, tensors in cases.items():
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        src = loading.resolve(d)
+        loading.check_stored_tensors(src, loading.load_config(src))
+        assert loading.load_model(src) is not None, d.name
+
+    from transformers import LlamaForCausalLM
+
+    stock = load_file(llama / "model.safetensors")
+    for extra, says in (("model.extra_thing", "(1 tensor(s) the config has no place for: model.extra_thing)"),
+                        ("model.layers.1.extra_thing",
+                         "(1 tensor(s) the config has no place for: model.layers.1.extra_thing)")):
+        save_file({**stock, extra: torch.ones(4)}, llama / "model.safetensors", metadata={"format": "pt"})
+        model, info = LlamaForCausalLM.from_pretrained(llama, output_loading_info=True)
+        with pytest.raises(NormswapError, match=re.escape(says)):  # what the load refuses ...
+            loading.check_loading_info(model, info, str(llama))
+        with monkeypatch.context() as m:  # ... is refused before it
+            _unallocated(m)
+            with pytest.raises(NormswapError) as e:
+                loading.load_model(loading.resolve(llama))
+        assert says in _one_line(e)
+
 def test_tensors_a_checkpoint_may_lack_are_not_missing(tmp_path, monkeypatch):
     """What transformers fills without the checkpoint holding it is not refused before the load:
     a head tied to the embedding (either way round), a bias the class declares it may lack
@@ -769,6 +875,141 @@ def test_tensors_a_checkpoint_may_lack_are_not_missing(tmp_path, monkeypatch):
         assert loading.load_model(src) is not None, name
 
 
+# A quantised checkpoint's names, as each format stores a Linear's weight (and what it keeps as is: the
+# norms, the embedding). No quantisation library runs here (no bitsandbytes, gptqmodel, autoawq,
+# compressed-tensors, no GPU): the fixtures are names and tiny tensors, what the check reads.
+_QUANTISED = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
+             {"qweight": torch.int32, "qzeros": torch.int32, "scales": torch.float16, "g_idx": torch.int32}),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                     {"weight": torch.uint8, "weight.absmax": torch.float32, "weight.quant_map": torch.float32,
+                      "weight.quant_state.bitsandbytes__nf4": torch.uint8}),
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]},
+            {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32}),
+}
+
+
+def _save_quantised(d, model, method: str, layers: range | None = None, **config_changes):
+    """`model`'s checkpoint as `method` stores it (names only, tiny tensors), its layers `layers`
+    (default: all), with config.json's quantization_config and `config_changes`."""
+    from safetensors.torch import save_file
+
+    quantization, parts = _QUANTISED[method]
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    tensors = {}
+    for name in model.state_dict():
+        if layers is not None and (i := re.search(r"\.layers\.(\d+)\.", name)) and int(i[1]) not in layers:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if module in linears:
+            for part, dtype in parts.items():
+                tensors[f"{module}.{part}"] = torch.zeros(2).to(dtype)
+        else:
+            tensors[name] = torch.zeros(2)
+    d.mkdir()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict() | {"architectures": [type(model).__name__],
+                                       "quantization_config": quantization} | config_changes
+    (d / "config.json").write_text(json.dumps(config))
+    return loading.resolve(d)
+
+
+@pytest.mark.parametrize("method", sorted(_QUANTISED))
+def test_a_quantised_checkpoint_with_layers_the_config_lacks_or_has_too_many_is_refused_before_allocation(
+        tmp_path, monkeypatch, method):
+    """A quantised checkpoint (a quantization_config) was not checked at all before the load: its
+    stored names are not the model's (q_proj.qweight, weight.absmax, weight_scale_inv). Whole
+    layers still are: a config with a layer more than the weights hold, or one fewer, is refused
+    from the names; the checkpoint as it is passes (its names are not refused as unplaced)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    loading.check_stored_tensors(src := _save_quantised(tmp_path / "same", model, method),
+                                 loading.load_config(src))
+    _unallocated(monkeypatch)
+    more = _save_quantised(tmp_path / "more", model, method, layers=range(2))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(more)
+    assert _one_line(e) == (f"{more.path}: the weights do not match config.json (num_hidden_layers is 3 there, but "
+                            "the weights hold 2 layers: no tensor of model.layers.2 in the checkpoint); is the config "
+                            "from another model size?")
+    fewer = _save_quantised(tmp_path / "fewer", model, method, num_hidden_layers=1)
+    per_layer = sum(1 for k in load_file_names(fewer.path) if k.startswith("model.layers.1."))
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(fewer)
+    assert f"(num_hidden_layers is 1 there, but the weights hold 3 layers: {2 * per_layer} tensor(s) of " \
+           "model.layers.1 to model.layers.2 the config has no place for)" in _one_line(e)
+
+
+def load_file_names(d):
+    from safetensors import safe_open
+
+    with safe_open(d / "model.safetensors", "pt") as f:
+        return list(f.keys())
+
+
+def test_a_quantised_checkpoints_layer_the_class_ignores_is_not_refused(tmp_path):
+    """DeepSeek-V3's FP8 checkpoint stores its multi-token-prediction layer as model.layers.61
+    past the config's 61 layers; transformers drops it without a word
+    (_keys_to_ignore_on_load_unexpected), and so must the check. A layer past the config that is
+    not ignorable (model.layers.60 over 60 layers) is refused."""
+    from sweep_models import tiny_config
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("no DeepSeek-V3 in this transformers")
+    config = tiny_config("deepseek_v3")
+    config.num_hidden_layers = 62
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    src = _save_quantised(tmp_path / "mtp", model, "fp8", num_hidden_layers=61)
+    loading.check_stored_tensors(src, loading.load_config(src))
+    src = _save_quantised(tmp_path / "one_more", model, "fp8", layers=range(61), num_hidden_layers=60)
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_tensors(src, loading.load_config(src))
+    assert "(num_hidden_layers is 60 there, but the weights hold 61 layers: " in _one_line(e)
+
+
+def test_a_real_fp8_checkpoint_loads_and_its_layer_counts_are_checked_as_the_load_checks_them(tmp_path, monkeypatch):
+    """FP8 is the one quantised format transformers loads on a CPU (it de-quantises the blocks):
+    a tiny FP8 Llama with real values passes the check and loads; over a config of one layer, the
+    check and the load itself both refuse it (the check before allocation)."""
+    import math
+
+    from safetensors.torch import save_file
+    from tiny_models import tiny_model
+
+    pytest.importorskip("accelerate")  # transformers' FP8 quantizer needs it
+    model = tiny_model("llama", num_hidden_layers=3)
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.rsplit(".", 1)[0] in linears:
+            tensors[name] = value.to(torch.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = torch.ones(math.ceil(value.shape[0] / 16), math.ceil(value.shape[1] / 16))
+        else:
+            tensors[name] = value.contiguous()
+    config = model.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16], "activation_scheme": "dynamic"}}
+    for name, layers in (("fp8", 3), ("fewer", 1)):
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    src = loading.resolve(tmp_path / "fp8")
+    loaded = loading.load_model(src)
+    assert sum(1 for _ in loaded.model.layers) == 3
+    src = loading.resolve(tmp_path / "fewer")
+    config = loading.load_config(src)
+    with pytest.raises(NormswapError, match="the config has no place for"):  # the load's own check
+        loading.check_loading_info(*loading.model_class(config).from_pretrained(
+            src.path, config=config, output_loading_info=True), src.ref)
+    _unallocated(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src)
+    assert "(num_hidden_layers is 1 there, but the weights hold 3 layers: 32 tensor(s) of model.layers.1 to " \
+           "model.layers.2 the config has no place for)" in _one_line(e)  # as stored: weights and scales
+
+
 def test_a_base_checkpoint_under_a_causal_lm_with_its_own_head_is_refused_before_allocation(tmp_path, monkeypatch):
     """A base model's weights under a config naming the causal LM, whose head is not tied: the
     head is missing (transformers would make it up); refused before the load, as the load refused it."""
@@ -799,6 +1040,40 @@ def test_an_index_that_names_a_tensor_is_left_to_say_where_it_is(tmp_path):
     (d / last).write_bytes((d / sorted(set(index["weight_map"].values()))[0]).read_bytes())
     src = loading.resolve(d)
     loading.check_stored_tensors(src, loading.load_config(src))
+
+
+@pytest.mark.parametrize("command", ["patch --only", "convert", "convert pickled"])
+def test_a_command_builds_the_meta_model_of_its_model_once(tmp_path, monkeypatch, command):
+    """patch with a filter built the meta model to check it, then the load's check of the stored
+    tensors built it again; convert built it to plan, again in its verification's load of the
+    original, and for pickled weights a third time in the conversion's own load (150 ms each for
+    a 70B-class config of 80 layers). The caller's meta model is passed on now: one per model
+    (convert's verification builds the converted output's, another model's)."""
+    from safetensors.torch import load_file
+
+    import normswap
+
+    d = tmp_path / "m"
+    save_tiny("gpt2", d)
+    if command == "convert pickled":
+        torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+        (d / "model.safetensors").unlink()
+    built = []
+    real = loading.build_meta_model
+
+    def counted(source, config=None):
+        built.append(source.path)
+        return real(source, config)
+
+    monkeypatch.setattr(loading, "build_meta_model", counted)
+    if command == "patch --only":
+        result = normswap.patch_checkpoint(d, "torch", only="ln_f", device="cpu")
+        assert [m.path for m in result.report.patched] == ["transformer.ln_f"]
+        assert built == [d.resolve()]
+    else:
+        normswap.convert_checkpoint(d, tmp_path / "out")
+        assert built.count(d.resolve()) == 1 and len(built) == 2, built
+        assert (tmp_path / "out" / "normswap.json").is_file()
 
 
 @pytest.fixture

@@ -559,8 +559,16 @@ def test_case2_config_that_disagrees_with_its_weights_is_bad_input(src, gpt2, tm
     fewer = _edited_copy(src, tmp_path / "fewer", num_hidden_layers=1)
     before = _tree(fewer)
     r = run("patch", fewer, "--impl", "torch", "--in-place")
-    assert_one_line_error(r, "tensor(s) the config has no place for: model.layers.1.")
+    # refused before the load (test_loading holds that), naming config.json's field
+    assert_one_line_error(r, "(num_hidden_layers is 1 there, but the weights hold 2 layers: 9 tensor(s) of "
+                             "model.layers.1 the config has no place for)")
     assert _tree(fewer) == before  # the only copy keeps every layer
+    # convert streamed the whole checkpoint into a converted copy before its verification refused it
+    shallower = _edited_copy(gpt2, tmp_path / "shallower", n_layer=1)
+    r = run("convert", shallower, "--to", "rms", "--out", tmp_path / "c1")
+    assert_one_line_error(r, "(n_layer is 1 there, but the weights hold 2 layers: 11 tensor(s) of transformer.h.1 "
+                             "the config has no place for)")
+    assert "verify" not in r.stderr and not (tmp_path / "c1").exists()
 
     more = _edited_copy(src, tmp_path / "more", num_hidden_layers=3)
     r = run("patch", more, "--impl", "torch", "--out", tmp_path / "out")
