@@ -332,6 +332,8 @@ def cases(fx: dict) -> list[Case]:
         Case("patch: --max-shard-size -5GB", [*P, L, "--impl", "torch", "--out", out, "--max-shard-size", "-5GB"],
              "--max-shard-size", ci=True),
         Case("patch: --only with a bad regex", [*P, L, "--impl", "torch", "--only", "["], "--only '['", ci=True),
+        Case("patch: --only with a repeat count past re's limit", [*P, L, "--impl", "torch", "--only", "a{99999999999}"],
+             "--only 'a{99999999999}': not a regular expression", ci=True),
         Case("patch: --exclude with a bad regex", [*P, L, "--impl", "torch", "--exclude", "(a"], "--exclude '(a'",
              ci=True),
         Case("patch: --device tpu", [*P, L, "--impl", "torch", "--device", "tpu"], "unknown device", ci=True),
@@ -477,6 +479,9 @@ def cases(fx: dict) -> list[Case]:
         Case("bench: an unknown architectures name", ["bench", fx["unknown_arch"], "--impls", "torch", "--modes", "prefill",
                                                       "--seq", "4", "--out", out / "b.json"],
              "has no model class of that name", ci=True),
+        Case("bench: --out a named pipe", ["bench", L, "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                           "--out", fx["pipe"]], "it is not a regular file (a pipe, socket or device)",
+             ci=True),
         Case("bench: --repeats 0", ["bench", L, "--repeats", "0", "--impls", "torch"], "repeats", ci=True),
         # --seq past G's 64 positions: a cap that stopped working fails the case at once (the context
         # check comes after the count checks) instead of timing for years
@@ -490,6 +495,8 @@ def cases(fx: dict) -> list[Case]:
                                                         "--modes", "prefill", "--seq", "4", "--out", out / "b.json"],
              "(checkpoint [32, 48], config [32, 64])", ci=True),
         Case("experiment: no such recipe", ["experiment", fx["root"] / "none.toml"], "none.toml", ci=True),
+        Case("experiment: the recipe is /dev/zero", ["experiment", "/dev/zero"], "/dev/zero: more than 1 MiB, not a recipe",
+             ci=True),
         Case("experiment: invalid TOML", ["experiment", fx["bad_recipe"]], "bad.toml", ci=True),
         Case("experiment: a recipe nested too deeply", ["experiment", fx["deep_recipe"], "--out", out / "x"],
              "deep.toml: not valid TOML (nested too deeply)", ci=True),
@@ -560,6 +567,8 @@ def cases(fx: dict) -> list[Case]:
         Case("tune: --out is not a launch table", ["tune", "--out", T], "is not a valid launch table", ci=True),
         Case("tune: --out ''", ["tune", "--out", ""], "the output file is empty", ci=True, cwd=fx["user_dir"]),
         Case("tune: --out nested too deeply", ["tune", "--out", fx["deep_json"]], "nested too deeply", ci=True),
+        Case("tune: --out a named pipe", ["tune", "--out", fx["pipe"]], "it is not a regular file (a pipe, socket",
+             ci=True),
         Case("tune: --out is a directory", ["tune", "--out", fx["root"] / "llama"], "is a directory", ci=True),
         Case("normswap: unknown command", ["nosuchcommand"], "No such command", ci=True),
     ]

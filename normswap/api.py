@@ -95,7 +95,7 @@ def _using_entry_point_names(options, option_names, settings):
     functions' own: the scoring options only, and only when their caller names them."""
     names = option_labels(options, option_names)
     if isinstance(settings, EvalSettings):  # else _require_settings refuses it
-        names = option_labels(SCORING_OPTIONS) | names | dict(settings.option_names or {})
+        names = option_labels(SCORING_OPTIONS) | names | option_labels((), settings.option_names)
     return using_option_names(names)
 
 
@@ -117,9 +117,9 @@ def _require_flags(**flags) -> None:
             require_bool(name, value)
 
 
-def _require_path(name: str, value, optional: bool = False) -> None:
+def _require_path(name: str, value, optional: bool = False, what: str = "folder") -> None:
     if not (isinstance(value, str | os.PathLike) or (optional and value is None)):
-        raise TypeError(f"{name}: expected a folder path (str or path), got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a {what} path (str or path), got {type(value).__name__}")
 
 
 # What `normswap demo` scores: the embedded text (Genesis, KJV), in windows of at most this many
@@ -546,6 +546,8 @@ def _bench_checkpoint(model, impls, modes, out, results_dir, progress, options) 
     from normswap.loading import require_reference
 
     require_progress_fn(progress)
+    _require_path("out", out, optional=True, what="file")  # Path(5) failed inside pathlib
+    _require_path("results_dir", results_dir)
     config = BenchConfig(model=str(require_reference(model)), impls=parse_list(impls),
                          modes=parse_list(modes, "modes"), **options)
     check_config(config)

@@ -165,7 +165,7 @@ def available_backends() -> dict[str, str | None]:
 
 
 def get_backend(name: str) -> Backend:
-    if name not in _LOADERS:
+    if not isinstance(name, str) or name not in _LOADERS:  # impl=["torch"] was "unhashable type: 'list'"
         raise NormswapError(f"unknown backend {name!r}; known: {', '.join(_LOADERS)}")
     try:
         return _LOADERS[name]()

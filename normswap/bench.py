@@ -214,9 +214,10 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, prog
     source = resolve(cfg.model, progress=progress)
     config = load_config(source, progress)
     _check_context(cfg, config, option_labels(CHECKED_OPTIONS))
+    cls = model_class(config)
+    _check_head(cfg, cls, option_labels(CHECKED_OPTIONS))
     if cfg.load_weights:
         return load_model(source, dtype=dtype, device=str(device), config=config)
-    cls = model_class(config)
     torch.manual_seed(cfg.seed)
     try:
         with torch.device(device):
@@ -224,6 +225,17 @@ def build_model(cfg: BenchConfig, dtype: torch.dtype, device: torch.device, prog
     except Exception as e:  # noqa: BLE001
         raise NormswapError(f"{cfg.model}: cannot build {cls.__name__} from its config: {e}") from None
     return model.eval()
+
+
+def _check_head(cfg: BenchConfig, cls, n: Mapping[str, str]) -> None:
+    """Refuse train and decode on a model without a language-model head (a bare encoder such as
+    BertModel), before it is built: each variant failed inside the timing with "'...Output' object
+    has no attribute 'loss'" (or 'logits'), beside a warning of transformers', and the run ended
+    as "nothing was measured"."""
+    needs = [m for m in cfg.modes if m in ("train", "decode")]
+    if needs and not cls.can_generate():
+        raise NormswapError(f"{cls.__name__} has no language-model head, which {n['modes']} {' and '.join(needs)} "
+                            f"need{'s' * (len(needs) == 1)}; time its forward alone with {n['modes']} prefill")
 
 
 def _check_context(cfg: BenchConfig, config, n: Mapping[str, str]) -> None:
@@ -339,13 +351,20 @@ def check_config(cfg: BenchConfig) -> None:
     messages name impls, modes, batch, seq, warmup, repeats and compile_backend as the entry point
     running them was told to (run_bench's, bench_checkpoint's option_names)."""
     from normswap.backends import BACKENDS
-    from normswap.errors import BadInputError
+    from normswap.dtypes import RUN_DTYPES
+    from normswap.errors import BadInputError, require_bool
 
     n = option_labels(CHECKED_OPTIONS)
     for name, _least in _AT_LEAST:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int):  # 1.5 reached range() after the model was built
             raise TypeError(f"{n[name]}: expected a whole number (int), got {value!r}")
+    for name in ("fuse_residual", "compile", "load_weights"):  # load_weights="no" loaded the weights
+        require_bool(option_labels((name,))[name], getattr(cfg, name))
+    if not isinstance(cfg.dtype, str):
+        # The result records the config as JSON: torch.float32 was timed in full, and then every
+        # number was lost to "Object of type dtype is not JSON serializable".
+        raise TypeError(f"dtype: expected a name such as {', '.join(map(repr, RUN_DTYPES))}, got {cfg.dtype!r}")
     if not cfg.impls:  # only the unpatched model would be timed: nothing to compare it with
         raise BadInputError(f"{n['impls']} names no implementation; expected one or more of {', '.join(BACKENDS)}")
     if not cfg.modes:

@@ -48,7 +48,19 @@ def option_labels(options: Iterable[str], option_names: Mapping[str, str] | None
     library caller and a command-line user each read the name they wrote. Names option_names
     leaves out are those the entry point running now was given (using_option_names), if any."""
     in_effect = _IN_EFFECT.get() or {}
-    return {k: in_effect.get(k, k) for k in options} | dict(option_names or {})
+    return {k: in_effect.get(k, k) for k in options} | _names(option_names)
+
+
+def _names(option_names) -> dict[str, str]:
+    """option_names as a dict; a TypeError naming it for anything but a mapping of str to str
+    (option_names=5 was "'int' object is not iterable", from inside dict())."""
+    if option_names is None:
+        return {}
+    if not isinstance(option_names, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in option_names.items()):
+        raise TypeError("option_names: expected a mapping of parameter names to what messages call them "
+                        f"({{'only': '--only'}}), got {option_names!r}")
+    return dict(option_names)
 
 
 @contextmanager
@@ -57,7 +69,7 @@ def using_option_names(option_names: Mapping[str, str] | None) -> Iterator[None]
     entry point gave). A public entry point with options passes its full labels
     (option_labels(ITS_OPTIONS, option_names)), so what it calls sees its caller's names: patch_checkpoint's
     library caller reads `force=True` from checkpoint.staged_dir, the CLI's user `--force`."""
-    token = _IN_EFFECT.set({**(_IN_EFFECT.get() or {}), **dict(option_names or {})})
+    token = _IN_EFFECT.set({**(_IN_EFFECT.get() or {}), **_names(option_names)})
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from normswap.errors import BadInputError, NormswapError, one_line
+from normswap.errors import BadInputError, NormswapError, one_line, option_labels
 
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.
@@ -54,6 +54,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     half-written file into place and then finds its own gone. The file keeps its mode; a new one
     gets what a plain open would give it (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
+    if why := _not_replaceable(path):  # the last guard: a caller that asked unwritable first never gets here
+        raise BadInputError(f"cannot write to {path}: {why}")
     with made_folders(path.parent):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sibling_name(path.name)}.", suffix=".tmp")
         try:
@@ -136,6 +138,8 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     if not folder:
         if path.is_dir():
             return "it is a folder"
+        if why := _not_replaceable(path):
+            return why
         if path.exists() and not os.access(path, os.W_OK):
             return "it is not writable"
     parent, _missing = _nearest_present(path.parent)
@@ -145,6 +149,16 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
         os.rmdir(tempfile.mkdtemp(prefix=f".{sibling_name(path.name)}.normswap-probe-", dir=parent))
     except OSError as e:
         return f"{parent} is not writable ({e.strerror or e})"
+    return None
+
+
+def _not_replaceable(path: Path) -> str | None:
+    """Why a file written to `path` must not be renamed over what stands there: something that is not
+    a regular file. The rename replaces the name, not the thing: as root, `bench --out /dev/null`
+    left a regular file of numbers where the null device was (every later `> /dev/null` on the
+    machine filled it), and a named pipe a user's reader was attached to went the same way."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return "it is not a regular file (a pipe, socket or device); refusing to replace it"
     return None
 
 
@@ -184,6 +198,9 @@ def target_path(out: str | os.PathLike, what: str = "directory") -> Path:
     an empty or blank one: Path("") is the current directory, and an unset shell variable passed
     as --out "$OUT" would write (or with --force, replace) whatever directory the user happens to
     be in."""
+    if not isinstance(out, str | os.PathLike):  # Path(5): pathlib's "expected str, bytes or os.PathLike object"
+        label = option_labels(("out",))["out"]
+        raise TypeError(f"{label}: expected the output {what}'s path (str or path), got {type(out).__name__}")
     if not str(out).strip():
         raise BadInputError(f"the output {what} is empty; pass a {what} name")
     path = Path(out).expanduser()

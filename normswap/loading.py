@@ -155,6 +155,11 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
 def _not_a_file(p: Path) -> str:
     """What stands at `p`, which is there but is not a regular file."""
     if p.is_symlink() and not p.exists():
+        try:
+            p.stat()
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # not a download: links that lead round to themselves
+                return "a loop of symbolic links (it leads back to itself)"
         return "a link to nothing (a download that did not finish, or whose file was removed?)"
     return "a folder" if p.is_dir() else "not a regular file or folder (a pipe, socket or device)"
 

@@ -217,7 +217,8 @@ def regex_filter(only: str | re.Pattern | None = None, exclude: str | re.Pattern
             raise TypeError(f"{key}: expected a regular expression (str), got {type(pattern).__name__}")
         try:
             return re.compile(pattern) if pattern is not None else None
-        except re.error as e:  # say which of the two it was, as the caller named it
+        except (re.error, OverflowError) as e:  # say which of the two it was, as the caller named it
+            # OverflowError: a repeat count past re's limit ('a{99999999999}') is not an re.error
             raise BadInputError(f"{option_labels((key,))[key]} {pattern!r}: not a regular expression ({e})") from None
 
     only_re, excl_re = compiled("only", only), compiled("exclude", exclude)

@@ -4,6 +4,7 @@ against the float64 reference (forward and backward) in every casting mode it cl
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,9 @@ def test_registry_lists_every_backend_with_a_reason():
 def test_unknown_and_unavailable_backends_are_errors():
     with pytest.raises(NormswapError, match="unknown backend 'fast'; known: triton, torch"):
         get_backend("fast")
+    for wrong in (["torch"], {"torch": 1}, None):  # a list was a TypeError, "unhashable type: 'list'"
+        with pytest.raises(NormswapError, match=rf"^unknown backend {re.escape(repr(wrong))}; known: triton, torch"):
+            get_backend(wrong)
     missing = [n for n, why in available_backends().items() if why is not None]
     if not missing:
         pytest.skip("every backend is available here")

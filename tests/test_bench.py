@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,23 @@ def test_out_replaces_only_an_earlier_bench_result(tmp_path):
     assert json.loads(out.read_text())["created"] >= first["created"]
 
 
+def test_out_never_replaces_a_pipe_or_device(tmp_path):
+    """As root, `bench MODEL --out /dev/null` (a user keeping only the --json report) renamed its
+    results file over the null device and exited 0: /dev/null was a regular file for the whole
+    machine from then on. A named pipe went the same way. Only a regular file may be replaced,
+    and the refusal comes before anything is measured. (A pipe here: a test must not risk
+    /dev/null.)"""
+    model = _config_only("llama", tmp_path / "cfg")
+    fifo = tmp_path / "results.pipe"
+    os.mkfifo(fifo)
+    r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                 "--repeats", "1", "--warmup", "0", "--dtype", "fp32", "--out", str(fifo), "--json"])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.strip() == (f"normswap: error: cannot write to {fifo}: it is not a regular file (a pipe, "
+                                "socket or device); refusing to replace it"), r.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 def test_a_failing_variant_is_a_row_not_a_crash(tmp_path, monkeypatch):
     """One variant failing (a compile backend that does not exist, a CUDA graph that cannot be
     captured, memory) is reported in its rows and the others are still measured. The handler
@@ -318,6 +337,48 @@ BAD_OPTIONS = [
     (["--compile", "--compile-backend", "bogus"], dict(compile=True, compile_backend="bogus"),
      "--compile-backend 'bogus': not a torch.compile backend here; known: ", "compile_backend 'bogus': not a"),
 ]
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    # "no" is truthy: load_weights="no" loaded the weights, compile="yes" compiled, fuse_residual=2 fused
+    (dict(load_weights="no"), "load_weights: expected True or False, got 'no'"),
+    (dict(compile="yes"), "compile: expected True or False, got 'yes'"),
+    (dict(fuse_residual=2), "fuse_residual: expected True or False, got 2"),
+    # timed in full, then every number lost: "Object of type dtype is not JSON serializable"
+    (dict(dtype=torch.float32), "dtype: expected a name such as 'fp32', 'fp16', 'bf16', got torch.float32"),
+    # pathlib's own "expected str, bytes or os.PathLike object, not int", naming no parameter
+    (dict(out=5), "out: expected a file path (str or path), got int"),
+    (dict(results_dir=None, out=None), "results_dir: expected a folder path (str or path), got NoneType"),
+])
+def test_a_wrong_kind_of_value_is_refused_before_anything_is_timed(tmp_path, monkeypatch, kwargs, says):
+    import normswap
+    from normswap import bench
+
+    monkeypatch.setattr(bench, "time_calls", lambda *a, **k: pytest.fail("a bad option reached the timing"))
+    model = _config_only("gpt2", tmp_path / "cfg")
+    out = tmp_path / "r.json"
+    with pytest.raises(TypeError) as e:
+        normswap.bench_checkpoint(model, "torch", **dict(modes="prefill", seq=4, repeats=1, warmup=0, out=out) | kwargs)
+    assert str(e.value) == says and not out.exists()
+
+
+def test_train_and_decode_on_a_model_without_a_language_model_head_are_refused_before_it_is_built(tmp_path):
+    """bench on BertModel: every train and decode variant failed inside the timing ("'BaseModelOutput...'
+    object has no attribute 'loss'"), beside a FutureWarning of transformers', and the run ended in
+    "nothing was measured: eager decode: AttributeError: ...". Prefill times its forward."""
+    import normswap
+    from normswap.errors import NormswapError
+
+    model = _config_only("bert", tmp_path / "cfg")
+    args = ["bench", str(model), "--impls", "torch", "--seq", "4", "--repeats", "1", "--warmup", "0", "--dtype", "fp32"]
+    r = CliRunner().invoke(cli, [*args, "--modes", "prefill,decode", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and r.stderr == ("normswap: error: BertModel has no language-model head, which --modes "
+                                             "decode needs; time its forward alone with --modes prefill\n"), r.stderr
+    with pytest.raises(NormswapError, match=r"^BertModel has no language-model head, which modes train and decode need;"):
+        normswap.bench_checkpoint(model, "torch", modes="train,decode", seq=4, out=tmp_path / "r.json")
+    assert not (tmp_path / "r.json").exists()
+    r = CliRunner().invoke(cli, [*args, "--modes", "prefill", "--out", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
 
 
 def test_the_count_limits_themselves_are_accepted():

@@ -192,6 +192,19 @@ def test_not_toml_and_missing_file(tmp_path):
         load_recipe(tmp_path / "absent.toml")
 
 
+def test_a_recipe_file_past_a_mebibyte_is_not_read_to_the_end(tmp_path):
+    """`normswap experiment /dev/zero` read until memory ran out (MemoryError, exit 1): a recipe is
+    read up to 1 MiB and refused past it. (A file here, which the read without the bound parsed:
+    a test must not fill the machine's memory when the bound is gone.)"""
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 110_000)  # 1.05 MiB of comments: valid TOML
+    with pytest.raises(RecipeError, match=r"^.*big.toml: more than 1 MiB, not a recipe file$"):
+        load_recipe(big)
+    crlf = write_recipe(tmp_path / "crlf.toml", PRETRAIN)  # the bounded read still takes CRLF and a pipe's text
+    crlf.write_bytes(crlf.read_bytes().replace(b"\n", b"\r\n"))
+    assert load_recipe(crlf).to_dict() == load_recipe(write_recipe(tmp_path / "lf.toml", PRETRAIN)).to_dict()
+
+
 def test_cli_bad_recipe_is_one_line_exit_2(tmp_path):
     path = write_recipe(tmp_path / "r.toml", PRETRAIN)
     for args in (["--set", "finetune.stepz=1"], ["--arms", "original,nonsense"], ["--set", "seed=x y"],
@@ -899,6 +912,53 @@ def test_a_pretraining_recipe_is_refused_before_pretraining(tmp_path, monkeypatc
     assert r.exit_code == 2 and r.stderr == f"normswap: error: {message}\n", r.output
 
 
+@pytest.mark.parametrize("override", ["pretrain.n_layer=1099511627776", "pretrain.n_embd=1099511627776",
+                                      "pretrain.context=1099511627776"])
+def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretraining(tmp_path, monkeypatch, override):
+    """n_embd = 2**40 was an internal error from the allocator (exit 1); n_layer = 2**40 built layer
+    after layer until the machine's memory ran out. Refused from the shape, before anything is built."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.setattr(pretrain, "physical_memory", lambda: 2**30)
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    big = [override] + (["pretrain.seq_len=8"] if "context" in override else [])
+    with pytest.raises(NormswapError, match=r"^pretrain: a model of [\d,]+ parameters takes [\d,.]+ GiB in float32, "
+                                            r"more than this machine's 1\.0 GiB of memory; lower n_layer, n_embd, "
+                                            r"context or vocab_size$"):
+        run_experiment(path, tmp_path / "out", overrides=big, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    pretrain.check_model_fits(load_recipe(path).pretrain, GENESIS.read_text())
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
+                                                                                          n_head=4, context=16)])
+def test_the_pretrained_models_parameter_count_is_the_models(shape):
+    from transformers import GPT2LMHeadModel
+
+    from normswap.experiment.pretrain import model_config, parameter_count
+    from normswap.experiment.recipe import PretrainSection
+
+    section = PretrainSection(text="t.txt", **shape)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(model_config(section, 300, 0))
+    assert parameter_count(section, 300) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_vocabulary_larger_than_the_text_allows_trains_the_same_tokenizer():
+    """The tokenizers trainer reserves room for vocab_size entries first: 2**62 panicked inside Rust
+    (a traceback past normswap's handler), 10**9 aborted the process. It cannot make more than
+    most_vocabulary's entries, so the request is capped there, and the result is the same."""
+    from normswap.experiment.pretrain import most_vocabulary, train_tokenizer
+
+    text = "In the beginning God created the heaven and the earth. " * 20
+    capped = train_tokenizer(text, most_vocabulary(text))
+    assert train_tokenizer(text, 2**62).get_vocab() == capped.get_vocab()
+    assert len(capped) < most_vocabulary(text)
+
+
 def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, monkeypatch):
     """Before the pretraining the held-out text's tokens are known only as a bound (its bytes), and
     the refusal said "pass pretrain.context 54 or less": a user who did was refused after the
@@ -1128,6 +1188,95 @@ def _two_processes_accelerator():
 
 def _files(folder: Path) -> dict[str, bytes]:
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_float16_weights_train_with_adamw(tmp_path):
+    """finetune.dtype = "fp16": AdamW added its eps (1e-8, which is 0 in float16) to sqrt(v) in the
+    weights' dtype, so every weight whose gradient was 0 (the embedding rows no batch used) became
+    0/0 = NaN at the first step, at any learning rate, lr = 0 included: every fp16 recipe stopped
+    with "the training loss is nan at step 2 (lower the learning rate?)"."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, build_optimizer, train
+
+    model = random_layer_norm_gpt2().half()
+    batches = RandomWindows(torch.randint(0, 32, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    history = train(Accelerator(cpu=True), model, TrainSettings(steps=3, warmup_steps=0, dtype="fp16"), batches,
+                    tmp_path / "state", progress=False)
+    assert len(history.losses) == 3 and all(math.isfinite(x) for x in history.losses), history.losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the float32 optimizer is torch's own
+    assert build_optimizer(random_layer_norm_gpt2(), TrainSettings()).defaults["eps"] == 1e-8
+
+
+@pytest.fixture(scope="module")
+def two_step_state(tmp_path_factory):
+    """A training state checkpointed at steps 1 and 2 (LATEST -> step-000002), as train leaves it."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    state = tmp_path_factory.mktemp("two-steps") / "state"
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=2, warmup_steps=0, checkpoint_every=1),
+          batches, state, progress=False)
+    assert sorted(p.name for p in state.iterdir()) == ["LATEST", "step-000002"]
+    return state, batches
+
+
+def _edited_history(**fields):
+    def edit(state):
+        path = state / "step-000002" / "trainer.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+    return edit
+
+
+@pytest.mark.parametrize("damage, says", [
+    # read as "no checkpoint": training began at step 0 and its first checkpoint removed step-000002
+    (lambda s: (s / "LATEST").write_text(""), "LATEST names '', which is no checkpoint in"),
+    (lambda s: (s / "LATEST").write_text("step-000099"), "LATEST names 'step-000099', which is no checkpoint in"),
+    # another run's checkpoint, resumed as this one's
+    (lambda s: (s / "LATEST").write_text("../../elsewhere/step-000002"), "LATEST names '../../elsewhere/step-000002'"),
+    # internal errors: UnicodeDecodeError, IsADirectoryError at the first save
+    (lambda s: (s / "LATEST").write_bytes(b"\xff\xfe"), "LATEST: cannot read it ('utf-8' codec can't decode"),
+    (lambda s: ((s / "LATEST").unlink(), (s / "LATEST").mkdir()), "LATEST: cannot read it ("),
+    # fields of another kind: TypeError / AttributeError / RuntimeError deep in the training loop
+    (_edited_history(step="2"), "trainer.json: not a training state that normswap wrote (step is '2')"),
+    (_edited_history(step=None), "(step is None)"),
+    (_edited_history(step=2.5), "(step is 2.5)"),
+    (_edited_history(losses="abc"), "(losses is 'abc')"),
+    (_edited_history(train_seconds="x"), "(train_seconds is 'x')"),
+    (_edited_history(num_processes="1"), "(num_processes is '1')"),  # was "trained on 1 processes and this run has 1"
+    # a step past the run's end "finished" the arm with two losses
+    (_edited_history(step=10**6), "(2 losses for step 1000000, one per step)"),
+    # accelerate's reader on files it did not write: torch's RuntimeError, FileNotFoundError
+    (lambda s: [f.write_bytes(f.read_bytes()[:100]) for f in (s / "step-000002").glob("*model*.bin")],
+     "train: cannot resume from its checkpoint"),
+    (lambda s: [f.unlink() for f in (s / "step-000002").glob("optimizer*.bin")], "train: cannot resume from its "),
+])
+def test_a_damaged_checkpoint_is_refused_and_kept(two_step_state, tmp_path, damage, says):
+    """A training state that is not what train wrote is one line naming it and the way out, and
+    nothing in the folder is removed or rewritten (the checkpoint may be all the run has)."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import train
+
+    base, batches = two_step_state
+    state = tmp_path / "run" / "state"
+    shutil.copytree(base, state)
+    damage(state)
+    before = _files(state)
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=4, warmup_steps=0,
+              checkpoint_every=1), batches, state, progress=False)
+    assert says in str(refused.value) and str(refused.value).endswith(f"delete {state} to train from the start")
+    assert _files(state) == before and (state / "step-000002").is_dir()
 
 
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
@@ -1730,6 +1879,24 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, m
     with pytest.raises(RuntimeError, match="a bug"):
         trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "t",
                       progress=False)
+
+
+@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 1e307), ("sgd", 1e308)])  # adamw's step: lr / 0.1
+def test_a_learning_rate_past_the_dtypes_range_is_one_line(tmp_path, optimizer, lr):
+    """finetune.lr = 1e308 passed the recipe's checks (finite, not negative) and then torch refused
+    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1)."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import trainer
+    from normswap.experiment.recipe import TrainSettings
+
+    batches = trainer.RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=2, warmup_steps=0, lr=lr, optimizer=optimizer, schedule="constant")
+    with pytest.raises(NormswapError, match=rf"^arm: step 1: the update at learning rate {re.escape(f'{lr:g}')} \(weight_decay 0\) "
+                                            r"overflows the weights' dtype \(.*\); lower the learning rate$"):
+        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "s",
+                      progress=False, desc="arm")
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():

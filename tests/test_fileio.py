@@ -105,6 +105,26 @@ def test_a_full_disk_names_the_file_that_could_not_be_written(tmp_path, monkeypa
     assert target.read_text() == "earlier" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
+def test_a_pipe_or_socket_is_never_replaced_by_a_file(tmp_path):
+    """write_text_atomic renames a new file over the name: over a named pipe or a device node (as
+    root, /dev/null) that replaced the thing itself. unwritable says so before the work, and the
+    write refuses too, whatever its caller asked first."""
+    import socket
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        for path in (fifo, sock_path):
+            assert unwritable(path) == "it is not a regular file (a pipe, socket or device); refusing to replace it"
+            with pytest.raises(NormswapError, match="not a regular file"):
+                write_text_atomic(path, "{}")
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "sock"]  # no temporary file left beside them
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")
 def test_a_read_only_file_is_not_replaced(tmp_path):
     ro = tmp_path / "t.json"

@@ -1411,8 +1411,11 @@ def test_a_model_path_that_is_there_but_no_file_or_folder_is_named_as_such(tmp_p
 
     os.mkfifo(tmp_path / "pipe")
     (tmp_path / "link").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")  # was "a link to nothing (a download that did not finish"
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
     for given, says in ((tmp_path / "pipe", "not a regular file or folder (a pipe, socket or device)"),
                         (tmp_path / "link", "a link to nothing (a download that did not finish"),
+                        (tmp_path / "loop-a", "a loop of symbolic links (it leads back to itself); pass a model"),
                         ("/dev/null", "not a regular file or folder")):
         with pytest.raises(NormswapError, match=r"^" + re.escape(f"{given}: {says}")):
             loading.resolve(given)

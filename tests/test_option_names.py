@@ -63,6 +63,15 @@ def test_the_helpers_spell_each_option_as_its_caller_does():
         assert way_out("exclude", "R", "filter_fn") is None  # the entry point has no such option: none to suggest
     assert option_labels(("out",)) == {"out": "out"}  # the block's names end with it
     assert way_out("out", "x", "elsewhere") == "elsewhere"
+    for wrong in (5, {"only": 1}, ["--only"]):  # 5 was "'int' object is not iterable"; {"only": 1} the label 1
+        with pytest.raises(TypeError, match=r"^option_names: expected a mapping of parameter names"):
+            option_labels(("only",), wrong)
+        with pytest.raises(TypeError, match=r"^option_names: expected a mapping"), using_option_names(wrong):
+            pass
+    import normswap
+
+    with pytest.raises(TypeError, match=r"^option_names: expected a mapping"):  # the settings' own, as the call's
+        normswap.evaluate_checkpoint("unused", normswap.EvalSettings("unused.txt", option_names=5))
 
 
 # -- patch -----------------------------------------------------------------------------------------

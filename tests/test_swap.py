@@ -91,6 +91,9 @@ def test_filter_and_already_patched():
                    for _, m in model.named_modules() if isinstance(m, NormswapNorm))
     with pytest.raises(NormswapError, match=r"^only '\(': not a regular expression"):  # the parameter, not --only
         regex_filter(only="(")
+    # a repeat count past re's limit raises OverflowError, not re.error: it was an internal error (exit 1)
+    with pytest.raises(NormswapError, match=r"^exclude 'a\{99999999999\}': not a regular expression \(the repetition"):
+        regex_filter(exclude="a{99999999999}")
 
 
 class WeirdNorm(nn.Module):

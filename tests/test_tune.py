@@ -582,9 +582,15 @@ def test_tune_refuses_bad_arguments_and_an_invalid_table_before_any_work(tune, m
                          ({"out": Path("/proc/normswap-t.json")}, "cannot write the launch table /proc/normswap-t.json: "
                                                                   "/proc is not writable"),
                          ({"out": tmp_path / "t.json", "report_path": broken / "sub" / "r.md"},
-                          "cannot write the report")):
+                          "cannot write the report"),
+                         # the report (TABLE.md), rewritten after every key, replaced the table itself
+                         ({"out": tmp_path / "t.md"}, f"the launch table {tmp_path}/t.md and its report would be one "
+                                                      "file; name the table t.json, or give the report a path"),
+                         ({"out": tmp_path / "t.json", "report_path": tmp_path / "t.json"}, "would be one file")):
         with pytest.raises(BadInputError, match=says):
             tune.tune_launches(hidden=[4096], **kwargs)
+    with pytest.raises(TypeError, match=r"^out: expected the output file's path \(str or path\), got int$"):
+        tune.tune_launches(hidden=[4096], out=5)  # was pathlib's message, naming no parameter
     assert broken.read_text() == '{"schema": 1}' and measured == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.json"]
 

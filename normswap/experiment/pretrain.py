@@ -27,7 +27,7 @@ from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, using_option_names
 from normswap.experiment.recipe import PretrainSection, file_digest
-from normswap.experiment.trainer import RandomWindows, StopFlag, check_training_text, train
+from normswap.experiment.trainer import RandomWindows, StopFlag, check_training_text, physical_memory, train
 from normswap.progress import ProgressBars
 
 EOS = "<|endoftext|>"
@@ -63,6 +63,10 @@ def train_tokenizer(text: str, vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # The trainer reserves room for vocab_size entries up front (some 70 bytes each): vocab_size =
+    # 10**9 aborted the process inside Rust (no exception, no line). It can never make more than
+    # the alphabet, EOS and one merge per byte of the text, so asking for more changes nothing.
+    vocab_size = min(vocab_size, most_vocabulary(text))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
@@ -81,6 +85,34 @@ def most_tokens(text: str) -> int:
     spans 13 bytes: every token covers at least one byte. What the pretrained model's scoring and
     training would refuse for too few tokens is found with it before the pretraining."""
     return len(text.encode("utf-8", "surrogatepass"))
+
+
+def most_vocabulary(text: str) -> int:
+    """The most entries a train_tokenizer tokenizer of `text` can have: the 256 bytes, EOS, and one
+    per merge, each of which joins a pair of symbols that stand in the text (at most one per byte)."""
+    return 256 + 1 + most_tokens(text)
+
+
+def parameter_count(section: PretrainSection, vocab_size: int) -> int:
+    """The parameters of [pretrain]'s GPT-2 (model_config) with `vocab_size` tokens, from its shape
+    alone: token and position tables, per block two LayerNorms, the fused qkv and output
+    projections and the 4x MLP (12 e^2 + 13 e), the final LayerNorm; the head is tied."""
+    e = section.n_embd
+    return (vocab_size + section.context) * e + section.n_layer * (12 * e * e + 13 * e) + 2 * e
+
+
+def check_model_fits(section: PretrainSection, text: str) -> None:
+    """Refuse a [pretrain] model whose float32 weights alone (GPT-2's parameter count for the
+    section's shape, its vocabulary as large as the text allows) take more than the machine's
+    memory: n_embd = 2**40 was an internal error from the allocator, and n_layer = 2**40 built
+    layer after layer until the machine ran out (its training needs some four times this)."""
+
+    params = parameter_count(section, min(section.vocab_size, most_vocabulary(text)))
+    need, have = 4 * params, physical_memory()
+    if have is not None and need > have:
+        raise NormswapError(f"pretrain: a model of {params:,} parameters takes {need / 2**30:,.1f} GiB in float32, "
+                            f"more than this machine's {have / 2**30:,.1f} GiB of memory; lower n_layer, n_embd, "
+                            "context or vocab_size")
 
 
 def model_config(section: PretrainSection, vocab_size: int, eos_id: int):
@@ -116,11 +148,12 @@ def check_pretraining_texts(section: PretrainSection, text: str, eval_text: str)
     """What the pretraining would refuse for too few tokens once its tokenizer is trained, found
     before (most_tokens' bound): pretrain.text (`text`, read_text(section.text)) against one
     sequence, and the held-out text against the held-out perplexity's window. The exact counts are
-    checked again after the tokenizer."""
+    checked again after the tokenizer. And a model too large for the machine (check_model_fits)."""
     try:
         check_training_text(most_tokens(text), section.seq_len, ONE_TOKEN_PER_BYTE)
     except NormswapError as e:
         raise NormswapError(f"pretrain.text: {e}") from None
+    check_model_fits(section, text)
     from normswap.evaluate import check_before_tokenizing
 
     with using_option_names(_HELDOUT_NAMES):

@@ -319,6 +319,12 @@ def check_seq_len(seq_len: int, context: int | None) -> None:
         raise RecipeError(f"finetune.seq_len: {seq_len} exceeds the model's context ({context} positions)")
 
 
+# A recipe is a page of TOML. The read stops past this: `normswap experiment /dev/zero` (or a
+# multi-gigabyte file named by mistake) read until memory ran out, an internal error (MemoryError).
+# Read, not stat'ed: a recipe may come through a pipe (`normswap experiment <(sed ... r.toml)`).
+_MOST_RECIPE_CHARS = 1 << 20
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, override (`key=value`, dotted) and validate a TOML recipe."""
     if not isinstance(path, str | os.PathLike):
@@ -328,7 +334,11 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise TypeError(f"overrides: expected a list of 'key=value' strings, got {overrides!r}")
     p = Path(path).expanduser()
     try:
-        table = tomllib.loads(p.read_text(encoding="utf-8"))
+        with p.open(encoding="utf-8") as f:  # text mode: newlines as read_text gives them
+            text = f.read(_MOST_RECIPE_CHARS + 1)
+        if len(text) > _MOST_RECIPE_CHARS:
+            raise RecipeError(f"{path}: more than {_MOST_RECIPE_CHARS >> 20} MiB, not a recipe file")
+        table = tomllib.loads(text)
     except FileNotFoundError:
         raise RecipeError(f"{path}: no such recipe file") from None
     except IsADirectoryError:

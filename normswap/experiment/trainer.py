@@ -22,6 +22,8 @@ import contextlib
 import json
 import math
 import os
+import re
+import reprlib
 import shutil
 import signal
 import sys
@@ -180,7 +182,13 @@ def build_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Opt
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     if s.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=s.lr, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95))
+    # AdamW's eps is added to sqrt(v) in the weights' dtype: torch's 1e-8 is 0 in float16, so every
+    # weight whose gradient was 0 (an embedding row no batch used) became 0/0 = NaN at the first
+    # step, whatever the learning rate (finetune.dtype = "fp16": "the training loss is nan at step 2").
+    # The smallest normal number of the dtype instead where 1e-8 is below it (float16 only).
+    dtype = params[0].dtype if params else torch.float32
+    eps = max(1e-8, torch.finfo(dtype).tiny) if dtype.is_floating_point else 1e-8
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=eps)
 
 
 def lm_loss(model, ids: torch.Tensor, teacher=None) -> torch.Tensor:
@@ -240,21 +248,57 @@ class History:
 
 
 def latest_checkpoint(state_dir: Path) -> Path | None:
+    """The checkpoint LATEST names; None where there is no LATEST (nothing committed yet). A LATEST
+    that names no checkpoint of this folder (emptied, hand-edited, '../other-run/step-000050') is
+    refused, naming the way out: read as "no checkpoint", the training began again at step 0 and its
+    first checkpoint removed every step-* folder beside it, the real one included (or it resumed
+    another run's checkpoint)."""
     pointer = state_dir / LATEST
-    if not pointer.is_file():
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    target = state_dir / pointer.read_text().strip()
-    return target if (target / TRAINER_STATE).is_file() else None
+    remedy = f"delete {state_dir} to train from the start"
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise NormswapError(f"{pointer}: cannot read it ({one_line(e)}); {remedy}") from None
+    if not re.fullmatch(r"step-\d{6,}", name) or not (state_dir / name / TRAINER_STATE).is_file():
+        raise NormswapError(f"{pointer} names {name!r}, which is no checkpoint in {state_dir} (a step-NNNNNN "
+                            f"folder holding {TRAINER_STATE}); {remedy}")
+    return state_dir / name
 
 
 def _read_history(path: Path, remedy: str) -> History:
-    """A checkpoint's History, refused as bad input when the file is not what _save wrote."""
+    """A checkpoint's History, refused as bad input when the file is not what _save wrote: another
+    shape, or fields of another kind (a step of "2" or null, losses that are no list: the resumed
+    training failed on them with a TypeError or AttributeError), or losses that are not one per step."""
     fields = jsonsafe.read_or_refuse(path, remedy)
     try:
-        return History(**fields)
+        h = History(**fields)
     except TypeError:  # not an object, or other fields
         raise NormswapError(f"{path}: not a training state (an object of {', '.join(History().to_dict())}); "
                             f"{remedy}") from None
+
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not count(h.step):
+        wrong = f"step is {reprlib.repr(h.step)}"
+    elif not (isinstance(h.losses, list) and all(map(number, h.losses))):
+        wrong = f"losses is {reprlib.repr(h.losses)}"
+    elif len(h.losses) != h.step:  # one per step, from step 1: a step of 10**6 "finished" the arm at once
+        wrong = f"{len(h.losses)} losses for step {h.step}, one per step"
+    elif not (isinstance(h.evals, list) and all(isinstance(e, dict) for e in h.evals)):
+        wrong = f"evals is {reprlib.repr(h.evals)}"
+    elif not number(h.train_seconds):
+        wrong = f"train_seconds is {reprlib.repr(h.train_seconds)}"
+    elif not (h.num_processes is None or count(h.num_processes)):
+        wrong = f"num_processes is {reprlib.repr(h.num_processes)}"
+    else:
+        return h
+    raise NormswapError(f"{path}: not a training state that normswap wrote ({wrong}); {remedy}")
 
 
 def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Path, History] | None:
@@ -338,6 +382,21 @@ def _out_of_memory_is_bad_input(where: str):
                             "(grad_accum keeps the batch)") from None
 
 
+@contextlib.contextmanager
+def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
+    """An update the weights' dtype cannot hold is the recipe's learning rate (or weight decay), not a
+    bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5 in
+    float16) into the weights' type, which was an internal error (exit 1). A smaller but still
+    absurd rate trains into a non-finite loss, which the step's check reports the same way."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "without overflow" not in str(e):
+            raise
+        raise NormswapError(f"{where}: the update at learning rate {lr:g} (weight_decay {s.weight_decay:g}) "
+                            f"overflows the weights' dtype ({one_line(e)}); lower the learning rate") from None
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
@@ -386,7 +445,12 @@ def train(
     history = History()
     if resumed is not None:
         found, history = resumed
-        accelerator.load_state(str(found))
+        try:
+            accelerator.load_state(str(found))
+        except Exception as e:  # noqa: BLE001  (what accelerate's reader raises on files it did not write:
+            # a truncated model.bin is torch's RuntimeError, a missing optimizer.bin FileNotFoundError, ...)
+            raise NormswapError(f"{desc}: cannot resume from its checkpoint {found} ({one_line(e)}); delete "
+                                f"{state_dir} to train from the start") from None
     rank, world = accelerator.process_index, accelerator.num_processes
     history.num_processes = world
     ga = settings.grad_accum
@@ -429,7 +493,8 @@ def train(
                     total += value.detach().float()
             if settings.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            optimizer.step()
+            with _overflow_is_bad_input(f"{desc}: step {step + 1}", lr, settings):
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_loss = accelerator.reduce(total / ga, reduction="mean").item()
             if not math.isfinite(step_loss):

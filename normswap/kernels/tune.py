@@ -628,6 +628,11 @@ def tune_launches(*, ops=T.OPS, passes=T.PASSES, dtypes=DEFAULT_DTYPES, hidden=N
             raise BadInputError(f"{T.USER_ENV}=off: no user launch table to write; give an output path")
     out = target_path(out, "file")  # Path("") is "." and has no suffix to swap for the report's
     report_path = Path(report_path) if report_path else out.with_suffix(".md")
+    if report_path.resolve() == out:
+        # --out table.md: the report, rewritten after every key, replaced the table the key had just
+        # been merged into, and the next key found "not a valid launch table" (the first key lost)
+        raise BadInputError(f"the launch table {out} and its report would be one file; name the table "
+                            f"{out.with_suffix('.json').name}, or give the report a path of its own")
     for path, what in ((out, "launch table"), (report_path, "report")):
         why = unwritable(path)
         if why:  # found now, not after the first key's minutes of timing
