@@ -1279,6 +1279,21 @@ def test_a_damaged_checkpoint_is_refused_and_kept(two_step_state, tmp_path, dama
     assert _files(state) == before and (state / "step-000002").is_dir()
 
 
+def _stopped_at_step_2(state, accelerator):
+    """A 4-step training (a checkpoint every 2 steps) of random_layer_norm_gpt2 on `accelerator`,
+    stopped at step 2 with its state in `state`: the (batches, settings) that resume it."""
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(accelerator, random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    return batches, settings
+
+
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
     """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
     written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming
@@ -1286,16 +1301,10 @@ def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, train
+    from normswap.experiment.trainer import train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
     state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    batches, settings = _stopped_at_step_2(state, _two_processes_accelerator())
     assert json.loads((state / "step-000002" / "trainer.json").read_text())["num_processes"] == 2
     before = _files(state)
     with pytest.raises(NormswapError) as refused:
@@ -1342,16 +1351,10 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+    from normswap.experiment.trainer import check_resumable, train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
     state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
     step = state / "step-000002"
     assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
     (step / "random_states_0.pkl").unlink()
@@ -1382,19 +1385,13 @@ def test_a_checkpoint_that_lacks_a_processs_random_state_file_is_refused(tmp_pat
     uninterrupted would have gone on."""
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+    from normswap.experiment.trainer import check_resumable, train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    state = tmp_path / "state"
+    batches, settings = _stopped_at_step_2(state, _two_processes_accelerator())
     assert random_layer_norm_gpt2().config.resid_pdrop > 0  # dropout draws from the saved random state
     whole = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
                   progress=False)
-    state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
     step = state / "step-000002"
     kept = step / "random_states_1.pkl"
     kept.rename(tmp_path / "kept.pkl")
@@ -1427,16 +1424,10 @@ def test_a_checkpoint_of_another_process_count_is_refused_for_its_count_first(tm
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+    from normswap.experiment.trainer import check_resumable
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
     state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
     record = state / "step-000002" / "trainer.json"
     written = json.loads(record.read_text())
     for count, trained_on in ((3, "3 processes"), (10**9, "1000000000 processes")):
