@@ -272,24 +272,25 @@ def _remove_half_made(target: Path) -> None:
     itself). Without the conversion lock (a cache on a file system without locks) two first uses
     can find it at once: removed by an rmtree each, the one whose walk the other's removal overtook
     failed (FileNotFoundError), and an rmtree begun just after the other had published its copy
-    there removed that copy under it. It is moved aside first, onto a folder of this run's own (a
+    there removed that copy under it. It is moved aside first, into a folder of this run's own (a
     rename is atomic: one run moves it, the other finds it gone), and what was moved is looked at
     again: a copy another run published between this run's look and its rename is put back."""
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # swept as a killed run's
+    # Into the folder, under a name not there: Windows renames onto no folder, not even an empty one.
+    moved = aside / target.name
     try:
-        os.rename(target, aside)  # onto an empty folder: replaces it
+        os.rename(target, moved)
     except OSError as e:
         os.rmdir(aside)
         if isinstance(e, FileNotFoundError):  # another first use moved it first
             return
         raise
-    if _converted(aside):
+    if _converted(moved):
         try:
-            os.rename(aside, target)
-            return
+            os.rename(moved, target)
         except OSError:  # a third run has published there meanwhile: this copy is a spare
             pass
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # what was moved, or (put back) the folder it went into
 
 
 def _converted(target: Path) -> bool:

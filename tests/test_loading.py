@@ -1207,6 +1207,48 @@ def test_two_unlocked_first_uses_over_an_older_half_made_folder_both_get_the_mod
     assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
 
 
+@pytest.mark.parametrize("published", [False, True])
+def test_a_half_made_folder_is_set_aside_where_a_rename_replaces_no_folder(tiny_builtin, monkeypatch, published):
+    """_remove_half_made (37cd2cc) renamed the cache entry onto the empty folder mkdtemp had made:
+    POSIX replaces an empty folder, Windows (which normswap runs on: fileio's filelock) refuses any
+    existing name, so every first use over an older normswap's half-made folder failed there
+    (FileExistsError) where rmtree had removed it. Renames here as Windows does: the half-made
+    folder goes, and a copy another run published before this run's rename is put back."""
+    import errno
+    import shutil
+
+    real_rename, real_load, real_converted = os.rename, loading._load_gguf, loading._converted
+    loaded = []
+
+    def windows_rename(src, dst):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "Cannot create a file when that file already exists", str(dst))
+        real_rename(src, dst)
+
+    def load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def another_run_publishes_as_this_one_looks(target):
+        if published and loaded and target == tiny_builtin and not (tiny_builtin / "in-use").exists():
+            shutil.rmtree(tiny_builtin)
+            copy = tiny_builtin.parent / ".tiny-builtin.other"
+            loaded[0][0].save_pretrained(copy)
+            (copy / "in-use").write_text("the other run reads this copy")
+            real_rename(copy, tiny_builtin)
+            return False  # what this run saw: the half-made folder
+        return real_converted(target)
+
+    tiny_builtin.mkdir(parents=True)
+    (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
+    monkeypatch.setattr(os, "rename", windows_rename)
+    monkeypatch.setattr(loading, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_converted", another_run_publishes_as_this_one_looks)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and real_converted(tiny_builtin)
+    assert (tiny_builtin / "in-use").is_file() == published
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
+
+
 def test_a_second_first_use_waits_for_the_first_conversion_instead_of_converting_again(tiny_builtin, monkeypatch):
     """Two commands started at once on a fresh machine: the second waits on the first's conversion
     lock (4fc71bb) and then uses its copy, rather than de-quantising the GGUF a second time (~20 s
