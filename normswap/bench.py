@@ -231,11 +231,19 @@ def _check_head(cfg: BenchConfig, cls, n: Mapping[str, str]) -> None:
     """Refuse train and decode on a model without a language-model head (a bare encoder such as
     BertModel), before it is built: each variant failed inside the timing with "'...Output' object
     has no attribute 'loss'" (or 'logits'), beside a warning of transformers', and the run ended
-    as "nothing was measured"."""
-    needs = [m for m in cfg.modes if m in ("train", "decode")]
-    if needs and not cls.can_generate():
-        raise NormswapError(f"{cls.__name__} has no language-model head, which {n['modes']} {' and '.join(needs)} "
-                            f"need{'s' * (len(needs) == 1)}; time its forward alone with {n['modes']} prefill")
+    as "nothing was measured". Train asks the forward for a loss from labels, which a masked LM
+    (BertForMaskedLM, bert-base-uncased's class) gives though it cannot generate: only decode
+    needs a model that generates."""
+    import inspect
+
+    takes_labels = "labels" in inspect.signature(cls.forward).parameters
+    needs = [m for m in cfg.modes if (m == "train" and not (takes_labels or cls.can_generate()))
+             or (m == "decode" and not cls.can_generate())]
+    if needs:
+        what, instead = (("cannot generate", "time it with {} prefill,train") if takes_labels else
+                         ("has no language-model head", "time its forward alone with {} prefill"))
+        raise NormswapError(f"{cls.__name__} {what}, which {n['modes']} {' and '.join(needs)} "
+                            f"need{'s' * (len(needs) == 1)}; {instead.format(n['modes'])}")
 
 
 def _check_context(cfg: BenchConfig, config, n: Mapping[str, str]) -> None:

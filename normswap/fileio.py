@@ -55,7 +55,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     gets what a plain open would give it (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     if why := _not_replaceable(path):  # the last guard: a caller that asked unwritable first never gets here
-        raise BadInputError(f"cannot write to {path}: {why}")
+        raise cannot_write(path, why)
     with made_folders(path.parent):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sibling_name(path.name)}.", suffix=".tmp")
         try:

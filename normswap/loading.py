@@ -272,24 +272,25 @@ def _remove_half_made(target: Path) -> None:
     itself). Without the conversion lock (a cache on a file system without locks) two first uses
     can find it at once: removed by an rmtree each, the one whose walk the other's removal overtook
     failed (FileNotFoundError), and an rmtree begun just after the other had published its copy
-    there removed that copy under it. It is moved aside first, onto a folder of this run's own (a
+    there removed that copy under it. It is moved aside first, into a folder of this run's own (a
     rename is atomic: one run moves it, the other finds it gone), and what was moved is looked at
     again: a copy another run published between this run's look and its rename is put back."""
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # swept as a killed run's
+    # Into the folder, under a name not there: Windows renames onto no folder, not even an empty one.
+    moved = aside / target.name
     try:
-        os.rename(target, aside)  # onto an empty folder: replaces it
+        os.rename(target, moved)
     except OSError as e:
         os.rmdir(aside)
         if isinstance(e, FileNotFoundError):  # another first use moved it first
             return
         raise
-    if _converted(aside):
+    if _converted(moved):
         try:
-            os.rename(aside, target)
-            return
+            os.rename(moved, target)
         except OSError:  # a third run has published there meanwhile: this copy is a spare
             pass
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)  # what was moved, or (put back) the folder it went into
 
 
 def _converted(target: Path) -> bool:
@@ -602,8 +603,8 @@ def _name_architecture(source: ModelSource, config) -> None:
 
 def _head_class_of_weights(source: ModelSource, config) -> type | None:
     """The causal (else sequence-to-sequence) LM class of the config's model_type when the folder's
-    safetensors were saved from it: every tensor name is one that class holds, and not every one
-    is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
+    safetensors were saved from it: every tensor name is one that class loads (as transformers
+    renames it) or drops without a word, and not every one is the base model's (an lm_head, names under its prefix: model.layers..., transformer.h...).
     Built as the base model, such a folder lost its head: a Llama was refused ("no place for
     lm_head.weight"), a GPT-2 re-saved as a GPT2Model, and ppl found no logits to score; stock
     AutoModelForCausalLM loads it with its head. None when the weights say nothing (config only)
@@ -624,11 +625,20 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
                 model = cls._from_config(config)
         except Exception:  # noqa: BLE001  (a class this config cannot build: the next, or none)
             continue
-        # Names the class declares ignorable are not evidence against it: a GPT-2 saved by an older
-        # transformers holds its attention masks (transformer.h.0.attn.bias), which loading drops.
-        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-        holds = set(model.state_dict())
-        if all(k in holds or any(p.search(k) for p in ignored) for k in keys):
+        # Each name as the load names it (_loaded_name: per-expert MoE weights that transformers
+        # fuses, legacy gamma/beta, a missing prefix), and what the load drops without a word
+        # (_not_ignored_on_load: GPT-2's attention masks saved by an older transformers, old rotary
+        # inv_freq and position_ids buffers) is not evidence against it: a Mixtral as its own
+        # save_pretrained writes it, or an old Llama's inv_freq, was built as the base model and
+        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it.
+        holds = model.state_dict()
+        loaded_name = _loaded_name(model, holds)
+        unplaced: set[str] = set()
+        for key in sorted(keys, key=_load_order()):  # a renaming may depend on the keys before it
+            name, _, fills = loaded_name(key)
+            if name not in holds:
+                unplaced.update(fills or (key,))
+        if not _not_ignored_on_load(model, unplaced):
             return cls
     return None
 

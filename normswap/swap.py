@@ -84,7 +84,9 @@ class PatchConfig:
             if not isinstance(value, allowed) and (isinstance(value, str | bytes) or not isinstance(value, Iterable)):
                 raise TypeError(f"{name}: expected {_CONFIG_KINDS[name]}, got {value!r}")
         if self.paths is not None:
-            object.__setattr__(self, "paths", tuple(sorted(str(p) for p in self.paths)))
+            if not all(isinstance(p, str) for p in self.paths):  # [1, 2] named modules "1" and "2"
+                raise TypeError(f"paths: expected {_CONFIG_KINDS['paths']}, got {self.paths!r}")
+            object.__setattr__(self, "paths", tuple(sorted(self.paths)))
         pairs = _pairs("rms_forms", self.rms_forms)
         object.__setattr__(self, "rms_forms", tuple(sorted((str(p), RmsForm.coerce(f)) for p, f in pairs)))
         fused = self.fuse_residual
@@ -111,8 +113,8 @@ class PatchConfig:
             raise TypeError(f"PatchConfig.from_dict: expected a mapping (a to_dict()), got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        if kwargs.get("paths") is not None:
-            kwargs["paths"] = tuple(kwargs["paths"])
+        if isinstance(kwargs.get("paths"), list):  # JSON's list; a str stays one, for __post_init__ to refuse
+            kwargs["paths"] = tuple(kwargs["paths"])  # ("abc" was read letter by letter: modules a, b and c)
         if kwargs.get("fuse_residual") is None:
             kwargs.pop("fuse_residual", None)
         elif not isinstance(kwargs["fuse_residual"], (bool, Mapping)):

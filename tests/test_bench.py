@@ -381,6 +381,26 @@ def test_train_and_decode_on_a_model_without_a_language_model_head_are_refused_b
     assert r.exit_code == 0, r.output
 
 
+def test_train_on_a_masked_language_model_is_timed(tmp_path):
+    """A masked LM (BertForMaskedLM, the class bert-base-uncased names) gives the loss train asks
+    for from labels, though it cannot generate: train was timed before the check for a head, which
+    then refused it ("has no language-model head, which --modes train needs"). Decode, which
+    generates, is still refused, naming the modes it can time."""
+    cfg = tiny_config("bert")
+    cfg.architectures = ["BertForMaskedLM"]
+    cfg.save_pretrained(tmp_path / "cfg")
+    args = ["bench", str(tmp_path / "cfg"), "--impls", "torch", "--seq", "4", "--repeats", "1", "--warmup", "0",
+            "--dtype", "fp32", "--out", str(tmp_path / "r.json")]
+    r = CliRunner().invoke(cli, [*args, "--modes", "train"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {(row["variant"], row["mode"]) for row in rows if row["error"] is None} == {("eager", "train"),
+                                                                                     ("torch", "train")}
+    r = CliRunner().invoke(cli, [*args, "--modes", "train,decode"])
+    assert r.exit_code == 2 and r.stderr == ("normswap: error: BertForMaskedLM cannot generate, which --modes decode "
+                                             "needs; time it with --modes prefill,train\n"), r.stderr
+
+
 def test_the_count_limits_themselves_are_accepted():
     """AT_MOST is the largest count allowed, not the first refused."""
     from normswap.bench import AT_MOST, BenchConfig, check_config

@@ -1279,6 +1279,78 @@ def test_a_damaged_checkpoint_is_refused_and_kept(two_step_state, tmp_path, dama
     assert _files(state) == before and (state / "step-000002").is_dir()
 
 
+@pytest.mark.parametrize("error, then", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "with more memory free"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"), "with more memory free"),
+    (PermissionError(13, "Permission denied", "optimizer.bin"), "as a user who may read it"),
+])
+def test_a_sound_checkpoint_that_cannot_be_loaded_now_is_not_called_damaged(two_step_state, tmp_path,
+                                                                            monkeypatch, error, then):
+    """Out of memory while loading (a GPU another job holds) or a file this user may not read says
+    nothing of the checkpoint: the refusal told the user to delete the state folder, throwing away a
+    sound checkpoint. It says what to change instead, and nothing is removed."""
+    import shutil
+
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import train
+
+    base, batches = two_step_state
+    state = tmp_path / "run" / "state"
+    shutil.copytree(base, state)
+    before = _files(state)
+
+    def load_state(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(Accelerator, "load_state", load_state)
+    with pytest.raises(NormswapError) as refused:
+        train(Accelerator(cpu=True), random_layer_norm_gpt2(), TrainSettings(steps=4, warmup_steps=0,
+              checkpoint_every=1), batches, state, progress=False)
+    assert str(refused.value).startswith(f"train: cannot resume from its checkpoint {state / 'step-000002'} (")
+    assert str(refused.value).endswith(f"; it is kept: run again {then}") and "delete" not in str(refused.value)
+    assert _files(state) == before
+
+
+def test_a_latest_this_user_may_not_read_is_not_called_damaged(two_step_state, tmp_path, monkeypatch):
+    """LATEST unreadable for this user (another user's run) told the user to delete the state folder."""
+    import pathlib
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import latest_checkpoint
+
+    read_text = pathlib.Path.read_text
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "LATEST":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", refuse)
+    base, _batches = two_step_state
+    with pytest.raises(NormswapError) as refused:
+        latest_checkpoint(base)
+    assert str(refused.value).startswith(f"{base / 'LATEST'}: cannot read it (") and "Permission denied" in str(
+        refused.value) and str(refused.value).endswith("); it is kept: run again as a user who may read it")
+
+
+def _stopped_at_step_2(state, accelerator):
+    """A 4-step training (a checkpoint every 2 steps) of random_layer_norm_gpt2 on `accelerator`,
+    stopped at step 2 with its state in `state`: the (batches, settings) that resume it."""
+    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.trainer import RandomWindows, train
+
+    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
+    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    stop = StopFlag()
+    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
+        train(accelerator, random_layer_norm_gpt2(), settings, batches, state, progress=False,
+              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    return batches, settings
+
+
 def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_path):
     """A step's sequences depend on the process count (grad_accum x processes draws): a checkpoint
     written by 2 processes resumed by 1 would go on with other, smaller batches. Refused, naming
@@ -1286,16 +1358,10 @@ def test_a_checkpoint_is_resumed_only_under_the_process_count_that_wrote_it(tmp_
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, train
+    from normswap.experiment.trainer import train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
     state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    batches, settings = _stopped_at_step_2(state, _two_processes_accelerator())
     assert json.loads((state / "step-000002" / "trainer.json").read_text())["num_processes"] == 2
     before = _files(state)
     with pytest.raises(NormswapError) as refused:
@@ -1337,20 +1403,15 @@ def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     resumed unchecked: whatever count wrote it, this run went on from it with its own batches.
     Every checkpoint normswap writes has both (save_state writes one random_states_<rank>.pkl per
     process, also before the count was recorded), so such a folder is not normswap's, or not whole:
-    refused, naming it and what it lacks, nothing removed. Either one alone still says the count."""
+    refused, naming it and what it lacks, nothing removed. Either one alone still says the count
+    (a recorded count without its files is then refused for the files it lacks, 24a70ae)."""
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+    from normswap.experiment.trainer import check_resumable, train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
     state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
     step = state / "step-000002"
     assert (step / "random_states_0.pkl").is_file() and json.loads((step / "trainer.json").read_text())["num_processes"]
     (step / "random_states_0.pkl").unlink()
@@ -1381,19 +1442,13 @@ def test_a_checkpoint_that_lacks_a_processs_random_state_file_is_refused(tmp_pat
     uninterrupted would have gone on."""
 
     from normswap.errors import NormswapError
-    from normswap.experiment.recipe import TrainSettings
-    from normswap.experiment.trainer import RandomWindows, check_resumable, train
+    from normswap.experiment.trainer import check_resumable, train
 
-    batches = RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=4, warmup_steps=0, checkpoint_every=2)
+    state = tmp_path / "state"
+    batches, settings = _stopped_at_step_2(state, _two_processes_accelerator())
     assert random_layer_norm_gpt2().config.resid_pdrop > 0  # dropout draws from the saved random state
     whole = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
                   progress=False)
-    state = tmp_path / "state"
-    stop = StopFlag()
-    with pytest.raises(Interrupted, match="stopped at step 2 of 4"):
-        train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state, progress=False,
-              stop=stop, on_step=lambda s, loss: s == 2 and stop.set())
     step = state / "step-000002"
     kept = step / "random_states_1.pkl"
     kept.rename(tmp_path / "kept.pkl")
@@ -1416,6 +1471,32 @@ def test_a_checkpoint_that_lacks_a_processs_random_state_file_is_refused(tmp_pat
     resumed = train(_two_processes_accelerator(), random_layer_norm_gpt2(), settings, batches, state,
                     progress=False)
     assert resumed.losses == whole.losses
+
+
+def test_a_checkpoint_of_another_process_count_is_refused_for_its_count_first(tmp_path):
+    """A checkpoint of another count lacks this run's ranks' random-state files or holds others:
+    the count is what to change (rerun on it, or start over), so its message comes first, and the
+    files are then looked for over this run's ranks only: a count written by hand (10**9) does not
+    set how many files are looked for (c32b04a)."""
+    from accelerate import Accelerator
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import check_resumable
+
+    state = tmp_path / "state"
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
+    record = state / "step-000002" / "trainer.json"
+    written = json.loads(record.read_text())
+    for count, trained_on in ((3, "3 processes"), (10**9, "1000000000 processes")):
+        record.write_text(json.dumps(written | {"num_processes": count}))
+        with pytest.raises(NormswapError) as refused:
+            check_resumable(state, 1, "arm")  # holds random_states_0.pkl only, as 1 process writes
+        assert str(refused.value) == (
+            f"arm: its checkpoint at step 2 was trained on {trained_on} and this run has 1: the process count "
+            f"decides the batches, so the resumed steps would see other data; run it again on {trained_on}, "
+            f"or delete {state} to train it from the start on 1")
+    record.write_text(json.dumps(written))
+    assert check_resumable(state, 1, "arm")[0] == state / "step-000002"
 
 
 def test_an_arm_part_trained_under_another_process_count_is_refused_before_any_arm(tmp_path, pretrained_dir,

@@ -383,6 +383,42 @@ def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path
     torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", ["mixtral", "inv_freq"])
+def test_a_config_without_architectures_names_the_weights_as_the_load_does(tmp_path, case):
+    """The weights' names were compared with the class's as stored: a Mixtral as its own
+    save_pretrained writes it (per-expert w1/w2/w3, which the load fuses into experts.gate_up_proj)
+    and an old Llama's per-layer rotary inv_freq (which the load drops without a word) built the bare
+    base model, refused as "the config has no place for lm_head.weight", where stock
+    AutoModelForCausalLM loads them. They are named as the load names them now."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    sizes = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if case == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**sizes, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    if case == "mixtral":  # stored per expert: no name of the fused class as it is
+        assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in weights and not set(weights) <= set(model.state_dict())
+    else:
+        for i in range(2):
+            weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is type(model)  # what stock transformers builds
+    src = loading.resolve(tmp_path)
+    assert type(loading.build_meta_model(src)) is type(model)
+    torch.testing.assert_close(loading.load_model(src).state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
 def test_build_failure_is_one_line(tmp_path, monkeypatch):
     src = _config_dir(tmp_path, json.dumps({"model_type": "llama"}))
 
@@ -1232,6 +1268,48 @@ def test_two_unlocked_first_uses_over_an_older_half_made_folder_both_get_the_mod
         assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
     assert load.acted and real_converted(tiny_builtin)
     assert (tiny_builtin / "in-use").is_file() == (other == "removes it and publishes")
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_a_half_made_folder_is_set_aside_where_a_rename_replaces_no_folder(tiny_builtin, monkeypatch, published):
+    """_remove_half_made (37cd2cc) renamed the cache entry onto the empty folder mkdtemp had made:
+    POSIX replaces an empty folder, Windows (which normswap runs on: fileio's filelock) refuses any
+    existing name, so every first use over an older normswap's half-made folder failed there
+    (FileExistsError) where rmtree had removed it. Renames here as Windows does: the half-made
+    folder goes, and a copy another run published before this run's rename is put back."""
+    import errno
+    import shutil
+
+    real_rename, real_load, real_converted = os.rename, loading._load_gguf, loading._converted
+    loaded = []
+
+    def windows_rename(src, dst):
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "Cannot create a file when that file already exists", str(dst))
+        real_rename(src, dst)
+
+    def load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def another_run_publishes_as_this_one_looks(target):
+        if published and loaded and target == tiny_builtin and not (tiny_builtin / "in-use").exists():
+            shutil.rmtree(tiny_builtin)
+            copy = tiny_builtin.parent / ".tiny-builtin.other"
+            loaded[0][0].save_pretrained(copy)
+            (copy / "in-use").write_text("the other run reads this copy")
+            real_rename(copy, tiny_builtin)
+            return False  # what this run saw: the half-made folder
+        return real_converted(target)
+
+    tiny_builtin.mkdir(parents=True)
+    (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
+    monkeypatch.setattr(os, "rename", windows_rename)
+    monkeypatch.setattr(loading, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_converted", another_run_publishes_as_this_one_looks)
+    assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and real_converted(tiny_builtin)
+    assert (tiny_builtin / "in-use").is_file() == published
     assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
 
 

@@ -401,6 +401,20 @@ def test_a_manifest_section_of_the_wrong_shape_is_malformed_not_a_crash(tmp_path
         read_manifest(tmp_path)
 
 
+@pytest.mark.parametrize("paths", ["model.norm", [1, 2]])
+def test_a_manifest_whose_paths_are_not_module_paths_is_malformed(tmp_path, paths):
+    """The patch section's paths, a string or numbers: "model.norm" was read letter by letter and
+    [1, 2] as modules "1" and "2", and loading the folder said "paths names modules that are not
+    norms here: ., a, d, e, ..." without naming normswap.json."""
+    from normswap.manifest import read_manifest
+
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "normswap/2", "patch": {
+        "impl": "torch", "paths": paths, "rms_forms": {}, "strict": False, "modules": []}}))
+    with pytest.raises(NormswapError, match=r"normswap.json: malformed manifest \(TypeError: paths: expected None or "
+                                            r"a list of module paths, got "):
+        read_manifest(tmp_path)
+
+
 def test_in_place_keeps_every_other_entry_even_a_fifo(tmp_path):
     """--in-place promises every other entry of the directory survives; one that is neither a
     file, a folder nor a link (a named pipe a training job left) was dropped from the new tree."""

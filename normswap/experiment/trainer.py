@@ -260,6 +260,8 @@ def latest_checkpoint(state_dir: Path) -> Path | None:
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
+        if isinstance(e, PermissionError):  # this user's, not the checkpoint's: deleting would lose a sound one
+            remedy = "it is kept: run again as a user who may read it"
         raise NormswapError(f"{pointer}: cannot read it ({one_line(e)}); {remedy}") from None
     if not re.fullmatch(r"step-\d{6,}", name) or not (state_dir / name / TRAINER_STATE).is_file():
         raise NormswapError(f"{pointer} names {name!r}, which is no checkpoint in {state_dir} (a step-NNNNNN "
@@ -372,14 +374,17 @@ def _out_of_memory_is_bad_input(where: str):
     knobs (the last checkpoint stays; a rerun with smaller settings is another recipe)."""
     try:
         yield
-    except (torch.OutOfMemoryError, MemoryError) as e:
-        raise NormswapError(f"{where}: out of memory ({one_line(e)}); lower batch_size or seq_len "
-                            "(grad_accum keeps the batch)") from None
-    except RuntimeError as e:
-        if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
+    except Exception as e:
+        if not _out_of_memory(e):
             raise
         raise NormswapError(f"{where}: out of memory ({one_line(e)}); lower batch_size or seq_len "
                             "(grad_accum keeps the batch)") from None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's and Python's out-of-memory errors, and the CPU allocator's RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e)))
 
 
 @contextlib.contextmanager
@@ -449,6 +454,11 @@ def train(
             accelerator.load_state(str(found))
         except Exception as e:  # noqa: BLE001  (what accelerate's reader raises on files it did not write:
             # a truncated model.bin is torch's RuntimeError, a missing optimizer.bin FileNotFoundError, ...)
+            if _out_of_memory(e) or isinstance(e, PermissionError):
+                # the place, not the checkpoint: "delete it" would have thrown away a sound one
+                then = "with more memory free" if _out_of_memory(e) else "as a user who may read it"
+                raise NormswapError(f"{desc}: cannot resume from its checkpoint {found} ({one_line(e)}); it is "
+                                    f"kept: run again {then}") from None
             raise NormswapError(f"{desc}: cannot resume from its checkpoint {found} ({one_line(e)}); delete "
                                 f"{state_dir} to train from the start") from None
     rank, world = accelerator.process_index, accelerator.num_processes
