@@ -707,9 +707,9 @@ _NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
 
 
 def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
-    """Refuse, from the safetensors files' headers alone, a checkpoint whose tensors the model its
-    config describes cannot take as they are stored; the meta model (built here when `meta` is
-    None) gives the model's tensors. The faults:
+    """Refuse, before any weight is read (safetensors headers, pickled files' names), a checkpoint
+    whose tensors the model its config describes cannot take as they are stored; the meta model
+    (built here when `meta` is None) gives the model's tensors. The faults:
 
     - a tensor of another shape than the config gives. The load refuses it too
       (check_loading_info), but only once transformers has allocated the whole model: a config

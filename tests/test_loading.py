@@ -818,6 +818,24 @@ def _unallocated(monkeypatch):
     monkeypatch.setattr(loading, "from_pretrained_checked", allocate)
 
 
+def _saved_with_layers(d, layout: str, layers: int) -> tuple[str, str, int]:
+    """A tiny model of `layers` layers saved in `d` as `layout`: "single" or "sharded" safetensors
+    (a Llama), or "pickled" (a GPT-2, whose config spells the layer count n_layer). Returns the
+    config field of its layer count, the prefix of its layers' names and the tensors per layer."""
+    from tiny_models import tiny_model
+
+    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
+    model = tiny_model(arch, **{field: layers})
+    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
+    if layout == "pickled":
+        for p in d.glob("model*.safetensors*"):
+            p.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
+    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
+    return field, prefix, sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
+
+
 @pytest.mark.parametrize("layout", ["single", "sharded", "pickled"])
 @pytest.mark.parametrize("layers", [3, 300])
 def test_a_config_with_more_layers_than_its_weights_is_refused_before_the_model_is_allocated(
@@ -827,20 +845,9 @@ def test_a_config_with_more_layers_than_its_weights_is_refused_before_the_model_
     did check_loading_info refuse the load. Refused from the weights' names alone now (safetensors
     headers, a pickled file's names), with the config.json field (as the file spells it: n_layer
     for GPT-2) and the layers missing. One layer too many (2 -> 3) is refused the same way."""
-    from tiny_models import tiny_model
-
-    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
     d = tmp_path / "two"
-    model = tiny_model(arch)
-    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
-    if layout == "pickled":
-        for p in d.glob("model*.safetensors*"):
-            p.unlink()
-        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
-    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    field, prefix, per_layer = _saved_with_layers(d, layout, 2)
     src = _with_config(d, tmp_path / "more", **{field: layers})
-    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
-    per_layer = sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
     past = f"{prefix}2" + (f" to {prefix}{layers - 1}" if layers > 3 else "")
     _unallocated(monkeypatch)
     with pytest.raises(NormswapError) as e:
@@ -860,21 +867,10 @@ def test_a_config_with_fewer_layers_than_its_weights_is_refused_before_the_model
     convert first streamed every tensor into a converted copy, refused by its verification. Refused
     from the weights' names now, naming config.json's field and the layers the weights hold, as
     the opposite case is said."""
-    from tiny_models import tiny_model
-
-    arch, field = ("gpt2", "n_layer") if layout == "pickled" else ("llama", "num_hidden_layers")
     d = tmp_path / "deep"
-    model = tiny_model(arch, **{field: layers})
-    model.save_pretrained(d, max_shard_size="20KB" if layout == "sharded" else "5GB")
-    if layout == "pickled":
-        for p in d.glob("model*.safetensors*"):
-            p.unlink()
-        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, d / "pytorch_model.bin")
-    assert (len(list(d.glob("model-*.safetensors"))) > 1) == (layout == "sharded")
+    field, prefix, per_layer = _saved_with_layers(d, layout, layers)
     src = _with_config(d, tmp_path / "fewer", **{field: 2})
-    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
-    per_layer = sum(1 for k in model.state_dict() if k.startswith(prefix + "0."))
-    if arch == "gpt2":  # its ignorable "attn.bias" (a regex) matches c_attn.bias too: the load drops it unsaid
+    if layout == "pickled":  # GPT-2: its ignorable "attn.bias" (a regex) matches c_attn.bias too: the load drops it unsaid
         per_layer -= 1
     past = f"{prefix}2" + (f" to {prefix}{layers - 1}" if layers > 3 else "")
     _unallocated(monkeypatch)
