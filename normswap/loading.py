@@ -1007,7 +1007,7 @@ def _quantised_layers(meta, names: list[str]) -> list[str]:
             continue
         stored = max(held) + 1
         if stored < length and held == set(range(stored)):
-            past = f"{under}{stored}" + (f" to {under}{length - 1}" if length - stored > 1 else "")
+            past = _layer_range(under, stored, length)
             problems.append(f"{field} is {length} there, but the weights hold {_layers(stored)}: no tensor of "
                             f"{past} in the checkpoint")
         elif stored > length and held >= set(range(length)):
@@ -1069,11 +1069,16 @@ def _layers_past_the_stored(model, missing: list[str]) -> str | None:
         stored = len(held)
         if held != set(range(stored)) or not 0 < stored < length or any(index.get(m, -1) < stored for m in missing):
             continue
-        past = f"{under}{stored}" + (f" to {under}{length - 1}" if length - stored > 1 else "")
+        past = _layer_range(under, stored, length)
         return (f"{field} is {length} there, but the weights hold {_layers(stored)}: "
                 f"{len(missing)} tensor(s) of {past} missing from the checkpoint")
     return None
 
+
+def _layer_range(under: str, first: int, end: int) -> str:
+    """Layers first to end - 1 of the list `under` as a message names them ("model.layers.2 to
+    model.layers.11", or "model.layers.2" alone)."""
+    return f"{under}{first}" + (f" to {under}{end - 1}" if end - first > 1 else "")
 
 def _layers_past_the_config(model, unexpected: list[str], missing: list[str]) -> str | None:
     """'num_hidden_layers is 2 there, but the weights hold 12 layers: ...' when the tensors the
@@ -1087,7 +1092,7 @@ def _layers_past_the_config(model, unexpected: list[str], missing: list[str]) ->
         stored = max(index) + 1
         if index != set(range(length, stored)):
             continue
-        past = f"{under}{length}" + (f" to {under}{stored - 1}" if stored - length > 1 else "")
+        past = _layer_range(under, length, stored)
         return (f"{field} is {length} there, but the weights hold {_layers(stored)}: "
                 f"{len(unexpected)} tensor(s) of {past} the config has no place for")
     return None
