@@ -10,11 +10,15 @@ import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 from tiny_models import randomize_norms_and_biases, save_tiny, tiny_config, tiny_tokenizer
 
 from normswap import loading
+from normswap.cli import cli
 from normswap.errors import NormswapError
 from normswap.verify import model_output
+
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
 
 BATCH = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
 BERT_HEADS = ["bert.pooler.dense.bias", "bert.pooler.dense.weight", "cls.seq_relationship.bias",
@@ -91,12 +95,33 @@ def test_bert_base_layout_loads_as_stock_does_and_says_what_it_drops(bert_base_l
     assert "BertForMaskedLM does not build (bert.pooler.dense.bias" in unused.note()
 
 
+def test_patch_of_the_bert_base_layout_runs_verifies_and_says_it_once(bert_base_layout, tmp_path):
+    """`normswap patch` of it: exit 0, one note on stderr naming the tensors, the same record in
+    --json; the output holds what BertForMaskedLM loads (the unused tensors are not written), and
+    stock transformers loads it with nothing unexpected and the same logits as the source."""
+    out = tmp_path / "patched"
+    r = CliRunner().invoke(cli, ["patch", str(bert_base_layout), "--impl", "torch", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "4 stored tensor(s) of modules BertForMaskedLM does not build" in notes[0], notes
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["saved_to"] == str(out)
+    [unused] = doc["unused_tensors"]
+    assert unused["not_built"] == BERT_HEADS and unused["saved_from"] == "BertForPreTraining"
+    assert unused["note"] in notes[0]
+    reloaded, info = _stock("BertForMaskedLM", out)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    stock, _ = _stock("BertForMaskedLM", bert_base_layout)
+    assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
+
+
 @pytest.mark.parametrize("pickled", [True, False], ids=["pickled", "safetensors"])
 def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickled):
     """2020-era GPT-2 fine-tunes hold each attention's attn.bias (the causal mask: GPT-2's class
     declares it ignorable) and attn.masked_bias (the masked scores' fill value, -1e4, which no module
     of transformers 5 has, and which stock transformers reports as unexpected): the second was
-    refused. Accepted as a buffer no module reads, said as such; logits equal stock's."""
+    refused. Accepted as a buffer no module reads, said as such; logits equal stock's; --in-place
+    may drop it (a constant: nothing is lost), and its output reloads with nothing unexpected."""
     d = tmp_path / "gpt2"
     _legacy_gpt2(d, pickled)
     src = loading.resolve(d)
@@ -108,6 +133,12 @@ def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickle
     model = loading.load_model(src)
     assert model.normswap_unused_tensors == unused
     assert torch.equal(model_output(model, BATCH)[1], model_output(stock.eval(), BATCH)[1])
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--in-place"])
+    assert r.exit_code == 0, r.stderr
+    assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
+    reloaded, info = _stock("GPT2LMHeadModel", d)
+    assert not info["unexpected_keys"]
+    assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
 
 
 def test_a_non_persistent_buffer_older_transformers_saved_is_accepted(tmp_path):
@@ -168,6 +199,8 @@ def test_tensors_that_would_change_the_computation_are_still_refused(tmp_path, e
         with pytest.raises(NormswapError) as e:
             check()
         assert f"the weights do not match config.json ({says})" in str(e.value)
+    r = CliRunner().invoke(cli, ["patch", str(src.path), "--impl", "torch"])
+    assert r.exit_code == 2 and says in r.stderr and "note:" not in r.stderr
 
 
 def test_a_layer_past_the_config_is_refused_beside_a_head_that_is_accepted(tmp_path):
