@@ -355,8 +355,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     # compares with and what the save keeps all come from this one reading.
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
     converted = None if manifest is None else manifest.get("convert")
+    meta = None  # built here only for --in-place or a filter; else the load's check of the stored tensors builds it
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
+        meta = _refuse_dropping_in_place(source, config)
     elif out is not None:
         target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
@@ -367,9 +369,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
             held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
-    meta = None  # built here only for a filter; else the load's check of the stored tensors builds it
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
-        meta = build_meta_model(source, config)
+        meta = build_meta_model(source, config) if meta is None else meta
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
             raise NormswapError(f"{n['only']}/{n['exclude']} leave no recognised norm to patch in {model}")
 
@@ -432,6 +433,27 @@ def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
         raise NormswapError(f"{n['in_place']} with {n['dtype']} would rewrite the {name} weights of {source.ref} as "
                             f"{str(dtype).removeprefix('torch.')}; save the conversion with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
+
+
+def _refuse_dropping_in_place(source, config):
+    """--in-place rewrites the model's own folder with what the class loads: stored tensors of
+    modules it does not build (bert-base's pooler and next-sentence head under BertForMaskedLM,
+    loading.unused_tensors) would be gone from the user's only copy, though another class (the
+    one they were saved with) reads them. Refused before the load, naming them. Returns the meta
+    model it built, for the load (buffers no module reads are no loss: those are dropped)."""
+    from normswap.loading import build_meta_model, check_stored_tensors
+
+    meta = build_meta_model(source, config)
+    unused = check_stored_tensors(source, config, meta)
+    if unused is not None and unused.not_built:
+        n = option_labels(PATCH_OPTIONS)
+        names = unused.not_built
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise NormswapError(f"{n['in_place']} would remove {len(names)} stored tensor(s) of modules "
+                            f"{unused.model_class} does not build from {source.ref} ({shown}), which the class they "
+                            f"were saved with reads; write the patched model with "
+                            f"{option_setting(n['out'], Metavar('DIR'))} instead")
+    return meta
 
 
 def _check_writable(target: Path, folder: bool) -> None:
@@ -505,7 +527,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,
-                                    planned=(meta, plan), target=target)
+                                    planned=(meta, plan), target=target, unused=unused)
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config, meta=meta)
         step(progress, "verify", 1, 1)

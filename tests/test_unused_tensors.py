@@ -7,6 +7,7 @@ layers past the config's count)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -115,6 +116,23 @@ def test_patch_of_the_bert_base_layout_runs_verifies_and_says_it_once(bert_base_
     assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
 
 
+def test_patch_in_place_would_drop_a_head_and_is_refused(bert_base_layout, tmp_path):
+    """--in-place rewrites the folder with what BertForMaskedLM loads: bert-base's pooler and
+    next-sentence head would be gone from the user's only copy. Refused before the load, naming
+    them and --out; nothing changes."""
+    d = tmp_path / "bert"
+    shutil.copytree(bert_base_layout, d)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir())
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--in-place"])
+    assert r.exit_code == 2
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    assert line == (f"normswap: error: --in-place would remove 4 stored tensor(s) of modules BertForMaskedLM does "
+                    f"not build from {d} (bert.pooler.dense.bias, bert.pooler.dense.weight, cls.seq_relationship.bias "
+                    "and 1 more), which the class they were saved with reads; write the patched model with --out DIR "
+                    "instead")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) == before
+
+
 @pytest.mark.parametrize("pickled", [True, False], ids=["pickled", "safetensors"])
 def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickled):
     """2020-era GPT-2 fine-tunes hold each attention's attn.bias (the causal mask: GPT-2's class
@@ -139,6 +157,39 @@ def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickle
     reloaded, info = _stock("GPT2LMHeadModel", d)
     assert not info["unexpected_keys"]
     assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
+
+
+def test_convert_of_a_model_saved_with_another_head_runs_verifies_and_leaves_the_head_out(tmp_path):
+    """A GPT-2 saved from GPT2DoubleHeadsModel (its multiple-choice head) with the legacy
+    masked_bias, config naming GPT2LMHeadModel: convert was refused for 'no place for'. It converts
+    and verifies now; the multiple-choice head reads the final norm's output, which the conversion
+    changes (its γ folds into lm_head), so it is not written (carried, a GPT2DoubleHeadsModel load
+    of the output would compute another multiple-choice score, unverified); the masked_bias
+    buffers, which nothing reads, are carried as stored. The output loads in stock transformers
+    with nothing unexpected but them, and its logits are the source's."""
+    d = tmp_path / "doubleheads"
+    _saved("GPT2DoubleHeadsModel", "gpt2", d, ["GPT2LMHeadModel"])
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), "--to", "rms", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    [unused] = json.loads(r.stdout)["unused_tensors"]
+    assert unused["not_built"] == ["multiple_choice_head.summary.bias", "multiple_choice_head.summary.weight"]
+    assert unused["saved_from"] == "GPT2DoubleHeadsModel"
+    assert unused["buffers"] == ["transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"]
+    assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
+    stored = set(load_file(out / "model.safetensors"))
+    assert not any(k.startswith("multiple_choice_head.") for k in stored)
+    assert {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"} <= stored
+    converted, info = _stock("GPT2LMHeadModel", out)
+    assert info["unexpected_keys"] == {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"}
+    source, _ = _stock("GPT2LMHeadModel", d)
+    torch.testing.assert_close(model_output(converted.eval(), BATCH)[1], model_output(source.eval(), BATCH)[1],
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_a_non_persistent_buffer_older_transformers_saved_is_accepted(tmp_path):
