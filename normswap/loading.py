@@ -1061,7 +1061,8 @@ def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensor
     tensor cannot change the computation, and is accepted, when
     - its module is one the class does not build at all and another class of the same config
       builds it (sibling_classes): a head or pooler the weights were saved with (bert-base's
-      pooler and next-sentence head under BertForMaskedLM; T5's decoder under T5EncoderModel);
+      pooler and next-sentence head under BertForMaskedLM; GPT2DoubleHeadsModel's multiple-choice
+      head under GPT2LMHeadModel);
     - it is a non-persistent buffer of its module: a constant the module computes from its config
       (GPT-Neo's causal mask, which older transformers saved);
     - it is an OBSOLETE_BUFFERS name its module has no place for (GPT-2's attn.masked_bias).
