@@ -1929,22 +1929,50 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, m
                       progress=False)
 
 
-@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 1e307), ("sgd", 1e308)])  # adamw's step: lr / 0.1
-def test_a_learning_rate_past_the_dtypes_range_is_one_line(tmp_path, optimizer, lr):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("section", ["finetune", "pretrain", None])
+def test_a_learning_rate_past_the_dtypes_range_is_one_line_naming_the_recipe_key(tmp_path, optimizer, section):
     """finetune.lr = 1e308 passed the recipe's checks (finite, not negative) and then torch refused
-    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1)."""
+    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1). Its line
+    then said 'the update at learning rate 2.5e+307' (the warm-up's rate at step 1, never written by
+    the user) and named no key: it names the key and the value the user wrote, as the recipe's
+    errors do (finetune.lr, pretrain.lr; lr for settings made in code), the schedule's rate beside
+    it where it differs, and SGD's weight decay (added to the gradient in the weights' dtype) when
+    it is not 0."""
+    import random
+
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
     from normswap.experiment import trainer
-    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.recipe import FinetuneSection, PretrainSection, TrainSettings
 
+    cls = {"finetune": FinetuneSection, "pretrain": PretrainSection, None: TrainSettings}[section]
+    key = f"{section}." if section else ""
+    rng = random.Random(f"{optimizer}-{section}")
     batches = trainer.RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=2, warmup_steps=0, lr=lr, optimizer=optimizer, schedule="constant")
-    with pytest.raises(NormswapError, match=rf"^arm: step 1: the update at learning rate {re.escape(f'{lr:g}')} \(weight_decay 0\) "
-                                            r"overflows the weights' dtype \(.*\); lower the learning rate$"):
-        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "s",
-                      progress=False, desc="arm")
+    for i in range(3):
+        # past float32's 3.4e38 at step 1 whatever the warm-up's share of it (AdamW's step is lr / 0.1)
+        lr = rng.uniform(1, 10) * 10.0 ** rng.randint(40, 307)
+        warmup = rng.randint(0, 4)
+        decay = optimizer == "sgd" and i == 2  # SGD's weight decay alone overflows too
+        if decay:
+            lr, weight_decay = rng.uniform(1e-5, 1e-2), rng.uniform(1, 10) * 10.0 ** rng.randint(40, 307)
+        settings = cls(steps=2, warmup_steps=warmup, lr=lr, optimizer=optimizer, schedule="constant",
+                       weight_decay=weight_decay if decay else 0.0)
+        said = f"{key}lr = {lr!r}"
+        if warmup > 1:  # step 1 of the warm-up trains at lr / warmup_steps
+            said += f" ({lr / warmup:g} at this step of the schedule)"
+        lower = f"{key}lr"
+        if decay:
+            said += f" and {key}weight_decay = {weight_decay!r}"
+            lower += f" or {key}weight_decay"
+        with pytest.raises(NormswapError) as refused:
+            trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / f"s{i}",
+                          progress=False, desc="arm")
+        assert re.fullmatch(rf"arm: step 1: the update at {re.escape(said)} overflows the weights' dtype "
+                            rf"\(value cannot be converted to type float without overflow\); lower {re.escape(lower)}",
+                            str(refused.value)), str(refused.value)
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():

@@ -152,6 +152,14 @@ def file_digest(path: str | Path) -> str:
 _SECTIONS = {"model": ModelSection, "pretrain": PretrainSection, "data": DataSection, "finetune": FinetuneSection}
 
 
+def recipe_key(section, name: str) -> str:
+    """What a recipe calls the field `name` of `section` (one of its sections, as validate built
+    it): `finetune.lr`, `pretrain.lr`, as the recipe's own errors name keys; the bare field name for
+    settings a library caller made (a TrainSettings belongs to no section)."""
+    where = next((key for key, cls in _SECTIONS.items() if type(section) is cls), None)
+    return f"{where}.{name}" if where else name
+
+
 def parse_arm(name: str) -> tuple[str, str | None]:
     """'approx+ft' -> ('approx', 'ft'); 'exact' -> ('exact', None). RecipeError when unknown."""
     transform, _, training = name.partition("+")

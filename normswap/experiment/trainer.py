@@ -37,7 +37,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.errors import NormswapError, one_line
-from normswap.experiment.recipe import TrainSettings
+from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
 from normswap.progress import isatty
 
@@ -389,17 +389,25 @@ def _out_of_memory(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
-    """An update the weights' dtype cannot hold is the recipe's learning rate (or weight decay), not a
-    bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5 in
-    float16) into the weights' type, which was an internal error (exit 1). A smaller but still
-    absurd rate trains into a non-finite loss, which the step's check reports the same way."""
+    """An update the weights' dtype cannot hold is the recipe's learning rate (or SGD's weight decay),
+    not a bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5
+    in float16) into the weights' type, which was an internal error (exit 1). A smaller but still
+    absurd rate trains into a non-finite loss, which the step's check reports the same way. Named
+    as the recipe keys and the values the user wrote (`lr` is the schedule's at this step: in the
+    warm-up a fraction of it, which the user never wrote)."""
     try:
         yield
     except RuntimeError as e:
         if "without overflow" not in str(e):
             raise
-        raise NormswapError(f"{where}: the update at learning rate {lr:g} (weight_decay {s.weight_decay:g}) "
-                            f"overflows the weights' dtype ({one_line(e)}); lower the learning rate") from None
+        keys = [f"{recipe_key(s, 'lr')} = {s.lr!r}"]
+        if lr != s.lr:
+            keys[0] += f" ({lr:g} at this step of the schedule)"
+        if s.weight_decay:  # SGD adds weight_decay x the weights to the gradient in their dtype
+            keys.append(f"{recipe_key(s, 'weight_decay')} = {s.weight_decay!r}")
+        lower = " or ".join(k.partition(" ")[0] for k in keys)
+        raise NormswapError(f"{where}: the update at {' and '.join(keys)} overflows the weights' dtype "
+                            f"({one_line(e)}); lower {lower}") from None
 
 
 def any_process(accelerator, flag: bool) -> bool:
