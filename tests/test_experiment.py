@@ -1398,6 +1398,70 @@ def test_a_checkpoint_from_before_the_count_was_recorded_counts_accelerates_file
     check_resumable(tmp_path / "absent", 2, "arm")  # no checkpoint: nothing to resume
 
 
+def test_a_checkpoint_from_before_the_count_was_recorded_is_counted_by_its_highest_rank(tmp_path):
+    """Without a recorded count the count was how many random_states_*.pkl there are: a checkpoint
+    of N processes that lost a file below the top rank read as one of N - 1, so its resume on N was
+    refused as 'trained on N - 1 processes ... run it again on N - 1', and a run on N - 1 was then
+    refused for the file it lacks, each line naming the wrong count; and a file of another name the
+    glob matched (random_states_0 copy.pkl) made a sound checkpoint of 1 read as one of 2, refused.
+    The count is one more than the highest rank named by a file: the lost file is named under the
+    right count, and other names do not count."""
+    import random
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import check_resumable
+
+    rng = random.Random(0)
+    for case in range(6):
+        state = tmp_path / f"state{case}"
+        step = state / "step-000003"
+        step.mkdir(parents=True)
+        (state / "LATEST").write_text("step-000003")
+        (step / "trainer.json").write_text(json.dumps({"step": 3, "losses": [1.0] * 3, "evals": [],
+                                                       "train_seconds": 1.0}))
+        count = rng.randint(2, 8)
+        lost = sorted(rng.sample(range(count - 1), rng.randint(1, count - 1)))  # never the top rank's
+        for rank in set(range(count)) - set(lost):
+            (step / f"random_states_{rank}.pkl").write_bytes(b"")
+        stray = rng.choice(["random_states_0 copy.pkl", "random_states_1 (1).pkl", "random_states_old.pkl",
+                            "random_states_.pkl", f"random_states_{count + 5}.pkl.pkl"])
+        (step / stray).write_bytes(b"")
+        with pytest.raises(NormswapError) as refused:
+            check_resumable(state, count, "arm")
+        assert str(refused.value) == (
+            f"arm: its checkpoint {step} was written by {count} processes but lacks "
+            f"{', '.join(f'random_states_{r}.pkl' for r in lost)} (accelerate writes one random-state file per "
+            "process; resumed without it, the steps would go on from another random state than the interrupted "
+            f"run's, unsaid); put it back, or delete {state} to train it from the start"), (count, lost, stray)
+        other = rng.choice([n for n in range(1, 10) if n != count])
+        with pytest.raises(NormswapError, match=rf"^arm: its checkpoint at step 3 was trained on {count} processes "
+                                                rf"and this run has {other}: "):
+            check_resumable(state, other, "arm")
+        for rank in lost:
+            (step / f"random_states_{rank}.pkl").write_bytes(b"")
+        assert check_resumable(state, count, "arm")[0] == step  # whole again: resumed, the stray name ignored
+
+
+def test_a_sound_checkpoint_beside_a_copy_of_its_random_state_is_resumed(tmp_path):
+    """A checkpoint of 1 process from before the count was recorded, with a copy of its random-state
+    file beside it (random_states_0 copy.pkl, as a file manager names one): read as a checkpoint of
+    2 processes and refused; resumed now as the run uninterrupted goes on."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.trainer import train
+
+    state = tmp_path / "state"
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
+    whole = train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
+                  progress=False)
+    step = state / "step-000002"
+    written = json.loads((step / "trainer.json").read_text())
+    (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
+    shutil.copyfile(step / "random_states_0.pkl", step / "random_states_0 copy.pkl")
+    resumed = train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False)
+    assert resumed.losses == whole.losses
+
+
 def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
     """A checkpoint with neither a recorded process count nor accelerate's random-state files was
     resumed unchecked: whatever count wrote it, this run went on from it with its own batches.

@@ -239,7 +239,8 @@ class History:
     evals: list[dict] = field(default_factory=list)  # {"step": s, ...metrics}
     train_seconds: float = 0.0
     # The processes that trained it: the sequences of a step depend on their count (RandomWindows).
-    # None in a checkpoint written before it was recorded (check_resumable then counts accelerate's files).
+    # None in a checkpoint written before it was recorded (check_resumable then reads it from the ranks
+    # of accelerate's files).
     num_processes: int | None = None
 
     def to_dict(self) -> dict:
@@ -318,7 +319,7 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
     # A checkpoint from before the count was recorded (4a66f5b): accelerate's save_state writes one
     # RNG file per process, always, so every checkpoint normswap wrote says its count one way or the other.
-    saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
+    saved = history.num_processes or _ranks_saved(found)
     if saved is None:  # resumed unchecked, it could continue another count's run with this one's batches
         raise NormswapError(f"{what}: its checkpoint {found} records no process count (num_processes in "
                             f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl); every "
@@ -347,6 +348,19 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
                             "interrupted run's, unsaid); put it back, or delete "
                             f"{state_dir} to train it from the start")
     return found, history
+
+
+def _ranks_saved(found: Path) -> int | None:
+    """The process count of a checkpoint that does not record it, from accelerate's files: one more
+    than the highest rank with a random_states_<rank>.pkl (None: there is none). Not how many such
+    files there are: one file lost (rank 0's of two) made a checkpoint of 2 read as one of 1, so the
+    resume on 2 was refused as 'trained on 1 process, run it again on 1' and the run on 1 for the
+    file it lacks; and a copy beside a file (random_states_0 copy.pkl, which the glob matched) made a
+    sound one of 1 read as one of 2. Only the top rank's file lost is beyond what names can tell:
+    the count is then one short, as the checkpoint's files are."""
+    ranks = [int(m[1]) for p in found.glob("random_states_*.pkl")
+             if (m := re.fullmatch(r"random_states_([0-9]+)\.pkl", p.name))]
+    return max(ranks) + 1 if ranks else None
 
 
 def _save(accelerator, state_dir: Path, history: History) -> None:
