@@ -388,11 +388,12 @@ def test_pretraining_gives_a_stock_checkpoint_that_beats_unigram(every_arm, pret
 def test_pretraining_is_cached(every_arm, cache, pretrained_dir):
     from accelerate import Accelerator
 
-    from normswap.experiment.pretrain import ensure_pretrained
+    from normswap.experiment.pretrain import ensure_pretrained, read_text
 
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
     stamp = (pretrained_dir / "model.safetensors").stat().st_mtime_ns
-    again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name, recipe.data.eval)
+    again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name,
+                                    read_text(recipe.data.eval))
     reported = every_arm.data["pretrain"]  # the same, but results.json names the text relative to the recipe
     assert again == pretrained_dir and info == {**reported, "section": {**reported["section"], "text": recipe.pretrain.text}}
     assert (pretrained_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not trained again
@@ -726,7 +727,7 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     try:
         with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing"):
             pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
-                                       recipe.name, recipe.data.eval, progress=False)
+                                       recipe.name, pretrain.read_text(recipe.data.eval), progress=False)
     finally:
         os.close(fd)
     assert not final.with_name(final.name + ".partial").exists()
@@ -734,11 +735,13 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
 
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
                                          (["original", "approx+ft"], JOSHUA.name)])
-def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
+def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     """pretrain.text was read whole for the check before the run (the most tokens it can make) and
     again by the pretraining, and a third time as data.train when it is that file (the shipped
     recipes pretrain on their data.train): 2 s a read for a 100 MB text here. Read once now, and the
-    pretraining's tokenizer is trained on what was read."""
+    pretraining's tokenizer is trained on what was read. The pretraining read data.eval again for
+    its held-out perplexity, which the run had read for its own evaluations: once now, and the
+    pretraining scores what was read."""
     from normswap.experiment import pretrain, runner
 
     class Pretraining(Exception):
@@ -746,8 +749,8 @@ def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
-    real = pretrain.read_text
-    whole, reads, trained_on = real(recipe.pretrain.text), [], []
+    real, real_encode = pretrain.read_text, pretrain.encode
+    whole, reads, trained_on, encoded = real(recipe.pretrain.text), [], [], []
 
     def counted(path):
         reads.append(Path(path).name)
@@ -755,17 +758,28 @@ def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
 
     def train_tokenizer(text, vocab_size):
         trained_on.append(text)
+        return real_train_tokenizer(text, vocab_size)
+
+    def encode(tokenizer, text):
+        encoded.append(text)
+        return real_encode(tokenizer, text)
+
+    def build_model(*args):  # the texts are encoded: the rest is the training
         raise Pretraining
 
+    real_train_tokenizer = pretrain.train_tokenizer
     monkeypatch.setattr(pretrain, "read_text", counted)
     monkeypatch.setattr(runner, "read_text", counted)
     monkeypatch.setattr(pretrain, "train_tokenizer", train_tokenizer)
+    monkeypatch.setattr(pretrain, "encode", encode)
+    monkeypatch.setattr(pretrain, "build_model", build_model)
     with pytest.raises(Pretraining):
         run_experiment(tmp_path / "r.toml", tmp_path / "out", overrides=[f'data.train="{train}"'] if train else [],
                        progress=False)
     assert trained_on == [whole]
-    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA), and
-    # data.train when it is that file and an arm trains
+    assert encoded == [whole, real(recipe.data.eval)]  # the training text, the held-out one
+    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
+    # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
     assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
 
 
@@ -795,7 +809,7 @@ def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, mo
     monkeypatch.setattr(checkpoint, "target_lock", other_run_finishes)
     monkeypatch.setattr(pretrain, "_pretrain", trains)
     assert pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
-                                      recipe.name, recipe.data.eval, progress=False) == (final, {"steps": 7})
+                                      recipe.name, "", progress=False) == (final, {"steps": 7})
 
 
 @pytest.mark.parametrize("model, arms, override, message", [
@@ -1092,11 +1106,9 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(pretrain, "train", no_training)
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
-    (tmp_path / "short.txt").write_text(EVAL_TEXT)
     accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1)
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
-        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, tmp_path / "short.txt",
-                                   progress=False)
+        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
     assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "
                         r"pass pretrain\.context \1 or less, or more text", str(e.value)), str(e.value)
 

@@ -174,13 +174,15 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
     return math.exp(nll)
 
 
-def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str | Path,
+def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str,
                       *, text: str | None = None, stop: StopFlag | None = None,
                       progress: bool = True) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
-    and its info (steps, time, held-out perplexity, unigram baseline). text: section.text's
-    contents (read_text) when the caller has read them already (the runner, for its check before
-    the run): a large text is seconds a read; None reads them if the pretraining runs."""
+    and its info (steps, time, held-out perplexity, unigram baseline). eval_text: the held-out
+    text's contents (read_text of data.eval, which the runner has read for its own evaluations: it
+    was read again here). text: section.text's contents (read_text) when the caller has read them
+    already (the runner, for its check before the run): a large text is seconds a read; None reads
+    them if the pretraining runs."""
     from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name)
@@ -198,7 +200,7 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
         return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress)
 
 
-def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str | Path,
+def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str,
               text: str | None, *, stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
     """ensure_pretrained's training, under the cache entry's lock."""
     from transformers import PreTrainedTokenizerFast
@@ -218,7 +220,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     accelerator.wait_for_everyone()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     ids = encode(tokenizer, text)
-    eval_ids = encode(tokenizer, read_text(eval_text))
+    eval_ids = encode(tokenizer, eval_text)
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
     model.to(parse_dtype(section.dtype))
     try:

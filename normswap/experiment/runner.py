@@ -450,7 +450,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         set_seed(recipe.seed)
         # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
-                                                     recipe.data.eval, text=texts.pop("pretrain", None), stop=stop,
+                                                     texts["eval"], text=texts.pop("pretrain", None), stop=stop,
                                                      progress=progress)
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
