@@ -767,7 +767,15 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     def build_model(*args):  # the texts are encoded: the rest is the training
         raise Pretraining
 
-    real_train_tokenizer = pretrain.train_tokenizer
+    bounded = []
+
+    def most_tokens(text):
+        bounded.append(text)
+        return real_most_tokens(text)
+
+    real_train_tokenizer, real_most_tokens = pretrain.train_tokenizer, pretrain.most_tokens
+    monkeypatch.setattr(pretrain, "most_tokens", most_tokens)
+    monkeypatch.setattr(runner, "most_tokens", most_tokens)
     monkeypatch.setattr(pretrain, "read_text", counted)
     monkeypatch.setattr(runner, "read_text", counted)
     monkeypatch.setattr(pretrain, "train_tokenizer", train_tokenizer)
@@ -777,7 +785,13 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
         run_experiment(tmp_path / "r.toml", tmp_path / "out", overrides=[f'data.train="{train}"'] if train else [],
                        progress=False)
     assert trained_on == [whole]
-    assert encoded == [whole, real(recipe.data.eval)]  # the training text, the held-out one
+    held_out = real(recipe.data.eval)
+    assert encoded == [whole, held_out]  # the training text, the held-out one
+    # The bound on the tokens (the UTF-8 encode of a whole text) once per text read: pretrain.text's
+    # served the check of one sequence and of the model's size (it was counted for each), data.eval's
+    # the pretraining's window and the evaluation's; and once more for the tokenizer's vocabulary cap
+    texts = [whole, held_out, *([real(JOSHUA)] if train and "approx+ft" in arms else [])]
+    assert sorted(map(len, bounded)) == sorted(map(len, [*texts, whole])), [len(t) for t in bounded]
     # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
     # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
     assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
@@ -944,7 +958,7 @@ def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretrainin
                                             r"context or vocab_size$"):
         run_experiment(path, tmp_path / "out", overrides=big, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
-    pretrain.check_model_fits(load_recipe(path).pretrain, GENESIS.read_text())
+    pretrain.check_model_fits(load_recipe(path).pretrain, pretrain.most_tokens(GENESIS.read_text()))
 
 
 @pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
@@ -965,12 +979,12 @@ def test_a_vocabulary_larger_than_the_text_allows_trains_the_same_tokenizer():
     """The tokenizers trainer reserves room for vocab_size entries first: 2**62 panicked inside Rust
     (a traceback past normswap's handler), 10**9 aborted the process. It cannot make more than
     most_vocabulary's entries, so the request is capped there, and the result is the same."""
-    from normswap.experiment.pretrain import most_vocabulary, train_tokenizer
+    from normswap.experiment.pretrain import most_tokens, most_vocabulary, train_tokenizer
 
     text = "In the beginning God created the heaven and the earth. " * 20
-    capped = train_tokenizer(text, most_vocabulary(text))
+    capped = train_tokenizer(text, most_vocabulary(most_tokens(text)))
     assert train_tokenizer(text, 2**62).get_vocab() == capped.get_vocab()
-    assert len(capped) < most_vocabulary(text)
+    assert len(capped) < most_vocabulary(most_tokens(text))
 
 
 def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, monkeypatch):

@@ -66,7 +66,7 @@ def train_tokenizer(text: str, vocab_size: int):
     # The trainer reserves room for vocab_size entries up front (some 70 bytes each): vocab_size =
     # 10**9 aborted the process inside Rust (no exception, no line). It can never make more than
     # the alphabet, EOS and one merge per byte of the text, so asking for more changes nothing.
-    vocab_size = min(vocab_size, most_vocabulary(text))
+    vocab_size = min(vocab_size, most_vocabulary(most_tokens(text)))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
@@ -87,10 +87,12 @@ def most_tokens(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def most_vocabulary(text: str) -> int:
-    """The most entries a train_tokenizer tokenizer of `text` can have: the 256 bytes, EOS, and one
-    per merge, each of which joins a pair of symbols that stand in the text (at most one per byte)."""
-    return 256 + 1 + most_tokens(text)
+def most_vocabulary(tokens: int) -> int:
+    """The most entries a train_tokenizer tokenizer can have of a text of at most `tokens` tokens
+    (most_tokens: its bytes): the 256 bytes, EOS, and one per merge, each of which joins a pair of
+    symbols that stand in the text (at most one per byte). From the bound, not the text: the checks
+    before a pretraining take it once (an encode of the whole text each time)."""
+    return 256 + 1 + tokens
 
 
 def parameter_count(section: PretrainSection, vocab_size: int) -> int:
@@ -101,13 +103,14 @@ def parameter_count(section: PretrainSection, vocab_size: int) -> int:
     return (vocab_size + section.context) * e + section.n_layer * (12 * e * e + 13 * e) + 2 * e
 
 
-def check_model_fits(section: PretrainSection, text: str) -> None:
+def check_model_fits(section: PretrainSection, tokens: int) -> None:
     """Refuse a [pretrain] model whose float32 weights alone (GPT-2's parameter count for the
-    section's shape, its vocabulary as large as the text allows) take more than the machine's
-    memory: n_embd = 2**40 was an internal error from the allocator, and n_layer = 2**40 built
-    layer after layer until the machine ran out (its training needs some four times this)."""
+    section's shape, its vocabulary as large as a text of at most `tokens` tokens allows:
+    most_tokens of pretrain.text) take more than the machine's memory: n_embd = 2**40 was an
+    internal error from the allocator, and n_layer = 2**40 built layer after layer until the
+    machine ran out (its training needs some four times this)."""
 
-    params = parameter_count(section, min(section.vocab_size, most_vocabulary(text)))
+    params = parameter_count(section, min(section.vocab_size, most_vocabulary(tokens)))
     need, have = 4 * params, physical_memory()
     if have is not None and need > have:
         raise NormswapError(f"pretrain: a model of {params:,} parameters takes {need / 2**30:,.1f} GiB in float32, "
@@ -144,20 +147,22 @@ def _heldout_windows(section: PretrainSection) -> dict:
 _HELDOUT_NAMES = {"max_length": "pretrain.context"}
 
 
-def check_pretraining_texts(section: PretrainSection, text: str, eval_text: str) -> None:
+def check_pretraining_texts(section: PretrainSection, tokens: int, eval_tokens: int) -> None:
     """What the pretraining would refuse for too few tokens once its tokenizer is trained, found
-    before (most_tokens' bound): pretrain.text (`text`, read_text(section.text)) against one
-    sequence, and the held-out text against the held-out perplexity's window. The exact counts are
-    checked again after the tokenizer. And a model too large for the machine (check_model_fits)."""
+    before by most_tokens' bound (`tokens` of pretrain.text, `eval_tokens` of the held-out text:
+    the caller counts each text once, and shares a count between texts that are one file):
+    pretrain.text against one sequence, and the held-out text against the held-out perplexity's
+    window. The exact counts are checked again after the tokenizer. And a model too large for the
+    machine (check_model_fits)."""
     try:
-        check_training_text(most_tokens(text), section.seq_len, ONE_TOKEN_PER_BYTE)
+        check_training_text(tokens, section.seq_len, ONE_TOKEN_PER_BYTE)
     except NormswapError as e:
         raise NormswapError(f"pretrain.text: {e}") from None
-    check_model_fits(section, text)
+    check_model_fits(section, tokens)
     from normswap.evaluate import check_before_tokenizing
 
     with using_option_names(_HELDOUT_NAMES):
-        check_before_tokenizing([model_config(section, section.vocab_size, 0)], most_tokens(eval_text),
+        check_before_tokenizing([model_config(section, section.vocab_size, 0)], eval_tokens,
                                 ONE_TOKEN_PER_BYTE, **_heldout_windows(section))
 
 

@@ -332,19 +332,22 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
     tokenizer can make of them (pretrain.most_tokens). The counts between that bound and what the
     windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
     p = recipe.pretrain
+    # Each text's bound counted once (an encode of the whole text; pretrain.text's shared with
+    # data.train when they are one file): the checks below and the pretraining's share them.
+    most = {key: most_tokens(text) for key, text in texts.items()}
     if not (pretrain_dir(p, recipe.seed, recipe.name) / INFO_FILE).is_file():  # a cached one is not trained again
         # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
         # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
         same = "train" in texts and Path(p.text) == Path(recipe.data.train)
         texts["pretrain"] = texts["train"] if same else read_text(p.text)
-        check_pretraining_texts(p, texts["pretrain"], texts["eval"])
+        check_pretraining_texts(p, most["train"] if same else most_tokens(texts["pretrain"]), most["eval"])
     from normswap.evaluate import check_before_tokenizing
 
-    check_before_tokenizing([model_config(p, p.vocab_size, 0)], most_tokens(texts["eval"]), ONE_TOKEN_PER_BYTE,
+    check_before_tokenizing([model_config(p, p.vocab_size, 0)], most["eval"], ONE_TOKEN_PER_BYTE,
                             **_eval_windows(recipe))
     if "train" in texts:
         try:
-            check_training_text(most_tokens(texts["train"]), recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
+            check_training_text(most["train"], recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
         except NormswapError as e:
             raise NormswapError(f"data.train: {e}") from None
 
