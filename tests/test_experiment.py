@@ -774,6 +774,7 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
         return real_most_tokens(text)
 
     real_train_tokenizer, real_most_tokens = pretrain.train_tokenizer, pretrain.most_tokens
+    digested = _count_digests(monkeypatch)
     monkeypatch.setattr(pretrain, "most_tokens", most_tokens)
     monkeypatch.setattr(runner, "most_tokens", most_tokens)
     monkeypatch.setattr(pretrain, "read_text", counted)
@@ -795,6 +796,78 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
     # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
     assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+    # each file's digest once too: the fingerprint's (in recipe.json) and the cache entry's, looked
+    # up before the run and again by the pretraining
+    assert sorted(digested) == [GENESIS.name, JOSHUA.name], digested
+
+
+def _count_digests(monkeypatch) -> list[str]:
+    """The names of the files whose digest (recipe.file_digest: a read of the whole file) is taken
+    from now on, one entry per digest."""
+    from normswap.experiment import pretrain, recipe
+
+    real, digested = recipe.file_digest, []
+
+    def counted(path):
+        digested.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(recipe, "file_digest", counted)
+    monkeypatch.setattr(pretrain, "file_digest", counted)
+    return digested
+
+
+def test_a_text_that_cannot_be_read_for_its_digest_is_one_line_naming_its_key():
+    """The run takes the texts' digests before it reads them (its fingerprint, checked against an
+    earlier run in OUT before anything else): a text this user may not read is the line the read
+    would give, naming the key, not an OSError naming a file alone."""
+    import tempfile
+
+    from tests.test_fileio import _as_a_user_the_bits_bind
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)  # nobody may pass through it
+        recipe = load_recipe(write_recipe(base / "r.toml", PRETRAIN))
+        for f in (GENESIS.name, JOSHUA.name, "r.toml"):
+            (base / f).chmod(0o644)
+        (base / JOSHUA.name).chmod(0o600)  # data.eval: this user's alone
+
+        def said():
+            try:
+                recipe.text_digests()
+            except RecipeError as e:
+                return str(e)
+            return "read"
+
+        assert _as_a_user_the_bits_bind(said) == f"data.eval: {base / JOSHUA.name}: cannot read (Permission denied)"
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("arms", [["original"], ["original", "approx+ft"]])
+def test_a_run_takes_each_texts_digest_once(tmp_path, monkeypatch, pretrained_dir, arms):
+    """A run on a cached pretraining took pretrain.text's digest six times (the fingerprint in
+    recipe.json and in results.json, each with data.train, the same file; the cache entry looked
+    up before the run and by the pretraining) and data.eval's twice; a rerun into the same OUT
+    once more each (its recipe.json's fingerprint checked): 0.36 s per 100 MB each here. Once per
+    run now, the same fingerprint recorded and the cached pretraining used."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, arms)
+    if len(arms) > 1:  # data.train another file than pretrain.text (data.eval's: one digest for both)
+        (tmp_path / "r.toml").write_text((tmp_path / "r.toml").read_text().replace(
+            f'train = "{GENESIS.name}"', f'train = "{JOSHUA.name}"'))
+    recipe = load_recipe(path)
+    digested = _count_digests(monkeypatch)
+    first = run_experiment(path, tmp_path / "out", progress=False)
+    distinct = sorted({GENESIS.name, JOSHUA.name})
+    assert sorted(digested) == distinct, digested
+    assert json.loads((tmp_path / "out" / "recipe.json").read_text())["fingerprint"] == first.data["fingerprint"]
+    del digested[:]
+    again = run_experiment(path, tmp_path / "out", progress=False)  # a rerun: every arm finished already
+    assert sorted(digested) == distinct, digested
+    monkeypatch.undo()
+    assert again.data["fingerprint"] == first.data["fingerprint"] == recipe.fingerprint()
+    assert Path(first.model_path) == pretrained_dir  # the cached pretraining, found through the digest given
 
 
 def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, monkeypatch):

@@ -42,17 +42,21 @@ def read_text(path: str | Path) -> str:
     return "\n\n".join("".join(doc) for doc in open_corpus(path).documents())
 
 
-def cache_key(section: PretrainSection, seed: int) -> str:
+def cache_key(section: PretrainSection, seed: int, text_digest: str | None = None) -> str:
+    """The [pretrain] section, the seed and the text by its content. text_digest: file_digest of
+    section.text, when the caller has taken it (Recipe.text_digests: a run takes each once, a
+    read of the whole file); None takes it here."""
     d = dataclasses.asdict(section)
-    d["text"] = file_digest(section.text)
+    d["text"] = file_digest(section.text) if text_digest is None else text_digest
     d["seed"] = seed
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def pretrain_dir(section: PretrainSection, seed: int, name: str) -> Path:
+def pretrain_dir(section: PretrainSection, seed: int, name: str, text_digest: str | None = None) -> Path:
+    """The cache entry of this pretraining (text_digest: as cache_key takes it)."""
     from normswap.loading import cache_dir
 
-    return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed)}"
+    return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed, text_digest)}"
 
 
 def train_tokenizer(text: str, vocab_size: int):
@@ -180,17 +184,17 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
 
 
 def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str,
-                      *, text: str | None = None, stop: StopFlag | None = None,
+                      *, text: str | None = None, text_digest: str | None = None, stop: StopFlag | None = None,
                       progress: bool = True) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
     and its info (steps, time, held-out perplexity, unigram baseline). eval_text: the held-out
     text's contents (read_text of data.eval, which the runner has read for its own evaluations: it
     was read again here). text: section.text's contents (read_text) when the caller has read them
     already (the runner, for its check before the run): a large text is seconds a read; None reads
-    them if the pretraining runs."""
+    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it."""
     from normswap.checkpoint import target_lock
 
-    final = pretrain_dir(section, seed, name)
+    final = pretrain_dir(section, seed, name, text_digest)
     if (final / INFO_FILE).is_file():
         return final, _read_info(final)
     lock = contextlib.nullcontext()
