@@ -440,6 +440,36 @@ def test_every_arm_runs_and_reports(every_arm):
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
 
 
+def test_a_report_file_that_is_a_link_is_written_through_it(every_arm, tmp_path):
+    """The reports were renamed into place by hand (a fixed temporary name each), which replaced a
+    link in OUT (summary.md linked into a notes folder, curves.png into a web folder) with a regular
+    file. They are written as every normswap output file is (fileio.replaced_atomically): through
+    the link, which stays, to the file it leads to; a link to nothing is refused, as every writer
+    refuses it, and left as it was."""
+    from normswap.errors import BadInputError
+    from normswap.experiment import report
+
+    out, notes = tmp_path / "out", tmp_path / "notes"
+    out.mkdir()
+    notes.mkdir()
+    for name in ("summary.md", "curves.png"):
+        (notes / name).write_bytes(b"earlier")
+        (out / name).symlink_to(Path("..") / "notes" / name)
+    files = report.write_reports(every_arm.data, out)
+    assert set(files) == {"results.json", "results.csv", "summary.md", "curves.png"}
+    assert all((out / name).is_symlink() for name in ("summary.md", "curves.png"))
+    assert (notes / "summary.md").read_text(encoding="utf-8") == (every_arm.out / "summary.md").read_text(encoding="utf-8")
+    assert (notes / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in notes.iterdir()) == ["curves.png", "summary.md"]  # no temporary left
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "results.csv", "results.json", "summary.md"]
+    (out / "results.csv").unlink()
+    (out / "results.csv").symlink_to(tmp_path / "nowhere" / "results.csv")
+    with pytest.raises(BadInputError, match=f"^cannot write to {re.escape(str(out / 'results.csv'))}: .* is a link "
+                                            "to nothing$"):
+        report.write_reports(every_arm.data, out)
+    assert (out / "results.csv").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_exact_starts_at_the_original_and_approx_does_not(every_arm):
     arms = every_arm.data["arms"]
     original = arms["original"]["evals"][0]["ppl"]

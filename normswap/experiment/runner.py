@@ -537,10 +537,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                 result["num_processes"] = accelerator.num_processes
             if evaluate.window:
                 result["eval_window"] = evaluate.window
-            tmp = arm_dir / (RESULT_FILE + ".tmp")
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(finite_or_null(result)))
-            tmp.replace(done)
+            write_text_atomic(done, json.dumps(finite_or_null(result)))
             shutil.rmtree(arm_dir / "state", ignore_errors=True)
             results[arm] = result
         accelerator.wait_for_everyone()
