@@ -630,7 +630,9 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
         # (_not_ignored_on_load: GPT-2's attention masks saved by an older transformers, old rotary
         # inv_freq and position_ids buffers) is not evidence against it: a Mixtral as its own
         # save_pretrained writes it, or an old Llama's inv_freq, was built as the base model and
-        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it.
+        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it. Nor is a
+        # buffer no module reads (unused_tensors: a 2020-era GPT-2's attn.masked_bias); a head this
+        # class does not build is (BertForPreTraining's weights are no BertLMHeadModel's).
         holds = model.state_dict()
         loaded_name = _loaded_name(model, holds)
         unplaced: set[str] = set()
@@ -638,7 +640,8 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             name, _, fills = loaded_name(key)
             if name not in holds:
                 unplaced.update(fills or (key,))
-        if not _not_ignored_on_load(model, unplaced):
+        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref))
+        if not refused and (unused is None or not unused.not_built):
             return cls
     return None
 
