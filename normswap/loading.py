@@ -979,27 +979,34 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
             [f"{k} (checkpoint {list(a)}, config {list(b)})" for k, a, b in mismatched]))
+    sized = bool(mismatched)  # a shape or a layer count: the config of another size of this model
     if missing and (layers := _layers_past_the_stored(model, missing)):
         problems.append(layers)
+        sized = True
     elif missing:
         problems.append(f"{len(missing)} tensor(s) missing from the checkpoint: {first(missing)}")
     if unexpected and (layers := _layers_past_the_config(model, unexpected, missing)):
         problems.append(layers)
+        sized = True
     elif unexpected:
         problems.append(f"{len(unexpected)} tensor(s) the config has no place for: {first(unexpected)}")
     if info.get("error_msgs"):
         problems.append(one_line(info["error_msgs"][0]))
     if problems:
-        _weights_do_not_match(ref, problems, gguf)
+        _weights_do_not_match(ref, problems, gguf, sized)
     return unused
 
 
-def _weights_do_not_match(ref, problems: list[str], gguf: bool = False) -> None:
+def _weights_do_not_match(ref, problems: list[str], gguf: bool = False, sized: bool = True) -> None:
+    """sized: a problem is a shape or a layer count (the config of another size of the model);
+    else the weights hold or lack tensors the config does not give at any size (a norm bias under
+    an RMSNorm config, a bias the config turned off, another architecture's q_norm), which the
+    size hint sent the user looking for the wrong fault in."""
     if gguf:  # no config.json: the config is read from the file's metadata (block_count: num_hidden_layers)
         raise NormswapError(f"{ref}: its tensors do not match the model its own GGUF metadata describes "
                             f"({'; '.join(problems)}); is the file damaged or edited?")
-    raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
-                        "is the config from another model size?")
+    hint = "is the config from another model size?" if sized else "is the config from another model?"
+    raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------
