@@ -56,7 +56,8 @@ def convert_directory(
     conversion changes the stream those modules read, and its verification covers only the class
     it builds, so carried as they were they would compute something else, unverified, in a class
     that builds them. The buffers no module reads are carried as they are stored, as every name
-    transformers drops on load is (a model loaded whole, GGUF or pickled, saves none of them)."""
+    transformers drops on load is (a model loaded whole, GGUF or pickled, saves none of them). The
+    section's "dropped" names the source's tensors the output does not hold."""
     from normswap import loading
 
     out = Path(out_dir)
@@ -78,10 +79,10 @@ def convert_directory(
         if plan.untie is not None:
             reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
             _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
+        dropped = list(unused.not_built) if unused is not None else []
         infos = st.convert_files(
             source.path, out, plan, names, prefix=arch.prefix if arch else "",
-            out_dtype=policy, streaming=streaming, progress=progress,
-            dropped=unused.not_built if unused is not None else (),
+            out_dtype=policy, streaming=streaming, progress=progress, dropped=dropped,
         )
         record_infos(plan, infos)
         cfg = jsonsafe.read_or_refuse(source.path / "config.json", what="config.json")  # load_config read it: changed since?
@@ -103,8 +104,13 @@ def convert_directory(
         if dtype is not None:
             model.to(dtype)
         model.save_pretrained(out)
+        # what the load dropped (its own record: a GGUF's names are not checked before it): none is saved
+        dropped = [name for u in loading.unused_tensors_of(model) for name in (*u.not_built, *u.buffers)]
     carry_over(source, out, target=target)  # tokenizer, README, chat template, code: by patch --out's rule
-    section = build_manifest(plan, config, partial=partial, extra={"source": str(source.ref)})
+    # "dropped": the source's tensors the output does not hold, so that the folder itself says a head
+    # it was saved with is gone (the run's report alone said it, and was not kept)
+    section = build_manifest(plan, config, partial=partial,
+                             extra={"source": str(source.ref), "dropped": dropped})
     # Only a convert section: a patch section of the source (if any) was verified against the
     # unconverted weights and is not carried (see normswap.manifest).
     if manifest:

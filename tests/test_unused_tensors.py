@@ -184,6 +184,8 @@ def test_convert_of_a_model_saved_with_another_head_runs_verifies_and_leaves_the
     assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
     stored = set(load_file(out / "model.safetensors"))
     assert not any(k.startswith("multiple_choice_head.") for k in stored)
+    # the folder says it (the report was not kept): the manifest names what it does not hold
+    assert json.loads((out / "normswap.json").read_text())["convert"]["dropped"] == unused["not_built"]
     assert {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"} <= stored
     converted, info = _stock("GPT2LMHeadModel", out)
     assert info["unexpected_keys"] == {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"}
@@ -271,3 +273,24 @@ def test_a_layer_past_the_config_is_refused_beside_a_head_that_is_accepted(tmp_p
     assert str(e.value) == (f"{d}: the weights do not match config.json (num_hidden_layers is 2 there, but the weights "
                             "hold 3 layers: 16 tensor(s) of bert.encoder.layer.2 the config has no place for); is the "
                             "config from another model size?")
+
+
+def test_convert_of_pickled_weights_names_what_the_output_does_not_hold(tmp_path):
+    """Pickled weights are loaded whole and saved with transformers, which keeps neither the
+    legacy masked_bias buffers nor a head the class does not build: the manifest's "dropped" names
+    them (it said nothing: the folder gave no sign that it holds less than its source)."""
+    d = tmp_path / "gpt2"
+    _legacy_gpt2(d, pickled=True)
+    state = torch.load(d / "pytorch_model.bin", weights_only=True)
+    state["multiple_choice_head.summary.weight"] = torch.randn(1, 32)
+    state["multiple_choice_head.summary.bias"] = torch.randn(1)
+    torch.save(state, d / "pytorch_model.bin")
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), "--to", "rms", "--out", str(out)])
+    assert r.exit_code == 0, r.stderr
+    dropped = json.loads((out / "normswap.json").read_text())["convert"]["dropped"]
+    assert dropped == ["multiple_choice_head.summary.bias", "multiple_choice_head.summary.weight",
+                       "transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"]
+    from safetensors.torch import load_file
+
+    assert not set(dropped) & set(load_file(out / "model.safetensors"))
