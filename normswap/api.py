@@ -449,9 +449,10 @@ def _refuse_dropping_in_place(source, config):
         n = option_labels(PATCH_OPTIONS)
         names = unused.not_built
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise NormswapError(f"{n['in_place']} would remove {len(names)} stored tensor(s) of modules "
-                            f"{unused.model_class} does not build from {source.ref} ({shown}), which the class they "
-                            f"were saved with reads; write the patched model with "
+        # the class that reads them, where one class holds them all with the model's own tensors
+        reads = f"which {unused.saved_from} reads" if unused.saved_from else "which the class they were saved with reads"
+        raise NormswapError(f"{n['in_place']} would remove from {source.ref} {len(names)} stored tensor(s) of modules "
+                            f"{unused.model_class} does not build ({shown}), {reads}; write the patched model with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
     return meta
 
