@@ -2532,3 +2532,28 @@ def test_a_step_larger_than_the_machines_memory_is_refused_before_any_work(tmp_p
     assert not (tmp_path / "out").exists()
     with pytest.raises(trainer.NormswapError, match="^" + too_large):
         trainer.RandomWindows(torch.arange(500), 64, 1 << 22, 0).micro_batches(0, 0, 1, 1)
+
+
+def test_results_say_what_the_models_load_dropped(tmp_path, pretrained_dir):
+    """A model folder whose weights hold 2020-era GPT-2's attn.masked_bias (a buffer no module of
+    transformers 5 has, which the load drops): every other command's report said so, results.json
+    did not, though the arms were made from the model without it. It records the class and the
+    tensor names, the model named as results.json names it (no machine's path), and the command
+    says the note once."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "recipe" / "legacy"
+    shutil.copytree(pretrained_dir, model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    path = write_recipe(tmp_path / "recipe" / "model.toml", '[model]\npath = "legacy"\n', ["original"])
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["experiment", str(path), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    [unused] = json.loads((out / "results.json").read_text())["unused_tensors"]
+    assert (unused["class"], unused["not_built"], unused["buffers"]) == (
+        "GPT2LMHeadModel", [], ["transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"])
+    assert str(tmp_path) not in json.dumps(unused)
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("note:")] == [f"note: {unused['note']}"]
+    assert json.loads(r.stdout)["unused_tensors"] == [unused]

@@ -29,7 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -544,12 +544,20 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         del model
     data, files = {}, {}
     if accelerator.is_main_process:
+        from normswap.loading import unused_tensors_of
+
+        recipe_dir = Path(recipe.source).parent if recipe.source else None
         results = _with_earlier_arms(results, out, recipe)
         window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
         data = {
             "recipe": recipe.to_dict(),
             "fingerprint": recipe.fingerprint(digests),
             "model": model_path,
+            # what the model's load dropped that cannot change what it computes (a head it was saved
+            # with, an old masked_bias): said by every other command's report, and the arms were made
+            # without them. Named as the model path is (portable_path), no machine's path in the note.
+            "unused_tensors": [replace(u, model=portable_path(u.model, recipe_dir)).to_dict()
+                               for u in unused_tensors_of(original)],
             "pretrain": pretrain_info,
             "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
             "noise_floor": _floor_section(floor, ft.dtype),
@@ -560,7 +568,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                             "dtype": _dtype_name(ft.dtype)},
             "seconds_this_invocation": round(time.perf_counter() - started, 1),
         }
-        data = portable_result(data, Path(recipe.source).parent if recipe.source else None)
+        data = portable_result(data, recipe_dir)
         files = report.write_reports(data, out, plot=plot)
     accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
     return ExperimentResult(out=out, data=data, files=files, model_path=str(model_path))
