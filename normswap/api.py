@@ -441,18 +441,17 @@ def _refuse_dropping_in_place(source, config):
     loading.unused_tensors) would be gone from the user's only copy, though another class (the
     one they were saved with) reads them. Refused before the load, naming them. Returns the meta
     model it built, for the load (buffers no module reads are no loss: those are dropped)."""
-    from normswap.loading import build_meta_model, check_stored_tensors
+    from normswap.loading import build_meta_model, check_stored_tensors, first_names
 
     meta = build_meta_model(source, config)
     unused = check_stored_tensors(source, config, meta)
     if unused is not None and unused.not_built:
         n = option_labels(PATCH_OPTIONS)
         names = unused.not_built
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         # the class that reads them, where one class holds them all with the model's own tensors
         reads = f"which {unused.saved_from} reads" if unused.saved_from else "which the class they were saved with reads"
         raise NormswapError(f"{n['in_place']} would remove from {source.ref} {len(names)} stored tensor(s) of modules "
-                            f"{unused.model_class} does not build ({shown}), {reads}; write the patched model with "
+                            f"{unused.model_class} does not build ({first_names(names)}), {reads}; write the patched model with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
     return meta
 

@@ -969,7 +969,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
 
     def first(keys):
-        return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+        return first_names(keys, shown)
 
     problems = []
     missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
@@ -995,6 +995,12 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
     if problems:
         _weights_do_not_match(ref, problems, gguf, sized)
     return unused
+
+
+def first_names(names, shown: int = 3) -> str:
+    """'a, b, c and 2 more': the first `shown` of `names` for a one-line message."""
+    names = list(names)
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _weights_do_not_match(ref, problems: list[str], gguf: bool = False, sized: bool = True) -> None:
@@ -1046,7 +1052,7 @@ class UnusedTensors:
     def note(self, shown: int = 3) -> str:
         """One line for the user: what is not used, and why that changes nothing."""
         def first(names):
-            return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+            return first_names(names, shown)
 
         said = []
         if self.not_built:
