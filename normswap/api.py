@@ -378,6 +378,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     m = load_model(source, dtype=torch_dtype, device=device, config=config, meta=meta)
     del meta
     step(progress, "load", 1, 1)
+    if in_place:  # again from what the load dropped, before anything is written: the check before the
+        # load reads no names of sharded pickled weights (its index's are not what the load reads), and
+        # a BertForPreTraining's pooler and head stored so were gone from the folder after --in-place
+        _refuse_dropping(source, getattr(m, "normswap_unused_tensors", None))
 
     original = copy.deepcopy(m) if scoring else None
     if baseline is not None:  # no bar: a swap without the per-module proof takes no time
@@ -441,10 +445,18 @@ def _refuse_dropping_in_place(source, config):
     loading.unused_tensors) would be gone from the user's only copy, though another class (the
     one they were saved with) reads them. Refused before the load, naming them. Returns the meta
     model it built, for the load (buffers no module reads are no loss: those are dropped)."""
-    from normswap.loading import build_meta_model, check_stored_tensors, first_names
+    from normswap.loading import build_meta_model, check_stored_tensors
 
     meta = build_meta_model(source, config)
-    unused = check_stored_tensors(source, config, meta)
+    _refuse_dropping(source, check_stored_tensors(source, config, meta))
+    return meta
+
+
+def _refuse_dropping(source, unused) -> None:
+    """_refuse_dropping_in_place's refusal, given what a check of the stored tensors or the load
+    (loading.UnusedTensors, None) found."""
+    from normswap.loading import first_names
+
     if unused is not None and unused.not_built:
         n = option_labels(PATCH_OPTIONS)
         names = unused.not_built
@@ -453,7 +465,6 @@ def _refuse_dropping_in_place(source, config):
         raise NormswapError(f"{n['in_place']} would remove from {source.ref} {len(names)} stored tensor(s) of modules "
                             f"{unused.model_class} does not build ({first_names(names)}), {reads}; write the patched model with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
-    return meta
 
 
 def _check_writable(target: Path, folder: bool) -> None:

@@ -135,6 +135,33 @@ def test_patch_in_place_would_drop_a_head_and_is_refused(bert_base_layout, tmp_p
     assert sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) == before
 
 
+def test_patch_in_place_of_sharded_pickled_weights_that_would_drop_a_head_is_refused(bert_base_layout, tmp_path):
+    """The same layout as sharded pytorch_model-*.bin files with their index: the check before the
+    load reads no names of such weights, so --in-place loaded, patched and rewrote the folder as
+    one model.safetensors without the pooler and next-sentence head (only a note said they were
+    dropped). Refused from what the load dropped, before anything is written; the folder as it was."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / "bert"
+    shutil.copytree(bert_base_layout, d)
+    state = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    names = sorted(state)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: state[k] for k in part}, d / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir())
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--in-place"])
+    assert r.exit_code == 2, r.stderr
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    assert line.startswith(f"normswap: error: --in-place would remove from {d} 4 stored tensor(s) of modules "
+                           "BertForMaskedLM does not build (bert.pooler.dense.bias, "), line
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) == before
+
+
 @pytest.mark.parametrize("pickled", [True, False], ids=["pickled", "safetensors"])
 def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickled):
     """2020-era GPT-2 fine-tunes hold each attention's attn.bias (the causal mask: GPT-2's class
