@@ -157,7 +157,9 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
-    batch = probe_batch(config, ProbeConfig(batch=2, seq_len=32)) if batch is None else batch
+    if batch is None:
+        meta = loading.build_meta_model(source, config) if meta is None else meta
+        batch = probe_batch(meta, ProbeConfig(batch=2, seq_len=32))
     original = loading.load_model(source, dtype=run_dtype, config=config, meta=meta)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
     ref = model_output(original, batch, raw=True)[1]
@@ -178,7 +180,8 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
     # it is held to the same gate as the stock reload.
     tol_rms = tol
-    result = {"probe": list(batch["input_ids"].shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+    # "probe": the main input's shape (ids, an image, a spectrogram, a waveform)
+    result = {"probe": list(next(iter(batch.values())).shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
               "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
