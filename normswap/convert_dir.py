@@ -65,9 +65,15 @@ def convert_directory(
     has_safetensors = source.gguf_file is None and (
         (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()
     )
+    names = list(meta.state_dict().keys())
+    arch = load_arch(plan.model_type)
+    if has_safetensors and not _stored_by_name(source, plan, names, arch.prefix if arch else ""):
+        # transformers renames this checkpoint's tensors when it loads them (ViT's stored
+        # encoder.layer.0.output.dense is the model's layers.0.mlp.fc2): the shard-by-shard path
+        # reads tensors by the model's names, so convert in memory and let transformers save
+        # them under the stored names again.
+        has_safetensors = False
     if has_safetensors:
-        names = list(meta.state_dict().keys())
-        arch = load_arch(plan.model_type)
         if plan.untie is not None:
             reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
             _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
@@ -102,6 +108,12 @@ def convert_directory(
     if manifest:
         write_manifest(out, new_manifest(convert=section, carried_folders=carried_record(out, real_folders(out))))
     return section
+
+
+def _stored_by_name(source, plan, names: list[str], prefix: str) -> bool:
+    """Every tensor the plan reads is stored under the model's own name (or the bare base model's)."""
+    reader = st.CheckpointReader(source.path, names, prefix=prefix)
+    return all(n in reader.raw or plan.aliases.get(n) in reader.raw for job in plan.jobs for n in job.inputs)
 
 
 def _refuse_a_head_stored_apart(source, untie: tuple[str, str], read) -> None:

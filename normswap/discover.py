@@ -31,6 +31,7 @@ into jobs, and normswap/archs/*.toml can override it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -70,6 +71,11 @@ _PASS = {"clone", "alias", "detach", "_to_copy", "lift_fresh", "contiguous", "dr
 # hidden dimension whole and last (_splits_rows) makes pieces of rows: each is read as the value
 # is (ProphetNet chunks its stream by position before its relative-position projection).
 _SPLIT = {"split", "split_with_sizes", "unbind"}
+# Operations that move a dimension without touching values: followed back from a value whose last
+# (hidden) dimension was another one's before (a patch embedding's channels, flattened and
+# transposed to the last place), to the convolution whose output channels it was.
+_MOVE = {"transpose", "permute", "view", "_unsafe_view", "reshape", "alias", "clone", "contiguous",
+         "detach", "_to_copy"}
 _ADD = {"add", "sub", "add_", "sub_"}
 _SCALE = {"mul", "div", "mul_", "div_"}
 # Operations that look at a tensor's shape, dtype or device only, never its values.
@@ -470,7 +476,8 @@ class _Analysis:
             mod = modules.get(path)
             if mod is None or not calls:
                 continue
-            if fold_orientation(mod) is not None or path in paths or isinstance(mod, nn.Embedding):
+            if fold_orientation(mod) is not None or path in paths or isinstance(mod, nn.Embedding) \
+                    or _centerable_conv(mod):
                 for c in calls:
                     for k in c.outs[:1]:
                         self.out_of.setdefault(k, path)
@@ -591,12 +598,62 @@ class _Analysis:
                 return self.terms(b, hidden, visited, adds)
             return [Term("other", f"a multiplicative term ({n.op} of two hidden-size values in "
                                   f"{n.module or '<model>'})", key)]
+        if self._cat_rows(n) is not None:  # rows gathered from pieces: each row's terms are its piece's
+            out = []
+            for piece in self._cat_rows(n):
+                out += self.terms(piece, hidden, visited, adds)
+            return out
+        if n.op in _MOVE:
+            conv = self._conv_channels(key, hidden)
+            if conv is not None:
+                return [Term("writer", conv, key, fold.LINEAR)]
         if n.op == "embedding" and n.ins and n.ins[0] in self.tr.params:
             table = self.tr.params[n.ins[0]][0]
             mod = table.rsplit(".", 1)[0]
             if isinstance(self.modules.get(mod), nn.Embedding) and table.endswith(".weight"):
                 return [Term("embedding", mod, key)]
         return [Term("other", f"{n.op} in {n.module or '<model>'}", key)]
+
+    def _cat_rows(self, n: _Node) -> list | None:
+        """The pieces of a torch.cat across a dimension other than the last (every output row is
+        one piece's row), or None for any other node."""
+        if n.op != "cat" or not n.ins or not isinstance(n.ins[0], list) or not n.shapes_out:
+            return None
+        out = n.shapes_out[0]
+        dim = n.kw.get("dim", n.ins[1] if len(n.ins) > 1 else 0)
+        pieces = n.ins[0]
+        if not out or not isinstance(dim, int) or dim % len(out) == len(out) - 1 or not all(_is_key(k) for k in pieces):
+            return None
+        shapes = [self.shape(k) or self._param_shape(k) for k in pieces]
+        return pieces if all(s is not None and len(s) == len(out) and s[-1] == out[-1] for s in shapes) else None
+
+    def _conv_channels(self, key, hidden: int) -> str | None:
+        """The convolution whose output channels are `key`'s last dimension, moved there by views,
+        transposes and permutes only, with nothing else reading the values on the way (a patch
+        embedding: conv, flatten, transpose); None when there is none. Its output rows center as a
+        Linear's do (every channel is a weighted sum of the same inputs plus a bias)."""
+        shape = self.shape(key)
+        if not shape or shape[-1] != hidden:
+            return None
+        dim = len(shape) - 1
+        first = True
+        while True:
+            path = self.out_of.get(key)
+            if path is not None and _centerable_conv(self.modules[path]):
+                return path if dim == 1 and self.modules[path].out_channels == hidden else None
+            i = self.tr.producer.get(key)
+            if i is None:
+                return None
+            n = self.nodes[i]
+            if n.op not in _MOVE or not n.ins or not _is_key(n.ins[0]) or not n.shapes_in or not n.shapes_out:
+                return None
+            if not first and len(self.tr.users.get(key, ())) != 1:
+                return None  # the moved value is read elsewhere too: centering would change that reader
+            first = False
+            dim = _dim_before(n, dim)
+            if dim is None:
+                return None
+            key = n.ins[0]
 
     def _param_shape(self, key):
         names = self.tr.params.get(key)
@@ -623,6 +680,9 @@ class _Analysis:
                     continue
                 if n.ins and n.ins[0] == k and self._splits_rows(n):
                     todo += n.outs  # every piece
+                    continue
+                if k in (self._cat_rows(n) or ()):
+                    todo += n.outs[:1]  # rows of the gathered value
                     continue
                 if self.pass_input(n) == k or through_adds and (n.op in _ADD and k in n.ins[:2]) or through_adds and (
                         n.op in _SCALE and n.ins and n.ins[0] == k
@@ -935,6 +995,30 @@ def fold_orientation(mod: nn.Module | None) -> str | None:
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
         return fold.CONV1D
     return None
+
+
+def _centerable_conv(mod: nn.Module) -> bool:
+    """A convolution whose every output channel reads every input channel (groups 1): its output
+    rows over the channels center as a Linear's."""
+    return isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.groups == 1
+
+
+def _dim_before(n: _Node, dim: int) -> int | None:
+    """The dimension of node n's input that its output's dimension `dim` was (n moves dimensions
+    only: transpose, permute, a view keeping that dimension whole), or None."""
+    src, out = list(n.shapes_in[0]), list(n.shapes_out[0])
+    if n.op == "transpose":
+        a, b = (d % len(out) for d in n.ins[1:3])
+        return b if dim == a else a if dim == b else dim
+    if n.op == "permute":
+        return n.ins[1][dim] % len(src)
+    if n.op in ("view", "_unsafe_view", "reshape"):
+        before = math.prod(out[:dim])
+        for j, size in enumerate(src):
+            if size == out[dim] and math.prod(src[:j]) == before:
+                return j
+        return None
+    return dim if src == out else None
 
 
 def _in_features(mod: nn.Module) -> int | None:

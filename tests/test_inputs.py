@@ -147,7 +147,49 @@ def test_scan_lists_a_vision_models_readers(tmp_path):
     assert rows["layers.0.layernorm_before"]["readers"] == [
         "layers.0.attention.q_proj", "layers.0.attention.k_proj", "layers.0.attention.v_proj"]
     assert rows["layernorm"]["readers"] == ["<output>", "pooler.dense"]
-    assert all(r["to_rms"]["category"] != "untraced" for r in rows.values()), rows
+    assert all(r["to_rms"]["converts"] for r in rows.values()), rows
+
+
+def _vit_outputs(path, pixels):
+    from transformers import ViTModel
+
+    with torch.no_grad():
+        out = ViTModel.from_pretrained(path, dtype=torch.float64).eval()(pixel_values=pixels)
+    return torch.cat([out.last_hidden_state.reshape(-1), out.pooler_output.reshape(-1)])
+
+
+def test_convert_a_vision_model_exactly(tmp_path):
+    """ViT's stream is its patch convolution's channels, a class token and position embeddings:
+    every LayerNorm converts, the stock reload gives the original's float64 outputs on random
+    images, and the patched RMS path was verified on an image probe."""
+    path = _save(_vit(device="cpu").double(), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verification"]["probe"] == [2, 3, 32, 32] and doc["verification"]["passed"]
+    assert all(n["rms"] for n in doc["norms"])
+    pixels = torch.randn((3, 3, 32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ref, got = _vit_outputs(path, pixels), _vit_outputs(str(out), pixels)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-12
+
+
+def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
+    """A conversion that forgets to center the patch convolution is caught by the verification's
+    zero-mean check on an image probe: exit 2, nothing written."""
+    from normswap import fold
+
+    real = fold.center_writer
+
+    def forgets_convolutions(weight, bias, orientation):
+        return (weight, bias) if weight.dim() == 4 else real(weight, bias, orientation)
+
+    monkeypatch.setattr(fold, "center_writer", forgets_convolutions)
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2 and "not zero-mean" in result.output, result.output
+    assert not out.exists()
 
 
 def test_convert_a_text_and_image_model_verified_on_both(tmp_path):
