@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -223,3 +224,18 @@ def test_patch_checks_a_vision_model_whole(tmp_path):
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["model_check"]
     assert check["kind"] == "last_hidden_state" and check["passed"]
+
+
+@pytest.mark.parametrize("argv", [["ppl", "{m}", "--data", "{t}"], ["diff", "{m}", "{m}", "--data", "{t}"],
+                                  ["patch", "{m}", "--impl", "torch", "--out", "{o}", "--eval", "{t}"]])
+def test_scoring_a_model_without_a_text_head_is_one_line(tmp_path, argv):
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    text = tmp_path / "t.txt"
+    text.write_text("some words to score " * 20)
+    args = [a.format(m=path, t=text, o=tmp_path / "out") for a in argv]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1] == ("normswap: error: ViTModel has no language-model head (no logits to score; it reads "
+                         "pixel_values, not token ids); perplexity needs a causal language model"), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
