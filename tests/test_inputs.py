@@ -239,3 +239,23 @@ def test_scoring_a_model_without_a_text_head_is_one_line(tmp_path, argv):
     assert lines[-1] == ("normswap: error: ViTModel has no language-model head (no logits to score; it reads "
                          "pixel_values, not token ids); perplexity needs a causal language model"), result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_converted_norm_the_probe_never_runs_fails_the_zero_mean_check():
+    """A converted norm that the probe batch never reaches (a tower that only its get_<x>_features
+    method runs) was measured by nothing: the check used to pass it (no ratio, no failure)."""
+    from normswap.convert import check_zero_mean, convert_model
+    from normswap.errors import NormswapError
+
+    model = _vit(device="cpu").double()
+    randomize_norms_and_biases(model, 0)
+    manifest = convert_model(model, check=False)
+    batch = probe_batch(model)
+    assert check_zero_mean(model, manifest, batch)["passed"]
+    skipped = model.get_submodule("layers.1")
+    skipped.forward = lambda hidden_states, *a, **kw: hidden_states  # the probe never reaches its norms
+    result = check_zero_mean(model, manifest, batch, raise_on_failure=False)
+    assert not result["passed"] and result["unmeasured"] == [
+        "layers.1.layernorm_before", "layers.1.layernorm_after"], result
+    with pytest.raises(NormswapError, match="never ran layers.1.layernorm_before"):
+        check_zero_mean(model, manifest, batch)
