@@ -259,3 +259,25 @@ def test_a_converted_norm_the_probe_never_runs_fails_the_zero_mean_check():
         "layers.1.layernorm_before", "layers.1.layernorm_after"], result
     with pytest.raises(NormswapError, match="never ran layers.1.layernorm_before"):
         check_zero_mean(model, manifest, batch)
+
+
+def test_a_patch_convolution_read_elsewhere_too_is_not_centered():
+    """A patch convolution whose output something else also reads (here the pooler, across its
+    channels): centering it would change that reader, which the stream checks never follow. It
+    used to count as a writer, and the conversion moved the pooler output by ~0.3."""
+    import types
+
+    model = _vit(device="cpu").double()
+    pe, pooler = model.embeddings.patch_embeddings, model.pooler
+    pooler_forward = type(pooler).forward
+
+    def patches(self, pixel_values, interpolate_pos_encoding=False):
+        x = self.projection(pixel_values)
+        self.side = x.amax(dim=1)
+        return x.flatten(2).transpose(1, 2)
+
+    pe.forward = types.MethodType(patches, pe)
+    pooler.forward = types.MethodType(lambda self, h: pooler_forward(self, h) + pe.side.flatten(1).sum(-1, keepdim=True),
+                                      pooler)
+    d = discover(model)
+    assert d.writers == [] and all(f.category == "uncenterable-term" for f in d.norms.values()), d.norms
