@@ -216,6 +216,10 @@ def curves_figure(result: dict):
     return fig
 
 
+# The files write_reports writes into OUT (curves.png only with plot and matplotlib).
+REPORT_FILES = ("results.json", "results.csv", "summary.md", "curves.png")
+
+
 def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:
     """Write the four report files, each atomically as every normswap output file is
     (fileio.replaced_atomically: a link in their place is written through)."""
