@@ -72,6 +72,8 @@ def replaced_atomically(path: str | os.PathLike, mode: str = "w") -> Iterator[IO
     if path.is_symlink() and not path.exists():  # (one on the way: made_folders says it)
         raise cannot_write(path, f"{path} is a link to nothing")
     target = written_at(path)
+    if target.is_dir():  # the rename's own refusal named the temporary file: "Is a directory: '.f.x.tmp' -> 'f'"
+        raise cannot_write(path, "it is a folder")
     if why := _not_replaceable(target):
         raise cannot_write(path, why)
     with made_folders(target.parent):

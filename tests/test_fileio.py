@@ -94,11 +94,14 @@ def test_a_write_to_a_link_goes_through_it_to_the_file(tmp_path, seed):
     for name, why in (("dangling", f"{dangling} is a link to nothing"), ("to-folder", "it is a folder"),
                       ("to-pipe", "it is not a regular file (a pipe, socket or device); refusing to replace it")):
         assert unwritable(links / name) == why
-        if name != "to-folder":  # (the rename over a folder is the system's refusal)
-            with pytest.raises(BadInputError) as refused:
-                write_text_atomic(links / name, text)
-            assert str(refused.value) == f"cannot write to {links / name}: {why}"
+        with pytest.raises(BadInputError) as refused:
+            write_text_atomic(links / name, text)
+        assert str(refused.value) == f"cannot write to {links / name}: {why}"
         assert (links / name).is_symlink()
+    # a folder itself, as through a link: the rename's own refusal named the temporary file
+    with pytest.raises(BadInputError) as refused:
+        write_text_atomic(results, text)
+    assert str(refused.value) == f"cannot write to {results}: it is a folder"
     assert not (tmp_path / "nowhere").exists() and stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in results.iterdir()) == sorted([target.name, "pipe"])
 
