@@ -133,6 +133,44 @@ def test_a_link_is_written_through_only_where_its_file_can_be_replaced():
         shutil.rmtree(base)
 
 
+def test_a_link_into_a_folder_this_user_may_not_enter_is_a_reason_not_an_error():
+    """A link (bench --out latest.json) to a file in another user's 0700 folder: unwritable, whose
+    answer is a reason, raised PermissionError (the link's exists() asked through it), and so did
+    the write. Both say the folder that cannot be entered, as for a path that goes through it
+    itself; the link is left as it was."""
+    import shutil
+
+    from normswap.errors import BadInputError
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        links, locked = base / "links", base / "locked"
+        links.mkdir()
+        links.chmod(0o777)
+        locked.mkdir()
+        (locked / "r.json").write_text("{}")
+        (locked / "r.json").chmod(0o666)
+        locked.chmod(0o700)
+        link = links / "latest.json"
+        link.symlink_to(locked / "r.json")
+        why = f"{locked} cannot be entered (Permission denied)"
+        assert _as_a_user_the_bits_bind(lambda: unwritable(link)) == why
+
+        def write():
+            try:
+                write_text_atomic(link, "[]")
+            except BadInputError as e:
+                return str(e)
+
+        assert _as_a_user_the_bits_bind(write) == f"cannot write to {link}: {why}"
+        assert link.is_symlink() and (locked / "r.json").read_text() == "{}"
+        assert sorted(p.name for p in links.iterdir()) == ["latest.json"]
+    finally:
+        (base / "locked").chmod(0o755)
+        shutil.rmtree(base)
+
+
 def test_a_link_to_nothing_on_the_way_is_not_a_folder_to_write_in(tmp_path):
     """exists() calls a dangling link absent, but its name is taken: the folders below it cannot be
     made, so the write would fail after the work (write_text_atomic's mkdir finds the name taken)."""
