@@ -507,6 +507,42 @@ def test_a_report_link_that_cannot_be_written_through_is_refused_before_the_run(
     assert not (out / "results.json").exists()
 
 
+def test_an_arm_record_linked_into_a_folder_one_may_not_enter_is_refused_first():
+    """An unfinished arm's result.json in OUT, a link into another user's 0700 folder: the check of
+    OUT's links asked is_file() of it, which raised PermissionError where the run is to say the
+    folder in one line, before anything runs."""
+    import tempfile
+
+    from normswap.errors import BadInputError
+    from normswap.experiment import runner
+    from tests.test_fileio import _as_a_user_the_bits_bind
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        out, locked = base / "out", base / "locked"
+        (out / "arms" / "exact").mkdir(parents=True)
+        for d in (out, out / "arms", out / "arms" / "exact"):
+            d.chmod(0o755)
+        (out / "recipe.json").write_text(json.dumps({"fingerprint": "f"}))
+        (out / "recipe.json").chmod(0o644)
+        locked.mkdir(mode=0o700)
+        locked.chmod(0o700)
+        link = out / "arms" / "exact" / "result.json"
+        link.symlink_to(locked / "result.json")
+
+        def said():
+            try:
+                runner._check_out(out, "f", ["exact"])
+            except BadInputError as e:
+                return str(e)
+            return "passed"
+
+        assert _as_a_user_the_bits_bind(said) == f"cannot write to {link}: {locked} cannot be entered (Permission denied)"
+    finally:
+        shutil.rmtree(base)
+
+
 def test_exact_starts_at_the_original_and_approx_does_not(every_arm):
     arms = every_arm.data["arms"]
     original = arms["original"]["evals"][0]["ppl"]

@@ -170,9 +170,9 @@ def _check_out(out: Path, fingerprint: str, arms: list[str]) -> None:
     # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
     # write failed the write: after the pretraining and every arm for a report, after the arm for its
     # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
-    # arm's record is read, not written).
+    # arm's record is read, not written; isfile: False, not PermissionError, behind a folder one may not enter).
     unfinished = (out / "arms" / arm / RESULT_FILE for arm in arms)
-    for path in (*(out / name for name in report.REPORT_FILES), *(p for p in unfinished if not p.is_file())):
+    for path in (*(out / name for name in report.REPORT_FILES), *(p for p in unfinished if not os.path.isfile(p))):
         if path.is_symlink() and (why := unwritable(path)):
             raise cannot_write(path, why)
 
