@@ -146,8 +146,8 @@ def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple
     per_channel = setting(config, "input_feat_per_channel")
     if isinstance(per_channel, int):
         return (batch, frames, per_channel * (setting(config, "input_channels") or 1))
-    size = setting(config, "feature_projection_input_dim", "feature_size", "num_mel_bins")
-    return (batch, frames, size if isinstance(size, int) else 80)
+    size = setting(config, "feature_projection_input_dim", "feature_size")
+    return (batch, frames, size if isinstance(size, int) else 80)  # 80: the usual speech front end's mel bins
 
 
 def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, *, batch: int = 1,
