@@ -742,11 +742,14 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
     Pickled weights (pytorch_model.bin) are checked for missing and unplaced tensors only, from
     their names (_weight_names): their dtypes and shapes are only known once loaded. Quantised
     checkpoints (a quantization_config: packed integer weights, scales, names of their own) are
-    checked for whole layers only (_quantised_layers). Not checked: GGUF files (the config is the
-    file's own metadata; transformers de-quantises every tensor before it names them)."""
+    checked for whole layers only (_quantised_layers). GGUF files, whose config is their own
+    metadata, are checked for whole blocks only (_gguf_block_problems): transformers de-quantises
+    every tensor before it names them."""
     from normswap import streaming as st
 
     if source.gguf_file:
+        if problems := _gguf_block_problems(source.path / source.gguf_file):
+            _weights_do_not_match(source.ref, problems, gguf=True)
         return
     quantised = getattr(config, "quantization_config", None) is not None
     if (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file():
@@ -802,6 +805,65 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
             mismatched.append((name, shape, list(tensor.shape)))
     check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
                               "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+
+
+# A GGUF tensor of a block: blk.N.attn_q.weight (llama.cpp's names), enc.blk.N... and dec.blk.N...
+# (T5's encoder and decoder); group 1 names the list of blocks, group 2 the block.
+_GGUF_BLOCK = re.compile(r"(\w+\.)?blk\.(\d+)\.")
+
+
+def _gguf_block_problems(path: Path) -> list[str]:
+    """What a GGUF's tensor names say against its own {arch}.block_count, which transformers
+    builds the model's layers from (num_hidden_layers, GPT-2's n_layer, T5's num_layers): blocks
+    past the count, which the load dropped without a word (transformers maps the file's tensors
+    through a table of the count's blocks and skips every name it lacks), so normswap patched,
+    scored and saved a model cut short; and a count past the blocks held, which the load refused
+    only once it had de-quantised the file and allocated every layer. A gap in the blocks, or a
+    file without the key, is left to the load. Read with the gguf package's reader, as
+    transformers reads the file; one that cannot be read is the load's to say."""
+    try:
+        key, count, held = _gguf_blocks(path, *_stat_key(path))
+    except Exception:  # noqa: BLE001  (a file the reader cannot read: the load names it)
+        return []
+    if not isinstance(count, int):
+        return []
+    problems = []
+    for under, blocks in sorted(held.items()):
+        stored = max(blocks) + 1
+        if stored > count:
+            past = sum(n for i, n in blocks.items() if i >= count)
+            problems.append(f"{key} is {count} there, but the file holds {_layers(len(blocks), 'block')}: {past} tensor(s) of "
+                            f"{_layer_range(under, count, stored)}, which the load would drop without a word")
+        elif stored < count and set(blocks) == set(range(stored)):
+            problems.append(f"{key} is {count} there, but the file holds {_layers(stored, 'block')}: "
+                            f"no tensor of {_layer_range(under, stored, count)}")
+    return problems
+
+
+def _stat_key(path: Path) -> tuple:
+    """What tells one version of a file from another, as a cache key: a file replaced or edited in
+    place between two reads is read again."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[int, int]]]:
+    """(the metadata key of the block count, its value or None, {"blk." / "enc.blk." / ...: {block:
+    its tensor count}}). Once per file version: the reader parses the whole metadata (1.5 s for
+    SmolLM2-135M, mostly its tokenizer), and a conversion loads its source twice."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(path)
+    key = f"{read_field(reader, 'general.architecture')[0]}.block_count"
+    count = read_field(reader, key)
+    held: dict[str, dict[int, int]] = {}
+    for tensor in reader.tensors:
+        if m := _GGUF_BLOCK.match(tensor.name):
+            blocks = held.setdefault(f"{m[1] or ''}blk.", {})
+            blocks[int(m[2])] = blocks.get(int(m[2]), 0) + 1
+    return key, count[0] if len(count) == 1 and isinstance(count[0], int) else None, held
 
 
 def _load_order():
@@ -1052,8 +1114,8 @@ def _layer_index(name: str, under: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _layers(count: int) -> str:
-    return f"{count} layer{'s' * (count > 1)}"
+def _layers(count: int, noun: str = "layer") -> str:
+    return f"{count} {noun}{'s' * (count > 1)}"
 
 
 def _layers_past_the_stored(model, missing: list[str]) -> str | None:

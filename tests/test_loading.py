@@ -500,19 +500,66 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
 
 
-def test_a_gguf_whose_metadata_counts_more_blocks_than_it_holds_names_the_file_not_a_config_json(tmp_path):
-    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers): no config.json
-    can disagree with it, so it is not checked before the load (reading the tensor names means
-    parsing the whole metadata again, seconds on a real file). A damaged file whose block_count
-    exceeds its blocks is refused by the load; it said 'the weights do not match config.json ...
-    is the config from another model size?' of a file with no config.json."""
-    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=2, block_count=4))
+def _no_load(monkeypatch):
+    """Make any weight load fail the test: a refusal must come before transformers reads a tensor."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr(loading, "from_pretrained_checked", refuse)
+
+
+@pytest.mark.parametrize("layers, block_count, says", [
+    # more blocks than the metadata counts: transformers maps the tensors through a table of the
+    # count's blocks and dropped the others without a word; the model loaded cut short
+    (4, 2, "llama.block_count is 2 there, but the file holds 4 blocks: 18 tensor(s) of blk.2 to blk.3, which the "
+           "load would drop without a word"),
+    (3, 2, "llama.block_count is 2 there, but the file holds 3 blocks: 9 tensor(s) of blk.2, which the load would "
+           "drop without a word"),
+    # fewer: refused only once the load had de-quantised the file and allocated every layer
+    (2, 4, "llama.block_count is 4 there, but the file holds 2 blocks: no tensor of blk.2 to blk.3"),
+    (2, 2000, "llama.block_count is 2000 there, but the file holds 2 blocks: no tensor of blk.2 to blk.1999"),
+])
+def test_a_gguf_whose_block_count_disagrees_with_its_blocks_is_refused_before_the_load(
+        tmp_path, monkeypatch, layers, block_count, says):
+    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers), so no
+    config.json can disagree with it; its tensors can. Refused from the tensor names alone, before
+    the load, naming the metadata key and the blocks, and not as 'the weights do not match
+    config.json' of a file that has none."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=layers, block_count=block_count))
+    _no_load(monkeypatch)
     with pytest.raises(NormswapError) as e:
         loading.load_model(src)
     assert _one_line(e) == (f"{src.ref}: its tensors do not match the model its own GGUF metadata describes "
-                            "(num_hidden_layers is 4 there, but the weights hold 2 layers: 18 tensor(s) of "
-                            "model.layers.2 to model.layers.3 missing from the checkpoint); is the file damaged or "
-                            "edited?")
+                            f"({says}); is the file damaged or edited?")
+
+
+def test_an_encoder_decoders_gguf_blocks_are_counted_per_stack(tmp_path):
+    """T5's GGUF holds two lists of blocks (enc.blk.N, dec.blk.N), each as long as block_count
+    (transformers builds the decoder as deep as the encoder): each is counted on its own, and the
+    one that disagrees is named."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+
+    w = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
+    w.add_block_count(2)
+    for name in ("enc.blk.0.attn_q", "enc.blk.1.attn_q", "dec.blk.0.attn_q", "dec.blk.1.attn_q", "dec.blk.2.attn_q",
+                 "dec.blk.2.attn_k"):
+        w.add_tensor(f"{name}.weight", np.zeros((2, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert loading._gguf_block_problems(tmp_path / "t5.gguf") == [
+        "t5.block_count is 2 there, but the file holds 3 blocks: 2 tensor(s) of dec.blk.2, which the load would drop "
+        "without a word"]
+
+
+def test_a_gguf_whose_blocks_match_its_block_count_loads_every_block(tmp_path):
+    """The check refuses only a disagreement: the file's own blocks all load, none dropped."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=3))
+    model = loading.load_model(src)
+    assert len(model.model.layers) == 3
+    assert loading._gguf_block_problems(tmp_path / "tiny.gguf") == []
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
