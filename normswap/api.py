@@ -154,10 +154,12 @@ class CheckpointPerplexity:
     # None: the model's own modules.
     impl: str | None = None
     device: str = field(kw_only=True)  # where it ran: loading.device_label's name, as PatchResult's
+    # what its load dropped that cannot change what it computes (loading.unused_tensors)
+    unused_tensors: list = field(default_factory=list, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "impl": self.impl, "data": self.data, "dtype": self.dtype,
-                "device": self.device, **self.result.to_dict()}
+                "device": self.device, **self.result.to_dict(), **_unused_dict(self.unused_tensors)}
 
 
 @dataclass(frozen=True)
@@ -174,10 +176,12 @@ class CheckpointDiff:
     impl_a: str | None = None
     impl_b: str | None = None
     device: str = field(kw_only=True)  # where both ran (CheckpointPerplexity's)
+    unused_tensors: list = field(default_factory=list, kw_only=True)  # A's and B's (CheckpointPerplexity's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_a": self.model_a, "model_b": self.model_b, "impl_a": self.impl_a, "impl_b": self.impl_b,
-                "data": self.data, "dtype": self.dtype, "device": self.device, **self.result.to_dict()}
+                "data": self.data, "dtype": self.dtype, "device": self.device, **self.result.to_dict(),
+                **_unused_dict(self.unused_tensors)}
 
 
 @dataclass
@@ -189,11 +193,12 @@ class PatchResult:
     report: PatchReport
     saved_to: Path | None = None
     eval: CheckpointDiff | None = None
+    unused_tensors: list = field(default_factory=list)  # CheckpointPerplexity's: not in the output either
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, **self.report.to_dict(), "device": self.device,
                 "saved_to": str(self.saved_to) if self.saved_to else None,
-                "eval": self.eval.to_dict() if self.eval else None}
+                "eval": self.eval.to_dict() if self.eval else None, **_unused_dict(self.unused_tensors)}
 
 
 @dataclass
@@ -206,6 +211,8 @@ class ConvertResult:
     out: Path | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)  # for the user, not part of the report
+    # CheckpointPerplexity's; those of modules the class does not build are not written (convert_directory)
+    unused_tensors: list = field(default_factory=list)
 
     @property
     def saved_to(self) -> Path | None:
@@ -216,7 +223,7 @@ class ConvertResult:
         # "saved_to" as in patch's and bench's reports; "out", its older name here, stays for
         # scripts that read it.
         saved = str(self.out) if self.out else None
-        d = dict(self.section, model=self.model, saved_to=saved, out=saved)
+        d = dict(self.section, model=self.model, saved_to=saved, out=saved, **_unused_dict(self.unused_tensors))
         if self.error is not None:
             d["error"] = self.error
         return d
@@ -312,6 +319,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         load_model,
         parse_device,
         resolve,
+        unused_tensors_of,
     )
     from normswap.manifest import read_manifest_if_any, rms_forms
     from normswap.swap import patch, regex_filter
@@ -347,8 +355,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     # compares with and what the save keeps all come from this one reading.
     manifest = None if source.gguf_file else read_manifest_if_any(source.path)
     converted = None if manifest is None else manifest.get("convert")
+    meta = None  # built here only for --in-place or a filter; else the load's check of the stored tensors builds it
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
+        meta = _refuse_dropping_in_place(source, config)
     elif out is not None:
         target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
@@ -359,9 +369,8 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
             held.enter_context(target_lock(target))
     scoring = _prepare_scoring(evaluation, source, [config], progress=progress) if evaluation is not None else None
     baseline = _eval_baseline(source, manifest) if scoring else None
-    meta = None  # built here only for a filter; else the load's check of the stored tensors builds it
     if filter_fn is not None:  # on the meta model: a filter that matches nothing fails before the (long) load
-        meta = build_meta_model(source, config)
+        meta = build_meta_model(source, config) if meta is None else meta
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
             raise NormswapError(f"{n['only']}/{n['exclude']} leave no recognised norm to patch in {model}")
 
@@ -379,9 +388,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         report = patch(m, impl, filter_fn=filter_fn, strict=strict, rms_forms=forms, fuse_residual=fuse_residual,
                        progress=progress)
     except VerificationError as e:
-        e.result = PatchResult(str(model), ran_on, e.report)
+        e.result = PatchResult(str(model), ran_on, e.report, unused_tensors=unused_tensors_of(m))
         raise
-    result = PatchResult(str(model), ran_on, report)
+    result = PatchResult(str(model), ran_on, report, unused_tensors=unused_tensors_of(m))
     if scoring:
         corpus, tokenizer = scoring
         reference = _float32_reference(source, config, m, device, noise_floor, progress)
@@ -424,6 +433,27 @@ def _refuse_lossy_in_place(source, config, dtype: torch.dtype | None) -> None:
         raise NormswapError(f"{n['in_place']} with {n['dtype']} would rewrite the {name} weights of {source.ref} as "
                             f"{str(dtype).removeprefix('torch.')}; save the conversion with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
+
+
+def _refuse_dropping_in_place(source, config):
+    """--in-place rewrites the model's own folder with what the class loads: stored tensors of
+    modules it does not build (bert-base's pooler and next-sentence head under BertForMaskedLM,
+    loading.unused_tensors) would be gone from the user's only copy, though another class (the
+    one they were saved with) reads them. Refused before the load, naming them. Returns the meta
+    model it built, for the load (buffers no module reads are no loss: those are dropped)."""
+    from normswap.loading import build_meta_model, check_stored_tensors
+
+    meta = build_meta_model(source, config)
+    unused = check_stored_tensors(source, config, meta)
+    if unused is not None and unused.not_built:
+        n = option_labels(PATCH_OPTIONS)
+        names = unused.not_built
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise NormswapError(f"{n['in_place']} would remove {len(names)} stored tensor(s) of modules "
+                            f"{unused.model_class} does not build from {source.ref} ({shown}), which the class they "
+                            f"were saved with reads; write the patched model with "
+                            f"{option_setting(n['out'], Metavar('DIR'))} instead")
+    return meta
 
 
 def _check_writable(target: Path, folder: bool) -> None:
@@ -476,13 +506,15 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
     source = resolve(model, progress=progress)
     config = load_config(source, progress)
     meta = build_meta_model(source, config)
-    check_stored_tensors(source, config, meta)  # before the streaming fold reads them as they are
+    unused = check_stored_tensors(source, config, meta)  # before the streaming fold reads them as they are
+    unused_tensors = [unused] if unused is not None else []
     plan = plan_conversion(meta, config, keep_gain=keep_gain)
     try:
         check_refusals(plan, partial)
     except NormswapError as e:
         report = build_manifest(plan, config, partial=partial)
-        raise ConversionRefused(str(e), ConvertResult(str(model), report, error=str(e))) from None
+        raise ConversionRefused(str(e), ConvertResult(str(model), report, error=str(e),
+                                                      unused_tensors=unused_tensors)) from None
     target = check_out_target(out, source, force, "converted", "write the conversion elsewhere")
     earlier = None if source.gguf_file else read_manifest_if_any(source.path)
     notes = []
@@ -495,12 +527,12 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,
-                                    planned=(meta, plan), target=target)
+                                    planned=(meta, plan), target=target, unused=unused)
         step(progress, "verify", 0, 1)
         section["verification"] = verify_conversion(source, tmp, section, config=config, meta=meta)
         step(progress, "verify", 1, 1)
         write_manifest(tmp, new_manifest(convert=section, carried_folders=carried_record(tmp, real_folders(tmp))))
-    return ConvertResult(str(model), section, out=target, notes=notes)
+    return ConvertResult(str(model), section, out=target, notes=notes, unused_tensors=unused_tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,7 +619,14 @@ def evaluate_checkpoint(model: str | os.PathLike, settings: EvalSettings, *, imp
 
 def _evaluate_checkpoint(model, settings, impl, dtype, device, progress) -> CheckpointPerplexity:
     from normswap.evaluate import perplexity
-    from normswap.loading import device_label, load_config, parse_device, recorded_patch, resolve
+    from normswap.loading import (
+        device_label,
+        load_config,
+        parse_device,
+        recorded_patch,
+        resolve,
+        unused_tensors_of,
+    )
 
     _require_settings("settings", settings)
     require_progress_fn(progress)
@@ -601,7 +640,8 @@ def _evaluate_checkpoint(model, settings, impl, dtype, device, progress) -> Chec
     loaded = _load_scored(source, parse_dtype(dtype), device, config, recorded, progress, (1, 1))
     result = perplexity(loaded, tokenizer, corpus, progress=progress or False, **settings.window_kwargs)
     return CheckpointPerplexity(str(model), str(settings.data), _dtype_name(loaded), result,
-                                impl=recorded["impl"] if recorded else None, device=device_label(device))
+                                impl=recorded["impl"] if recorded else None, device=device_label(device),
+                                unused_tensors=unused_tensors_of(loaded))
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *, settings: EvalSettings,
@@ -622,7 +662,14 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike | None = None, *
 def _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor, progress) -> CheckpointDiff:
     from normswap.backends import get_backend
     from normswap.evaluate import patched_copy
-    from normswap.loading import device_label, load_config, parse_device, recorded_patch, resolve
+    from normswap.loading import (
+        device_label,
+        load_config,
+        parse_device,
+        recorded_patch,
+        resolve,
+        unused_tensors_of,
+    )
 
     n = option_labels(DIFF_OPTIONS)  # as diff_checkpoints installed them
     if (b is None) == (patched is None):
@@ -662,7 +709,8 @@ def _diff_checkpoints(a, b, settings, patched, impl, dtype, device, noise_floor,
     name_b = str(b) if b is not None else f"{a} --patched {patched}"
     impl_b = patched if patched is not None else (recorded_b["impl"] if recorded_b else None)
     return CheckpointDiff(str(a), name_b, str(settings.data), _dtype_name(model_a), diff,
-                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b, device=device_label(device))
+                          impl_a=recorded_a["impl"] if recorded_a else None, impl_b=impl_b, device=device_label(device),
+                          unused_tensors=unused_tensors_of(model_a, *([model_b] if source_b is not None else [])))
 
 
 def _require_recorded(impl: str | None, models: list, recorded: dict | None) -> None:
@@ -738,6 +786,12 @@ def _diff(model_a, model_b, tokenizer, corpus, settings: EvalSettings, reference
 
     return diff_models(model_a, model_b, tokenizer, corpus, progress=progress or False, reference=reference,
                        **settings.window_kwargs)
+
+
+def _unused_dict(unused: list) -> dict[str, Any]:
+    """A report's "unused_tensors": per model loaded, what its load dropped that cannot change what it
+    computes (loading.UnusedTensors.to_dict(), with the note the command prints); [] when nothing."""
+    return {"unused_tensors": [u.to_dict() for u in unused]}
 
 
 def _model_dtype(model) -> torch.dtype:

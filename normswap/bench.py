@@ -83,13 +83,16 @@ class BenchResult:
     model_info: dict[str, Any]
     rows: list[BenchRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # what the load dropped that cannot change what the model computes (loading.UnusedTensors)
+    unused_tensors: list = field(default_factory=list)
     # fixed when the run starts: the results file and the --json document carry the same stamp
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "created": self.created,
                 "config": asdict(self.config), "device": self.device, "versions": self.versions,
-                "model": self.model_info, "notes": self.notes, "rows": [asdict(r) for r in self.rows]}
+                "model": self.model_info, "notes": self.notes, "rows": [asdict(r) for r in self.rows],
+                "unused_tensors": [u.to_dict() for u in self.unused_tensors]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +422,7 @@ def run_bench(cfg: BenchConfig, progress: ProgressFn | None = None,
 
 def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
     from normswap.backends import get_backend
-    from normswap.loading import parse_dtype
+    from normswap.loading import parse_dtype, unused_tensors_of
     from normswap.swap import patch, revert
 
     check_config(cfg)
@@ -446,7 +449,7 @@ def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
         "model_type": getattr(config, "model_type", None), "class": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "weights": "loaded" if cfg.load_weights else "random (from the config)",
-    })
+    }, unused_tensors=unused_tensors_of(model))
     if device.type != "cuda":
         result.notes.append("CPU numbers: they say nothing about GPU speed"
                             + (" (Triton runs through its interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else ""))

@@ -41,6 +41,7 @@ def convert_directory(
     manifest: bool = True,
     planned: tuple | None = None,
     target: str | os.PathLike | None = None,
+    unused=None,
 ) -> dict:
     """Convert the checkpoint `source` (a normswap.loading.ModelSource) into the existing empty
     directory `out_dir`: weights, config (untied, dtype), tokenizer and other files, and (unless
@@ -49,14 +50,20 @@ def convert_directory(
     config: loading.load_config(source), and planned: (meta model, plan) with that keep_gain and
     its refusals checked, when the caller already has them (each is built once per conversion).
     target: where `out_dir` (a staging folder) will be published: not carried over from the source
-    when the source holds it."""
+    when the source holds it. unused: what loading.check_stored_tensors returned for the source,
+    when the caller gave `planned` (it checked them). The tensors of modules the class does not
+    build (UnusedTensors.not_built: a head or pooler it was saved with) are not written: the
+    conversion changes the stream those modules read, and its verification covers only the class
+    it builds, so carried as they were they would compute something else, unverified, in a class
+    that builds them. The buffers no module reads are carried as they are stored, as every name
+    transformers drops on load is (a model loaded whole, GGUF or pickled, saves none of them)."""
     from normswap import loading
 
     out = Path(out_dir)
     config = loading.load_config(source) if config is None else config
     if planned is None:
         meta = loading.build_meta_model(source, config)
-        loading.check_stored_tensors(source, config, meta)
+        unused = loading.check_stored_tensors(source, config, meta)
         plan = plan_conversion(meta, config, keep_gain=keep_gain)
         check_refusals(plan, partial)
     else:
@@ -74,6 +81,7 @@ def convert_directory(
         infos = st.convert_files(
             source.path, out, plan, names, prefix=arch.prefix if arch else "",
             out_dtype=policy, streaming=streaming, progress=progress,
+            dropped=unused.not_built if unused is not None else (),
         )
         record_infos(plan, infos)
         cfg = jsonsafe.read_or_refuse(source.path / "config.json", what="config.json")  # load_config read it: changed since?

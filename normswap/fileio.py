@@ -1,5 +1,6 @@
 """Writing a file so that no reader, and no other writer, ever sees it half-written: the one
-atomic text write every results file, manifest and launch table goes through, the umask that
+atomic write every results file, report, manifest and launch table goes through (a link at the
+path written through, to the file it leads to), the umask that
 files made through temporary names are given back, the one check, made before any long work,
 that a destination can be written at all, the refusal of an empty output path, and the missing
 folders of an output path made for a run and removed again when it fails (made_folders), and
@@ -14,6 +15,7 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from normswap.errors import BadInputError, NormswapError, one_line, option_labels
 
@@ -48,21 +50,37 @@ def umask() -> int:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` through a temporary file of its own in the same folder, renamed into
-    place. Its own name: two writers of one path (two `normswap tune` on one user table, two
-    benches into one results file) must never share a temporary name, or one renames the other's
-    half-written file into place and then finds its own gone. The file keeps its mode; a new one
-    gets what a plain open would give it (0666 less the umask), not mkstemp's 0600."""
+    """Write `text` to `path` atomically (replaced_atomically: through a temporary file of its
+    own, renamed into place; through a link, over the file it leads to). Returns `path`."""
+    with replaced_atomically(path) as f:
+        f.write(text)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """A temporary file opened for the block (`mode`: "w" text, "wb" bytes) to write the new
+    `path` into, closed and renamed into place when the block succeeds (removed when it fails):
+    the one atomic write of every file normswap writes whole. Its own name: two writers of one
+    path (two `normswap tune` on one user table, two benches into one results file) must never
+    share a temporary name, or one renames the other's half-written file into place and then
+    finds its own gone. The file keeps the mode of the one it replaces; a new one gets what a
+    plain open would give it (0666 less the umask), not mkstemp's 0600. `path` a link to a file:
+    the write goes through it (written_at)."""
     path = Path(path)
-    if why := _not_replaceable(path):  # the last guard: a caller that asked unwritable first never gets here
+    # the last guards: a caller that asked unwritable first never gets here
+    if path.is_symlink() and not path.exists():  # (one on the way: made_folders says it)
+        raise cannot_write(path, f"{path} is a link to nothing")
+    target = written_at(path)
+    if why := _not_replaceable(target):
         raise cannot_write(path, why)
-    with made_folders(path.parent):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{sibling_name(path.name)}.", suffix=".tmp")
+    with made_folders(target.parent):
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{sibling_name(target.name)}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask())
-            os.replace(tmp, path)
+            with os.fdopen(fd, mode) as f:
+                yield f
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode) if target.exists() else 0o666 & ~umask())
+            os.replace(tmp, target)
         except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -70,7 +88,19 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
                 # a write or close (a full disk) names no file: the error said only "No space left on device"
                 raise OSError(e.errno, e.strerror, str(path)) from None
             raise
-    return path
+
+
+def written_at(path: str | os.PathLike) -> Path:
+    """The file a write to `path` replaces: `path`, or where `path` is a symbolic link (or a chain
+    of them) the file it leads to. The rename into place replaces a name: `bench --out latest.json`,
+    latest.json a link to an earlier result, left a regular file where the link was and the result
+    it led to as it was. Written through instead, as cp, an editor or a shell's `>` write through a
+    link, and as an --out folder given as a link is (target_path): the link stays, the file it leads
+    to is replaced, atomically, in its own folder. What it leads to is then what is judged: a
+    folder, a pipe or device (_not_replaceable), a file this user may not write. A link to nothing
+    (link_to_nothing) names no file: refused by every writer, as target_path refuses it."""
+    path = Path(path)
+    return path.resolve() if path.is_symlink() else path
 
 
 @contextlib.contextmanager
@@ -136,6 +166,7 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
     if (link := link_to_nothing(path)) is not None:
         return f"{link} is a link to nothing"
     if not folder:
+        path = written_at(path)  # what a write replaces, in its own folder
         if path.is_dir():
             return "it is a folder"
         if why := _not_replaceable(path):

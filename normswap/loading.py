@@ -630,7 +630,9 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
         # (_not_ignored_on_load: GPT-2's attention masks saved by an older transformers, old rotary
         # inv_freq and position_ids buffers) is not evidence against it: a Mixtral as its own
         # save_pretrained writes it, or an old Llama's inv_freq, was built as the base model and
-        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it.
+        # refused for its lm_head ("no place for"), where AutoModelForCausalLM loads it. Nor is a
+        # buffer no module reads (unused_tensors: a 2020-era GPT-2's attn.masked_bias); a head this
+        # class does not build is (BertForPreTraining's weights are no BertLMHeadModel's).
         holds = model.state_dict()
         loaded_name = _loaded_name(model, holds)
         unplaced: set[str] = set()
@@ -638,7 +640,8 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             name, _, fills = loaded_name(key)
             if name not in holds:
                 unplaced.update(fills or (key,))
-        if not _not_ignored_on_load(model, unplaced):
+        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref))
+        if not refused and (unused is None or not unused.not_built):
             return cls
     return None
 
@@ -706,7 +709,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
 _NOT_FLOAT = re.compile(r"BOOL|[IU]\d+")
 
 
-def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
+def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensors | None:
     """Refuse, before any weight is read (safetensors headers, pickled files' names), a checkpoint
     whose tensors the model its config describes cannot take as they are stored; the meta model
     (built here when `meta` is None) gives the model's tensors. The faults:
@@ -732,8 +735,10 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
       and only then refuse it, naming no field; convert streamed every tensor into a converted copy
       before its verification refused it. Not refused: what from_pretrained drops without a word
       (_not_ignored_on_load: the class's ignorable names, old rotary inv_freq and position_ids
-      buffers), nor an index's name no shard holds. Said with the config.json field when they are
-      the layers past the config's count.
+      buffers), nor an index's name no shard holds, nor one that cannot change what the model
+      computes (unused_tensors: a head or pooler the class does not build, a buffer its module
+      computes or no longer has), which is returned, for the command to say. Said with the
+      config.json field when they are the layers past the config's count.
     - a floating-point tensor of the model (a norm's gain, a Linear weight) stored as integers or
       booleans: from_pretrained casts it to float without a word, so normswap would patch, score
       and re-save a model that is not what the file holds. An integer buffer (old checkpoints'
@@ -803,8 +808,8 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> None:
         shape = entry.get("shape")
         if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
             mismatched.append((name, shape, list(tensor.shape)))
-    check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
-                              "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+    return check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
+                                     "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
 
 
 # A GGUF tensor of a block: blk.N.attn_q.weight (llama.cpp's names), enc.blk.N... and dec.blk.N...
@@ -1009,14 +1014,18 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
                         raise NormswapError(f"{ref}: cannot load the weights: {entry.name} is {_not_a_file(entry)}"
                                             ) from None
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
-    check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
+    # what the load dropped that cannot change the computation, for the command to say (once: the
+    # check before the load found the same, from the same rule)
+    model.normswap_unused_tensors = check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
     return model
 
 
-def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> None:
+def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> UnusedTensors | None:
     """One line naming the first few keys when the checkpoint and the model disagree, except the
-    keys the architecture declares ignorable (transformers already leaves tied ones out). gguf: the
-    model was described by a GGUF file's own metadata, not by a config.json."""
+    keys the architecture declares ignorable (transformers already leaves tied ones out) and the
+    stored tensors that cannot change what the model computes (unused_tensors: the one policy for
+    what a model has no place for), which are returned, for the caller to say. gguf: the model was
+    described by a GGUF file's own metadata, not by a config.json."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
@@ -1027,6 +1036,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
     problems = []
     missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = kept(info.get("unexpected_keys", ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
+    unexpected, unused = unused_tensors(model, unexpected, ref)
     mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
@@ -1043,6 +1053,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
         problems.append(one_line(info["error_msgs"][0]))
     if problems:
         _weights_do_not_match(ref, problems, gguf)
+    return unused
 
 
 def _weights_do_not_match(ref, problems: list[str], gguf: bool = False) -> None:
@@ -1051,6 +1062,172 @@ def _weights_do_not_match(ref, problems: list[str], gguf: bool = False) -> None:
                             f"({'; '.join(problems)}); is the file damaged or edited?")
     raise NormswapError(f"{ref}: the weights do not match config.json ({'; '.join(problems)}); "
                         "is the config from another model size?")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored tensors the model has no place for: which cannot change what it computes
+# ---------------------------------------------------------------------------------------------
+
+# Buffers that transformers' GPT-2 attention (and the classes copied from it: GPT-Neo, ImageGPT,
+# Decision Transformer, GPT-J, CodeGen) registered as persistent until 4.x and that no module of
+# transformers 5 has: `masked_bias`, the constant written over the scores of masked positions
+# before the softmax (-1e4; GPT-Neo's -1e9). Transformers 5 masks through its attention interface
+# (an additive mask of the dtype's minimum; exp(-1e4) is already 0 in every float dtype, so
+# the probabilities are the same). GPT-J's and GPT-NeoX's classes declare it ignorable, GPT-2's and GPT-Neo's do not,
+# so stock transformers reports the copy that 2020-era GPT-2 and GPT-Neo checkpoints hold as
+# unexpected and drops it. Its mask companion `attn.bias` GPT-2 declares ignorable, and GPT-Neo
+# still builds as a non-persistent buffer (found as such, unused_tensors). A buffer that no class
+# builds any more cannot be discovered from the model: this name is the one that must be known,
+# and only where its module has no place of that name.
+OBSOLETE_BUFFERS = frozenset({"masked_bias"})
+
+
+@dataclass(frozen=True)
+class UnusedTensors:
+    """Stored tensors that `model_class` has no place for and that cannot change what it computes:
+    the load drops them, as stock transformers does (reporting them as unexpected). not_built:
+    tensors of modules the class does not build at all, which another class of the same config
+    does (`saved_from`, where one class holds them all: bert-base's pooler and next-sentence head
+    under BertForMaskedLM, saved from BertForPreTraining); buffers: constants a module computes
+    from its config (a non-persistent buffer stored by an older transformers) or no longer has
+    (OBSOLETE_BUFFERS: GPT-2's attn.masked_bias)."""
+
+    model: str  # the model reference, as the user gave it
+    model_class: str
+    not_built: tuple[str, ...] = ()
+    saved_from: str | None = None
+    buffers: tuple[str, ...] = ()
+
+    def note(self, shown: int = 3) -> str:
+        """One line for the user: what is not used, and why that changes nothing."""
+        def first(names):
+            return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+        said = []
+        if self.not_built:
+            whose = f"; the weights are {self.saved_from}'s" if self.saved_from else ""
+            said.append(f"{len(self.not_built)} stored tensor(s) of modules {self.model_class} does not build "
+                        f"({first(self.not_built)}{whose})")
+        if self.buffers:
+            said.append(f"{len(self.buffers)} stored buffer(s) that its modules compute themselves or no longer "
+                        f"have ({first(self.buffers)})")
+        return (f"{self.model}: {' and '.join(said)} are not used; the load drops them, as transformers does, and "
+                "what the model computes does not depend on them")
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "class": self.model_class, "not_built": list(self.not_built),
+                "saved_from": self.saved_from, "buffers": list(self.buffers), "note": self.note()}
+
+
+def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensors | None]:
+    """The one policy for the stored tensors `model` has no place for (`unexpected`, named as
+    transformers names them, after its own ignorable names): (those that are refused, in order;
+    those that cannot change what the model computes, as UnusedTensors, None when none). A
+    tensor cannot change the computation, and is accepted, when
+    - its module is one the class does not build at all and another class of the same config
+      builds it (sibling_classes): a head or pooler the weights were saved with (bert-base's
+      pooler and next-sentence head under BertForMaskedLM; GPT2DoubleHeadsModel's multiple-choice
+      head under GPT2LMHeadModel);
+    - it is a non-persistent buffer of its module: a constant the module computes from its config
+      (GPT-Neo's causal mask, which older transformers saved);
+    - it is an OBSOLETE_BUFFERS name its module has no place for (GPT-2's attn.masked_bias).
+    Refused: a tensor of a module the class builds without it (a norm bias under an RMSNorm, a
+    Linear bias the config turned off: the checkpoint's model computed with it), and one of a
+    module no class of this config builds (a layer past the config's count; a q_norm of
+    another architecture's checkpoint under a class without one)."""
+    modules = dict(model.named_modules())
+    refused, not_built, buffers = [], [], []
+    for name in sorted(unexpected, key=_natural):
+        owner, _, leaf = name.rpartition(".")
+        module = modules.get(owner)
+        if module is None:
+            not_built.append(name)
+        elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or (
+                leaf in OBSOLETE_BUFFERS and not hasattr(module, leaf)):
+            buffers.append(name)
+        else:
+            refused.append(name)
+    saved_from = None
+    if not_built:
+        held = _held_by_siblings(model, not_built)
+        refused = sorted(refused + [name for name in not_built if name not in held], key=_natural)
+        not_built = [name for name in not_built if name in held]
+        # the class the weights are: one with a place for these and for every tensor of the model
+        if not_built and (holders := _held_by_siblings(model, not_built + list(model.state_dict()), every=True)):
+            saved_from = min(holders)
+    if not (not_built or buffers):
+        return refused, None
+    return refused, UnusedTensors(str(ref), type(model).__name__, tuple(not_built), saved_from, tuple(buffers))
+
+
+def _held_by_siblings(model, names: list[str], every: bool = False):
+    """name -> the classes of sibling_classes(model) that have a place for it (as each names the
+    stored tensor on load: a base model's checkpoint has no prefix), for those some class holds;
+    every=True: the set of the classes that have a place for every one of `names`."""
+    held: dict[str, set[str]] = {}
+    holders = set()
+    for sibling in sibling_classes(model):
+        state = sibling.state_dict()
+        loaded_name = _loaded_name(sibling, state)
+        places = [name for name in names if loaded_name(name)[0] in state]
+        for name in places:
+            held.setdefault(name, set()).add(type(sibling).__name__)
+        if len(places) == len(names):
+            holders.add(type(sibling).__name__)
+    return holders if every else held
+
+
+def sibling_classes(model) -> list:
+    """The other model classes of `model`'s own transformers module that take its config (BertModel,
+    BertForPreTraining, ... for a BertForMaskedLM), each built from that config on the meta
+    device: the classes a checkpoint of this config may have been saved from. Built once per class
+    and config (a load asks before and after it); a class that cannot be built from it is left out."""
+    import copy
+    import sys
+
+    config = getattr(model, "config", None)
+    module = sys.modules.get(type(model).__module__)
+    if config is None or module is None:
+        return []
+    try:
+        key = (type(model), config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001  (a config that cannot say itself: built again)
+        key = None
+    if key is not None and key in _SIBLINGS:
+        return _SIBLINGS[key]
+    from transformers import PreTrainedModel
+    from transformers.utils import logging as hf_logging
+
+    built = []
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # BertLMHeadModel warns that the config is no decoder's
+    try:
+        for cls in vars(module).values():
+            config_class = getattr(cls, "config_class", None)
+            if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls is not type(model)
+                    and cls.__module__ == module.__name__ and isinstance(config_class, type)
+                    and isinstance(config, config_class)):
+                continue
+            try:
+                with torch.device("meta"):
+                    built.append(cls._from_config(copy.deepcopy(config)))
+            except Exception:  # noqa: BLE001  (a class this config cannot build holds nothing of it)
+                continue
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if key is not None:
+        _SIBLINGS.clear()  # the last model's only: a run loads one or two
+        _SIBLINGS[key] = built
+    return built
+
+
+_SIBLINGS: dict = {}
+
+
+def unused_tensors_of(*models) -> list[UnusedTensors]:
+    """What the load of each of `models` (load_model's, from_pretrained_checked's) dropped that
+    cannot change what it computes, for a report; models whose load dropped nothing are left out."""
+    return [u for m in models if (u := getattr(m, "normswap_unused_tensors", None)) is not None]
 
 
 def _quantised_layers(meta, names: list[str]) -> list[str]:

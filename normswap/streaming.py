@@ -206,11 +206,15 @@ def convert_files(
     out_dtype: Callable[[str, torch.Tensor], torch.dtype] | None = None,
     streaming: bool = True,
     progress: bool | ProgressFn = False,
+    dropped: Iterable[str] = (),
 ) -> dict[str, dict]:
     """Convert the safetensors checkpoint in `src` into `out` (same shard files, same tensor names
-    plus an untied head); returns the jobs' infos (e.g. BLOOM's bake scale)."""
+    plus an untied head, less the tensors `dropped` names, as the model names them; a shard left
+    with none is not written); returns the jobs' infos (e.g. BLOOM's bake scale)."""
     policy = out_dtype or keep_dtype(None)
     reader = CheckpointReader(Path(src), model_names, prefix, plan.aliases)
+    for name in dropped:
+        reader.raw.pop(name, None)
     job_outputs = {o for j in plan.jobs for o in j.outputs}
     new_names = [o for o in job_outputs if o not in reader.raw]  # the untied head
 
@@ -224,7 +228,7 @@ def convert_files(
     for name, file in placement.items():
         dtype, shape = reader.meta(name)
         entries[file].append((name, policy(name, torch.empty(0, dtype=dtype)), shape))
-    writers = {f: SafetensorsWriter(Path(out) / f, entries[f], {"format": "pt"}) for f in reader.files}
+    writers = {f: SafetensorsWriter(Path(out) / f, entries[f], {"format": "pt"}) for f in reader.files if entries[f]}
 
     total = sum(_nbytes(d, s) for es in entries.values() for _, d, s in es)
     bar = _progress(total, progress)

@@ -228,6 +228,40 @@ def test_out_replaces_only_an_earlier_bench_result(tmp_path):
     assert json.loads(out.read_text())["created"] >= first["created"]
 
 
+def test_out_through_a_link_replaces_the_result_it_leads_to(tmp_path):
+    """`bench --out latest.json`, latest.json a link to an earlier result (kept in a folder of
+    dated results), replaced the link itself with a regular file: the link was gone and the result
+    it led to unchanged. Written through the link now, as any --out link is: the link stays and the
+    result it leads to is replaced (it must still be a bench result); a link to nothing, to a folder
+    or to another file is refused before anything is measured, each left as it was."""
+    model = _config_only("llama", tmp_path / "cfg")
+    args = ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4", "--repeats", "1",
+            "--warmup", "0", "--dtype", "fp32"]
+    dated = tmp_path / "results" / "2026-11-24.json"
+    assert CliRunner().invoke(cli, [*args, "--out", str(dated)]).exit_code == 0
+    first = dated.read_text()
+    latest = tmp_path / "latest.json"
+    latest.symlink_to(Path("results") / dated.name)
+    r = CliRunner().invoke(cli, [*args, "--out", str(latest), "--json"])
+    assert r.exit_code == 0, r.output
+    assert latest.is_symlink() and os.readlink(latest) == str(Path("results") / dated.name)
+    assert dated.read_text() != first and json.loads(dated.read_text())["format"] == json.loads(first)["format"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg", "latest.json", "results"]  # no temporary left
+    assert [p.name for p in dated.parent.iterdir()] == [dated.name]
+    (tmp_path / "notes.txt").write_text("mine")
+    link = tmp_path / "elsewhere.json"
+    for target, says in ((tmp_path / "nowhere" / "x.json", f"cannot write to {link}: {link} is a link to nothing"),
+                         (tmp_path / "results", f"File '{link}' is a directory"),  # click's own check
+                         (tmp_path / "notes.txt", f"{link} exists and is not a normswap bench result; refusing to "
+                                                  "replace it")):
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        r = CliRunner().invoke(cli, [*args, "--out", str(link), "--json"])
+        assert r.exit_code == 2 and r.stdout == "" and says in r.stderr and len(r.stderr.splitlines()) == 1, r.output
+        assert link.is_symlink() and not (tmp_path / "nowhere").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine" and [p.name for p in dated.parent.iterdir()] == [dated.name]
+
+
 def test_out_never_replaces_a_pipe_or_device(tmp_path):
     """As root, `bench MODEL --out /dev/null` (a user keeping only the --json report) renamed its
     results file over the null device and exited 0: /dev/null was a regular file for the whole

@@ -388,11 +388,12 @@ def test_pretraining_gives_a_stock_checkpoint_that_beats_unigram(every_arm, pret
 def test_pretraining_is_cached(every_arm, cache, pretrained_dir):
     from accelerate import Accelerator
 
-    from normswap.experiment.pretrain import ensure_pretrained
+    from normswap.experiment.pretrain import ensure_pretrained, read_text
 
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]))
     stamp = (pretrained_dir / "model.safetensors").stat().st_mtime_ns
-    again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name, recipe.data.eval)
+    again, info = ensure_pretrained(Accelerator(), recipe.pretrain, recipe.seed, recipe.name,
+                                    read_text(recipe.data.eval))
     reported = every_arm.data["pretrain"]  # the same, but results.json names the text relative to the recipe
     assert again == pretrained_dir and info == {**reported, "section": {**reported["section"], "text": recipe.pretrain.text}}
     assert (pretrained_dir / "model.safetensors").stat().st_mtime_ns == stamp  # not trained again
@@ -437,6 +438,36 @@ def test_every_arm_runs_and_reports(every_arm):
     assert str(out.parent) not in text and str(Path.home()) not in text and os.environ["NORMSWAP_CACHE"] not in text
     # The arms' resumable state is gone once they are done; their results stay.
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
+
+
+def test_a_report_file_that_is_a_link_is_written_through_it(every_arm, tmp_path):
+    """The reports were renamed into place by hand (a fixed temporary name each), which replaced a
+    link in OUT (summary.md linked into a notes folder, curves.png into a web folder) with a regular
+    file. They are written as every normswap output file is (fileio.replaced_atomically): through
+    the link, which stays, to the file it leads to; a link to nothing is refused, as every writer
+    refuses it, and left as it was."""
+    from normswap.errors import BadInputError
+    from normswap.experiment import report
+
+    out, notes = tmp_path / "out", tmp_path / "notes"
+    out.mkdir()
+    notes.mkdir()
+    for name in ("summary.md", "curves.png"):
+        (notes / name).write_bytes(b"earlier")
+        (out / name).symlink_to(Path("..") / "notes" / name)
+    files = report.write_reports(every_arm.data, out)
+    assert set(files) == {"results.json", "results.csv", "summary.md", "curves.png"}
+    assert all((out / name).is_symlink() for name in ("summary.md", "curves.png"))
+    assert (notes / "summary.md").read_text(encoding="utf-8") == (every_arm.out / "summary.md").read_text(encoding="utf-8")
+    assert (notes / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in notes.iterdir()) == ["curves.png", "summary.md"]  # no temporary left
+    assert sorted(p.name for p in out.iterdir()) == ["curves.png", "results.csv", "results.json", "summary.md"]
+    (out / "results.csv").unlink()
+    (out / "results.csv").symlink_to(tmp_path / "nowhere" / "results.csv")
+    with pytest.raises(BadInputError, match=f"^cannot write to {re.escape(str(out / 'results.csv'))}: .* is a link "
+                                            "to nothing$"):
+        report.write_reports(every_arm.data, out)
+    assert (out / "results.csv").is_symlink() and not (tmp_path / "nowhere").exists()
 
 
 def test_exact_starts_at_the_original_and_approx_does_not(every_arm):
@@ -726,7 +757,7 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     try:
         with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing"):
             pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
-                                       recipe.name, recipe.data.eval, progress=False)
+                                       recipe.name, pretrain.read_text(recipe.data.eval), progress=False)
     finally:
         os.close(fd)
     assert not final.with_name(final.name + ".partial").exists()
@@ -734,11 +765,13 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
 
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
                                          (["original", "approx+ft"], JOSHUA.name)])
-def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
+def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     """pretrain.text was read whole for the check before the run (the most tokens it can make) and
     again by the pretraining, and a third time as data.train when it is that file (the shipped
     recipes pretrain on their data.train): 2 s a read for a 100 MB text here. Read once now, and the
-    pretraining's tokenizer is trained on what was read."""
+    pretraining's tokenizer is trained on what was read. The pretraining read data.eval again for
+    its held-out perplexity, which the run had read for its own evaluations: once now, and the
+    pretraining scores what was read."""
     from normswap.experiment import pretrain, runner
 
     class Pretraining(Exception):
@@ -746,8 +779,8 @@ def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
-    real = pretrain.read_text
-    whole, reads, trained_on = real(recipe.pretrain.text), [], []
+    real, real_encode = pretrain.read_text, pretrain.encode
+    whole, reads, trained_on, encoded = real(recipe.pretrain.text), [], [], []
 
     def counted(path):
         reads.append(Path(path).name)
@@ -755,18 +788,116 @@ def test_a_pretraining_reads_its_text_once(tmp_path, monkeypatch, arms, train):
 
     def train_tokenizer(text, vocab_size):
         trained_on.append(text)
+        return real_train_tokenizer(text, vocab_size)
+
+    def encode(tokenizer, text):
+        encoded.append(text)
+        return real_encode(tokenizer, text)
+
+    def build_model(*args):  # the texts are encoded: the rest is the training
         raise Pretraining
 
+    bounded = []
+
+    def most_tokens(text):
+        bounded.append(text)
+        return real_most_tokens(text)
+
+    real_train_tokenizer, real_most_tokens = pretrain.train_tokenizer, pretrain.most_tokens
+    digested = _count_digests(monkeypatch)
+    monkeypatch.setattr(pretrain, "most_tokens", most_tokens)
+    monkeypatch.setattr(runner, "most_tokens", most_tokens)
     monkeypatch.setattr(pretrain, "read_text", counted)
     monkeypatch.setattr(runner, "read_text", counted)
     monkeypatch.setattr(pretrain, "train_tokenizer", train_tokenizer)
+    monkeypatch.setattr(pretrain, "encode", encode)
+    monkeypatch.setattr(pretrain, "build_model", build_model)
     with pytest.raises(Pretraining):
         run_experiment(tmp_path / "r.toml", tmp_path / "out", overrides=[f'data.train="{train}"'] if train else [],
                        progress=False)
     assert trained_on == [whole]
-    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA), and
-    # data.train when it is that file and an arm trains
+    held_out = real(recipe.data.eval)
+    assert encoded == [whole, held_out]  # the training text, the held-out one
+    # The bound on the tokens (the UTF-8 encode of a whole text) once per text read: pretrain.text's
+    # served the check of one sequence and of the model's size (it was counted for each), data.eval's
+    # the pretraining's window and the evaluation's; and once more for the tokenizer's vocabulary cap
+    texts = [whole, held_out, *([real(JOSHUA)] if train and "approx+ft" in arms else [])]
+    assert sorted(map(len, bounded)) == sorted(map(len, [*texts, whole])), [len(t) for t in bounded]
+    # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
+    # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
     assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+    # each file's digest once too: the fingerprint's (in recipe.json) and the cache entry's, looked
+    # up before the run and again by the pretraining
+    assert sorted(digested) == [GENESIS.name, JOSHUA.name], digested
+
+
+def _count_digests(monkeypatch) -> list[str]:
+    """The names of the files whose digest (recipe.file_digest: a read of the whole file) is taken
+    from now on, one entry per digest."""
+    from normswap.experiment import pretrain, recipe
+
+    real, digested = recipe.file_digest, []
+
+    def counted(path):
+        digested.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(recipe, "file_digest", counted)
+    monkeypatch.setattr(pretrain, "file_digest", counted)
+    return digested
+
+
+def test_a_text_that_cannot_be_read_for_its_digest_is_one_line_naming_its_key():
+    """The run takes the texts' digests before it reads them (its fingerprint, checked against an
+    earlier run in OUT before anything else): a text this user may not read is the line the read
+    would give, naming the key, not an OSError naming a file alone."""
+    import tempfile
+
+    from tests.test_fileio import _as_a_user_the_bits_bind
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)  # nobody may pass through it
+        recipe = load_recipe(write_recipe(base / "r.toml", PRETRAIN))
+        for f in (GENESIS.name, JOSHUA.name, "r.toml"):
+            (base / f).chmod(0o644)
+        (base / JOSHUA.name).chmod(0o600)  # data.eval: this user's alone
+
+        def said():
+            try:
+                recipe.text_digests()
+            except RecipeError as e:
+                return str(e)
+            return "read"
+
+        assert _as_a_user_the_bits_bind(said) == f"data.eval: {base / JOSHUA.name}: cannot read (Permission denied)"
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("arms", [["original"], ["original", "approx+ft"]])
+def test_a_run_takes_each_texts_digest_once(tmp_path, monkeypatch, pretrained_dir, arms):
+    """A run on a cached pretraining took pretrain.text's digest six times (the fingerprint in
+    recipe.json and in results.json, each with data.train, the same file; the cache entry looked
+    up before the run and by the pretraining) and data.eval's twice; a rerun into the same OUT
+    once more each (its recipe.json's fingerprint checked): 0.36 s per 100 MB each here. Once per
+    run now, the same fingerprint recorded and the cached pretraining used."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, arms)
+    if len(arms) > 1:  # data.train another file than pretrain.text (data.eval's: one digest for both)
+        (tmp_path / "r.toml").write_text((tmp_path / "r.toml").read_text().replace(
+            f'train = "{GENESIS.name}"', f'train = "{JOSHUA.name}"'))
+    recipe = load_recipe(path)
+    digested = _count_digests(monkeypatch)
+    first = run_experiment(path, tmp_path / "out", progress=False)
+    distinct = sorted({GENESIS.name, JOSHUA.name})
+    assert sorted(digested) == distinct, digested
+    assert json.loads((tmp_path / "out" / "recipe.json").read_text())["fingerprint"] == first.data["fingerprint"]
+    del digested[:]
+    again = run_experiment(path, tmp_path / "out", progress=False)  # a rerun: every arm finished already
+    assert sorted(digested) == distinct, digested
+    monkeypatch.undo()
+    assert again.data["fingerprint"] == first.data["fingerprint"] == recipe.fingerprint()
+    assert Path(first.model_path) == pretrained_dir  # the cached pretraining, found through the digest given
 
 
 def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, monkeypatch):
@@ -795,7 +926,7 @@ def test_a_pretraining_published_while_the_lock_was_awaited_is_used(tmp_path, mo
     monkeypatch.setattr(checkpoint, "target_lock", other_run_finishes)
     monkeypatch.setattr(pretrain, "_pretrain", trains)
     assert pretrain.ensure_pretrained(SimpleNamespace(is_main_process=True), recipe.pretrain, recipe.seed,
-                                      recipe.name, recipe.data.eval, progress=False) == (final, {"steps": 7})
+                                      recipe.name, "", progress=False) == (final, {"steps": 7})
 
 
 @pytest.mark.parametrize("model, arms, override, message", [
@@ -930,7 +1061,7 @@ def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretrainin
                                             r"context or vocab_size$"):
         run_experiment(path, tmp_path / "out", overrides=big, progress=False)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
-    pretrain.check_model_fits(load_recipe(path).pretrain, GENESIS.read_text())
+    pretrain.check_model_fits(load_recipe(path).pretrain, pretrain.most_tokens(GENESIS.read_text()))
 
 
 @pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
@@ -951,12 +1082,12 @@ def test_a_vocabulary_larger_than_the_text_allows_trains_the_same_tokenizer():
     """The tokenizers trainer reserves room for vocab_size entries first: 2**62 panicked inside Rust
     (a traceback past normswap's handler), 10**9 aborted the process. It cannot make more than
     most_vocabulary's entries, so the request is capped there, and the result is the same."""
-    from normswap.experiment.pretrain import most_vocabulary, train_tokenizer
+    from normswap.experiment.pretrain import most_tokens, most_vocabulary, train_tokenizer
 
     text = "In the beginning God created the heaven and the earth. " * 20
-    capped = train_tokenizer(text, most_vocabulary(text))
+    capped = train_tokenizer(text, most_vocabulary(most_tokens(text)))
     assert train_tokenizer(text, 2**62).get_vocab() == capped.get_vocab()
-    assert len(capped) < most_vocabulary(text)
+    assert len(capped) < most_vocabulary(most_tokens(text))
 
 
 def test_a_bound_on_the_tokens_is_not_offered_as_a_window_that_fits(tmp_path, monkeypatch):
@@ -1092,11 +1223,9 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(pretrain, "train", no_training)
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
-    (tmp_path / "short.txt").write_text(EVAL_TEXT)
     accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1)
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
-        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, tmp_path / "short.txt",
-                                   progress=False)
+        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
     assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "
                         r"pass pretrain\.context \1 or less, or more text", str(e.value)), str(e.value)
 
@@ -1396,6 +1525,70 @@ def test_a_checkpoint_from_before_the_count_was_recorded_counts_accelerates_file
         check_resumable(tmp_path / "state", 1, "arm")
     check_resumable(tmp_path / "state", 2, "arm")
     check_resumable(tmp_path / "absent", 2, "arm")  # no checkpoint: nothing to resume
+
+
+def test_a_checkpoint_from_before_the_count_was_recorded_is_counted_by_its_highest_rank(tmp_path):
+    """Without a recorded count the count was how many random_states_*.pkl there are: a checkpoint
+    of N processes that lost a file below the top rank read as one of N - 1, so its resume on N was
+    refused as 'trained on N - 1 processes ... run it again on N - 1', and a run on N - 1 was then
+    refused for the file it lacks, each line naming the wrong count; and a file of another name the
+    glob matched (random_states_0 copy.pkl) made a sound checkpoint of 1 read as one of 2, refused.
+    The count is one more than the highest rank named by a file: the lost file is named under the
+    right count, and other names do not count."""
+    import random
+
+    from normswap.errors import NormswapError
+    from normswap.experiment.trainer import check_resumable
+
+    rng = random.Random(0)
+    for case in range(6):
+        state = tmp_path / f"state{case}"
+        step = state / "step-000003"
+        step.mkdir(parents=True)
+        (state / "LATEST").write_text("step-000003")
+        (step / "trainer.json").write_text(json.dumps({"step": 3, "losses": [1.0] * 3, "evals": [],
+                                                       "train_seconds": 1.0}))
+        count = rng.randint(2, 8)
+        lost = sorted(rng.sample(range(count - 1), rng.randint(1, count - 1)))  # never the top rank's
+        for rank in set(range(count)) - set(lost):
+            (step / f"random_states_{rank}.pkl").write_bytes(b"")
+        stray = rng.choice(["random_states_0 copy.pkl", "random_states_1 (1).pkl", "random_states_old.pkl",
+                            "random_states_.pkl", f"random_states_{count + 5}.pkl.pkl"])
+        (step / stray).write_bytes(b"")
+        with pytest.raises(NormswapError) as refused:
+            check_resumable(state, count, "arm")
+        assert str(refused.value) == (
+            f"arm: its checkpoint {step} was written by {count} processes but lacks "
+            f"{', '.join(f'random_states_{r}.pkl' for r in lost)} (accelerate writes one random-state file per "
+            "process; resumed without it, the steps would go on from another random state than the interrupted "
+            f"run's, unsaid); put it back, or delete {state} to train it from the start"), (count, lost, stray)
+        other = rng.choice([n for n in range(1, 10) if n != count])
+        with pytest.raises(NormswapError, match=rf"^arm: its checkpoint at step 3 was trained on {count} processes "
+                                                rf"and this run has {other}: "):
+            check_resumable(state, other, "arm")
+        for rank in lost:
+            (step / f"random_states_{rank}.pkl").write_bytes(b"")
+        assert check_resumable(state, count, "arm")[0] == step  # whole again: resumed, the stray name ignored
+
+
+def test_a_sound_checkpoint_beside_a_copy_of_its_random_state_is_resumed(tmp_path):
+    """A checkpoint of 1 process from before the count was recorded, with a copy of its random-state
+    file beside it (random_states_0 copy.pkl, as a file manager names one): read as a checkpoint of
+    2 processes and refused; resumed now as the run uninterrupted goes on."""
+    from accelerate import Accelerator
+
+    from normswap.experiment.trainer import train
+
+    state = tmp_path / "state"
+    batches, settings = _stopped_at_step_2(state, Accelerator(cpu=True))
+    whole = train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "whole",
+                  progress=False)
+    step = state / "step-000002"
+    written = json.loads((step / "trainer.json").read_text())
+    (step / "trainer.json").write_text(json.dumps({k: v for k, v in written.items() if k != "num_processes"}))
+    shutil.copyfile(step / "random_states_0.pkl", step / "random_states_0 copy.pkl")
+    resumed = train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, state, progress=False)
+    assert resumed.losses == whole.losses
 
 
 def test_a_checkpoint_that_says_no_process_count_is_refused(tmp_path):
@@ -1929,22 +2122,50 @@ def test_a_step_that_runs_out_of_memory_is_one_line_naming_the_knobs(tmp_path, m
                       progress=False)
 
 
-@pytest.mark.parametrize(("optimizer", "lr"), [("adamw", 1e307), ("sgd", 1e308)])  # adamw's step: lr / 0.1
-def test_a_learning_rate_past_the_dtypes_range_is_one_line(tmp_path, optimizer, lr):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("section", ["finetune", "pretrain", None])
+def test_a_learning_rate_past_the_dtypes_range_is_one_line_naming_the_recipe_key(tmp_path, optimizer, section):
     """finetune.lr = 1e308 passed the recipe's checks (finite, not negative) and then torch refused
-    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1)."""
+    to turn the step size into float32 inside optimizer.step(): an internal error (exit 1). Its line
+    then said 'the update at learning rate 2.5e+307' (the warm-up's rate at step 1, never written by
+    the user) and named no key: it names the key and the value the user wrote, as the recipe's
+    errors do (finetune.lr, pretrain.lr; lr for settings made in code), the schedule's rate beside
+    it where it differs, and SGD's weight decay (added to the gradient in the weights' dtype) when
+    it is not 0."""
+    import random
+
     from accelerate import Accelerator
 
     from normswap.errors import NormswapError
     from normswap.experiment import trainer
-    from normswap.experiment.recipe import TrainSettings
+    from normswap.experiment.recipe import FinetuneSection, PretrainSection, TrainSettings
 
+    cls = {"finetune": FinetuneSection, "pretrain": PretrainSection, None: TrainSettings}[section]
+    key = f"{section}." if section else ""
+    rng = random.Random(f"{optimizer}-{section}")
     batches = trainer.RandomWindows(torch.randint(0, 64, (500,), generator=torch.Generator().manual_seed(0)), 8, 2, 0)
-    settings = TrainSettings(steps=2, warmup_steps=0, lr=lr, optimizer=optimizer, schedule="constant")
-    with pytest.raises(NormswapError, match=rf"^arm: step 1: the update at learning rate {re.escape(f'{lr:g}')} \(weight_decay 0\) "
-                                            r"overflows the weights' dtype \(.*\); lower the learning rate$"):
-        trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / "s",
-                      progress=False, desc="arm")
+    for i in range(3):
+        # past float32's 3.4e38 at step 1 whatever the warm-up's share of it (AdamW's step is lr / 0.1)
+        lr = rng.uniform(1, 10) * 10.0 ** rng.randint(40, 307)
+        warmup = rng.randint(0, 4)
+        decay = optimizer == "sgd" and i == 2  # SGD's weight decay alone overflows too
+        if decay:
+            lr, weight_decay = rng.uniform(1e-5, 1e-2), rng.uniform(1, 10) * 10.0 ** rng.randint(40, 307)
+        settings = cls(steps=2, warmup_steps=warmup, lr=lr, optimizer=optimizer, schedule="constant",
+                       weight_decay=weight_decay if decay else 0.0)
+        said = f"{key}lr = {lr!r}"
+        if warmup > 1:  # step 1 of the warm-up trains at lr / warmup_steps
+            said += f" ({lr / warmup:g} at this step of the schedule)"
+        lower = f"{key}lr"
+        if decay:
+            said += f" and {key}weight_decay = {weight_decay!r}"
+            lower += f" or {key}weight_decay"
+        with pytest.raises(NormswapError) as refused:
+            trainer.train(Accelerator(cpu=True), random_layer_norm_gpt2(), settings, batches, tmp_path / f"s{i}",
+                          progress=False, desc="arm")
+        assert re.fullmatch(rf"arm: step 1: the update at {re.escape(said)} overflows the weights' dtype "
+                            rf"\(value cannot be converted to type float without overflow\); lower {re.escape(lower)}",
+                            str(refused.value)), str(refused.value)
 
 
 def test_ctrl_c_sets_the_flag_first_and_interrupts_the_second_time():

@@ -42,6 +42,94 @@ def test_a_folder_the_filesystem_refuses_is_found_even_for_root(tmp_path):
         assert unwritable(tmp_path / "t.json") == f"{tmp_path} is not writable (Read-only file system)"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_write_to_a_link_goes_through_it_to_the_file(tmp_path, seed):
+    """Every file normswap writes whole (a bench result, a launch table, tune's report, an
+    experiment's reports and records) is renamed into place, which replaced a link at the path with
+    a regular file: the link gone, the file it led to unchanged. A write goes through the link (a
+    chain of them, relative or absolute) to the file it leads to, as cp or a shell's > does and as
+    an --out folder given as a link is: the link stays, the file is replaced atomically in its own
+    folder, keeping its mode, and no temporary file is left in either folder; unwritable judges
+    that file, and probes its folder. A link to nothing, to a folder, to a pipe, or to a file in a
+    folder this user may not write is refused, by unwritable before the work and by the write
+    itself, each left as it was."""
+    import random
+    import stat
+
+    from normswap.errors import BadInputError
+    from normswap.fileio import replaced_atomically
+
+    rng = random.Random(seed)
+    text = "".join(rng.choice("abc\u00e9\n{}") for _ in range(rng.randint(0, 2000)))
+    data = rng.randbytes(rng.randint(0, 2000))
+    results, links = tmp_path / "results", tmp_path / "links"
+    results.mkdir()
+    links.mkdir()
+    target = results / "2026-11-24.json"
+    target.write_text("earlier")
+    mode = rng.choice([0o600, 0o640, 0o664])
+    target.chmod(mode)
+    hops = rng.randint(1, 3)
+    chain = [links / f"hop{i}" for i in range(hops)]
+    chain[-1].symlink_to(os.path.relpath(target, links) if rng.random() < 0.5 else target)
+    for near, far in zip(chain, chain[1:], strict=False):
+        near.symlink_to(far.name)
+    link = chain[0]
+    assert unwritable(link) is None
+    assert write_text_atomic(link, text) == link
+    assert link.is_symlink() and all(p.is_symlink() for p in chain) and target.read_text() == text
+    assert stat.S_IMODE(target.stat().st_mode) == mode
+    with replaced_atomically(link, "wb") as f:
+        f.write(data)
+    assert link.is_symlink() and target.read_bytes() == data
+    assert sorted(p.name for p in links.iterdir()) == sorted(p.name for p in chain)
+    assert [p.name for p in results.iterdir()] == [target.name]
+    # what cannot be written through
+    dangling = links / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere" / "x.json")
+    fifo = results / "pipe"
+    os.mkfifo(fifo)
+    (links / "to-pipe").symlink_to(fifo)
+    (links / "to-folder").symlink_to(results)
+    for name, why in (("dangling", f"{dangling} is a link to nothing"), ("to-folder", "it is a folder"),
+                      ("to-pipe", "it is not a regular file (a pipe, socket or device); refusing to replace it")):
+        assert unwritable(links / name) == why
+        if name != "to-folder":  # (the rename over a folder is the system's refusal)
+            with pytest.raises(BadInputError) as refused:
+                write_text_atomic(links / name, text)
+            assert str(refused.value) == f"cannot write to {links / name}: {why}"
+        assert (links / name).is_symlink()
+    assert not (tmp_path / "nowhere").exists() and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in results.iterdir()) == sorted([target.name, "pipe"])
+
+
+def test_a_link_is_written_through_only_where_its_file_can_be_replaced():
+    """The write replaces the file the link leads to, in that file's folder: a link in a folder
+    this user may write, to a file (writable by all) in one this user may not, passed unwritable's
+    probe of the link's folder and was then written over the link. The probe goes to the file's
+    folder. Made in the system's temporary folder: pytest's tmp_path is 0700, which nobody cannot
+    pass."""
+    import shutil
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        links, results = base / "links", base / "results"
+        links.mkdir(mode=0o777)
+        links.chmod(0o777)
+        results.mkdir()
+        (results / "r.json").write_text("{}")
+        (results / "r.json").chmod(0o666)
+        results.chmod(0o555)
+        (links / "latest.json").symlink_to(results / "r.json")
+        assert _as_a_user_the_bits_bind(lambda: unwritable(links / "latest.json")) == (
+            f"{results} is not writable (Permission denied)")
+        assert _as_a_user_the_bits_bind(lambda: unwritable(links / "new.json")) is None  # its own folder: fine
+    finally:
+        (base / "results").chmod(0o755)
+        shutil.rmtree(base)
+
+
 def test_a_link_to_nothing_on_the_way_is_not_a_folder_to_write_in(tmp_path):
     """exists() calls a dangling link absent, but its name is taken: the folders below it cannot be
     made, so the write would fail after the work (write_text_atomic's mkdir finds the name taken)."""

@@ -360,10 +360,13 @@ def test_a_config_without_architectures_builds_a_seq2seq_lm_from_its_weights(tmp
     assert type(loading.build_meta_model(loading.resolve(tmp_path / "base"))) is transformers.BartModel
 
 
-def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path):
+@pytest.mark.parametrize("masked_bias", [False, True])
+def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path, masked_bias):
     """A GPT-2 saved by an older transformers holds its attention masks (transformer.h.N.attn.bias),
     names GPT2LMHeadModel declares ignorable on load. They counted against the class, so a
-    config.json without architectures built the bare GPT2Model again: no head, ppl found no logits."""
+    config.json without architectures built the bare GPT2Model again: no head, ppl found no logits.
+    So did the masks' fill values (transformer.h.N.attn.masked_bias), which no module of
+    transformers 5 has (loading.OBSOLETE_BUFFERS): GPT2LMHeadModel accepts them now."""
     from safetensors.torch import load_file, save_file
     from tiny_models import tiny_model
 
@@ -376,6 +379,8 @@ def test_a_config_without_architectures_ignores_the_names_loading_drops(tmp_path
     n = model.config.n_positions
     for i in range(model.config.n_layer):
         weights[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+        if masked_bias:
+            weights[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     src = loading.resolve(tmp_path)
     assert type(loading.build_meta_model(src)) is type(model)

@@ -275,7 +275,11 @@ def device_option(f: Callable) -> Callable:
 def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
     """Print `data` as one JSON document, or hand it to the command's human renderer. A write that
     fails (a full disk: `> /dev/full`) says it was stdout: the system's reason alone ("No space
-    left on device") read as if the command's own output (a saved model) had failed."""
+    left on device") read as if the command's own output (a saved model) had failed. A report's
+    unused_tensors (what a load dropped that cannot change what the model computes) are said first,
+    one note each on stderr, --json or not."""
+    for unused in data.get("unused_tensors") or ():
+        click.echo(f"note: {unused['note']}", err=True)
     try:
         if as_json:
             sys.stdout.write(json.dumps(finite_or_null(data), indent=2, default=str, allow_nan=False) + "\n")

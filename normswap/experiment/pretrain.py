@@ -42,17 +42,21 @@ def read_text(path: str | Path) -> str:
     return "\n\n".join("".join(doc) for doc in open_corpus(path).documents())
 
 
-def cache_key(section: PretrainSection, seed: int) -> str:
+def cache_key(section: PretrainSection, seed: int, text_digest: str | None = None) -> str:
+    """The [pretrain] section, the seed and the text by its content. text_digest: file_digest of
+    section.text, when the caller has taken it (Recipe.text_digests: a run takes each once, a
+    read of the whole file); None takes it here."""
     d = dataclasses.asdict(section)
-    d["text"] = file_digest(section.text)
+    d["text"] = file_digest(section.text) if text_digest is None else text_digest
     d["seed"] = seed
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def pretrain_dir(section: PretrainSection, seed: int, name: str) -> Path:
+def pretrain_dir(section: PretrainSection, seed: int, name: str, text_digest: str | None = None) -> Path:
+    """The cache entry of this pretraining (text_digest: as cache_key takes it)."""
     from normswap.loading import cache_dir
 
-    return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed)}"
+    return cache_dir() / "pretrain" / f"{name}-{cache_key(section, seed, text_digest)}"
 
 
 def train_tokenizer(text: str, vocab_size: int):
@@ -66,7 +70,7 @@ def train_tokenizer(text: str, vocab_size: int):
     # The trainer reserves room for vocab_size entries up front (some 70 bytes each): vocab_size =
     # 10**9 aborted the process inside Rust (no exception, no line). It can never make more than
     # the alphabet, EOS and one merge per byte of the text, so asking for more changes nothing.
-    vocab_size = min(vocab_size, most_vocabulary(text))
+    vocab_size = min(vocab_size, most_vocabulary(most_tokens(text)))
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
@@ -87,10 +91,12 @@ def most_tokens(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def most_vocabulary(text: str) -> int:
-    """The most entries a train_tokenizer tokenizer of `text` can have: the 256 bytes, EOS, and one
-    per merge, each of which joins a pair of symbols that stand in the text (at most one per byte)."""
-    return 256 + 1 + most_tokens(text)
+def most_vocabulary(tokens: int) -> int:
+    """The most entries a train_tokenizer tokenizer can have of a text of at most `tokens` tokens
+    (most_tokens: its bytes): the 256 bytes, EOS, and one per merge, each of which joins a pair of
+    symbols that stand in the text (at most one per byte). From the bound, not the text: the checks
+    before a pretraining take it once (an encode of the whole text each time)."""
+    return 256 + 1 + tokens
 
 
 def parameter_count(section: PretrainSection, vocab_size: int) -> int:
@@ -101,13 +107,14 @@ def parameter_count(section: PretrainSection, vocab_size: int) -> int:
     return (vocab_size + section.context) * e + section.n_layer * (12 * e * e + 13 * e) + 2 * e
 
 
-def check_model_fits(section: PretrainSection, text: str) -> None:
+def check_model_fits(section: PretrainSection, tokens: int) -> None:
     """Refuse a [pretrain] model whose float32 weights alone (GPT-2's parameter count for the
-    section's shape, its vocabulary as large as the text allows) take more than the machine's
-    memory: n_embd = 2**40 was an internal error from the allocator, and n_layer = 2**40 built
-    layer after layer until the machine ran out (its training needs some four times this)."""
+    section's shape, its vocabulary as large as a text of at most `tokens` tokens allows:
+    most_tokens of pretrain.text) take more than the machine's memory: n_embd = 2**40 was an
+    internal error from the allocator, and n_layer = 2**40 built layer after layer until the
+    machine ran out (its training needs some four times this)."""
 
-    params = parameter_count(section, min(section.vocab_size, most_vocabulary(text)))
+    params = parameter_count(section, min(section.vocab_size, most_vocabulary(tokens)))
     need, have = 4 * params, physical_memory()
     if have is not None and need > have:
         raise NormswapError(f"pretrain: a model of {params:,} parameters takes {need / 2**30:,.1f} GiB in float32, "
@@ -144,20 +151,22 @@ def _heldout_windows(section: PretrainSection) -> dict:
 _HELDOUT_NAMES = {"max_length": "pretrain.context"}
 
 
-def check_pretraining_texts(section: PretrainSection, text: str, eval_text: str) -> None:
+def check_pretraining_texts(section: PretrainSection, tokens: int, eval_tokens: int) -> None:
     """What the pretraining would refuse for too few tokens once its tokenizer is trained, found
-    before (most_tokens' bound): pretrain.text (`text`, read_text(section.text)) against one
-    sequence, and the held-out text against the held-out perplexity's window. The exact counts are
-    checked again after the tokenizer. And a model too large for the machine (check_model_fits)."""
+    before by most_tokens' bound (`tokens` of pretrain.text, `eval_tokens` of the held-out text:
+    the caller counts each text once, and shares a count between texts that are one file):
+    pretrain.text against one sequence, and the held-out text against the held-out perplexity's
+    window. The exact counts are checked again after the tokenizer. And a model too large for the
+    machine (check_model_fits)."""
     try:
-        check_training_text(most_tokens(text), section.seq_len, ONE_TOKEN_PER_BYTE)
+        check_training_text(tokens, section.seq_len, ONE_TOKEN_PER_BYTE)
     except NormswapError as e:
         raise NormswapError(f"pretrain.text: {e}") from None
-    check_model_fits(section, text)
+    check_model_fits(section, tokens)
     from normswap.evaluate import check_before_tokenizing
 
     with using_option_names(_HELDOUT_NAMES):
-        check_before_tokenizing([model_config(section, section.vocab_size, 0)], most_tokens(eval_text),
+        check_before_tokenizing([model_config(section, section.vocab_size, 0)], eval_tokens,
                                 ONE_TOKEN_PER_BYTE, **_heldout_windows(section))
 
 
@@ -174,16 +183,18 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
     return math.exp(nll)
 
 
-def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str | Path,
-                      *, text: str | None = None, stop: StopFlag | None = None,
+def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str,
+                      *, text: str | None = None, text_digest: str | None = None, stop: StopFlag | None = None,
                       progress: bool = True) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
-    and its info (steps, time, held-out perplexity, unigram baseline). text: section.text's
-    contents (read_text) when the caller has read them already (the runner, for its check before
-    the run): a large text is seconds a read; None reads them if the pretraining runs."""
+    and its info (steps, time, held-out perplexity, unigram baseline). eval_text: the held-out
+    text's contents (read_text of data.eval, which the runner has read for its own evaluations: it
+    was read again here). text: section.text's contents (read_text) when the caller has read them
+    already (the runner, for its check before the run): a large text is seconds a read; None reads
+    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it."""
     from normswap.checkpoint import target_lock
 
-    final = pretrain_dir(section, seed, name)
+    final = pretrain_dir(section, seed, name, text_digest)
     if (final / INFO_FILE).is_file():
         return final, _read_info(final)
     lock = contextlib.nullcontext()
@@ -198,7 +209,7 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
         return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress)
 
 
-def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str | Path,
+def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str,
               text: str | None, *, stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
     """ensure_pretrained's training, under the cache entry's lock."""
     from transformers import PreTrainedTokenizerFast
@@ -218,7 +229,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     accelerator.wait_for_everyone()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     ids = encode(tokenizer, text)
-    eval_ids = encode(tokenizer, read_text(eval_text))
+    eval_ids = encode(tokenizer, eval_text)
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
     model.to(parse_dtype(section.dtype))
     try:

@@ -126,17 +126,40 @@ class Recipe:
         """Where a run writes when no folder is given: runs/<name>, under the working directory."""
         return Path("runs") / self.name
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, digests: dict[str, str] | None = None) -> str:
         """What decides the numbers of a run: everything but the arm selection, the description and
-        the tracker, with each text file by its content (a moved checkout is the same recipe)."""
+        the tracker, with each text file by its content (a moved checkout is the same recipe).
+        digests: text_digests(), when the caller has taken them (a run takes them once for all its
+        uses: each is a read of the whole file)."""
+        digests = self.text_digests() if digests is None else digests
         d = self.to_dict()
         for k in ("arms", "description", "tracker"):
             d.pop(k)
-        for section in ("pretrain", "data"):
-            for key, f in {f.name: f for f in dataclasses.fields(_SECTIONS[section])}.items():
-                if d[section] is not None and f.metadata.get("path") and d[section][key]:
-                    d[section][key] = file_digest(d[section][key])
+        for section, key in self._text_keys():
+            d[section][key] = digests[d[section][key]]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def text_digests(self) -> dict[str, str]:
+        """file_digest of every text the recipe names (pretrain.text, data.train, data.eval), by
+        path: each file read once, also where two keys name it (the shipped recipes pretrain on
+        their data.train). A file that cannot be read is a RecipeError naming its key, as the
+        run's read of the text says it."""
+        digests = {}
+        for section, key in self._text_keys():
+            path = getattr(getattr(self, section), key)
+            if path not in digests:
+                try:
+                    digests[path] = file_digest(path)
+                except OSError as e:
+                    raise RecipeError(f"{section}.{key}: {e.filename or path}: cannot read ({e.strerror or e})") \
+                        from None
+        return digests
+
+    def _text_keys(self) -> list[tuple[str, str]]:
+        """The (section, key) of every text path the recipe gives."""
+        return [(section, f.name) for section in ("pretrain", "data") if getattr(self, section) is not None
+                for f in dataclasses.fields(_SECTIONS[section])
+                if f.metadata.get("path") and getattr(getattr(self, section), f.name)]
 
 
 def file_digest(path: str | Path) -> str:
@@ -150,6 +173,14 @@ def file_digest(path: str | Path) -> str:
 
 
 _SECTIONS = {"model": ModelSection, "pretrain": PretrainSection, "data": DataSection, "finetune": FinetuneSection}
+
+
+def recipe_key(section, name: str) -> str:
+    """What a recipe calls the field `name` of `section` (one of its sections, as validate built
+    it): `finetune.lr`, `pretrain.lr`, as the recipe's own errors name keys; the bare field name for
+    settings a library caller made (a TrainSettings belongs to no section)."""
+    where = next((key for key, cls in _SECTIONS.items() if type(section) is cls), None)
+    return f"{where}.{name}" if where else name
 
 
 def parse_arm(name: str) -> tuple[str, str | None]:

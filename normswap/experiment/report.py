@@ -149,9 +149,9 @@ def results_csv(result: dict) -> str:
     return buf.getvalue()
 
 
-def plot_curves(result: dict, path: Path) -> None:
-    """curves.png: curves_figure(result), saved."""
-    curves_figure(result).savefig(path, dpi=120)
+def plot_curves(result: dict, file) -> None:
+    """curves.png: curves_figure(result), saved as PNG to `file` (a path or a binary file)."""
+    curves_figure(result).savefig(file, dpi=120, format="png")
 
 
 def curves_figure(result: dict):
@@ -217,20 +217,21 @@ def curves_figure(result: dict):
 
 
 def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:
-    """Write the four report files (each through a temporary name, renamed into place)."""
+    """Write the four report files, each atomically as every normswap output file is
+    (fileio.replaced_atomically: a link in their place is written through)."""
+    from normswap.fileio import replaced_atomically
+
     files = {"results.json": json.dumps(finite_or_null(result), indent=1) + "\n", "results.csv": results_csv(result),
              "summary.md": summary_markdown(result)}
     written = {}
     for name, text in files.items():
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out / name)
+        with replaced_atomically(out / name, "wb") as f:
+            f.write(text.encode("utf-8"))
         written[name] = str(out / name)
     if plot and importlib.util.find_spec("matplotlib") is None:
         written["curves.png"] = None  # the `experiment` extra (matplotlib) is not installed
     elif plot:
-        tmp = out / ".curves.tmp.png"
-        plot_curves(result, tmp)
-        tmp.replace(out / "curves.png")
+        with replaced_atomically(out / "curves.png", "wb") as f:
+            plot_curves(result, f)
         written["curves.png"] = str(out / "curves.png")
     return written

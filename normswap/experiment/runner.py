@@ -149,8 +149,9 @@ def make_accelerator(recipe: Recipe, out: Path):
     return Accelerator(**kwargs)
 
 
-def _check_out(out: Path, recipe: Recipe) -> None:
-    """OUT is new, empty, or an earlier run of this recipe (its recipe.json): a run writes
+def _check_out(out: Path, fingerprint: str) -> None:
+    """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
+    recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.)"""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
@@ -162,7 +163,7 @@ def _check_out(out: Path, recipe: Recipe) -> None:
                             f"into it (choose a new or empty {n['out']})")
     if stamp.is_file():
         previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another {n['out']}")
-        if not isinstance(previous, dict) or previous.get("fingerprint") != recipe.fingerprint():
+        if not isinstance(previous, dict) or previous.get("fingerprint") != fingerprint:
             raise NormswapError(f"{out} holds a run of a different recipe (or other {n['overrides']} values); "
                                 f"remove it or choose another {n['out']}")
 
@@ -285,7 +286,11 @@ def _is_main_process(accelerator) -> bool:
 def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
                  on_step) -> ExperimentResult:
     """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
-    _check_out(out, recipe)
+    # Every text's digest, once for the run: the fingerprint (checked here, recorded in recipe.json
+    # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
+    # took each again, a read of the whole file each time (0.36 s per 100 MB here).
+    digests = recipe.text_digests()
+    _check_out(out, recipe.fingerprint(digests))
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
     for name, section in (("pretrain", recipe.pretrain),
@@ -317,14 +322,14 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
                 raise NormswapError(f"finetune: {e}") from None
             train_ids = windows.ids
     else:
-        _check_before_pretraining(recipe, texts)
+        _check_before_pretraining(recipe, texts, digests)
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
-        return _run(recipe, out, arms, loaded, texts, train_ids, progress=progress, stop=stop,
+        return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step)
 
 
-def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
+def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str]) -> None:
     """With [pretrain], the tokenizer is trained with the model, so what the texts' token counts
     decide (a held-out text shorter than a window, a training text shorter than a sequence) was
     found only after the pretraining, minutes to hours in. Found here instead where it is certain:
@@ -332,19 +337,22 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str]) -> None:
     tokenizer can make of them (pretrain.most_tokens). The counts between that bound and what the
     windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
     p = recipe.pretrain
-    if not (pretrain_dir(p, recipe.seed, recipe.name) / INFO_FILE).is_file():  # a cached one is not trained again
+    # Each text's bound counted once (an encode of the whole text; pretrain.text's shared with
+    # data.train when they are one file): the checks below and the pretraining's share them.
+    most = {key: most_tokens(text) for key, text in texts.items()}
+    if not (pretrain_dir(p, recipe.seed, recipe.name, digests[p.text]) / INFO_FILE).is_file():  # a cached one is not trained again
         # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
         # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
         same = "train" in texts and Path(p.text) == Path(recipe.data.train)
         texts["pretrain"] = texts["train"] if same else read_text(p.text)
-        check_pretraining_texts(p, texts["pretrain"], texts["eval"])
+        check_pretraining_texts(p, most["train"] if same else most_tokens(texts["pretrain"]), most["eval"])
     from normswap.evaluate import check_before_tokenizing
 
-    check_before_tokenizing([model_config(p, p.vocab_size, 0)], most_tokens(texts["eval"]), ONE_TOKEN_PER_BYTE,
+    check_before_tokenizing([model_config(p, p.vocab_size, 0)], most["eval"], ONE_TOKEN_PER_BYTE,
                             **_eval_windows(recipe))
     if "train" in texts:
         try:
-            check_training_text(most_tokens(texts["train"]), recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
+            check_training_text(most["train"], recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
         except NormswapError as e:
             raise NormswapError(f"data.train: {e}") from None
 
@@ -418,10 +426,11 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
     return {arm: finished[arm] for arm in order if arm in finished}
 
 
-def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids, *, progress, stop,
-         accelerator, plot, on_step) -> ExperimentResult:
+def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
+         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
-    `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded."""
+    `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
+    `digests`, the recipe's text_digests()."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
@@ -437,7 +446,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             check_resumable(arm_dir / "state", accelerator.num_processes, arm)
     if accelerator.is_main_process:
         # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
-        write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(),
+        write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
                                                           "source": recipe.source, "recipe": recipe.to_dict()},
                                                          indent=1))
     accelerator.wait_for_everyone()
@@ -450,7 +459,8 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         set_seed(recipe.seed)
         # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
-                                                     recipe.data.eval, text=texts.pop("pretrain", None), stop=stop,
+                                                     texts["eval"], text=texts.pop("pretrain", None),
+                                                     text_digest=digests[recipe.pretrain.text], stop=stop,
                                                      progress=progress)
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
@@ -527,10 +537,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                 result["num_processes"] = accelerator.num_processes
             if evaluate.window:
                 result["eval_window"] = evaluate.window
-            tmp = arm_dir / (RESULT_FILE + ".tmp")
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(finite_or_null(result)))
-            tmp.replace(done)
+            write_text_atomic(done, json.dumps(finite_or_null(result)))
             shutil.rmtree(arm_dir / "state", ignore_errors=True)
             results[arm] = result
         accelerator.wait_for_everyone()
@@ -541,7 +548,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
         data = {
             "recipe": recipe.to_dict(),
-            "fingerprint": recipe.fingerprint(),
+            "fingerprint": recipe.fingerprint(digests),
             "model": model_path,
             "pretrain": pretrain_info,
             "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},

@@ -37,7 +37,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap.errors import NormswapError, one_line
-from normswap.experiment.recipe import TrainSettings
+from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
 from normswap.progress import isatty
 
@@ -239,7 +239,8 @@ class History:
     evals: list[dict] = field(default_factory=list)  # {"step": s, ...metrics}
     train_seconds: float = 0.0
     # The processes that trained it: the sequences of a step depend on their count (RandomWindows).
-    # None in a checkpoint written before it was recorded (check_resumable then counts accelerate's files).
+    # None in a checkpoint written before it was recorded (check_resumable then reads it from the ranks
+    # of accelerate's files).
     num_processes: int | None = None
 
     def to_dict(self) -> dict:
@@ -318,7 +319,7 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
     history = _read_history(found / TRAINER_STATE, f"delete {state_dir} to train from the start")
     # A checkpoint from before the count was recorded (4a66f5b): accelerate's save_state writes one
     # RNG file per process, always, so every checkpoint normswap wrote says its count one way or the other.
-    saved = history.num_processes or len(list(found.glob("random_states_*.pkl"))) or None
+    saved = history.num_processes or _ranks_saved(found)
     if saved is None:  # resumed unchecked, it could continue another count's run with this one's batches
         raise NormswapError(f"{what}: its checkpoint {found} records no process count (num_processes in "
                             f"{TRAINER_STATE}) and holds no random-state files (random_states_*.pkl); every "
@@ -347,6 +348,19 @@ def check_resumable(state_dir: Path, num_processes: int, what: str) -> tuple[Pat
                             "interrupted run's, unsaid); put it back, or delete "
                             f"{state_dir} to train it from the start")
     return found, history
+
+
+def _ranks_saved(found: Path) -> int | None:
+    """The process count of a checkpoint that does not record it, from accelerate's files: one more
+    than the highest rank with a random_states_<rank>.pkl (None: there is none). Not how many such
+    files there are: one file lost (rank 0's of two) made a checkpoint of 2 read as one of 1, so the
+    resume on 2 was refused as 'trained on 1 process, run it again on 1' and the run on 1 for the
+    file it lacks; and a copy beside a file (random_states_0 copy.pkl, which the glob matched) made a
+    sound one of 1 read as one of 2. Only the top rank's file lost is beyond what names can tell:
+    the count is then one short, as the checkpoint's files are."""
+    ranks = [int(m[1]) for p in found.glob("random_states_*.pkl")
+             if (m := re.fullmatch(r"random_states_([0-9]+)\.pkl", p.name))]
+    return max(ranks) + 1 if ranks else None
 
 
 def _save(accelerator, state_dir: Path, history: History) -> None:
@@ -389,17 +403,25 @@ def _out_of_memory(e: BaseException) -> bool:
 
 @contextlib.contextmanager
 def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
-    """An update the weights' dtype cannot hold is the recipe's learning rate (or weight decay), not a
-    bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5 in
-    float16) into the weights' type, which was an internal error (exit 1). A smaller but still
-    absurd rate trains into a non-finite loss, which the step's check reports the same way."""
+    """An update the weights' dtype cannot hold is the recipe's learning rate (or SGD's weight decay),
+    not a bug: torch refuses to turn a step size past the dtype's range (lr = 1e308 in float32, 1e5
+    in float16) into the weights' type, which was an internal error (exit 1). A smaller but still
+    absurd rate trains into a non-finite loss, which the step's check reports the same way. Named
+    as the recipe keys and the values the user wrote (`lr` is the schedule's at this step: in the
+    warm-up a fraction of it, which the user never wrote)."""
     try:
         yield
     except RuntimeError as e:
         if "without overflow" not in str(e):
             raise
-        raise NormswapError(f"{where}: the update at learning rate {lr:g} (weight_decay {s.weight_decay:g}) "
-                            f"overflows the weights' dtype ({one_line(e)}); lower the learning rate") from None
+        keys = [f"{recipe_key(s, 'lr')} = {s.lr!r}"]
+        if lr != s.lr:
+            keys[0] += f" ({lr:g} at this step of the schedule)"
+        if s.weight_decay:  # SGD adds weight_decay x the weights to the gradient in their dtype
+            keys.append(f"{recipe_key(s, 'weight_decay')} = {s.weight_decay!r}")
+        lower = " or ".join(k.partition(" ")[0] for k in keys)
+        raise NormswapError(f"{where}: the update at {' and '.join(keys)} overflows the weights' dtype "
+                            f"({one_line(e)}); lower {lower}") from None
 
 
 def any_process(accelerator, flag: bool) -> bool:

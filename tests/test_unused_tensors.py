@@ -1,0 +1,270 @@
+"""Stored tensors the model built has no place for (loading.unused_tensors): what cannot change the
+computation is accepted and said once (bert-base's pooler and next-sentence head under
+BertForMaskedLM, 2020-era GPT-2 checkpoints' attn.masked_bias); what would change it is refused (a
+norm bias under an RMSNorm, a Linear bias the config turned off, a q_norm of another architecture,
+layers past the config's count)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_models import randomize_norms_and_biases, save_tiny, tiny_config, tiny_tokenizer
+
+from normswap import loading
+from normswap.cli import cli
+from normswap.errors import NormswapError
+from normswap.verify import model_output
+
+pytestmark = pytest.mark.usefixtures("small_probes")  # conftest's
+
+BATCH = {"input_ids": torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))}
+BERT_HEADS = ["bert.pooler.dense.bias", "bert.pooler.dense.weight", "cls.seq_relationship.bias",
+              "cls.seq_relationship.weight"]
+
+
+def _saved(cls_name: str, arch: str, d, architectures: list[str], **overrides):
+    """A tiny `arch` model built as transformers' `cls_name` (norms and biases randomised), saved in
+    `d` with its tokenizer, config.json then naming `architectures`: weights saved from one class,
+    a config naming another, as bert-base-uncased's are."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = randomize_norms_and_biases(getattr(transformers, cls_name)(tiny_config(arch, **overrides))).eval()
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = architectures
+    (d / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.fixture(scope="module")
+def bert_base_layout(tmp_path_factory):
+    """bert-base-uncased's layout: config.json says BertForMaskedLM, the weights are
+    BertForPreTraining's (its pooler and next-sentence head too)."""
+    d = tmp_path_factory.mktemp("unused") / "bert"
+    _saved("BertForPreTraining", "bert", d, ["BertForMaskedLM"])
+    return d
+
+
+def _stock(cls_name: str, d):
+    import transformers
+
+    return getattr(transformers, cls_name).from_pretrained(d, output_loading_info=True)
+
+
+def _legacy_gpt2(d, pickled: bool):
+    """A GPT-2 as a 2020-era transformers saved it: each attention's causal mask `attn.bias` and its
+    fill value `attn.masked_bias` stored with the weights (pytorch_model.bin, or safetensors)."""
+    model = save_tiny("gpt2", d)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for i in range(2):
+        tensors[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.uint8)).view(1, 1, 64, 64)
+        tensors[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    (d / "model.safetensors").unlink()
+    if pickled:
+        torch.save(tensors, d / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        tensors.pop("lm_head.weight", None)  # tied: safetensors stores one of the two
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_bert_base_layout_loads_as_stock_does_and_says_what_it_drops(bert_base_layout):
+    """normswap refused it ('4 tensor(s) the config has no place for: bert.pooler.dense.bias, ...;
+    is the config from another model size?'), where stock transformers loads it with a load report
+    of the four as unexpected. Now the check before the load and the load's own (one rule) accept
+    them as tensors of modules BertForMaskedLM does not build, name the class the weights are, and
+    the model computes what stock transformers' does."""
+    src = loading.resolve(bert_base_layout)
+    unused = loading.check_stored_tensors(src, loading.load_config(src))
+    assert unused is not None
+    assert (list(unused.not_built), unused.saved_from, unused.buffers) == (BERT_HEADS, "BertForPreTraining", ())
+    stock, info = _stock("BertForMaskedLM", bert_base_layout)
+    assert info["unexpected_keys"] == set(BERT_HEADS)  # what transformers 5 reports
+    assert loading.check_loading_info(stock, info, "x") == loading.UnusedTensors(
+        "x", "BertForMaskedLM", tuple(BERT_HEADS), "BertForPreTraining")
+    model = loading.load_model(src)
+    assert model.normswap_unused_tensors == unused
+    assert torch.equal(model_output(model, BATCH)[1], model_output(stock.eval(), BATCH)[1])
+    assert "BertForMaskedLM does not build (bert.pooler.dense.bias" in unused.note()
+
+
+def test_patch_of_the_bert_base_layout_runs_verifies_and_says_it_once(bert_base_layout, tmp_path):
+    """`normswap patch` of it: exit 0, one note on stderr naming the tensors, the same record in
+    --json; the output holds what BertForMaskedLM loads (the unused tensors are not written), and
+    stock transformers loads it with nothing unexpected and the same logits as the source."""
+    out = tmp_path / "patched"
+    r = CliRunner().invoke(cli, ["patch", str(bert_base_layout), "--impl", "torch", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "4 stored tensor(s) of modules BertForMaskedLM does not build" in notes[0], notes
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["saved_to"] == str(out)
+    [unused] = doc["unused_tensors"]
+    assert unused["not_built"] == BERT_HEADS and unused["saved_from"] == "BertForPreTraining"
+    assert unused["note"] in notes[0]
+    reloaded, info = _stock("BertForMaskedLM", out)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    stock, _ = _stock("BertForMaskedLM", bert_base_layout)
+    assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
+
+
+def test_patch_in_place_would_drop_a_head_and_is_refused(bert_base_layout, tmp_path):
+    """--in-place rewrites the folder with what BertForMaskedLM loads: bert-base's pooler and
+    next-sentence head would be gone from the user's only copy. Refused before the load, naming
+    them and --out; nothing changes."""
+    d = tmp_path / "bert"
+    shutil.copytree(bert_base_layout, d)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir())
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--in-place"])
+    assert r.exit_code == 2
+    [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap:")]
+    assert line == (f"normswap: error: --in-place would remove 4 stored tensor(s) of modules BertForMaskedLM does "
+                    f"not build from {d} (bert.pooler.dense.bias, bert.pooler.dense.weight, cls.seq_relationship.bias "
+                    "and 1 more), which the class they were saved with reads; write the patched model with --out DIR "
+                    "instead")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) == before
+
+
+@pytest.mark.parametrize("pickled", [True, False], ids=["pickled", "safetensors"])
+def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickled):
+    """2020-era GPT-2 fine-tunes hold each attention's attn.bias (the causal mask: GPT-2's class
+    declares it ignorable) and attn.masked_bias (the masked scores' fill value, -1e4, which no module
+    of transformers 5 has, and which stock transformers reports as unexpected): the second was
+    refused. Accepted as a buffer no module reads, said as such; logits equal stock's; --in-place
+    may drop it (a constant: nothing is lost), and its output reloads with nothing unexpected."""
+    d = tmp_path / "gpt2"
+    _legacy_gpt2(d, pickled)
+    src = loading.resolve(d)
+    masked = ("transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias")
+    unused = loading.check_stored_tensors(src, loading.load_config(src))
+    assert unused == loading.UnusedTensors(str(d), "GPT2LMHeadModel", (), None, masked)
+    stock, info = _stock("GPT2LMHeadModel", d)
+    assert info["unexpected_keys"] == set(masked)
+    model = loading.load_model(src)
+    assert model.normswap_unused_tensors == unused
+    assert torch.equal(model_output(model, BATCH)[1], model_output(stock.eval(), BATCH)[1])
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--in-place"])
+    assert r.exit_code == 0, r.stderr
+    assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
+    reloaded, info = _stock("GPT2LMHeadModel", d)
+    assert not info["unexpected_keys"]
+    assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
+
+
+def test_convert_of_a_model_saved_with_another_head_runs_verifies_and_leaves_the_head_out(tmp_path):
+    """A GPT-2 saved from GPT2DoubleHeadsModel (its multiple-choice head) with the legacy
+    masked_bias, config naming GPT2LMHeadModel: convert was refused for 'no place for'. It converts
+    and verifies now; the multiple-choice head reads the final norm's output, which the conversion
+    changes (its γ folds into lm_head), so it is not written (carried, a GPT2DoubleHeadsModel load
+    of the output would compute another multiple-choice score, unverified); the masked_bias
+    buffers, which nothing reads, are carried as stored. The output loads in stock transformers
+    with nothing unexpected but them, and its logits are the source's."""
+    d = tmp_path / "doubleheads"
+    _saved("GPT2DoubleHeadsModel", "gpt2", d, ["GPT2LMHeadModel"])
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    tensors.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(2)})
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), "--to", "rms", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    [unused] = json.loads(r.stdout)["unused_tensors"]
+    assert unused["not_built"] == ["multiple_choice_head.summary.bias", "multiple_choice_head.summary.weight"]
+    assert unused["saved_from"] == "GPT2DoubleHeadsModel"
+    assert unused["buffers"] == ["transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"]
+    assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
+    stored = set(load_file(out / "model.safetensors"))
+    assert not any(k.startswith("multiple_choice_head.") for k in stored)
+    assert {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"} <= stored
+    converted, info = _stock("GPT2LMHeadModel", out)
+    assert info["unexpected_keys"] == {"transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias"}
+    source, _ = _stock("GPT2LMHeadModel", d)
+    torch.testing.assert_close(model_output(converted.eval(), BATCH)[1], model_output(source.eval(), BATCH)[1],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_non_persistent_buffer_older_transformers_saved_is_accepted(tmp_path):
+    """GPT-Neo builds its causal mask attn.attention.bias as a non-persistent buffer (computed from
+    the config); older checkpoints stored it, with masked_bias beside it. Both are buffers no
+    stored value of which the model reads: found from the module (its non-persistent buffers),
+    not from a list."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    d = tmp_path / "neo"
+    config = GPTNeoConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+                          attention_types=[[["global", "local"], 1]], window_size=16, intermediate_size=48)
+    model = randomize_norms_and_biases(GPTNeoForCausalLM(config)).eval()
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for i in range(2):
+        tensors[f"transformer.h.{i}.attn.attention.bias"] = torch.tril(torch.ones(1, 1, 64, 64, dtype=torch.bool))
+        tensors[f"transformer.h.{i}.attn.attention.masked_bias"] = torch.tensor(-1e9)
+    model.save_pretrained(d)
+    torch.save(tensors, d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    src = loading.resolve(d)
+    unused = loading.check_stored_tensors(src, loading.load_config(src))
+    assert unused is not None and not unused.not_built
+    assert set(unused.buffers) == {f"transformer.h.{i}.attn.attention.{b}" for i in range(2)
+                                   for b in ("bias", "masked_bias")}
+    assert loading.load_model(src).normswap_unused_tensors == unused
+
+
+def _llama_with(d, extra: dict, **config_changes):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny("llama", d)
+    tensors = load_file(d / "model.safetensors")
+    save_file({**tensors, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    if config_changes:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(config_changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return loading.resolve(d)
+
+
+@pytest.mark.parametrize("extra, says", [
+    # a LayerNorm's bias under an RMSNorm-configured model: the norm computed with it
+    ({"model.norm.bias": torch.randn(32), "model.layers.0.input_layernorm.bias": torch.randn(32)},
+     "2 tensor(s) the config has no place for: model.layers.0.input_layernorm.bias, model.norm.bias"),
+    # a Linear bias the config turned off (attention_bias false)
+    ({"model.layers.1.self_attn.q_proj.bias": torch.randn(32)},
+     "1 tensor(s) the config has no place for: model.layers.1.self_attn.q_proj.bias"),
+    # a Qwen3-style q_norm under a Llama config: a module no Llama class builds, inside the layer
+    ({"model.layers.0.self_attn.q_norm.weight": torch.randn(8)},
+     "1 tensor(s) the config has no place for: model.layers.0.self_attn.q_norm.weight"),
+    # a head no class of the config builds (LlamaForSequenceClassification's score would be accepted)
+    ({"classifier.weight": torch.randn(2, 32)}, "1 tensor(s) the config has no place for: classifier.weight"),
+])
+def test_tensors_that_would_change_the_computation_are_still_refused(tmp_path, extra, says):
+    src = _llama_with(tmp_path / "llama", extra)
+    for check in (lambda: loading.check_stored_tensors(src, loading.load_config(src)), lambda: loading.load_model(src)):
+        with pytest.raises(NormswapError) as e:
+            check()
+        assert f"the weights do not match config.json ({says})" in str(e.value)
+    r = CliRunner().invoke(cli, ["patch", str(src.path), "--impl", "torch"])
+    assert r.exit_code == 2 and says in r.stderr and "note:" not in r.stderr
+
+
+def test_a_layer_past_the_config_is_refused_beside_a_head_that_is_accepted(tmp_path):
+    """BertForPreTraining's weights of 3 layers under a 2-layer BertForMaskedLM config: the pooler and
+    next-sentence head are no fault, the third layer is, said with the layer count as before."""
+    d = tmp_path / "bert"
+    _saved("BertForPreTraining", "bert", d, ["BertForMaskedLM"], num_hidden_layers=3)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (d / "config.json").write_text(json.dumps(cfg))
+    src = loading.resolve(d)
+    with pytest.raises(NormswapError) as e:
+        loading.check_stored_tensors(src, loading.load_config(src))
+    assert str(e.value) == (f"{d}: the weights do not match config.json (num_hidden_layers is 2 there, but the weights "
+                            "hold 3 layers: 16 tensor(s) of bert.encoder.layer.2 the config has no place for); is the "
+                            "config from another model size?")
