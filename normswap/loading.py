@@ -441,7 +441,8 @@ def check_config(config, where) -> None:
     the config class's own default is never refused: transformers' defaults are its statement of
     what is valid, and some are sentinels outside the rule (-1 for 'unlimited' or 'not set':
     XLNetConfig.max_position_embeddings, ViltConfig.num_images, Phi4's audio chunk_size), which
-    refused every model of those architectures."""
+    refused every model of those architectures. Nor is a -1 ('not set') where the class defaults
+    to a valid value, when transformers computes nothing with it (_unset_and_unused)."""
     names = getattr(config, "architectures", None)
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         # reprlib: the value is shown shortened, as the one error line must stay short whatever the file holds
@@ -451,9 +452,10 @@ def check_config(config, where) -> None:
     for name in _POSITIVE:
         value = _field(config, name)
         if (isinstance(value, int) and not isinstance(value, bool) and value < 1
-                and not _is_default(value, _field(default, name))):
+                and not _is_default(value, _field(default, name))
+                and not _unset_and_unused(config, name, value, _field(default, name))):
             raise NormswapError(f"{where}: {name} is {value}; it must be at least 1")
-    _check_fields(config.to_dict(), where, _default_fields(type(config)))
+    _check_fields(config, config.to_dict(), where, _default_fields(type(config)))
 
 
 def _field(config, name):
@@ -472,20 +474,104 @@ def _is_default(value, default) -> bool:
     return isinstance(default, (int, float)) and not isinstance(default, bool) and value == default
 
 
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' info and warning lines off: a composite config says that it fills in its parts,
+    a config built for a check that its token ids lie outside a small vocabulary."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 @functools.cache
 def _default_config(cls):
     """The config class built with its own defaults, once per class (milliseconds); None for one
     that cannot be built without arguments (its defaults then excuse nothing)."""
-    from transformers.utils import logging as hf_logging
+    with _transformers_quiet():
+        try:
+            return cls()
+        except Exception:
+            return None
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a composite says at info/warning level that it fills in its parts
+
+# The value configs write for a setting they leave unset: OLMo-core's export of its models writes
+# max_position_embeddings -1 into every OLMo 2 / OLMo 3 / OLMoE config.json (the classes default
+# to 2048 and 4096), which every command refused, though transformers computes nothing with it there.
+_UNSET = -1
+
+
+def _unset_and_unused(config, path: str, value, default) -> bool:
+    """Whether `value`, refused by the field rules at `path` ("max_position_embeddings",
+    "text_config.max_position_embeddings"), is the unset sentinel -1 that the model transformers
+    builds from `config` does not compute with: built (on the meta device) with it and with the
+    class's own default (`default`, a valid value) in its place, the two models are the same (the
+    same modules and tensors, of the same shapes, and the same numbers held by each module, save
+    the value itself kept as it is), and so are their rotary embeddings' cos and sin (rebuilt on
+    the CPU: a dynamic RoPE computes with the context length at every forward pass, and with -1
+    made NaNs). A value transformers sizes a tensor with, counts layers by, or computes a scale
+    from is refused as before; so is any other negative number, and a model that cannot be built
+    either way (nothing to compare)."""
+    if value != _UNSET or not isinstance(default, int) or isinstance(default, bool) or default < 1:
+        return False
     try:
-        return cls()
-    except Exception:
-        return None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        with _transformers_quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours, theirs = (_built_with(config, path, v, default) for v in (value, default))
+    except Exception:  # noqa: BLE001  (not built either way, or a config that takes no value there)
+        return False
+    return _same(ours, theirs)
+
+
+def _same(a, b) -> bool:
+    """a == b, tensors compared whole (a NaN equals nothing)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _built_with(config, path: str, value, default) -> list:
+    """What the model built from a copy of `config` with `value` at `path` holds (see
+    _unset_and_unused): per module, its class, its tensors' names, shapes and dtypes and its
+    numbers, and for a rotary embedding its cos and sin at positions up to the default (256 at
+    most), the value it keeps read as `default`."""
+    import copy
+
+    config = copy.deepcopy(config)
+    *parents, name = path.split(".")
+    holder = functools.reduce(getattr, parents, config)
+    setattr(holder, name, value)
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    held = []
+    for module_name, module in model.named_modules():
+        # a rotary embedding's frequencies: inv_freq, or one per kind of layer (Olmo3's
+        # sliding_attention_inv_freq, full_attention_inv_freq), each computed by its own forward
+        freqs = [n for n, _ in module.named_buffers(recurse=False)
+                 if n.endswith("inv_freq") and not n.endswith("original_inv_freq")]
+        rotary = bool(freqs)
+        # a rotary embedding keeps the context length for its forward pass, which is run here;
+        # any other module keeping the value may compute with it in its own (SEW-D's relative
+        # position buckets take the log of it), which is not
+        numbers = {k: (default if rotary and v == value else v) for k, v in sorted(vars(module).items())
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(recurse=False),
+                                                            *module.named_buffers(recurse=False)]]
+        held.append((module_name, type(module).__name__, numbers, tensors))
+        if rotary:
+            with torch.device("cpu"):
+                rebuilt, x = type(module)(module.config), torch.zeros(1, dtype=torch.float32)
+                positions = torch.arange(min(default, 256))[None]
+                held += [rebuilt(x, positions) if n == "inv_freq" else rebuilt(x, positions, n[:-len("_inv_freq")])
+                         for n in freqs]
+    return held
 
 
 @functools.cache
@@ -507,7 +593,7 @@ def _sub_defaults(value: dict, parent_default) -> dict:
     return parent_default if isinstance(parent_default, dict) else {}
 
 
-def _check_fields(fields: dict, where, defaults: dict, prefix: str = "") -> None:
+def _check_fields(config, fields: dict, where, defaults: dict, prefix: str = "") -> None:
     for name, value in fields.items():
         default = defaults.get(name)
         # a config class may hold a table keyed by numbers (Aria's projector_patch_to_query_dict,
@@ -515,12 +601,12 @@ def _check_fields(fields: dict, where, defaults: dict, prefix: str = "") -> None
         # raised TypeError on them, an internal error for every command on an Aria model)
         name = str(name)
         if isinstance(value, dict):
-            _check_fields(value, where, _sub_defaults(value, default), f"{prefix}{name}.")
+            _check_fields(config, value, where, _sub_defaults(value, default), f"{prefix}{name}.")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or _is_default(value, default):
             continue
         elif _EPS_LIKE.fullmatch(name) and not (math.isfinite(value) and value >= 0):
             raise NormswapError(f"{where}: {prefix}{name} is {value}; an eps must be finite and not negative")
-        elif _SIZE_LIKE.fullmatch(name) and value < 0:
+        elif _SIZE_LIKE.fullmatch(name) and value < 0 and not _unset_and_unused(config, prefix + name, value, default):
             raise NormswapError(f"{where}: {prefix}{name} is {value}; a size or count cannot be negative")
         elif _LAYER_COUNT.fullmatch(name) and value > MAX_LAYERS:
             raise NormswapError(f"{where}: {prefix}{name} is {value}; normswap takes at most {MAX_LAYERS:,} "

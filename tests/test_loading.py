@@ -849,6 +849,69 @@ def test_architectures_with_sentinel_defaults_load_and_still_refuse_nonsense(tmp
         loading.load_config(loading.resolve(d))
 
 
+def _small_config(tmp_path, model_type, **fields):
+    """A folder holding only the config.json of a small model of `model_type` with `fields`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    small = dict(vocab_size=96, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    if model_type == "gptj":
+        small.update(n_embd=32, n_layer=2, n_head=4)
+    else:
+        small.update(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+        if model_type != "bert":
+            small.update(num_key_value_heads=2)
+    d = tmp_path / model_type
+    CONFIG_MAPPING[model_type](**{**small, **fields}).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "olmoe", "llama", "qwen2"])
+def test_an_unset_context_length_that_transformers_computes_nothing_with_is_accepted(tmp_path, model_type):
+    """OLMo-core's export writes max_position_embeddings -1 ('not set') into every OLMo 2, OLMo 3
+    and OLMoE config.json, where the classes default to 2048 or 4096: every command refused those
+    models ('max_position_embeddings is -1; it must be at least 1'), though with the default RoPE
+    transformers only keeps the number. Decided by what transformers builds with it."""
+    d = _small_config(tmp_path, model_type, max_position_embeddings=-1)
+    assert loading.load_config(loading.resolve(d)).max_position_embeddings == -1
+
+
+def test_a_model_with_an_unset_context_length_computes_what_it_computes_with_one(tmp_path):
+    """The -1 accepted changes nothing the model computes: the same weights under -1 and under 64
+    give the same logits, bit for bit."""
+    save_tiny("llama", tmp_path / "unset", max_position_embeddings=-1)
+    save_tiny("llama", tmp_path / "set", max_position_embeddings=64)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = [loading.load_model(loading.resolve(tmp_path / name))(ids).logits for name in ("unset", "set")]
+    assert torch.equal(*logits) and torch.isfinite(logits[0]).all()
+
+
+@pytest.mark.parametrize("model_type, fields, says", [
+    # a dynamic RoPE computes with the context length at every forward pass: -1 made NaNs
+    ("olmo2", dict(max_position_embeddings=-1, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+     "max_position_embeddings is -1; it must be at least 1"),
+    # YaRN without its own original length takes the context length's: log of a negative number
+    ("olmo2", dict(max_position_embeddings=-1, rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)),
+     "max_position_embeddings is -1; it must be at least 1"),
+    # absolute positions: a table of -1 rows
+    ("bert", dict(max_position_embeddings=-1), "max_position_embeddings is -1; it must be at least 1"),
+    ("gptj", dict(n_positions=-1, rotary_dim=4), "max_position_embeddings is -1; it must be at least 1"),
+    # a size the model is built with
+    ("llama", dict(num_key_value_heads=-1), "num_key_value_heads is -1; a size or count cannot be negative"),
+    ("llama", dict(head_dim=-1), "head_dim is -1; a size or count cannot be negative"),
+    # no sentinel: any other negative number, and zero
+    ("olmo2", dict(max_position_embeddings=-2), "max_position_embeddings is -2; it must be at least 1"),
+    ("olmo2", dict(max_position_embeddings=0), "max_position_embeddings is 0; it must be at least 1"),
+])
+def test_an_unset_value_that_transformers_computes_with_is_still_refused(tmp_path, model_type, fields, says):
+    """The -1 is accepted only where the model built with it is the one built with the class's
+    default: where transformers sizes a tensor with it or computes with it, it is refused as before."""
+    d = _small_config(tmp_path, model_type, **fields)
+    with pytest.raises(NormswapError, match=re.escape(says)) as e:
+        loading.load_config(loading.resolve(d))
+    _one_line(e)
+
+
 # ---- tensors the config has and the weights do not
 
 
