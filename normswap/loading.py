@@ -839,7 +839,7 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
     from normswap import streaming as st
 
     if source.gguf_file:
-        if problems := _gguf_block_problems(source.path / source.gguf_file):
+        if problems := _gguf_block_problems(source.path / source.gguf_file, config):
             _weights_do_not_match(source.ref, problems, gguf=True)
         return
     quantised = getattr(config, "quantization_config", None) is not None
@@ -903,30 +903,36 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
 _GGUF_BLOCK = re.compile(r"(\w+\.)?blk\.(\d+)\.")
 
 
-def _gguf_block_problems(path: Path) -> list[str]:
+def _gguf_block_problems(path: Path, config) -> list[str]:
     """What a GGUF's tensor names say against its own {arch}.block_count, which transformers
     builds the model's layers from (num_hidden_layers, GPT-2's n_layer, T5's num_layers): blocks
     past the count, which the load dropped without a word (transformers maps the file's tensors
     through a table of the count's blocks and skips every name it lacks), so normswap patched,
     scored and saved a model cut short; and a count past the blocks held, which the load refused
-    only once it had de-quantised the file and allocated every layer. A gap in the blocks, or a
-    file without the key, is left to the load. Read with the gguf package's reader, as
-    transformers reads the file; one that cannot be read is the load's to say."""
+    only once it had de-quantised the file and allocated every layer. A file without the key gets
+    the config class's default count (`config`: the one transformers read from the file; Llama's
+    32, so a 40-block file lost 8), said as such. A gap in the blocks is left to the load. Read
+    with the gguf package's reader, as transformers reads the file; one that cannot be read is the
+    load's to say."""
     try:
         key, count, held = _gguf_blocks(path, *_stat_key(path))
     except Exception:  # noqa: BLE001  (a file the reader cannot read: the load names it)
         return []
-    if not isinstance(count, int):
+    said = f"{key} is {count} there"
+    if count is None:
+        count = _field(config, "num_hidden_layers")
+        said = f"{key} is not there, so {type(config).__name__} takes its default num_hidden_layers, {count}"
+    if not isinstance(count, int) or isinstance(count, bool):
         return []
     problems = []
     for under, blocks in sorted(held.items()):
         stored = max(blocks) + 1
         if stored > count:
             past = sum(n for i, n in blocks.items() if i >= count)
-            problems.append(f"{key} is {count} there, but the file holds {_layers(len(blocks), 'block')}: {past} tensor(s) of "
+            problems.append(f"{said}, but the file holds {_layers(len(blocks), 'block')}: {past} tensor(s) of "
                             f"{_layer_range(under, count, stored)}, which the load would drop without a word")
         elif stored < count and set(blocks) == set(range(stored)):
-            problems.append(f"{key} is {count} there, but the file holds {_layers(stored, 'block')}: "
+            problems.append(f"{said}, but the file holds {_layers(stored, 'block')}: "
                             f"no tensor of {_layer_range(under, stored, count)}")
     return problems
 

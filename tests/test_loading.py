@@ -454,14 +454,16 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
 def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, block_count=None):
     """A tiny float32 Llama GGUF with random weights and no tokenizer: what llama.cpp writes,
     shapes as transformers' GGUF loader expects them (arrays in torch layout). block_count: the
-    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file)."""
+    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file);
+    False: no block_count key at all."""
     import numpy as np
     gguf = pytest.importorskip("gguf")
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(64)
     w.add_embedding_length(hidden)
-    w.add_block_count(layers if block_count is None else block_count)
+    if block_count is not False:
+        w.add_block_count(layers if block_count is None else block_count)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
@@ -538,6 +540,19 @@ def test_a_gguf_whose_block_count_disagrees_with_its_blocks_is_refused_before_th
                             f"({says}); is the file damaged or edited?")
 
 
+def test_a_gguf_without_block_count_is_held_to_the_count_transformers_builds(tmp_path, monkeypatch):
+    """No llama.block_count: transformers builds LlamaConfig's default 32 layers and dropped the
+    blocks past them without a word (a 40-block file lost 8). Said as what it is."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "nokey.gguf", layers=34, block_count=False))
+    config = loading.load_config(src)
+    assert config.num_hidden_layers == 32  # transformers' default, not the file's
+    _no_load(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src, config=config)
+    assert ("(llama.block_count is not there, so LlamaConfig takes its default num_hidden_layers, 32, but the file "
+            "holds 34 blocks: 18 tensor(s) of blk.32 to blk.33, which the load would drop without a word)") in _one_line(e)
+
+
 def test_an_encoder_decoders_gguf_blocks_are_counted_per_stack(tmp_path):
     """T5's GGUF holds two lists of blocks (enc.blk.N, dec.blk.N), each as long as block_count
     (transformers builds the decoder as deep as the encoder): each is counted on its own, and the
@@ -554,7 +569,7 @@ def test_an_encoder_decoders_gguf_blocks_are_counted_per_stack(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert loading._gguf_block_problems(tmp_path / "t5.gguf") == [
+    assert loading._gguf_block_problems(tmp_path / "t5.gguf", None) == [
         "t5.block_count is 2 there, but the file holds 3 blocks: 2 tensor(s) of dec.blk.2, which the load would drop "
         "without a word"]
 
@@ -564,7 +579,7 @@ def test_a_gguf_whose_blocks_match_its_block_count_loads_every_block(tmp_path):
     src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=3))
     model = loading.load_model(src)
     assert len(model.model.layers) == 3
-    assert loading._gguf_block_problems(tmp_path / "tiny.gguf") == []
+    assert loading._gguf_block_problems(tmp_path / "tiny.gguf", loading.load_config(src)) == []
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
