@@ -741,10 +741,12 @@ def _prepare_scoring(settings: EvalSettings, source, configs: list, source_b=Non
     B's, which must be the same), the configs' context and vocabulary. The window options were
     checked by each caller's _require_settings, before it read anything."""
     from normswap.data import open_corpus
-    from normswap.evaluate import check_before_loading
+    from normswap.evaluate import check_before_loading, check_language_model_heads
     from normswap.loading import load_tokenizer, model_class
 
     corpus = open_corpus(settings.data, settings.text_field)
+    # A vision or audio model ships no tokenizer: say what is wrong with it, not with its folder.
+    check_language_model_heads(configs, model_class)
     tokenizer = load_tokenizer(source, progress)
     if source_b is not None:
         _check_same_tokenizer(tokenizer, source_b, progress)

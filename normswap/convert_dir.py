@@ -72,9 +72,15 @@ def convert_directory(
     has_safetensors = source.gguf_file is None and (
         (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file()
     )
+    names = list(meta.state_dict().keys())
+    arch = load_arch(plan.model_type)
+    if has_safetensors and not _stored_by_name(source, plan, names, arch.prefix if arch else ""):
+        # transformers renames this checkpoint's tensors when it loads them (ViT's stored
+        # encoder.layer.0.output.dense is the model's layers.0.mlp.fc2): the shard-by-shard path
+        # reads tensors by the model's names, so convert in memory and let transformers save
+        # them under the stored names again.
+        has_safetensors = False
     if has_safetensors:
-        names = list(meta.state_dict().keys())
-        arch = load_arch(plan.model_type)
         if plan.untie is not None:
             reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
             _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
@@ -110,6 +116,12 @@ def convert_directory(
     if manifest:
         write_manifest(out, new_manifest(convert=section, carried_folders=carried_record(out, real_folders(out))))
     return section
+
+
+def _stored_by_name(source, plan, names: list[str], prefix: str) -> bool:
+    """Every tensor the plan reads is stored under the model's own name (or the bare base model's)."""
+    reader = st.CheckpointReader(source.path, names, prefix=prefix)
+    return all(n in reader.raw or plan.aliases.get(n) in reader.raw for job in plan.jobs for n in job.inputs)
 
 
 def _refuse_a_head_stored_apart(source, untie: tuple[str, str], read) -> None:
@@ -165,7 +177,9 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     if isinstance(stored, str):
         stored = getattr(torch, stored, torch.float32)
     run_dtype = torch.float64 if conv_dtype == torch.float64 and stored == torch.float64 else torch.float32
-    batch = probe_batch(config, ProbeConfig(batch=2, seq_len=32)) if batch is None else batch
+    if batch is None:
+        meta = loading.build_meta_model(source, config) if meta is None else meta
+        batch = probe_batch(meta, ProbeConfig(batch=2, seq_len=32))
     original = loading.load_model(source, dtype=run_dtype, config=config, meta=meta)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
     ref = model_output(original, batch, raw=True)[1]
@@ -186,7 +200,8 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
     # it is held to the same gate as the stock reload.
     tol_rms = tol
-    result = {"probe": list(batch["input_ids"].shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+    # "probe": the main input's shape (ids, an image, a spectrogram, a waveform)
+    result = {"probe": list(next(iter(batch.values())).shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
               "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}

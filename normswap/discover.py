@@ -31,7 +31,7 @@ into jobs, and normswap/archs/*.toml can override it.
 
 from __future__ import annotations
 
-import inspect
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normswap import fold, registry
+from normswap import inputs as model_inputs
 
 # Refusal categories: why a LayerNorm cannot become an RMSNorm exactly.
 REFUSALS = {
@@ -70,6 +71,11 @@ _PASS = {"clone", "alias", "detach", "_to_copy", "lift_fresh", "contiguous", "dr
 # hidden dimension whole and last (_splits_rows) makes pieces of rows: each is read as the value
 # is (ProphetNet chunks its stream by position before its relative-position projection).
 _SPLIT = {"split", "split_with_sizes", "unbind"}
+# Operations that move a dimension without touching values: followed back from a value whose last
+# (hidden) dimension was another one's before (a patch embedding's channels, flattened and
+# transposed to the last place), to the convolution whose output channels it was.
+_MOVE = {"transpose", "permute", "view", "_unsafe_view", "reshape", "alias", "clone", "contiguous",
+         "detach", "_to_copy"}
 _ADD = {"add", "sub", "add_", "sub_"}
 _SCALE = {"mul", "div", "mul_", "div_"}
 # Operations that look at a tensor's shape, dtype or device only, never its values.
@@ -114,31 +120,6 @@ def tensors_in(obj) -> Iterable[torch.Tensor]:
             yield from tensors_in(o)
     elif hasattr(obj, "to_tuple"):  # a ModelOutput that is not a dict subclass
         yield from tensors_in(obj.to_tuple())
-
-
-def _forward_params(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def dummy_inputs(model: nn.Module) -> dict:
-    """input_ids (and decoder_input_ids for encoder-decoders) on the model's device."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    ids = torch.ones((1, SEQ_LEN), dtype=torch.long, device=device)
-    inputs = {"input_ids": ids}
-    config = getattr(model, "config", None)
-    params = _forward_params(model)
-    if "attention_mask" in params:
-        # Explicit, so that no model warns that the dummy ids (1, a common pad id) may be padding.
-        inputs["attention_mask"] = torch.ones_like(ids)
-    if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
-    if "use_cache" in params:
-        inputs["use_cache"] = False
-    return inputs
 
 
 class _Recorder(TorchDispatchMode):
@@ -230,10 +211,59 @@ class Trace:
     params: dict  # key -> parameter names (several when tied)
     output_keys: set
     error: str | None = None
+    via: str | None = None  # the method traced (a tower's get_image_features); None: the forward
+    fed: tuple[str, ...] = ()  # the inputs it ran on (normswap.inputs names)
+    unfed: list[str] = field(default_factory=list)  # modality inputs the forward takes and did not get
+    more: list[Trace] = field(default_factory=list)  # traces of the towers the forward did not run
 
 
 def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
-    """Run `model` once (meta device or real) and record its dataflow."""
+    """Run `model` once (meta device or real) and record its dataflow. Without `inputs`, on the
+    first input set of normswap.inputs.candidates that the forward runs on (Trace.fed); then, for
+    each modality input the forward takes and that run did not feed (a multimodal LM's images or
+    audio, which need placeholder tokens in the ids that no config says how to place), the
+    model's own get_<x>_features method (which runs that tower and its projector, as the forward
+    does) on that input alone: the Trace's `more`."""
+    if inputs is not None:
+        return _trace_call(model, model, inputs)
+    sets = model_inputs.candidates(model) or [("input_ids",)]
+    first = None
+    for names in sets:
+        tr = _trace_call(model, model, model_inputs.build(model, names, seq_len=SEQ_LEN))
+        first = first or tr
+        if tr.error is None:
+            break
+    else:
+        names, tr = (), first  # the first set's failure says most: it holds every input
+    tr.fed = names
+    tr.unfed = model_inputs.unbuilt(model.forward, names)
+    if tr.error is None:
+        for name in tr.unfed:
+            found = _feature_method(model, name)
+            if found is not None:
+                owner, method = found
+                fn = getattr(owner, method)
+                sub = _trace_call(model, fn, model_inputs.build(owner, (name,), fn, seq_len=SEQ_LEN),
+                                  what=f"{method}({name})")
+                sub.via, sub.fed = method, (name,)
+                tr.more.append(sub)
+    return tr
+
+
+def _feature_method(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    """(module, method): the shallowest get_<x>_features method in `model` that names the input
+    `name` among its parameters (a wrapper taking *args defers to the one it calls)."""
+    for _path, mod in model.named_modules():
+        for attr in sorted(dir(type(mod))):
+            if attr.startswith("get_") and attr.endswith("_features") and callable(getattr(type(mod), attr, None)):
+                if name in model_inputs.forward_params(getattr(mod, attr)):
+                    return mod, attr
+    return None
+
+
+def _trace_call(model: nn.Module, fn, kwargs: dict, what: str = "forward") -> Trace:
+    """Record the dataflow of fn(**kwargs) (the model, or one of its methods) over every module
+    of `model`."""
     rec = _Recorder()
     calls: dict[str, list[_Call]] = {}
     handles = []
@@ -266,11 +296,11 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
             handles.append(module.register_forward_hook(post(path)))
         try:
             with torch.no_grad(), rec:
-                out = model(**(inputs if inputs is not None else dummy_inputs(model)))
+                out = fn(**kwargs)
             output_keys = {_key(t) for t in tensors_in(out)}
         except Exception as e:  # any model code may fail on meta tensors; say so per norm
             first = (str(e).strip().splitlines() or [""])[0][:120]
-            error = f"the forward did not run on a dummy input ({e.__class__.__name__}: {first})"
+            error = f"the {what} did not run on a dummy input ({e.__class__.__name__}: {first})"
     finally:
         for h in handles:
             h.remove()
@@ -347,33 +377,88 @@ def norm_readers(model: nn.Module, norm_paths: list[str],
     norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
     forward) in module order, after OUTPUT when the output leaves the model as is. A converted
     LayerNorm folds into exactly these (discover's NormFinding.readers). A norm the forward never
-    ran (a tower the dummy input does not reach) has readers None, and the note names it: nobody
-    saw its output, which is not the same as nobody reading it. `tr`: a trace of `model` already
-    made (the scan passes the one its conversion rows use)."""
+    ran but a tower's get_<x>_features did (Trace.more) has the readers seen there, OUTPUT written
+    as `<output of get_x_features>` (the method's output goes on into the model, where the trace
+    did not follow it). A norm no trace ran has readers None, and the note names it: nobody saw its
+    output, which is not the same as nobody reading it. `tr`: a trace of `model` already made (the
+    scan passes the one its conversion rows use)."""
     tr = tr if tr is not None else trace(model)
     if tr.error is not None:
         return None, f"readers unknown: {tr.error}"
-    analysis = _Analysis(model, dict(model.named_modules()), tr)
-    readers = {p: analysis.readers_of(p) if tr.calls.get(p) else None for p in norm_paths}
+    modules = dict(model.named_modules())
+    readers: dict[str, list[str] | None] = dict.fromkeys(norm_paths)
+    for t in (tr, *tr.more):
+        if t.error is not None:
+            continue
+        analysis = _Analysis(model, modules, t)
+        for p in norm_paths:
+            if readers[p] is None and t.calls.get(p):
+                found = analysis.readers_of(p)
+                readers[p] = found if t.via is None else [r if r != OUTPUT else f"<output of {t.via}>" for r in found]
     never = [p for p, r in readers.items() if r is None]
     if not never:
         return readers, None
     more = f" (and {len(never) - 1} more)" if len(never) > 1 else ""
+    failed = "; ".join(t.error for t in tr.more if t.error is not None)
     return readers, (f"readers unknown for {len(never)} norm{'s' * (len(never) > 1)} that the traced forward "
-                     f"on a dummy input did not run: {never[0]}{more}")
+                     f"on a dummy input did not run: {never[0]}{more}" + (f" ({failed})" if failed else ""))
 
 
 def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = None) -> Discovery:
     """Trace `model` (any device; meta is the usual one) and decide, per LayerNorm, whether it can
-    become an RMSNorm exactly and what must be centered and folded for it."""
+    become an RMSNorm exactly and what must be centered and folded for it. A tower traced through
+    its get_<x>_features method (Trace.more) is decided on that trace, alone: everything that
+    leaves the method counts as leaving the model, and a module that runs in both is refused."""
     modules = dict(model.named_modules())
     tr = tr if tr is not None else trace(model, inputs)
-    return _Analysis(model, modules, tr).run()
+    d = _Analysis(model, modules, tr).run()
+    if tr.error is not None:
+        return d
+    if tr.unfed and any(f.category is None for f in d.norms.values()):
+        # What the other modality adds into the residual stream (image features written over
+        # placeholder tokens, patches concatenated before the text) was never seen, so it would
+        # stay uncentered while the norms reading the stream run as RMS norms.
+        why = (f"the forward also takes {', '.join(tr.unfed)}, which the traced forward could not feed: "
+               "what that input adds into the residual stream was not seen")
+        for f in d.norms.values():
+            f.refuse("untraced", why)
+        d.tables, d.writers, d.untie, d.params = [], [], None, []
+    ran = {p: [t] for p in modules for t in (tr,) if t.calls.get(p)}
+    for t in tr.more:
+        for p in modules:
+            if t.calls.get(p):
+                ran.setdefault(p, []).append(t)
+    for t in tr.more:
+        never = {p for p, f in d.norms.items() if not tr.calls.get(p) and t.calls.get(p)}
+        if t.error is not None:
+            for p, f in d.norms.items():
+                if not tr.calls.get(p) and f.category == "untraced":
+                    f.reason += f"; {t.error}"
+            continue
+        if not never:
+            continue
+        elsewhere = {p for p, ts in ran.items() if any(o is not t for o in ts)}
+        sub = _Analysis(model, modules, t, elsewhere).run()
+        for p in never:
+            d.norms[p] = sub.norms[p]
+        d.tables += [m for m in sub.tables if m not in d.tables]
+        d.writers += [w for w in sub.writers if w not in d.writers]
+        d.params += [q for q in sub.params if q not in d.params]
+    untowered = [n for n in tr.unfed if n in model_inputs.MODALITY_INPUTS and not any(n in t.fed for t in tr.more)]
+    if untowered:
+        for p, f in d.norms.items():
+            if f.category == "untraced" and not any(t.calls.get(p) for t in (tr, *tr.more)):
+                f.reason += (f"; the forward also takes {', '.join(untowered)}, and no get_<x>_features method "
+                             "runs that input's tower on its own")
+    return d
 
 
 class _Analysis:
-    def __init__(self, model, modules, tr: Trace):
+    def __init__(self, model, modules, tr: Trace, elsewhere: set | frozenset = frozenset()):
         self.model, self.modules, self.tr = model, modules, tr
+        # Modules that also run in another trace of the model (discover: a tower's and the
+        # forward's): nothing this trace converts may touch them, since it sees only its own run.
+        self.elsewhere = elsewhere
         # Module path -> its index in module order, made once: readers_of runs once per norm, and
         # rebuilding it there was quadratic in the depth of the model.
         self.order: dict[str, int] = {q: j for j, q in enumerate(modules)}
@@ -391,7 +476,8 @@ class _Analysis:
             mod = modules.get(path)
             if mod is None or not calls:
                 continue
-            if fold_orientation(mod) is not None or path in paths or isinstance(mod, nn.Embedding):
+            if fold_orientation(mod) is not None or path in paths or isinstance(mod, nn.Embedding) \
+                    or _centerable_conv(mod):
                 for c in calls:
                     for k in c.outs[:1]:
                         self.out_of.setdefault(k, path)
@@ -512,12 +598,62 @@ class _Analysis:
                 return self.terms(b, hidden, visited, adds)
             return [Term("other", f"a multiplicative term ({n.op} of two hidden-size values in "
                                   f"{n.module or '<model>'})", key)]
+        if self._cat_rows(n) is not None:  # rows gathered from pieces: each row's terms are its piece's
+            out = []
+            for piece in self._cat_rows(n):
+                out += self.terms(piece, hidden, visited, adds)
+            return out
+        if n.op in _MOVE:
+            conv = self._conv_channels(key, hidden)
+            if conv is not None:
+                return [Term("writer", conv, key, fold.LINEAR)]
         if n.op == "embedding" and n.ins and n.ins[0] in self.tr.params:
             table = self.tr.params[n.ins[0]][0]
             mod = table.rsplit(".", 1)[0]
             if isinstance(self.modules.get(mod), nn.Embedding) and table.endswith(".weight"):
                 return [Term("embedding", mod, key)]
         return [Term("other", f"{n.op} in {n.module or '<model>'}", key)]
+
+    def _cat_rows(self, n: _Node) -> list | None:
+        """The pieces of a torch.cat across a dimension other than the last (every output row is
+        one piece's row), or None for any other node."""
+        if n.op != "cat" or not n.ins or not isinstance(n.ins[0], list) or not n.shapes_out:
+            return None
+        out = n.shapes_out[0]
+        dim = n.kw.get("dim", n.ins[1] if len(n.ins) > 1 else 0)
+        pieces = n.ins[0]
+        if not out or not isinstance(dim, int) or dim % len(out) == len(out) - 1 or not all(_is_key(k) for k in pieces):
+            return None
+        shapes = [self.shape(k) or self._param_shape(k) for k in pieces]
+        return pieces if all(s is not None and len(s) == len(out) and s[-1] == out[-1] for s in shapes) else None
+
+    def _conv_channels(self, key, hidden: int) -> str | None:
+        """The convolution whose output channels are `key`'s last dimension, moved there by views,
+        transposes and permutes only, with nothing else reading the values on the way (a patch
+        embedding: conv, flatten, transpose); None when there is none. Its output rows center as a
+        Linear's do (every channel is a weighted sum of the same inputs plus a bias)."""
+        shape = self.shape(key)
+        if not shape or shape[-1] != hidden:
+            return None
+        dim = len(shape) - 1
+        first = True
+        while True:
+            path = self.out_of.get(key)
+            if path is not None and _centerable_conv(self.modules[path]):
+                return path if dim == 1 and self.modules[path].out_channels == hidden else None
+            i = self.tr.producer.get(key)
+            if i is None:
+                return None
+            n = self.nodes[i]
+            if n.op not in _MOVE or not n.ins or not _is_key(n.ins[0]) or not n.shapes_in or not n.shapes_out:
+                return None
+            if not first and len(self.tr.users.get(key, ())) != 1:
+                return None  # the moved value is read elsewhere too: centering would change that reader
+            first = False
+            dim = _dim_before(n, dim)
+            if dim is None:
+                return None
+            key = n.ins[0]
 
     def _param_shape(self, key):
         names = self.tr.params.get(key)
@@ -544,6 +680,9 @@ class _Analysis:
                     continue
                 if n.ins and n.ins[0] == k and self._splits_rows(n):
                     todo += n.outs  # every piece
+                    continue
+                if k in (self._cat_rows(n) or ()):
+                    todo += n.outs[:1]  # rows of the gathered value
                     continue
                 if self.pass_input(n) == k or through_adds and (n.op in _ADD and k in n.ins[:2]) or through_adds and (
                         n.op in _SCALE and n.ins and n.ins[0] == k
@@ -589,6 +728,9 @@ class _Analysis:
                 continue
             if len(calls) > 1:
                 f.refuse("shared-weights", f"it runs {len(calls)} times in one forward")
+                continue
+            if p in self.elsewhere:
+                f.refuse("shared-weights", f"it runs in {self.tr.via} and in another traced call")
                 continue
             c = calls[0]
             if not c.ins or not c.outs:
@@ -804,6 +946,8 @@ class _Analysis:
         problems: dict[str, str] = {}
         for m in [*tables, *writers, *readers, *baked]:
             calls = self.tr.calls.get(m, [])
+            if m in self.elsewhere:
+                problems[m] = f"{m} runs in {self.tr.via} and in another traced call"
             if len(calls) > 1 and m not in tables and m not in baked:
                 problems[m] = f"{m} runs {len(calls)} times in one forward"
             for attr in ("weight", "bias"):
@@ -851,6 +995,30 @@ def fold_orientation(mod: nn.Module | None) -> str | None:
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
         return fold.CONV1D
     return None
+
+
+def _centerable_conv(mod: nn.Module) -> bool:
+    """A convolution whose every output channel reads every input channel (groups 1): its output
+    rows over the channels center as a Linear's."""
+    return isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and mod.groups == 1
+
+
+def _dim_before(n: _Node, dim: int) -> int | None:
+    """The dimension of node n's input that its output's dimension `dim` was (n moves dimensions
+    only: transpose, permute, a view keeping that dimension whole), or None."""
+    src, out = list(n.shapes_in[0]), list(n.shapes_out[0])
+    if n.op == "transpose":
+        a, b = (d % len(out) for d in n.ins[1:3])
+        return b if dim == a else a if dim == b else dim
+    if n.op == "permute":
+        return n.ins[1][dim] % len(src)
+    if n.op in ("view", "_unsafe_view", "reshape"):
+        before = math.prod(out[:dim])
+        for j, size in enumerate(src):
+            if size == out[dim] and math.prod(src[:j]) == before:
+                return j
+        return None
+    return dim if src == out else None
 
 
 def _in_features(mod: nn.Module) -> int | None:

@@ -633,7 +633,14 @@ def check_before_loading(configs: Sequence, tokenizer, data, max_length: int | N
     language-model head check; the caller passes it because loading.py sits above this module."""
     _Scoring([_ConfigOnly(c) for c in configs], tokenizer, data, max_length=max_length, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, progress=False, text_field=text_field, desc="")
-    for config in configs if model_class is not None else ():
+    if model_class is not None:
+        check_language_model_heads(configs, model_class)
+
+
+def check_language_model_heads(configs: Sequence, model_class: Callable) -> None:
+    """Refuse, from the configs alone (before a tokenizer is even looked for), a model that has
+    no language-model head: model_class(config) as for check_before_loading."""
+    for config in configs:
         _check_language_model_head(model_class(config))
 
 
@@ -659,8 +666,10 @@ def _check_language_model_head(cls) -> None:
     must be one of transformers' generating classes (every causal LM is; a bare encoder such as
     BertModel returns hidden states). Scoring a loaded model still checks for logits itself."""
     if not cls.can_generate():
-        raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score); perplexity needs a "
-                            "causal language model")
+        main = getattr(cls, "main_input_name", "input_ids")
+        reads = f"; it reads {main}, not token ids" if main != "input_ids" else ""
+        raise NormswapError(f"{cls.__name__} has no language-model head (no logits to score{reads}); perplexity "
+                            "needs a causal language model")
 
 
 def perplexity(model, tokenizer, data, max_length: int | None = None,

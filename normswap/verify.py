@@ -458,24 +458,41 @@ def check_reference_output(kind: str, output: torch.Tensor, what: str = "the ori
                             "the probe batch, with finite weights; nothing can be verified against it")
 
 
-def probe_batch(model_or_config, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
-    """Token ids for one forward pass of a model (or of the model a config describes): above the
-    special ids, below the vocabulary size, no longer than the context. The one probe batch of
-    the whole-model checks (patch, save, fusion, conversion)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    vocab = getattr(config, "vocab_size", 0)
-    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 0
-    if vocab < 2:
+def probe_batch(model: nn.Module, cfg: ProbeConfig = ProbeConfig()) -> dict[str, torch.Tensor]:
+    """The inputs of one forward pass of `model` (real or on the meta device), random, on the CPU:
+    token ids above the special ids, below the vocabulary size, no longer than the context; an
+    image of the config's size, a spectrogram or a waveform for a vision or audio model (and
+    both, ids and image, for a model that pairs them, as CLIP does): what its forward takes, as
+    normswap.inputs derives it. The one probe batch of the whole-model checks (patch, save,
+    fusion, conversion): the inputs discovery traced the model on, with values."""
+    from normswap import inputs
+
+    config = getattr(model, "config", None)
+    names = _probe_inputs(model)
+    if "input_ids" in names and inputs.vocab_size(config) < 2:
         raise BadInputError("cannot build a probe batch: the model's config has no vocab_size")
-    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    get_text = getattr(config, "get_text_config", None)  # CLIP's context is its text config's
+    context = inputs.setting(get_text() if callable(get_text) else config, "max_position_embeddings", "n_positions")
     seq_len = min(cfg.seq_len, int(context)) if isinstance(context, int) and context > 0 else cfg.seq_len
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    lo = min(3, vocab - 1)
-    ids = torch.randint(lo, vocab, (cfg.batch, seq_len), generator=g)
-    batch = {"input_ids": ids}
-    if getattr(config, "is_encoder_decoder", False):
-        batch["decoder_input_ids"] = torch.randint(lo, vocab, (cfg.batch, max(seq_len // 2, 1)), generator=g)
-    return batch
+    return inputs.build(model, names, batch=cfg.batch, seq_len=seq_len, decoder_len=max(seq_len // 2, 1),
+                        generator=torch.Generator().manual_seed(cfg.seed + 1), device="cpu", masks=False)
+
+
+def _probe_inputs(model: nn.Module) -> tuple[str, ...]:
+    """Which inputs the probe feeds: the one set the forward takes, or, where it may take more
+    (token ids and an image), the first set a trace of its meta-device twin runs on."""
+    from normswap import discover, inputs
+
+    sets = inputs.candidates(model) or [("input_ids",)]
+    if len(sets) == 1:
+        return sets[0]
+    twin = model
+    if not all(p.is_meta for p in model.parameters()):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin = type(model)._from_config(model.config)
+    tr = discover.trace(twin)
+    return tr.fed or sets[-1]
 
 
 def _input_device(model: nn.Module) -> torch.device:
@@ -500,7 +517,9 @@ def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[s
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        out = model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        dtype = model_dtype(model)  # an image or a waveform in the weights' dtype (float64 checks)
+        out = model(**{k: v.to(device, dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                       else v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
     finally:
         for m, training in flags:
             m.training = training
@@ -508,7 +527,15 @@ def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[s
         t = getattr(out, kind, None)
         if t is not None:
             return kind, t.detach() if raw else t.detach().float().cpu()
-    raise NormswapError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
+    # A model with neither (CLIP: image-text logits, embeddings, each tower's states): every
+    # floating-point tensor it returns, flattened into one, so that a check compares them all.
+    from normswap.discover import tensors_in
+
+    parts = [t.detach().reshape(-1) for t in tensors_in(out) if t.is_floating_point()]
+    if not parts:
+        raise NormswapError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
+    t = torch.cat([p.to(parts[0].dtype) for p in parts])
+    return "outputs", t if raw else t.float().cpu()
 
 
 def logits_rtol(dtype: torch.dtype) -> float:

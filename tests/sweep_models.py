@@ -26,7 +26,12 @@ _SIZES = {
     VOCAB: ("vocab_size",),
 }
 # Config values a few types need on top of the sizes (their validators tie them to the layer count).
-_EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]])}
+_EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+          # its Swin backbone_config is built from a dict the size knobs do not reach (87M parameters)
+          "maskformer": dict(backbone_config=dict(model_type="swin", embed_dim=16, depths=[1, 1, 1, 1],
+                                                  num_heads=[1, 1, 1, 1],
+                                                  out_features=["stage1", "stage2", "stage3", "stage4"]),
+                             fpn_feature_size=32)}
 _TOKENS = dict(pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=0)
 
 
@@ -99,3 +104,27 @@ def build(model_type: str, class_name: str, device: str = "meta", dtype: torch.d
         with torch.device(device):
             model = cls(config)
     return model.to(dtype).eval()
+
+
+def modality_entries() -> list[tuple[str, str, str]]:
+    """(label, model type, class name) for every base model class of the installed transformers
+    whose forward mainly reads another modality than token ids (normswap.inputs.MODALITY_INPUTS:
+    an image, a spectrogram, a waveform): the vision and audio models, and the towers of the
+    multimodal LMs that transformers also lists as models of their own."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    from normswap.inputs import MODALITY_INPUTS
+
+    out = []
+    for model_type, class_name in sorted(auto.MODEL_MAPPING_NAMES.items()):
+        if not isinstance(class_name, str):
+            continue
+        try:
+            cls = getattr(transformers, class_name)
+            main = cls.main_input_name
+        except Exception:  # noqa: BLE001  (a class whose extra library is not installed: torchaudio)
+            continue
+        if main in MODALITY_INPUTS:
+            out.append((model_type, model_type, class_name))
+    return out

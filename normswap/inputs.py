@@ -1,0 +1,206 @@
+"""The inputs of one forward of a model, derived from its forward's signature and its config.
+
+A text model reads token ids; a vision model `pixel_values`, an audio model `input_features` (a
+spectrogram) or `input_values` (a waveform). Which of them a model takes is read from its
+`main_input_name` and its forward's parameters; their shapes from its config (and its sub-configs:
+a CLIP model's image size is in its vision_config) and from its module tree (the strides of the
+convolutions that turn a spectrogram or a waveform into positions). Nothing here names a model.
+
+Two users: discovery traces one forward on the meta device (normswap.discover: values do not
+matter there, shapes do), and the whole-model checks run one on a probe batch of random values
+(normswap.verify.probe_batch). Both go through `build`, so both feed the same inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# The inputs this module can build, beyond token ids: what a vision or audio forward reads.
+MODALITY_INPUTS = ("pixel_values", "input_features", "input_values")
+# Inputs of another modality that are not built here (their shapes follow from a processor, not
+# the config): a forward that takes one is traced without it, and says so (normswap.discover).
+UNBUILT_INPUTS = ("pixel_values_videos", "image_patches", "input_audio_embeds", "audio_values")
+
+IMAGE_SIZE = 224  # a config that names no image size: the common default of vision towers
+LOW_ID = 3  # random ids start here: above the usual special ids (pad, bos, eos)
+
+
+def forward_params(fn: Callable) -> list[str]:
+    """The parameter names of a forward (or any method), in order; [] when not inspectable."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _configs(config):
+    """`config`, then its sub-configs (text, vision, audio, encoder...), depth first."""
+    seen: set[int] = set()
+    todo = [config]
+    while todo:
+        c = todo.pop(0)
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        yield c
+        todo += [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")]
+
+
+def setting(config, *names: str):
+    """The first of `names` that `config` or one of its sub-configs sets (not None), else None."""
+    for c in _configs(config):
+        for name in names:
+            value = getattr(c, name, None)
+            if value is not None:
+                return value
+    return None
+
+
+def vocab_size(config) -> int:
+    """The token vocabulary: the text config's, else the first (sub-)config's that has one; 0 if none."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else None
+    for c in (text, config):
+        v = getattr(c, "vocab_size", None) if c is not None else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    v = setting(config, "vocab_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def main_input(model: nn.Module, fn: Callable | None = None) -> str | None:
+    """The input `fn` (the model's forward) is mainly about: the model's main_input_name when the
+    forward takes it, else the forward's first parameter that can be built (a vision tower whose
+    class keeps the default main_input_name "input_ids" but reads pixel_values)."""
+    params = forward_params(fn or model.forward)
+    main = getattr(model, "main_input_name", "input_ids")
+    if isinstance(main, (list, tuple)):
+        main = main[0] if main else "input_ids"
+    if main in params:
+        return main
+    return next((p for p in params if p in ("input_ids", *MODALITY_INPUTS)), None)
+
+
+def candidates(model: nn.Module) -> list[tuple[str, ...]]:
+    """The input sets to try, in order, for one forward: the main input with every other modality
+    input the forward takes that can be built, then (when there were others) the main input
+    alone. A model that pairs token ids with images (CLIP, GIT) runs on both; a multimodal LM whose
+    images need placeholder tokens in the ids (which no config says how to place) fails on both
+    and runs on the ids alone."""
+    params = forward_params(model.forward)
+    main = main_input(model)
+    if main is None:
+        return []
+    extra = [p for p in params if p in MODALITY_INPUTS and p != main]
+    if extra:
+        return [(main, *extra), (main,)]
+    return [(main,)]
+
+
+def unbuilt(fn: Callable, names: tuple[str, ...]) -> list[str]:
+    """The modality inputs `fn` takes that an input set `names` leaves out."""
+    return [p for p in forward_params(fn) if p in (*MODALITY_INPUTS, *UNBUILT_INPUTS) and p not in names]
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _conv_steps(model: nn.Module) -> tuple[int, int]:
+    """(product of strides, sum of kernel overhangs) of the model's 1-d convolutions: how many
+    input steps make one position, and how many more the kernels need at the edges."""
+    stride, over = 1, 0
+    for m in model.modules():
+        if isinstance(m, nn.Conv1d):
+            stride *= int(m.stride[0])
+            over += max(int(m.kernel_size[0]) - int(m.stride[0]), 0)
+    return stride, over
+
+
+def _image_size(config) -> tuple[int, int]:
+    size = setting(config, "image_size", "img_size", "input_size")
+    if isinstance(size, dict):
+        size = (size.get("height"), size.get("width"))
+    if isinstance(size, (list, tuple)):
+        size = [s for s in size if isinstance(s, int)][-2:]
+        if len(size) == 2:
+            return size[0], size[1]
+        size = size[0] if size else None
+    return (size, size) if isinstance(size, int) and size > 0 else (IMAGE_SIZE, IMAGE_SIZE)
+
+
+def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple[int, ...]:
+    """A spectrogram: (batch, mel bins, frames) where the config counts mel bins (Whisper and the
+    audio towers built like it, which take exactly max_source_positions frames per position after
+    their strided convolutions), else (batch, frames, features)."""
+    stride, _ = _conv_steps(model)
+    positions = setting(config, "max_source_positions")
+    frames = (positions if isinstance(positions, int) and positions > 0 else seq_len) * stride
+    mels = setting(config, "num_mel_bins")
+    if isinstance(mels, int):
+        return (batch, mels, frames)
+    per_channel = setting(config, "input_feat_per_channel")
+    if isinstance(per_channel, int):
+        return (batch, frames, per_channel * (setting(config, "input_channels") or 1))
+    size = setting(config, "feature_projection_input_dim", "feature_size", "num_mel_bins")
+    return (batch, frames, size if isinstance(size, int) else 80)
+
+
+def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, *, batch: int = 1,
+          seq_len: int = 4, decoder_len: int | None = None, generator: torch.Generator | None = None,
+          device=None, masks: bool = True) -> dict:
+    """Keyword arguments for `fn` (the model's forward, or one of its methods) holding the inputs
+    `names`: values drawn from `generator` (ids in [LOW_ID, vocab), floats normal), or, without
+    one, ones (shapes are all a meta-device trace needs). seq_len counts tokens, or positions of
+    an audio input; an encoder-decoder gets decoder_input_ids of decoder_len (seq_len) tokens, and
+    a spectrogram the all-ones mask of its frames where the forward takes one. masks: an all-ones
+    attention_mask with token ids, and use_cache=False, where the forward takes them."""
+    config = getattr(model, "config", None)
+    params = set(forward_params(fn or model.forward))
+    if device is None:  # a meta model's (a parameter a legacy constructor made on the CPU aside)
+        devices = [p.device for p in model.parameters()]
+        device = torch.device("meta") if any(d.type == "meta" for d in devices) else \
+            devices[0] if devices else torch.device("cpu")
+    fdtype = _float_dtype(model)
+
+    def ids(n: int) -> torch.Tensor:
+        if generator is None:
+            return torch.ones((batch, n), dtype=torch.long, device=device)
+        vocab = vocab_size(config)
+        return torch.randint(min(LOW_ID, vocab - 1), vocab, (batch, n), generator=generator).to(device)
+
+    def floats(shape) -> torch.Tensor:
+        if generator is None:
+            return torch.ones(shape, dtype=fdtype, device=device)
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=fdtype)
+
+    out: dict = {}
+    for name in names:
+        if name == "input_ids":
+            out[name] = ids(seq_len)
+            if masks and "attention_mask" in params:
+                # Explicit, so that no model warns that the ids (1, a common pad id) may be padding.
+                out["attention_mask"] = torch.ones_like(out[name])
+        elif name == "pixel_values":
+            channels = setting(config, "num_channels")
+            out[name] = floats((batch, channels if isinstance(channels, int) else 3, *_image_size(config)))
+        elif name == "input_features":
+            shape = _features_shape(model, config, batch, seq_len)
+            out[name] = floats(shape)
+            if "input_features_mask" in params:
+                frames = shape[2] if isinstance(setting(config, "num_mel_bins"), int) else shape[1]
+                out["input_features_mask"] = torch.ones((batch, frames), dtype=torch.long, device=device)
+        elif name == "input_values":
+            stride, over = _conv_steps(model)
+            out[name] = floats((batch, seq_len * stride + over))
+        else:
+            raise ValueError(f"cannot build the input {name!r}")
+    if getattr(config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = ids(decoder_len or seq_len)
+    if masks and "use_cache" in params:
+        out["use_cache"] = False
+    return out

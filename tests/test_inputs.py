@@ -1,0 +1,241 @@
+"""Vision and audio models: the inputs a trace and a probe batch feed them (normswap.inputs),
+their readers in scan, convert --to rms verified on those inputs, and ppl/diff refusing them.
+
+Before normswap.inputs, every trace fed token ids only: every norm of a ViT, CLIP, Whisper or
+wav2vec2 model was "untraced" with readers "?", convert found nothing to convert, and patch's
+whole-model check failed ("cannot build a probe batch: the model's config has no vocab_size").
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from normswap import inputs
+from normswap.cli import cli
+from normswap.discover import discover, trace
+from normswap.verify import probe_batch
+from tests.tiny_models import randomize_norms_and_biases
+
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _vit(device="meta", **kw):
+    from transformers import ViTConfig, ViTModel
+
+    with torch.device(device):
+        return ViTModel(ViTConfig(**{**SIZES, "image_size": 32, "patch_size": 8, **kw})).eval()
+
+
+def _clip(device="meta"):
+    from transformers import CLIPConfig, CLIPModel
+
+    config = CLIPConfig(text_config=dict(**SIZES, vocab_size=99, max_position_embeddings=40),
+                        vision_config=dict(**SIZES, image_size=32, patch_size=8), projection_dim=16)
+    with torch.device(device):
+        return CLIPModel(config).eval()
+
+
+def _whisper(device="meta", cls="WhisperModel"):
+    import transformers
+
+    config = transformers.WhisperConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=20, max_target_positions=40,
+        vocab_size=99, decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device(device):
+        return getattr(transformers, cls)(config).eval()
+
+
+def _wav2vec2(device="meta"):
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(**SIZES, do_stable_layer_norm=True, conv_dim=(16, 16), conv_kernel=(10, 3),
+                            conv_stride=(5, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+    with torch.device(device):
+        return Wav2Vec2Model(config).eval()
+
+
+def _shapes(batch: dict) -> dict:
+    return {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def test_an_image_of_the_configs_size_and_channels():
+    for kw, shape in (({}, (1, 3, 32, 32)), ({"image_size": [32, 48], "num_channels": 1}, (1, 1, 32, 48))):
+        model = _vit(**kw)
+        assert inputs.candidates(model) == [("pixel_values",)]
+        tr = trace(model)
+        assert tr.error is None and tr.fed == ("pixel_values",)
+        assert _shapes(inputs.build(model, tr.fed)) == {"pixel_values": shape}
+
+
+def test_a_spectrogram_of_exactly_the_frames_whisper_requires():
+    """Whisper's encoder refuses any frame count but max_source_positions times its convolutions'
+    strides (20 x 1 x 2 here); the decoder gets ids."""
+    model = _whisper()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("input_features",)
+    shapes = _shapes(inputs.build(model, tr.fed))
+    assert shapes["input_features"] == (1, 16, 40) and shapes["decoder_input_ids"] == (1, 4)
+
+
+def test_a_waveform_long_enough_for_the_feature_convolutions():
+    model = _wav2vec2()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("input_values",)
+    (n,) = _shapes(inputs.build(model, tr.fed))["input_values"][1:]
+    assert n == 4 * 5 * 2 + (10 - 5) + (3 - 2) + (16 - 1)  # 4 positions, and every kernel's overhang
+    d = discover(model)
+    assert all(f.category != "untraced" for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
+
+
+def test_a_model_that_pairs_text_and_images_gets_both():
+    model = _clip()
+    assert inputs.candidates(model) == [("input_ids", "pixel_values"), ("input_ids",)]
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("input_ids", "pixel_values") and tr.unfed == []
+    from normswap.verify import ProbeConfig
+
+    batch = probe_batch(_clip(device="cpu"), ProbeConfig(batch=2, seq_len=64))
+    # the ids no longer than the text config's context (40), the image the vision config's size
+    assert _shapes(batch) == {"input_ids": (2, 40), "pixel_values": (2, 3, 32, 32)}
+    assert batch["input_ids"].min() >= inputs.LOW_ID and batch["input_ids"].max() < 99
+
+
+def test_a_text_model_keeps_its_probe_batch():
+    """Token ids exactly as before normswap.inputs (same generator, same draws)."""
+    from normswap.verify import ProbeConfig
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("gpt2")
+    batch = probe_batch(model, ProbeConfig(batch=2, seq_len=8))
+    g = torch.Generator().manual_seed(ProbeConfig().seed + 1)
+    assert list(batch) == ["input_ids"]
+    assert torch.equal(batch["input_ids"], torch.randint(3, model.config.vocab_size, (2, 8), generator=g))
+
+
+def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
+    """Fuyu's forward also takes image_patches (no config gives their shape): what they add into
+    the text stream is unseen, so its text norms are refused, not converted on a text-only trace."""
+    from tests.sweep_models import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("fuyu", "FuyuForCausalLM")
+    d = discover(model)
+    stream = [f for p, f in d.norms.items() if "layernorm" in p and "q_layernorm" not in p and "k_layernorm" not in p]
+    assert stream and all(f.category == "untraced" and "image_patches" in f.reason for f in stream)
+    assert d.tables == [] and d.writers == []
+
+
+def _save(model, path):
+    randomize_norms_and_biases(model, 0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_scan_lists_a_vision_models_readers(tmp_path):
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    result = CliRunner().invoke(cli, ["scan", path, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    rows = {r["path"]: r for r in doc["norms"]}
+    assert doc["readers_note"] is None
+    assert rows["layers.0.layernorm_before"]["readers"] == [
+        "layers.0.attention.q_proj", "layers.0.attention.k_proj", "layers.0.attention.v_proj"]
+    assert rows["layernorm"]["readers"] == ["<output>", "pooler.dense"]
+    assert all(r["to_rms"]["converts"] for r in rows.values()), rows
+
+
+def _vit_outputs(path, pixels):
+    from transformers import ViTModel
+
+    with torch.no_grad():
+        out = ViTModel.from_pretrained(path, dtype=torch.float64).eval()(pixel_values=pixels)
+    return torch.cat([out.last_hidden_state.reshape(-1), out.pooler_output.reshape(-1)])
+
+
+def test_convert_a_vision_model_exactly(tmp_path):
+    """ViT's stream is its patch convolution's channels, a class token and position embeddings:
+    every LayerNorm converts, the stock reload gives the original's float64 outputs on random
+    images, and the patched RMS path was verified on an image probe."""
+    path = _save(_vit(device="cpu").double(), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verification"]["probe"] == [2, 3, 32, 32] and doc["verification"]["passed"]
+    assert all(n["rms"] for n in doc["norms"])
+    pixels = torch.randn((3, 3, 32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ref, got = _vit_outputs(path, pixels), _vit_outputs(str(out), pixels)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-12
+
+
+def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
+    """A conversion that forgets to center the patch convolution is caught by the verification's
+    zero-mean check on an image probe: exit 2, nothing written."""
+    from normswap import fold
+
+    real = fold.center_writer
+
+    def forgets_convolutions(weight, bias, orientation):
+        return (weight, bias) if weight.dim() == 4 else real(weight, bias, orientation)
+
+    monkeypatch.setattr(fold, "center_writer", forgets_convolutions)
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2 and "not zero-mean" in result.output, result.output
+    assert not out.exists()
+
+
+def test_convert_a_text_and_image_model_verified_on_both(tmp_path):
+    """CLIP: the text tower converts (its vision tower's pre-norm makes that stream a norm's output:
+    refused), verified on ids and images, comparing every output (CLIP returns no logits)."""
+    path = _save(_clip(device="cpu"), tmp_path / "clip")
+    out = tmp_path / "clip-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--partial", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    converted = {n["path"] for n in doc["norms"] if n["rms"]}
+    assert converted and all(p.startswith("text_model.") for p in converted)
+    assert doc["verification"]["passed"]
+
+
+def test_convert_an_audio_model_verified_on_a_spectrogram(tmp_path):
+    """Whisper: the decoder's norms convert (the encoder's stream starts with a GELU: refused);
+    the verification feeds input_features and decoder ids (token ids alone do not run it)."""
+    path = _save(_whisper(device="cpu", cls="WhisperForConditionalGeneration"), tmp_path / "whisper")
+    out = tmp_path / "whisper-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--partial", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verification"]["probe"] == [2, 16, 40] and doc["verification"]["passed"]
+    assert any(n["rms"] for n in doc["norms"])
+
+
+def test_patch_checks_a_vision_model_whole(tmp_path):
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--out", str(tmp_path / "p"), "--json"])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.stdout)["model_check"]
+    assert check["kind"] == "last_hidden_state" and check["passed"]
+
+
+@pytest.mark.parametrize("argv", [["ppl", "{m}", "--data", "{t}"], ["diff", "{m}", "{m}", "--data", "{t}"],
+                                  ["patch", "{m}", "--impl", "torch", "--out", "{o}", "--eval", "{t}"]])
+def test_scoring_a_model_without_a_text_head_is_one_line(tmp_path, argv):
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    text = tmp_path / "t.txt"
+    text.write_text("some words to score " * 20)
+    args = [a.format(m=path, t=text, o=tmp_path / "out") for a in argv]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1] == ("normswap: error: ViTModel has no language-model head (no logits to score; it reads "
+                         "pixel_values, not token ids); perplexity needs a causal language model"), result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
