@@ -217,13 +217,13 @@ class Trace:
     more: list[Trace] = field(default_factory=list)  # traces of the towers the forward did not run
 
 
-def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
+def trace(model: nn.Module, inputs: dict | None = None, towers: bool = True) -> Trace:
     """Run `model` once (meta device or real) and record its dataflow. Without `inputs`, on the
     first input set of normswap.inputs.candidates that the forward runs on (Trace.fed); then, for
     each modality input the forward takes and that run did not feed (a multimodal LM's images or
     audio, which need placeholder tokens in the ids that no config says how to place), the
     model's own get_<x>_features method (which runs that tower and its projector, as the forward
-    does) on that input alone: the Trace's `more`."""
+    does) on that input alone: the Trace's `more` (towers=False: not those)."""
     if inputs is not None:
         return _trace_call(model, model, inputs)
     sets = model_inputs.candidates(model) or [("input_ids",)]
@@ -237,7 +237,7 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
         names, tr = (), first  # the first set's failure says most: it holds every input
     tr.fed = names
     tr.unfed = model_inputs.unbuilt(model.forward, names)
-    if tr.error is None:
+    if tr.error is None and towers:
         for name in tr.unfed:
             found = _feature_method(model, name)
             if found is not None:
@@ -253,7 +253,11 @@ def trace(model: nn.Module, inputs: dict | None = None) -> Trace:
 def _feature_method(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
     """(module, method): the shallowest get_<x>_features method in `model` that names the input
     `name` among its parameters (a wrapper taking *args defers to the one it calls)."""
+    seen: set[type] = set()
     for _path, mod in model.named_modules():
+        if type(mod) in seen:  # a model holds thousands of modules of a few classes
+            continue
+        seen.add(type(mod))
         for attr in sorted(dir(type(mod))):
             if attr.startswith("get_") and attr.endswith("_features") and callable(getattr(type(mod), attr, None)):
                 if name in model_inputs.forward_params(getattr(mod, attr)):

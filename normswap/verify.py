@@ -491,8 +491,7 @@ def _probe_inputs(model: nn.Module) -> tuple[str, ...]:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             twin = type(model)._from_config(model.config)
-    tr = discover.trace(twin)
-    return tr.fed or sets[-1]
+    return discover.trace(twin, towers=False).fed or sets[-1]
 
 
 def _input_device(model: nn.Module) -> torch.device:

@@ -239,3 +239,27 @@ def test_scoring_a_model_without_a_text_head_is_one_line(tmp_path, argv):
     assert lines[-1] == ("normswap: error: ViTModel has no language-model head (no logits to score; it reads "
                          "pixel_values, not token ids); perplexity needs a causal language model"), result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_towers_readers_come_from_its_own_trace():
+    """Voxtral's forward runs its Llama text model on ids alone; its audio tower runs through
+    get_audio_features(input_features), and its norms' readers are those seen there, the output of
+    that method named as such (it goes on into the text model, which that trace did not follow).
+    The probe batch's trace (towers=False) skips the tower."""
+    from normswap.discover import layer_norm_paths, norm_readers
+    from tests.sweep_models import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("voxtral", "VoxtralForConditionalGeneration")
+    tr = trace(model)
+    assert tr.fed == ("input_ids",) and tr.unfed == ["input_features"]
+    assert [(t.via, t.fed, t.error) for t in tr.more] == [("get_audio_features", ("input_features",), None)]
+    assert trace(model, towers=False).more == []
+    readers, note = norm_readers(model, layer_norm_paths(model), tr)
+    assert note is None
+    tower = "model.audio_tower."
+    assert readers[tower + "layers.0.self_attn_layer_norm"] == [
+        tower + "layers.0.self_attn.k_proj", tower + "layers.0.self_attn.v_proj", tower + "layers.0.self_attn.q_proj"]
+    # last_hidden_state leaves the method as is; get_audio_features' own reshape (no module's code) reads it
+    assert readers[tower + "layer_norm"] == ["<output of get_audio_features>", ""]
