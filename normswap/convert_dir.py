@@ -13,7 +13,7 @@ from normswap import jsonsafe
 from normswap import streaming as st
 from normswap.archs import load_arch
 from normswap.carry import carry_over, real_folders
-from normswap.convert import apply_plan, check_zero_mean
+from normswap.convert import apply_plan, check_zero_mean, zero_mean_failure
 from normswap.errors import NormswapError
 from normswap.jobs import keep_dtype, record_infos
 from normswap.manifest import carried_record, new_manifest, rms_forms, write_manifest
@@ -212,11 +212,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
               "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
     if not zero_mean["passed"]:
-        raise NormswapError(
-            f"verification failed: the input of {zero_mean['where']} is not zero-mean after conversion "
-            f"(|mean|/rms = {zero_mean['max_mean_over_rms']:.3g}, tolerance {zero_mean['tolerance']:g}); "
-            "nothing was written"
-        )
+        raise NormswapError(f"verification failed: {zero_mean_failure(zero_mean)}; nothing was written")
     if not result["passed"]:
         raise NormswapError(
             f"verification failed: converted logits differ by {err:.3g} of the logit scale as LayerNorms "

@@ -642,6 +642,11 @@ class _Analysis:
         dim = len(shape) - 1
         first = True
         while True:
+            if not first and len(self.tr.users.get(key, ())) != 1:
+                # The convolution's output, or a value moved from it, is read elsewhere too:
+                # centering would change that reader, which no stream check follows.
+                return None
+            first = False
             path = self.out_of.get(key)
             if path is not None and _centerable_conv(self.modules[path]):
                 return path if dim == 1 and self.modules[path].out_channels == hidden else None
@@ -651,9 +656,6 @@ class _Analysis:
             n = self.nodes[i]
             if n.op not in _MOVE or not n.ins or not _is_key(n.ins[0]) or not n.shapes_in or not n.shapes_out:
                 return None
-            if not first and len(self.tr.users.get(key, ())) != 1:
-                return None  # the moved value is read elsewhere too: centering would change that reader
-            first = False
             dim = _dim_before(n, dim)
             if dim is None:
                 return None

@@ -69,9 +69,13 @@ def replaced_atomically(path: str | os.PathLike, mode: str = "w") -> Iterator[IO
     the write goes through it (written_at)."""
     path = Path(path)
     # the last guards: a caller that asked unwritable first never gets here
-    if path.is_symlink() and not path.exists():  # (one on the way: made_folders says it)
+    if _leads_nowhere(path):  # (one on the way: made_folders says it)
         raise cannot_write(path, f"{path} is a link to nothing")
     target = written_at(path)
+    if why := _unreachable(target):  # a link into a folder this user may not enter: is_dir raised
+        raise cannot_write(path, why)
+    if target.is_dir():  # the rename's own refusal named the temporary file: "Is a directory: '.f.x.tmp' -> 'f'"
+        raise cannot_write(path, "it is a folder")
     if why := _not_replaceable(target):
         raise cannot_write(path, why)
     with made_folders(target.parent):
@@ -167,6 +171,8 @@ def unwritable(path: str | os.PathLike, *, folder: bool = False) -> str | None:
         return f"{link} is a link to nothing"
     if not folder:
         path = written_at(path)  # what a write replaces, in its own folder
+        if why := _unreachable(path):  # a link into a folder this user may not enter (_unreachable asked the link's way)
+            return why
         if path.is_dir():
             return "it is a folder"
         if why := _not_replaceable(path):
@@ -254,9 +260,24 @@ def link_to_nothing(path: str | os.PathLike) -> Path | None:
     the file system as written, so a `..` after a link goes where the kernel takes it."""
     path = Path(path).absolute()
     for p in (*reversed(path.parents), path):
-        if p.is_symlink() and not p.exists():
+        if _leads_nowhere(p):
             return p
     return None
+
+
+def _leads_nowhere(p: Path) -> bool:
+    """`p` is a symbolic link to a missing path or round in a loop. One into a folder this user may
+    not enter leads somewhere (_unreachable says where the way stops): exists() raised
+    PermissionError for it, where unwritable is to give its reason."""
+    if not p.is_symlink():
+        return False
+    try:
+        os.stat(p)
+    except PermissionError:
+        return False
+    except OSError:
+        return True
+    return False
 
 
 # What flock gives where the file system has no locks at all (not a held lock): an NFS mount whose

@@ -136,13 +136,14 @@ def _image_size(config) -> tuple[int, int]:
 def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple[int, ...]:
     """A spectrogram: (batch, mel bins, frames) where the config counts mel bins (Whisper and the
     audio towers built like it, which take exactly max_source_positions frames per position after
-    their strided convolutions), else (batch, frames, features)."""
+    their strided convolutions), else (batch, frames, features) of seq_len positions (a conformer's
+    max_source_positions bounds its relative positions, 5000 frames of attention in a probe)."""
     stride, _ = _conv_steps(model)
-    positions = setting(config, "max_source_positions")
-    frames = (positions if isinstance(positions, int) and positions > 0 else seq_len) * stride
     mels = setting(config, "num_mel_bins")
     if isinstance(mels, int):
-        return (batch, mels, frames)
+        positions = setting(config, "max_source_positions")
+        return (batch, mels, (positions if isinstance(positions, int) and positions > 0 else seq_len) * stride)
+    frames = seq_len * stride
     per_channel = setting(config, "input_feat_per_channel")
     if isinstance(per_channel, int):
         return (batch, frames, per_channel * (setting(config, "input_channels") or 1))

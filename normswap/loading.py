@@ -441,7 +441,8 @@ def check_config(config, where) -> None:
     the config class's own default is never refused: transformers' defaults are its statement of
     what is valid, and some are sentinels outside the rule (-1 for 'unlimited' or 'not set':
     XLNetConfig.max_position_embeddings, ViltConfig.num_images, Phi4's audio chunk_size), which
-    refused every model of those architectures."""
+    refused every model of those architectures. Nor is a -1 ('not set') where the class defaults
+    to a valid value, when transformers computes nothing with it (_unset_and_unused)."""
     names = getattr(config, "architectures", None)
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         # reprlib: the value is shown shortened, as the one error line must stay short whatever the file holds
@@ -451,9 +452,10 @@ def check_config(config, where) -> None:
     for name in _POSITIVE:
         value = _field(config, name)
         if (isinstance(value, int) and not isinstance(value, bool) and value < 1
-                and not _is_default(value, _field(default, name))):
+                and not _is_default(value, _field(default, name))
+                and not _unset_and_unused(config, name, value, _field(default, name))):
             raise NormswapError(f"{where}: {name} is {value}; it must be at least 1")
-    _check_fields(config.to_dict(), where, _default_fields(type(config)))
+    _check_fields(config, config.to_dict(), where, _default_fields(type(config)))
 
 
 def _field(config, name):
@@ -472,20 +474,104 @@ def _is_default(value, default) -> bool:
     return isinstance(default, (int, float)) and not isinstance(default, bool) and value == default
 
 
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' info and warning lines off: a composite config says that it fills in its parts,
+    a config built for a check that its token ids lie outside a small vocabulary."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 @functools.cache
 def _default_config(cls):
     """The config class built with its own defaults, once per class (milliseconds); None for one
     that cannot be built without arguments (its defaults then excuse nothing)."""
-    from transformers.utils import logging as hf_logging
+    with _transformers_quiet():
+        try:
+            return cls()
+        except Exception:
+            return None
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a composite says at info/warning level that it fills in its parts
+
+# The value configs write for a setting they leave unset: OLMo-core's export of its models writes
+# max_position_embeddings -1 into every OLMo 2 / OLMo 3 / OLMoE config.json (the classes default
+# to 2048 and 4096), which every command refused, though transformers computes nothing with it there.
+_UNSET = -1
+
+
+def _unset_and_unused(config, path: str, value, default) -> bool:
+    """Whether `value`, refused by the field rules at `path` ("max_position_embeddings",
+    "text_config.max_position_embeddings"), is the unset sentinel -1 that the model transformers
+    builds from `config` does not compute with: built (on the meta device) with it and with the
+    class's own default (`default`, a valid value) in its place, the two models are the same (the
+    same modules and tensors, of the same shapes, and the same numbers held by each module, save
+    the value itself kept as it is), and so are their rotary embeddings' cos and sin (rebuilt on
+    the CPU: a dynamic RoPE computes with the context length at every forward pass, and with -1
+    made NaNs). A value transformers sizes a tensor with, counts layers by, or computes a scale
+    from is refused as before; so is any other negative number, and a model that cannot be built
+    either way (nothing to compare)."""
+    if value != _UNSET or not isinstance(default, int) or isinstance(default, bool) or default < 1:
+        return False
     try:
-        return cls()
-    except Exception:
-        return None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+        with _transformers_quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours, theirs = (_built_with(config, path, v, default) for v in (value, default))
+    except Exception:  # noqa: BLE001  (not built either way, or a config that takes no value there)
+        return False
+    return _same(ours, theirs)
+
+
+def _same(a, b) -> bool:
+    """a == b, tensors compared whole (a NaN equals nothing)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _built_with(config, path: str, value, default) -> list:
+    """What the model built from a copy of `config` with `value` at `path` holds (see
+    _unset_and_unused): per module, its class, its tensors' names, shapes and dtypes and its
+    numbers, and for a rotary embedding its cos and sin at positions up to the default (256 at
+    most), the value it keeps read as `default`."""
+    import copy
+
+    config = copy.deepcopy(config)
+    *parents, name = path.split(".")
+    holder = functools.reduce(getattr, parents, config)
+    setattr(holder, name, value)
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    held = []
+    for module_name, module in model.named_modules():
+        # a rotary embedding's frequencies: inv_freq, or one per kind of layer (Olmo3's
+        # sliding_attention_inv_freq, full_attention_inv_freq), each computed by its own forward
+        freqs = [n for n, _ in module.named_buffers(recurse=False)
+                 if n.endswith("inv_freq") and not n.endswith("original_inv_freq")]
+        rotary = bool(freqs)
+        # a rotary embedding keeps the context length for its forward pass, which is run here;
+        # any other module keeping the value may compute with it in its own (SEW-D's relative
+        # position buckets take the log of it), which is not
+        numbers = {k: (default if rotary and v == value else v) for k, v in sorted(vars(module).items())
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(recurse=False),
+                                                            *module.named_buffers(recurse=False)]]
+        held.append((module_name, type(module).__name__, numbers, tensors))
+        if rotary:
+            with torch.device("cpu"):
+                rebuilt, x = type(module)(module.config), torch.zeros(1, dtype=torch.float32)
+                positions = torch.arange(min(default, 256))[None]
+                held += [rebuilt(x, positions) if n == "inv_freq" else rebuilt(x, positions, n[:-len("_inv_freq")])
+                         for n in freqs]
+    return held
 
 
 @functools.cache
@@ -507,7 +593,7 @@ def _sub_defaults(value: dict, parent_default) -> dict:
     return parent_default if isinstance(parent_default, dict) else {}
 
 
-def _check_fields(fields: dict, where, defaults: dict, prefix: str = "") -> None:
+def _check_fields(config, fields: dict, where, defaults: dict, prefix: str = "") -> None:
     for name, value in fields.items():
         default = defaults.get(name)
         # a config class may hold a table keyed by numbers (Aria's projector_patch_to_query_dict,
@@ -515,12 +601,12 @@ def _check_fields(fields: dict, where, defaults: dict, prefix: str = "") -> None
         # raised TypeError on them, an internal error for every command on an Aria model)
         name = str(name)
         if isinstance(value, dict):
-            _check_fields(value, where, _sub_defaults(value, default), f"{prefix}{name}.")
+            _check_fields(config, value, where, _sub_defaults(value, default), f"{prefix}{name}.")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or _is_default(value, default):
             continue
         elif _EPS_LIKE.fullmatch(name) and not (math.isfinite(value) and value >= 0):
             raise NormswapError(f"{where}: {prefix}{name} is {value}; an eps must be finite and not negative")
-        elif _SIZE_LIKE.fullmatch(name) and value < 0:
+        elif _SIZE_LIKE.fullmatch(name) and value < 0 and not _unset_and_unused(config, prefix + name, value, default):
             raise NormswapError(f"{where}: {prefix}{name} is {value}; a size or count cannot be negative")
         elif _LAYER_COUNT.fullmatch(name) and value > MAX_LAYERS:
             raise NormswapError(f"{where}: {prefix}{name} is {value}; normswap takes at most {MAX_LAYERS:,} "
@@ -747,11 +833,14 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
     Pickled weights (pytorch_model.bin) are checked for missing and unplaced tensors only, from
     their names (_weight_names): their dtypes and shapes are only known once loaded. Quantised
     checkpoints (a quantization_config: packed integer weights, scales, names of their own) are
-    checked for whole layers only (_quantised_layers). Not checked: GGUF files (the config is the
-    file's own metadata; transformers de-quantises every tensor before it names them)."""
+    checked for whole layers only (_quantised_layers). GGUF files, whose config is their own
+    metadata, are checked for whole blocks only (_gguf_block_problems): transformers de-quantises
+    every tensor before it names them."""
     from normswap import streaming as st
 
     if source.gguf_file:
+        if problems := _gguf_block_problems(source.path / source.gguf_file, config):
+            _weights_do_not_match(source.ref, problems, gguf=True)
         return
     quantised = getattr(config, "quantization_config", None) is not None
     if (source.path / st.SINGLE_NAME).is_file() or (source.path / st.INDEX_NAME).is_file():
@@ -807,6 +896,71 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
             mismatched.append((name, shape, list(tensor.shape)))
     return check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
                                      "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+
+
+# A GGUF tensor of a block: blk.N.attn_q.weight (llama.cpp's names), enc.blk.N... and dec.blk.N...
+# (T5's encoder and decoder); group 1 names the list of blocks, group 2 the block.
+_GGUF_BLOCK = re.compile(r"(\w+\.)?blk\.(\d+)\.")
+
+
+def _gguf_block_problems(path: Path, config) -> list[str]:
+    """What a GGUF's tensor names say against its own {arch}.block_count, which transformers
+    builds the model's layers from (num_hidden_layers, GPT-2's n_layer, T5's num_layers): blocks
+    past the count, which the load dropped without a word (transformers maps the file's tensors
+    through a table of the count's blocks and skips every name it lacks), so normswap patched,
+    scored and saved a model cut short; and a count past the blocks held, which the load refused
+    only once it had de-quantised the file and allocated every layer. A file without the key gets
+    the config class's default count (`config`: the one transformers read from the file; Llama's
+    32, so a 40-block file lost 8), said as such. A gap in the blocks is left to the load. Read
+    with the gguf package's reader, as transformers reads the file; one that cannot be read is the
+    load's to say."""
+    try:
+        key, count, held = _gguf_blocks(path, *_stat_key(path))
+    except Exception:  # noqa: BLE001  (a file the reader cannot read: the load names it)
+        return []
+    said = f"{key} is {count} there"
+    if count is None:
+        count = _field(config, "num_hidden_layers")
+        said = f"{key} is not there, so {type(config).__name__} takes its default num_hidden_layers, {count}"
+    if not isinstance(count, int) or isinstance(count, bool):
+        return []
+    problems = []
+    for under, blocks in sorted(held.items()):
+        stored = max(blocks) + 1
+        if stored > count:
+            past = sum(n for i, n in blocks.items() if i >= count)
+            problems.append(f"{said}, but the file holds {_layers(len(blocks), 'block')}: {past} tensor(s) of "
+                            f"{_layer_range(under, count, stored)}, which the load would drop without a word")
+        elif stored < count and set(blocks) == set(range(stored)):
+            problems.append(f"{said}, but the file holds {_layers(stored, 'block')}: "
+                            f"no tensor of {_layer_range(under, stored, count)}")
+    return problems
+
+
+def _stat_key(path: Path) -> tuple:
+    """What tells one version of a file from another, as a cache key: a file replaced or edited in
+    place between two reads is read again."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[int, int]]]:
+    """(the metadata key of the block count, its value or None, {"blk." / "enc.blk." / ...: {block:
+    its tensor count}}). Once per file version: the reader parses the whole metadata (1.5 s for
+    SmolLM2-135M, mostly its tokenizer), and a conversion loads its source twice."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    reader = GGUFReader(path)
+    key = f"{read_field(reader, 'general.architecture')[0]}.block_count"
+    count = read_field(reader, key)
+    held: dict[str, dict[int, int]] = {}
+    for tensor in reader.tensors:
+        if m := _GGUF_BLOCK.match(tensor.name):
+            blocks = held.setdefault(f"{m[1] or ''}blk.", {})
+            blocks[int(m[2])] = blocks.get(int(m[2]), 0) + 1
+    return key, count[0] if len(count) == 1 and isinstance(count[0], int) else None, held
 
 
 def _load_order():
@@ -1242,8 +1396,8 @@ def _layer_index(name: str, under: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _layers(count: int) -> str:
-    return f"{count} layer{'s' * (count > 1)}"
+def _layers(count: int, noun: str = "layer") -> str:
+    return f"{count} {noun}{'s' * (count > 1)}"
 
 
 def _layers_past_the_stored(model, missing: list[str]) -> str | None:

@@ -470,6 +470,82 @@ def test_a_report_file_that_is_a_link_is_written_through_it(every_arm, tmp_path)
     assert (out / "results.csv").is_symlink() and not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.parametrize("name, leads_to, says", [
+    ("summary.md", "nowhere", "is a link to nothing"),
+    ("curves.png", "folder", "it is a folder"),
+    ("results.csv", "pipe", "it is not a regular file (a pipe, socket or device); refusing to replace it"),
+    ("arms/exact/result.json", "nowhere", "is a link to nothing")])
+def test_a_report_link_that_cannot_be_written_through_is_refused_before_the_run(every_arm, tmp_path, monkeypatch,
+                                                                               name, leads_to, says):
+    """A report (or an unfinished arm's record) in OUT that is a link is written through it; one to
+    nothing, to a folder or to a pipe failed that write only when the reports were written, after
+    the pretraining and every arm had run (an arm's record after its training). Refused with OUT's
+    checks instead, before anything runs, the link left as it was; the command says it in one line."""
+    from normswap.errors import BadInputError
+    from normswap.experiment import runner
+
+    def ran(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(runner, "make_accelerator", ran)
+    out = tmp_path / "out"
+    link = out / name
+    link.parent.mkdir(parents=True)
+    shutil.copy(every_arm.out / "recipe.json", out / "recipe.json")  # an earlier run of this recipe
+    target = {"nowhere": tmp_path / "nowhere" / "x", "folder": tmp_path / "folder", "pipe": tmp_path / "pipe"}[leads_to]
+    if leads_to == "folder":
+        target.mkdir()
+    elif leads_to == "pipe":
+        os.mkfifo(target)
+    link.symlink_to(target)
+    source = json.loads((out / "recipe.json").read_text())["source"]
+    with pytest.raises(BadInputError, match=f"^cannot write to {re.escape(str(link))}: .*{re.escape(says)}$"):
+        run_experiment(load_recipe(Path(source)), out, progress=False)
+    r = CliRunner().invoke(cli, ["experiment", source, "--out", str(out)])
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and says in r.stderr, r.output
+    assert link.is_symlink() and os.readlink(link) == str(target) and not (tmp_path / "nowhere").exists()
+    assert not (out / "results.json").exists()
+    if name == "curves.png":  # not drawn: not written, not asked
+        with pytest.raises(AssertionError, match="the run started"):
+            run_experiment(load_recipe(Path(source)), out, progress=False, plot=False)
+
+
+def test_an_arm_record_linked_into_a_folder_one_may_not_enter_is_refused_first():
+    """An unfinished arm's result.json in OUT, a link into another user's 0700 folder: the check of
+    OUT's links asked is_file() of it, which raised PermissionError where the run is to say the
+    folder in one line, before anything runs."""
+    import tempfile
+
+    from normswap.errors import BadInputError
+    from normswap.experiment import runner
+    from tests.test_fileio import _as_a_user_the_bits_bind
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        out, locked = base / "out", base / "locked"
+        (out / "arms" / "exact").mkdir(parents=True)
+        for d in (out, out / "arms", out / "arms" / "exact"):
+            d.chmod(0o755)
+        (out / "recipe.json").write_text(json.dumps({"fingerprint": "f"}))
+        (out / "recipe.json").chmod(0o644)
+        locked.mkdir(mode=0o700)
+        locked.chmod(0o700)
+        link = out / "arms" / "exact" / "result.json"
+        link.symlink_to(locked / "result.json")
+
+        def said():
+            try:
+                runner._check_out(out, "f", ["exact"])
+            except BadInputError as e:
+                return str(e)
+            return "passed"
+
+        assert _as_a_user_the_bits_bind(said) == f"cannot write to {link}: {locked} cannot be entered (Permission denied)"
+    finally:
+        shutil.rmtree(base)
+
+
 def test_exact_starts_at_the_original_and_approx_does_not(every_arm):
     arms = every_arm.data["arms"]
     original = arms["original"]["evals"][0]["ppl"]

@@ -94,11 +94,14 @@ def test_a_write_to_a_link_goes_through_it_to_the_file(tmp_path, seed):
     for name, why in (("dangling", f"{dangling} is a link to nothing"), ("to-folder", "it is a folder"),
                       ("to-pipe", "it is not a regular file (a pipe, socket or device); refusing to replace it")):
         assert unwritable(links / name) == why
-        if name != "to-folder":  # (the rename over a folder is the system's refusal)
-            with pytest.raises(BadInputError) as refused:
-                write_text_atomic(links / name, text)
-            assert str(refused.value) == f"cannot write to {links / name}: {why}"
+        with pytest.raises(BadInputError) as refused:
+            write_text_atomic(links / name, text)
+        assert str(refused.value) == f"cannot write to {links / name}: {why}"
         assert (links / name).is_symlink()
+    # a folder itself, as through a link: the rename's own refusal named the temporary file
+    with pytest.raises(BadInputError) as refused:
+        write_text_atomic(results, text)
+    assert str(refused.value) == f"cannot write to {results}: it is a folder"
     assert not (tmp_path / "nowhere").exists() and stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in results.iterdir()) == sorted([target.name, "pipe"])
 
@@ -127,6 +130,44 @@ def test_a_link_is_written_through_only_where_its_file_can_be_replaced():
         assert _as_a_user_the_bits_bind(lambda: unwritable(links / "new.json")) is None  # its own folder: fine
     finally:
         (base / "results").chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_a_link_into_a_folder_this_user_may_not_enter_is_a_reason_not_an_error():
+    """A link (bench --out latest.json) to a file in another user's 0700 folder: unwritable, whose
+    answer is a reason, raised PermissionError (the link's exists() asked through it), and so did
+    the write. Both say the folder that cannot be entered, as for a path that goes through it
+    itself; the link is left as it was."""
+    import shutil
+
+    from normswap.errors import BadInputError
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        links, locked = base / "links", base / "locked"
+        links.mkdir()
+        links.chmod(0o777)
+        locked.mkdir()
+        (locked / "r.json").write_text("{}")
+        (locked / "r.json").chmod(0o666)
+        locked.chmod(0o700)
+        link = links / "latest.json"
+        link.symlink_to(locked / "r.json")
+        why = f"{locked} cannot be entered (Permission denied)"
+        assert _as_a_user_the_bits_bind(lambda: unwritable(link)) == why
+
+        def write():
+            try:
+                write_text_atomic(link, "[]")
+            except BadInputError as e:
+                return str(e)
+
+        assert _as_a_user_the_bits_bind(write) == f"cannot write to {link}: {why}"
+        assert link.is_symlink() and (locked / "r.json").read_text() == "{}"
+        assert sorted(p.name for p in links.iterdir()) == ["latest.json"]
+    finally:
+        (base / "locked").chmod(0o755)
         shutil.rmtree(base)
 
 

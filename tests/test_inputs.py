@@ -241,6 +241,48 @@ def test_scoring_a_model_without_a_text_head_is_one_line(tmp_path, argv):
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
 
 
+def test_a_converted_norm_the_probe_never_runs_fails_the_zero_mean_check():
+    """A converted norm that the probe batch never reaches (a tower that only its get_<x>_features
+    method runs) was measured by nothing: the check used to pass it (no ratio, no failure)."""
+    from normswap.convert import check_zero_mean, convert_model
+    from normswap.errors import NormswapError
+
+    model = _vit(device="cpu").double()
+    randomize_norms_and_biases(model, 0)
+    manifest = convert_model(model, check=False)
+    batch = probe_batch(model)
+    assert check_zero_mean(model, manifest, batch)["passed"]
+    skipped = model.get_submodule("layers.1")
+    skipped.forward = lambda hidden_states, *a, **kw: hidden_states  # the probe never reaches its norms
+    result = check_zero_mean(model, manifest, batch, raise_on_failure=False)
+    assert not result["passed"] and result["unmeasured"] == [
+        "layers.1.layernorm_before", "layers.1.layernorm_after"], result
+    with pytest.raises(NormswapError, match="never ran layers.1.layernorm_before"):
+        check_zero_mean(model, manifest, batch)
+
+
+def test_a_patch_convolution_read_elsewhere_too_is_not_centered():
+    """A patch convolution whose output something else also reads (here the pooler, across its
+    channels): centering it would change that reader, which the stream checks never follow. It
+    used to count as a writer, and the conversion moved the pooler output by ~0.3."""
+    import types
+
+    model = _vit(device="cpu").double()
+    pe, pooler = model.embeddings.patch_embeddings, model.pooler
+    pooler_forward = type(pooler).forward
+
+    def patches(self, pixel_values, interpolate_pos_encoding=False):
+        x = self.projection(pixel_values)
+        self.side = x.amax(dim=1)
+        return x.flatten(2).transpose(1, 2)
+
+    pe.forward = types.MethodType(patches, pe)
+    pooler.forward = types.MethodType(lambda self, h: pooler_forward(self, h) + pe.side.flatten(1).sum(-1, keepdim=True),
+                                      pooler)
+    d = discover(model)
+    assert d.writers == [] and all(f.category == "uncenterable-term" for f in d.norms.values()), d.norms
+
+
 def test_a_towers_readers_come_from_its_own_trace():
     """Voxtral's forward runs its Llama text model on ids alone; its audio tower runs through
     get_audio_features(input_features), and its norms' readers are those seen there, the output of

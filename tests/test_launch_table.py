@@ -365,6 +365,38 @@ def test_a_writer_waiting_on_a_first_write_that_fails_makes_the_folder_again(tmp
     assert sorted(p.name for p in path.parent.iterdir()) == ["t.json"]
 
 
+def test_a_writer_through_a_link_holds_the_lock_of_the_table_it_leads_to(tmp_path, monkeypatch):
+    """A write to a link goes through it to the table (fileio.replaced_atomically), but update's
+    lock was taken beside the link: one writer through a link (latest.json) and one of the table
+    itself each held a lock of their own, and the later rename dropped the other's entries. The
+    writer through the link waits on the table's lock; both entries are kept, the link stays."""
+    import threading
+    from pathlib import Path
+
+    from tests.lock_checks import wait_until_someone_waits_on
+
+    target = tmp_path / "tables" / "t.json"
+    T.update(target, "sm_90", [entry()], _common.ROW_BUCKETS)
+    link = tmp_path / "latest.json"
+    link.symlink_to(Path("tables") / "t.json")
+    real = T.write
+    through_link = threading.Thread(target=lambda: T.update(link, "sm_90", [entry(pass_="bwd")], _common.ROW_BUCKETS))
+
+    def write(*a, **k):
+        if threading.current_thread() is not through_link:  # the table's own writer, holding its lock
+            through_link.start()
+            wait_until_someone_waits_on(target.with_name("t.json.lock"), timeout=10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "write", write)
+    T.update(target, "sm_90", [entry(dtype="fp16")], _common.ROW_BUCKETS)
+    through_link.join(60)
+    entries = T.read(target)["archs"]["sm_90"]["entries"]
+    assert sorted((e["pass"], e["dtype"]) for e in entries) == [("bwd", "bf16"), ("fwd", "bf16"), ("fwd", "fp16")]
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "tables"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["t.json"]
+
+
 def test_update_refuses_a_table_broken_on_disk(tmp_path):
     path = tmp_path / "t.json"
     path.write_text("{not json")

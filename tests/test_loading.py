@@ -454,14 +454,16 @@ def test_config_without_a_model_class(tmp_path, monkeypatch):
 def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48, block_count=None):
     """A tiny float32 Llama GGUF with random weights and no tokenizer: what llama.cpp writes,
     shapes as transformers' GGUF loader expects them (arrays in torch layout). block_count: the
-    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file)."""
+    metadata's, when it is to disagree with the `layers` blocks of tensors (a damaged file);
+    False: no block_count key at all."""
     import numpy as np
     gguf = pytest.importorskip("gguf")
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(64)
     w.add_embedding_length(hidden)
-    w.add_block_count(layers if block_count is None else block_count)
+    if block_count is not False:
+        w.add_block_count(layers if block_count is None else block_count)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
@@ -505,19 +507,79 @@ def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     assert logits.shape == (1, 3, 96) and torch.isfinite(logits).all()
 
 
-def test_a_gguf_whose_metadata_counts_more_blocks_than_it_holds_names_the_file_not_a_config_json(tmp_path):
-    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers): no config.json
-    can disagree with it, so it is not checked before the load (reading the tensor names means
-    parsing the whole metadata again, seconds on a real file). A damaged file whose block_count
-    exceeds its blocks is refused by the load; it said 'the weights do not match config.json ...
-    is the config from another model size?' of a file with no config.json."""
-    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=2, block_count=4))
+def _no_load(monkeypatch):
+    """Make any weight load fail the test: a refusal must come before transformers reads a tensor."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr(loading, "from_pretrained_checked", refuse)
+
+
+@pytest.mark.parametrize("layers, block_count, says", [
+    # more blocks than the metadata counts: transformers maps the tensors through a table of the
+    # count's blocks and dropped the others without a word; the model loaded cut short
+    (4, 2, "llama.block_count is 2 there, but the file holds 4 blocks: 18 tensor(s) of blk.2 to blk.3, which the "
+           "load would drop without a word"),
+    (3, 2, "llama.block_count is 2 there, but the file holds 3 blocks: 9 tensor(s) of blk.2, which the load would "
+           "drop without a word"),
+    # fewer: refused only once the load had de-quantised the file and allocated every layer
+    (2, 4, "llama.block_count is 4 there, but the file holds 2 blocks: no tensor of blk.2 to blk.3"),
+    (2, 2000, "llama.block_count is 2000 there, but the file holds 2 blocks: no tensor of blk.2 to blk.1999"),
+])
+def test_a_gguf_whose_block_count_disagrees_with_its_blocks_is_refused_before_the_load(
+        tmp_path, monkeypatch, layers, block_count, says):
+    """A GGUF's config is its own metadata ({arch}.block_count is num_hidden_layers), so no
+    config.json can disagree with it; its tensors can. Refused from the tensor names alone, before
+    the load, naming the metadata key and the blocks, and not as 'the weights do not match
+    config.json' of a file that has none."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "damaged.gguf", layers=layers, block_count=block_count))
+    _no_load(monkeypatch)
     with pytest.raises(NormswapError) as e:
         loading.load_model(src)
     assert _one_line(e) == (f"{src.ref}: its tensors do not match the model its own GGUF metadata describes "
-                            "(num_hidden_layers is 4 there, but the weights hold 2 layers: 18 tensor(s) of "
-                            "model.layers.2 to model.layers.3 missing from the checkpoint); is the file damaged or "
-                            "edited?")
+                            f"({says}); is the file damaged or edited?")
+
+
+def test_a_gguf_without_block_count_is_held_to_the_count_transformers_builds(tmp_path, monkeypatch):
+    """No llama.block_count: transformers builds LlamaConfig's default 32 layers and dropped the
+    blocks past them without a word (a 40-block file lost 8). Said as what it is."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "nokey.gguf", layers=34, block_count=False))
+    config = loading.load_config(src)
+    assert config.num_hidden_layers == 32  # transformers' default, not the file's
+    _no_load(monkeypatch)
+    with pytest.raises(NormswapError) as e:
+        loading.load_model(src, config=config)
+    assert ("(llama.block_count is not there, so LlamaConfig takes its default num_hidden_layers, 32, but the file "
+            "holds 34 blocks: 18 tensor(s) of blk.32 to blk.33, which the load would drop without a word)") in _one_line(e)
+
+
+def test_an_encoder_decoders_gguf_blocks_are_counted_per_stack(tmp_path):
+    """T5's GGUF holds two lists of blocks (enc.blk.N, dec.blk.N), each as long as block_count
+    (transformers builds the decoder as deep as the encoder): each is counted on its own, and the
+    one that disagrees is named."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+
+    w = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
+    w.add_block_count(2)
+    for name in ("enc.blk.0.attn_q", "enc.blk.1.attn_q", "dec.blk.0.attn_q", "dec.blk.1.attn_q", "dec.blk.2.attn_q",
+                 "dec.blk.2.attn_k"):
+        w.add_tensor(f"{name}.weight", np.zeros((2, 2), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert loading._gguf_block_problems(tmp_path / "t5.gguf", None) == [
+        "t5.block_count is 2 there, but the file holds 3 blocks: 2 tensor(s) of dec.blk.2, which the load would drop "
+        "without a word"]
+
+
+def test_a_gguf_whose_blocks_match_its_block_count_loads_every_block(tmp_path):
+    """The check refuses only a disagreement: the file's own blocks all load, none dropped."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=3))
+    model = loading.load_model(src)
+    assert len(model.model.layers) == 3
+    assert loading._gguf_block_problems(tmp_path / "tiny.gguf", loading.load_config(src)) == []
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
@@ -800,6 +862,69 @@ def test_architectures_with_sentinel_defaults_load_and_still_refuse_nonsense(tmp
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(NormswapError, match=re.escape(says)):
         loading.load_config(loading.resolve(d))
+
+
+def _small_config(tmp_path, model_type, **fields):
+    """A folder holding only the config.json of a small model of `model_type` with `fields`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    small = dict(vocab_size=96, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    if model_type == "gptj":
+        small.update(n_embd=32, n_layer=2, n_head=4)
+    else:
+        small.update(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+        if model_type != "bert":
+            small.update(num_key_value_heads=2)
+    d = tmp_path / model_type
+    CONFIG_MAPPING[model_type](**{**small, **fields}).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3", "olmoe", "llama", "qwen2"])
+def test_an_unset_context_length_that_transformers_computes_nothing_with_is_accepted(tmp_path, model_type):
+    """OLMo-core's export writes max_position_embeddings -1 ('not set') into every OLMo 2, OLMo 3
+    and OLMoE config.json, where the classes default to 2048 or 4096: every command refused those
+    models ('max_position_embeddings is -1; it must be at least 1'), though with the default RoPE
+    transformers only keeps the number. Decided by what transformers builds with it."""
+    d = _small_config(tmp_path, model_type, max_position_embeddings=-1)
+    assert loading.load_config(loading.resolve(d)).max_position_embeddings == -1
+
+
+def test_a_model_with_an_unset_context_length_computes_what_it_computes_with_one(tmp_path):
+    """The -1 accepted changes nothing the model computes: the same weights under -1 and under 64
+    give the same logits, bit for bit."""
+    save_tiny("llama", tmp_path / "unset", max_position_embeddings=-1)
+    save_tiny("llama", tmp_path / "set", max_position_embeddings=64)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        logits = [loading.load_model(loading.resolve(tmp_path / name))(ids).logits for name in ("unset", "set")]
+    assert torch.equal(*logits) and torch.isfinite(logits[0]).all()
+
+
+@pytest.mark.parametrize("model_type, fields, says", [
+    # a dynamic RoPE computes with the context length at every forward pass: -1 made NaNs
+    ("olmo2", dict(max_position_embeddings=-1, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+     "max_position_embeddings is -1; it must be at least 1"),
+    # YaRN without its own original length takes the context length's: log of a negative number
+    ("olmo2", dict(max_position_embeddings=-1, rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)),
+     "max_position_embeddings is -1; it must be at least 1"),
+    # absolute positions: a table of -1 rows
+    ("bert", dict(max_position_embeddings=-1), "max_position_embeddings is -1; it must be at least 1"),
+    ("gptj", dict(n_positions=-1, rotary_dim=4), "max_position_embeddings is -1; it must be at least 1"),
+    # a size the model is built with
+    ("llama", dict(num_key_value_heads=-1), "num_key_value_heads is -1; a size or count cannot be negative"),
+    ("llama", dict(head_dim=-1), "head_dim is -1; a size or count cannot be negative"),
+    # no sentinel: any other negative number, and zero
+    ("olmo2", dict(max_position_embeddings=-2), "max_position_embeddings is -2; it must be at least 1"),
+    ("olmo2", dict(max_position_embeddings=0), "max_position_embeddings is 0; it must be at least 1"),
+])
+def test_an_unset_value_that_transformers_computes_with_is_still_refused(tmp_path, model_type, fields, says):
+    """The -1 is accepted only where the model built with it is the one built with the class's
+    default: where transformers sizes a tensor with it or computes with it, it is refused as before."""
+    d = _small_config(tmp_path, model_type, **fields)
+    with pytest.raises(NormswapError, match=re.escape(says)) as e:
+        loading.load_config(loading.resolve(d))
+    _one_line(e)
 
 
 # ---- tensors the config has and the weights do not

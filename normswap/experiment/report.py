@@ -216,6 +216,13 @@ def curves_figure(result: dict):
     return fig
 
 
+def report_files(plot: bool) -> tuple[str, ...]:
+    """The files write_reports(plot=plot) writes into OUT: curves.png only with plot and the
+    `experiment` extra (matplotlib) installed."""
+    with_plot = plot and importlib.util.find_spec("matplotlib") is not None
+    return ("results.json", "results.csv", "summary.md") + (("curves.png",) if with_plot else ())
+
+
 def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:
     """Write the four report files, each atomically as every normswap output file is
     (fileio.replaced_atomically: a link in their place is written through)."""
@@ -228,7 +235,7 @@ def write_reports(result: dict, out: Path, plot: bool = True) -> dict[str, str]:
         with replaced_atomically(out / name, "wb") as f:
             f.write(text.encode("utf-8"))
         written[name] = str(out / name)
-    if plot and importlib.util.find_spec("matplotlib") is None:
+    if plot and "curves.png" not in report_files(plot):
         written["curves.png"] = None  # the `experiment` extra (matplotlib) is not installed
     elif plot:
         with replaced_atomically(out / "curves.png", "wb") as f:

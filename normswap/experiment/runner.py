@@ -149,11 +149,13 @@ def make_accelerator(recipe: Recipe, out: Path):
     return Accelerator(**kwargs)
 
 
-def _check_out(out: Path, fingerprint: str) -> None:
+def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) -> None:
     """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
     recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
-    names. (logs/ alone: a run stopped before it wrote recipe.json.)"""
+    names. (logs/ alone: a run stopped before it wrote recipe.json.) And a report or an arm's
+    record (of `arms`) that is a link there can be written through (fileio.replaced_atomically;
+    curves.png only as `plot` says)."""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
@@ -166,6 +168,14 @@ def _check_out(out: Path, fingerprint: str) -> None:
         if not isinstance(previous, dict) or previous.get("fingerprint") != fingerprint:
             raise NormswapError(f"{out} holds a run of a different recipe (or other {n['overrides']} values); "
                                 f"remove it or choose another {n['out']}")
+    # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
+    # write failed the write: after the pretraining and every arm for a report, after the arm for its
+    # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
+    # arm's record is read, not written; isfile: False, not PermissionError, behind a folder one may not enter).
+    unfinished = (out / "arms" / arm / RESULT_FILE for arm in arms)
+    for path in (*(out / name for name in report.report_files(plot)), *(p for p in unfinished if not os.path.isfile(p))):
+        if path.is_symlink() and (why := unwritable(path)):
+            raise cannot_write(path, why)
 
 
 def _load_model(path: str, progress: bool):
@@ -290,7 +300,7 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
-    _check_out(out, recipe.fingerprint(digests))
+    _check_out(out, recipe.fingerprint(digests), arms, plot)
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
     for name, section in (("pretrain", recipe.pretrain),

@@ -66,7 +66,7 @@ from pathlib import Path
 from normswap import jsonsafe
 from normswap.dtypes import RUN_DTYPES
 from normswap.errors import NormswapError
-from normswap.fileio import made_folders, path_lock, write_text_atomic
+from normswap.fileio import made_folders, path_lock, write_text_atomic, written_at
 
 SCHEMA = 1
 PATH = Path(__file__).with_name("launch_table.json")
@@ -415,8 +415,10 @@ def update(path: Path, arch: str, entries: list[dict], row_buckets, base: dict |
     Returns the document written. ValueError when the file on disk is not a valid table.
     The lock file goes with the lock (fileio.path_lock), so a first write that fails leaves
     nothing it made: made_folders removes the folder it made for the table. A second writer that
-    was waiting on that first write then finds the folder gone: it makes it again and writes."""
-    path = Path(path)
+    was waiting on that first write then finds the folder gone: it makes it again and writes.
+    `path` a link: the lock is the table's it leads to (fileio.written_at), which the write replaces;
+    beside the link, a writer through it and one of the table itself each held a lock of its own."""
+    path = written_at(path)
     while True:
         with made_folders(path.parent), contextlib.ExitStack() as held:
             try:
