@@ -343,12 +343,20 @@ SWEEP_BEFORE: dict[str, dict[str, tuple[str, ...] | None]] = {
 }
 
 
-def sweep_for(version: str) -> dict[str, tuple[str, ...]]:
-    """SWEEP as it reads on transformers `version`: each later release's differences undone."""
+# SWEEP_BEFORE's for SWEEP_MODALITIES.
+SWEEP_MODALITIES_BEFORE: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "5.24": dict.fromkeys(("hy_v4_vl_vision", "omniasr_audio", "omniasr_ctc", "wavtokenizer", "wavtokenizer_encoder")),
+}
+
+
+def sweep_for(version: str, sweep: dict | None = None, earlier: dict | None = None) -> dict[str, tuple[str, ...]]:
+    """`sweep` (SWEEP) as it reads on transformers `version`: each later release's differences in
+    `earlier` (SWEEP_BEFORE) undone."""
     from packaging.version import Version
 
-    table = dict(SWEEP)
-    for release, before in sorted(SWEEP_BEFORE.items(), key=lambda kv: Version(kv[0]), reverse=True):
+    table = dict(SWEEP if sweep is None else sweep)
+    earlier = SWEEP_BEFORE if earlier is None else earlier
+    for release, before in sorted(earlier.items(), key=lambda kv: Version(kv[0]), reverse=True):
         if Version(version) < Version(release):
             for label, result in before.items():
                 if result is None:
@@ -512,10 +520,11 @@ def test_every_layer_norm_architecture_is_classified(sweep):
 
 def test_earlier_releases_differ_where_listed():
     """Each SWEEP_BEFORE entry undoes a real difference (else it is a stale line)."""
-    for release, before in SWEEP_BEFORE.items():
-        later = sweep_for(release)
-        for label, result in before.items():
-            assert later.get(label) != result, (release, label)
+    for sweep, earlier in ((SWEEP, SWEEP_BEFORE), (SWEEP_MODALITIES, SWEEP_MODALITIES_BEFORE)):
+        for release, before in earlier.items():
+            later = sweep_for(release, sweep, earlier)
+            for label, result in before.items():
+                assert later.get(label) != result, (release, label)
 
 
 # Architectures whose LayerNorms all sit in another modality's tower, which the sweep's text-only
@@ -564,14 +573,17 @@ def test_every_vision_and_audio_layer_norm_model_is_classified(modality_sweep):
     import transformers
 
     got = {label: r for label, (r, *_) in modality_sweep.items()}
-    unknown = {k: v for k, v in got.items() if k not in SWEEP_MODALITIES}
-    changed = {k: (SWEEP_MODALITIES[k], v) for k, v in got.items() if k in SWEEP_MODALITIES and SWEEP_MODALITIES[k] != v}
-    gone = sorted(set(SWEEP_MODALITIES) - set(got))
+    expected = sweep_for(transformers.__version__, SWEEP_MODALITIES, SWEEP_MODALITIES_BEFORE)
+    unknown = {k: v for k, v in got.items() if k not in expected}
+    changed = {k: (expected[k], v) for k, v in got.items() if k in expected and expected[k] != v}
+    gone = sorted(set(expected) - set(got))
     assert not unknown and not changed and not gone, (
         f"unclassified: {unknown}\nchanged (listed, found): {changed}\nno longer LayerNorm models: {gone}"
-        f"\n(SWEEP_MODALITIES is the table for transformers {SWEEP_TRANSFORMERS}; this is {transformers.__version__})")
-    for result in SWEEP_MODALITIES.values():
-        assert set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
+        f"\n(SWEEP_MODALITIES is the table for transformers {SWEEP_TRANSFORMERS}, SWEEP_MODALITIES_BEFORE undoes "
+        f"what {', '.join(sorted(SWEEP_MODALITIES_BEFORE))} changed; this is {transformers.__version__})")
+    for table in (SWEEP_MODALITIES, *SWEEP_MODALITIES_BEFORE.values()):
+        for result in table.values():
+            assert result is None or set(result) <= {CONVERTS, NOT_BUILT, *REFUSALS}
     traced = [k for k, v in SWEEP_MODALITIES.items() if v != (NOT_BUILT,) and "untraced" not in v]
     assert len(traced) >= 50, traced  # the forward ran on the derived inputs: readers and a decision
 
@@ -608,12 +620,14 @@ def test_converted_architectures_are_exact(sweep, tmp_path):
     assert not problems, problems
 
 
-def render_readme(table: dict[str, tuple[str, ...]] | None = None) -> str:
+def render_readme(table: dict[str, tuple[str, ...]] | None = None, earlier: dict | None = None) -> str:
     """The README's architecture list, from SWEEP (and SWEEP_BEFORE), or from another sweep's
-    table (SWEEP_MODALITIES: the vision and audio models)."""
+    table and its earlier releases' differences (SWEEP_MODALITIES and SWEEP_MODALITIES_BEFORE:
+    the vision and audio models)."""
     from packaging.version import Version
 
     sweep_table = SWEEP if table is None else table
+    earlier = SWEEP_BEFORE if earlier is None else earlier
     whole = sorted(k for k, v in sweep_table.items() if v == (CONVERTS,))
     partial = sorted(k for k, v in sweep_table.items() if CONVERTS in v and v != (CONVERTS,))
     refused: dict[str, list[str]] = {}
@@ -631,9 +645,7 @@ def render_readme(table: dict[str, tuple[str, ...]] | None = None) -> str:
         lines.append(f"- {cats}: " + ", ".join(f"`{k}`" for k in sorted(labels)))
     lines += ["", f"Not built tiny by the sweep ({len(not_built)}; their configs need more than the size knobs, so "
               "whether they hold LayerNorms is not known): " + ", ".join(f"`{k}`" for k in not_built) + "."]
-    if table is not None:
-        return "\n".join(lines) + "\n"
-    for release, before in sorted(SWEEP_BEFORE.items(), key=lambda kv: Version(kv[0]), reverse=True):
+    for release, before in sorted(earlier.items(), key=lambda kv: Version(kv[0]), reverse=True):
         lines += ["", f"Before transformers {release}: " + "; ".join(
             f"`{k}` " + ("absent" if v is None else f"{', '.join(v)}") for k, v in sorted(before.items())) + "."]
     return "\n".join(lines) + "\n"
@@ -649,7 +661,7 @@ def test_readme_lists_the_sweep():
     assert f"class of transformers {SWEEP_TRANSFORMERS.rsplit('.', 1)[0]} with LayerNorms" in text
     begin, end = "<!-- sweep-modalities:begin -->\n", "<!-- sweep-modalities:end -->"
     assert begin in text and end in text
-    assert text.split(begin, 1)[1].split(end, 1)[0] == render_readme(SWEEP_MODALITIES)
+    assert text.split(begin, 1)[1].split(end, 1)[0] == render_readme(SWEEP_MODALITIES, SWEEP_MODALITIES_BEFORE)
 
 
 if __name__ == "__main__":  # print the observed SWEEP and SWEEP_MODALITIES tables
