@@ -38,7 +38,8 @@ def forward_params(fn: Callable) -> list[str]:
 
 
 def _configs(config):
-    """`config`, then its sub-configs (text, vision, audio, encoder...), depth first."""
+    """`config`, then its sub-configs (text, vision, audio, encoder...), breadth first: a
+    setting of the model's own config wins over a sub-config's, a child's over a grandchild's."""
     seen: set[int] = set()
     todo = [config]
     while todo:
