@@ -1301,12 +1301,9 @@ def sibling_classes(model) -> list:
     if key is not None and key in _SIBLINGS:
         return _SIBLINGS[key]
     from transformers import PreTrainedModel
-    from transformers.utils import logging as hf_logging
 
     built = []
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # BertLMHeadModel warns that the config is no decoder's
-    try:
+    with _transformers_quiet():  # BertLMHeadModel warns that the config is no decoder's
         for cls in vars(module).values():
             config_class = getattr(cls, "config_class", None)
             if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel) and cls is not type(model)
@@ -1318,8 +1315,6 @@ def sibling_classes(model) -> list:
                     built.append(cls._from_config(copy.deepcopy(config)))
             except Exception:  # noqa: BLE001  (a class this config cannot build holds nothing of it)
                 continue
-    finally:
-        hf_logging.set_verbosity(verbosity)
     if key is not None:
         _SIBLINGS.clear()  # the last model's only: a run loads one or two
         _SIBLINGS[key] = built
