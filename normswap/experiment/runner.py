@@ -368,11 +368,11 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: di
 
 
 def _check_fits(recipe: Recipe, model) -> None:
-    """finetune.seq_len within the model's context, read as the evaluation reads it (every
-    family's name for it: n_positions, n_ctx, seq_length, ..., not max_position_embeddings alone)."""
-    from normswap.evaluate import model_context_length
+    """finetune.seq_len within the model's context, read as the evaluation reads it
+    (normswap.inputs.context_length: every family's name for it, the text config's first)."""
+    from normswap.inputs import context_length
 
-    check_seq_len(recipe.finetune.seq_len, model_context_length(model))
+    check_seq_len(recipe.finetune.seq_len, context_length(getattr(model, "config", None)))
 
 
 def _eval_windows(recipe: Recipe) -> dict:
