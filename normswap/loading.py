@@ -5,6 +5,7 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import importlib.util
@@ -52,6 +53,9 @@ class ModelSource:
     ref: str  # what the user typed
     path: Path  # a directory holding config.json (or the .gguf's directory)
     gguf_file: str | None = None  # file name inside `path` when loading from GGUF
+    # The .gguf's parse (gguf.GGUFReader), by file version (_stat_key), for the later reads of
+    # this source up to its weights' (_gguf_parse).
+    _parsed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def from_pretrained_kwargs(self) -> dict:
@@ -305,9 +309,9 @@ def _load_gguf(directory: Path, gguf_name: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with gguf_bar_follows_transformers():
+        with _gguf_parsed_once(ModelSource(gguf_name, directory, gguf_name)), gguf_bar_follows_transformers():
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
     except Exception as e:  # a damaged install: the reader's ValueError was a traceback
         raise gguf_malformed(directory / gguf_name, e) or e from None
     # The weights are already de-quantised; drop the quantizer so the model can be re-saved.
@@ -329,7 +333,7 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     from transformers import AutoConfig
 
     try:
-        with _gguf_read(source, "config", progress) as reading:
+        with _gguf_read(source, "config", progress) as reading, _gguf_parsed_once(source):
             config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
     except OSError as e:
@@ -784,7 +788,13 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     kwargs["dtype"] = dtype if dtype is not None else "auto"
     if device is not None:
         kwargs["device_map"] = device
-    model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
+    try:
+        with _gguf_parsed_once(source):
+            model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
+    finally:
+        # the parse is let go once the weights are in: held on, it would weigh on the rest of the
+        # command (160 MB of arrays for SmolLM2-135M, and the file's pages the load touched)
+        source._parsed.clear()
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
@@ -839,7 +849,7 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
     from normswap import streaming as st
 
     if source.gguf_file:
-        if problems := _gguf_block_problems(source.path / source.gguf_file, config):
+        if problems := _gguf_block_problems(source, config):
             _weights_do_not_match(source.ref, problems, gguf=True)
         return
     quantised = getattr(config, "quantization_config", None) is not None
@@ -903,7 +913,7 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
 _GGUF_BLOCK = re.compile(r"(\w+\.)?blk\.(\d+)\.")
 
 
-def _gguf_block_problems(path: Path, config) -> list[str]:
+def _gguf_block_problems(source: ModelSource, config) -> list[str]:
     """What a GGUF's tensor names say against its own {arch}.block_count, which transformers
     builds the model's layers from (num_hidden_layers, GPT-2's n_layer, T5's num_layers): blocks
     past the count, which the load dropped without a word (transformers maps the file's tensors
@@ -912,10 +922,10 @@ def _gguf_block_problems(path: Path, config) -> list[str]:
     only once it had de-quantised the file and allocated every layer. A file without the key gets
     the config class's default count (`config`: the one transformers read from the file; Llama's
     32, so a 40-block file lost 8), said as such. A gap in the blocks is left to the load. Read
-    with the gguf package's reader, as transformers reads the file; one that cannot be read is the
-    load's to say."""
+    with the gguf package's reader, as transformers reads the file (the one parse of it:
+    _gguf_parse); one that cannot be read is the load's to say."""
     try:
-        key, count, held = _gguf_blocks(path, *_stat_key(path))
+        key, count, held = _gguf_blocks(_gguf_parse(source))
     except Exception:  # noqa: BLE001  (a file the reader cannot read: the load names it)
         return []
     said = f"{key} is {count} there"
@@ -944,15 +954,11 @@ def _stat_key(path: Path) -> tuple:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[int, int]]]:
+def _gguf_blocks(reader) -> tuple[str, int | None, dict[str, dict[int, int]]]:
     """(the metadata key of the block count, its value or None, {"blk." / "enc.blk." / ...: {block:
-    its tensor count}}). Once per file version: the reader parses the whole metadata (1.5 s for
-    SmolLM2-135M, mostly its tokenizer), and a conversion loads its source twice."""
-    from gguf import GGUFReader
+    its tensor count}}), from the file's parse (gguf.GGUFReader)."""
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    reader = GGUFReader(path)
     key = f"{read_field(reader, 'general.architecture')[0]}.block_count"
     count = read_field(reader, key)
     held: dict[str, dict[int, int]] = {}
@@ -961,6 +967,50 @@ def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[
             blocks = held.setdefault(f"{m[1] or ''}blk.", {})
             blocks[int(m[2])] = blocks.get(int(m[2]), 0) + 1
     return key, count[0] if len(count) == 1 and isinstance(count[0], int) else None, held
+
+
+def _gguf_parse(source: ModelSource):
+    """The parse of source's .gguf (gguf.GGUFReader), made once per file version and kept with
+    `source` until its weights are loaded (load_model). A parse takes 1.5-2 s for SmolLM2-135M
+    (its tokenizer's 49k tokens and 49k merges, each an array of its own), and a command made up
+    to four: transformers' for the config, the tokenizer and the weights, and the block check's.
+    A file replaced or edited in between is parsed again."""
+    # the class itself, from its module: _gguf_parsed_once stands in for the package's name
+    from gguf.gguf_reader import GGUFReader
+
+    path = source.path / source.gguf_file
+    version = _stat_key(path)
+    if version not in source._parsed:
+        source._parsed.clear()  # an older version's, not to be held beside the new one
+        source._parsed[version] = GGUFReader(path)
+    return source._parsed[version]
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once(source: ModelSource):
+    """transformers' reads of source's .gguf served by its one parse (_gguf_parse): transformers
+    parses the file anew for each (load_gguf_checkpoint: `GGUFReader(path)`, looked up on the gguf
+    package at each call) and takes no parse from its caller, so for the time of the read gguf's
+    name stands for one that hands back the parse kept for that file; any other file, or a
+    writable mode, gets gguf's own reader. A folder's source, or no gguf package: nothing to do."""
+    if not source.gguf_file or importlib.util.find_spec("gguf") is None:
+        yield
+        return
+    import gguf
+
+    real = gguf.GGUFReader
+    own = (source.path / source.gguf_file).resolve()
+
+    def reader(path, mode="r", *args, **kwargs):
+        if mode == "r" and not args and not kwargs and Path(path).resolve() == own:
+            return _gguf_parse(source)
+        return real(path, mode, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def _load_order():
@@ -1443,7 +1493,7 @@ def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = Non
     from transformers import AutoTokenizer
 
     try:
-        with _gguf_read(source, "tokenizer", progress) as reading:
+        with _gguf_read(source, "tokenizer", progress) as reading, _gguf_parsed_once(source):
             tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
         return tokenizer
