@@ -1062,6 +1062,22 @@ def _unfilled(meta, filled: set[str]) -> list[str]:
     return [name for names in names_of.values() for name in names if name not in filled]
 
 
+def stored_keys_of(meta, keys, names) -> list[str]:
+    """The checkpoint's `keys` that the load of `meta`'s class puts under one of `names` (as
+    transformers names them, or reports them when it drops them: UnusedTensors.not_built), by
+    its renaming (_loaded_name): a head kept under a legacy name is found under the one it had."""
+    names = set(names)
+    if not names:
+        return []
+    loaded = _loaded_name(meta, meta.state_dict())
+    out = []
+    for key in sorted(keys, key=_load_order()):  # a renaming may depend on the keys before it
+        name, _, fills = loaded(key)
+        if names & {name, *fills}:
+            out.append(key)
+    return out
+
+
 def _loaded_name(meta, state: dict):
     """key -> (the name of the model tensor from_pretrained loads a checkpoint's `key` into,
     whether it loads it as stored, and every model tensor it fills): with transformers' own

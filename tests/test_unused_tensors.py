@@ -304,6 +304,41 @@ def test_a_layer_past_the_config_is_refused_beside_a_head_that_is_accepted(tmp_p
                             "config from another model size?")
 
 
+def test_convert_leaves_out_a_dropped_head_stored_under_a_legacy_name(tmp_path):
+    """transformers renames every checkpoint's legacy LayerNorm.gamma / .beta to .weight / .bias
+    on load (its "legacy" conversion mapping), a head's too. A Megatron-BERT (its own norms are
+    named `ln`, so the checkpoint streams) saved from MegatronBertForPreTraining with the MLM
+    head's LayerNorm under the old names, config naming MegatronBertForNextSentencePrediction:
+    convert dropped the head by the loaded names and wrote cls.predictions.transform.LayerNorm
+    .gamma and .beta into the output anyway, while its normswap.json said they were dropped."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "megatron"
+    config = transformers.MegatronBertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=96, max_position_embeddings=64,
+                                             architectures=["MegatronBertForNextSentencePrediction"])
+    torch.manual_seed(0)
+    model = randomize_norms_and_biases(transformers.MegatronBertForPreTraining(config))
+    tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+               v.contiguous().clone() for k, v in model.state_dict().items()}
+    assert {"cls.predictions.transform.LayerNorm.gamma", "cls.predictions.transform.LayerNorm.beta"} <= set(tensors)
+    d.mkdir()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(d)
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), "--to", "rms", "--partial", "--out", str(out)])
+    assert r.exit_code == 0, r.stderr
+    dropped = json.loads((out / "normswap.json").read_text())["convert"]["dropped"]
+    assert "cls.predictions.transform.LayerNorm.weight" in dropped
+    stored = set(load_file(out / "model.safetensors"))
+    assert not any(k.startswith("cls.predictions.") for k in stored), sorted(stored)
+    assert {"cls.seq_relationship.weight", "bert.pooler.dense.weight"} <= stored  # what the class builds
+    converted, info = transformers.MegatronBertForNextSentencePrediction.from_pretrained(
+        out, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+
+
 def test_convert_of_pickled_weights_names_what_the_output_does_not_hold(tmp_path):
     """Pickled weights are loaded whole and saved with transformers, which keeps neither the
     legacy masked_bias buffers nor a head the class does not build: the manifest's "dropped" names
