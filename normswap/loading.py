@@ -730,7 +730,7 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             name, _, fills = loaded_name(key)
             if name not in holds:
                 unplaced.update(fills or (key,))
-        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref))
+        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref), source.path)
         if not refused and (unused is None or not unused.not_built):
             return cls
     return None
@@ -905,7 +905,8 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
         if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
             mismatched.append((name, shape, list(tensor.shape)))
     return check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
-                                     "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+                                     "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref),
+                              stored=source.path)
 
 
 # A GGUF tensor of a block: blk.N.attn_q.weight (llama.cpp's names), enc.blk.N... and dec.blk.N...
@@ -1174,16 +1175,18 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     # what the load dropped that cannot change the computation, for the command to say (once: the
     # check before the load found the same, from the same rule)
-    model.normswap_unused_tensors = check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
+    model.normswap_unused_tensors = check_loading_info(model, info, ref, gguf="gguf_file" in kwargs, stored=Path(path))
     return model
 
 
-def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> UnusedTensors | None:
+def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False,
+                       stored: Path | None = None) -> UnusedTensors | None:
     """One line naming the first few keys when the checkpoint and the model disagree, except the
     keys the architecture declares ignorable (transformers already leaves tied ones out) and the
     stored tensors that cannot change what the model computes (unused_tensors: the one policy for
     what a model has no place for), which are returned, for the caller to say. gguf: the model was
-    described by a GGUF file's own metadata, not by a config.json."""
+    described by a GGUF file's own metadata, not by a config.json. stored: the folder of the
+    weights (unused_tensors reads the stored shape of an obsolete buffer's name there)."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
@@ -1194,7 +1197,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
     problems = []
     missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = kept(info.get("unexpected_keys", ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    unexpected, unused = unused_tensors(model, unexpected, ref)
+    unexpected, unused = unused_tensors(model, unexpected, ref, stored)
     mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
@@ -1290,7 +1293,7 @@ class UnusedTensors:
                 "saved_from": self.saved_from, "buffers": list(self.buffers), "note": self.note()}
 
 
-def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensors | None]:
+def unused_tensors(model, unexpected, ref: str, stored: Path | None = None) -> tuple[list[str], UnusedTensors | None]:
     """The one policy for the stored tensors `model` has no place for (`unexpected`, named as
     transformers names them, after its own ignorable names): (those that are refused, in order;
     those that cannot change what the model computes, as UnusedTensors, None when none). A
@@ -1301,20 +1304,27 @@ def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensor
       head under GPT2LMHeadModel);
     - it is a non-persistent buffer of its module: a constant the module computes from its config
       (GPT-Neo's causal mask, which older transformers saved);
-    - it is an OBSOLETE_BUFFERS name its module has no place for (GPT-2's attn.masked_bias).
+    - it is an OBSOLETE_BUFFERS name its module has no place for, stored as that buffer was: a
+      scalar (GPT-2's attn.masked_bias, torch.tensor(-1e4)); its stored shape is read from the
+      weights in the folder `stored` (_stored_shapes), and one it cannot read is refused.
     Refused: a tensor of a module the class builds without it (a norm bias under an RMSNorm, a
     Linear bias the config turned off: the checkpoint's model computed with it), and one of a
     module no class of this config builds (a layer past the config's count; a q_norm of
     another architecture's checkpoint under a class without one)."""
     modules = dict(model.named_modules())
     refused, not_built, buffers = [], [], []
+    obsolete = [name for name in unexpected if name.rpartition(".")[2] in OBSOLETE_BUFFERS
+                and (module := modules.get(name.rpartition(".")[0])) is not None
+                and not hasattr(module, name.rpartition(".")[2])]
+    # a tensor of another shape under the old buffer's name is not that buffer: a weight of the
+    # model the checkpoint was saved from, which this class would run without
+    scalars = {name for name, shape in _stored_shapes(stored, obsolete, model).items() if shape == []}
     for name in sorted(unexpected, key=_natural):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None:
             not_built.append(name)
-        elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or (
-                leaf in OBSOLETE_BUFFERS and not hasattr(module, leaf)):
+        elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or name in scalars:
             buffers.append(name)
         else:
             refused.append(name)
@@ -1329,6 +1339,54 @@ def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensor
     if not (not_built or buffers):
         return refused, None
     return refused, UnusedTensors(str(ref), type(model).__name__, tuple(not_built), saved_from, tuple(buffers))
+
+
+def _stored_shapes(folder: Path | None, names: list[str], model) -> dict[str, list[int]]:
+    """{name: its stored shape} for the `names` (as the load names them) that the weights in
+    `folder` hold, under that name or the bare base model's (without model's base_model_prefix),
+    read without their values: safetensors headers, pickled files on the meta device (each file
+    once). A name no file holds, or whose file cannot be read, is left out."""
+    from normswap import streaming as st
+
+    if folder is None or not names:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    keys = {name: [name] + ([name[len(prefix) + 1:]] if prefix and name.startswith(prefix + ".") else [])
+            for name in names}
+    try:
+        _, where, _ = st.checkpoint_layout(folder)
+
+        def shapes_in(file: str) -> dict:
+            return {k: e.get("shape") for k, e in st.read_header(folder / file).items() if isinstance(e, dict)}
+    except NormswapError:  # pickled weights: one file, or an index of shards
+        from transformers.modeling_utils import load_state_dict
+        from transformers.utils import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+        where = {}
+        if (folder / WEIGHTS_NAME).is_file():
+            where = {key: WEIGHTS_NAME for ks in keys.values() for key in ks}
+        elif (folder / WEIGHTS_INDEX_NAME).is_file():
+            with contextlib.suppress(Exception):
+                where = dict(jsonsafe.loads((folder / WEIGHTS_INDEX_NAME).read_bytes())["weight_map"])
+
+        def shapes_in(file: str) -> dict:
+            return {k: list(t.shape) for k, t in load_state_dict(folder / file, map_location="meta").items()}
+    read: dict[str, dict] = {}
+    out = {}
+    for name, candidates in keys.items():
+        for key in candidates:
+            file = where.get(key)
+            if not isinstance(file, str):
+                continue
+            if file not in read:
+                try:
+                    read[file] = shapes_in(file)
+                except Exception:  # noqa: BLE001  (a file that cannot be read: its shapes are unknown)
+                    read[file] = {}
+            if isinstance(shape := read[file].get(key), list):
+                out[name] = shape
+                break
+    return out
 
 
 def _held_by_siblings(model, names: list[str], every: bool = False):
