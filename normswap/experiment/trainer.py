@@ -357,7 +357,10 @@ def _ranks_saved(found: Path) -> int | None:
     resume on 2 was refused as 'trained on 1 process, run it again on 1' and the run on 1 for the
     file it lacks; and a copy beside a file (random_states_0 copy.pkl, which the glob matched) made a
     sound one of 1 read as one of 2. Only the top rank's file lost is beyond what names can tell:
-    the count is then one short, as the checkpoint's files are."""
+    the count is then one short, as the checkpoint's files are. Nothing else says it: accelerate's
+    other files (model, optimizer: the main process's) and each RNG file's contents (its step, the
+    process's generators) hold no count, no scheduler or sampler is prepared, and OUT's records of
+    it (an arm's result.json, results.json's environment) are of finished arms and invocations."""
     ranks = [int(m[1]) for p in found.glob("random_states_*.pkl")
              if (m := re.fullmatch(r"random_states_([0-9]+)\.pkl", p.name))]
     return max(ranks) + 1 if ranks else None
