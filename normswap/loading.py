@@ -970,30 +970,36 @@ def _gguf_blocks(reader) -> tuple[str, int | None, dict[str, dict[int, int]]]:
     return key, count[0] if len(count) == 1 and isinstance(count[0], int) else None, held
 
 
-def _gguf_parse(source: ModelSource):
+def _gguf_parse(source: ModelSource, keep: bool = True):
     """The parse of source's .gguf (gguf.GGUFReader), made once per file version and kept with
-    `source` until its weights are loaded (load_model). A parse takes 1.5-2 s for SmolLM2-135M
-    (its tokenizer's 49k tokens and 49k merges, each an array of its own), and a command made up
-    to four: transformers' for the config, the tokenizer and the weights, and the block check's.
-    A file replaced or edited in between is parsed again."""
+    `source` until its weights are loaded (load_model lets it go). A parse takes 1.5-2 s for
+    SmolLM2-135M (its tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB
+    while held), and a command made up to four: transformers' for the config, the tokenizer and
+    the weights, and the block check's. keep=False: the parse held is used, but one made is not
+    kept (a read that may come after the weights: patch --out's tokenizer, which would otherwise
+    hold it through the rest of the command). A file replaced or edited in between is parsed again."""
     # the class itself, from its module: _gguf_parsed_once stands in for the package's name
     from gguf.gguf_reader import GGUFReader
 
     path = source.path / source.gguf_file
     version = _stat_key(path)
-    if version not in source._parsed:
+    if version in source._parsed:
+        return source._parsed[version]
+    parsed = GGUFReader(path)
+    if keep:
         source._parsed.clear()  # an older version's, not to be held beside the new one
-        source._parsed[version] = GGUFReader(path)
-    return source._parsed[version]
+        source._parsed[version] = parsed
+    return parsed
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once(source: ModelSource):
+def _gguf_parsed_once(source: ModelSource, keep: bool = True):
     """transformers' reads of source's .gguf served by its one parse (_gguf_parse): transformers
     parses the file anew for each (load_gguf_checkpoint: `GGUFReader(path)`, looked up on the gguf
     package at each call) and takes no parse from its caller, so for the time of the read gguf's
     name stands for one that hands back the parse kept for that file; any other file, or a
-    writable mode, gets gguf's own reader. A folder's source, or no gguf package: nothing to do."""
+    writable mode, gets gguf's own reader. keep: as _gguf_parse's. A folder's source, or no gguf
+    package: nothing to do."""
     if not source.gguf_file or importlib.util.find_spec("gguf") is None:
         yield
         return
@@ -1004,7 +1010,7 @@ def _gguf_parsed_once(source: ModelSource):
 
     def reader(path, mode="r", *args, **kwargs):
         if mode == "r" and not args and not kwargs and Path(path).resolve() == own:
-            return _gguf_parse(source)
+            return _gguf_parse(source, keep)
         return real(path, mode, *args, **kwargs)
 
     gguf.GGUFReader = reader
@@ -1567,7 +1573,7 @@ def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = Non
     from transformers import AutoTokenizer
 
     try:
-        with _gguf_read(source, "tokenizer", progress) as reading, _gguf_parsed_once(source):
+        with _gguf_read(source, "tokenizer", progress) as reading, _gguf_parsed_once(source, keep=False):
             tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
         return tokenizer

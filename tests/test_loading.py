@@ -627,6 +627,22 @@ def test_a_gguf_parse_is_let_go_once_the_weights_are_in(tmp_path, monkeypatch):
     assert len(parses) == 1 and src._parsed == {}
     loading.load_model(src, config=config)
     assert len(parses) == 2 and src._parsed == {}
+    # a read after the weights (patch --out's tokenizer) parses, and keeps nothing either (this
+    # file has no tokenizer: refused, after its parse)
+    with pytest.raises(NormswapError, match="no usable tokenizer"):
+        loading.load_tokenizer(src)
+    assert len(parses) == 3 and src._parsed == {}
+
+
+def test_a_gguf_tokenizer_read_before_the_weights_shares_the_configs_parse(tmp_path, monkeypatch):
+    """ppl reads the config, the tokenizer, then the weights: one parse for the three."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    parses = _count_gguf_parses(monkeypatch)
+    config = loading.load_config(src)
+    with pytest.raises(NormswapError, match="no usable tokenizer"):
+        loading.load_tokenizer(src)
+    loading.load_model(src, config=config)
+    assert len(parses) == 1
 
 
 def test_a_gguf_replaced_between_reads_is_parsed_again(tmp_path):
