@@ -5,6 +5,7 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import functools
@@ -15,6 +16,7 @@ import re
 import reprlib
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -992,6 +994,29 @@ def _gguf_parse(source: ModelSource, keep: bool = True):
     return parsed
 
 
+# The reads of a .gguf under way in this thread (context): (the file, resolved; its source; keep)
+# each, which the stand-in for gguf's reader serves (_gguf_parsed_once).
+_GGUF_READS: contextvars.ContextVar[tuple] = contextvars.ContextVar("normswap_gguf_reads", default=())
+_GGUF_STAND_IN = threading.Lock()  # guards the two below
+_gguf_reads_under_way = 0  # in every thread: the stand-in stays gguf's name while one is under way
+_gguf_reader_found = None  # what gguf's name was when the first of them began, put back after the last
+
+
+def _gguf_reader_stand_in(path, mode="r", *args, **kwargs):
+    """gguf.GGUFReader while a read is under way (_gguf_parsed_once): the parse kept for a file
+    this thread is reading, else the reader gguf's name had (another thread's read sees its own
+    files only)."""
+    if mode == "r" and not args and not kwargs:
+        asked = Path(path).resolve()
+        for own, source, keep in reversed(_GGUF_READS.get()):
+            if asked == own:
+                return _gguf_parse(source, keep)
+    real = _gguf_reader_found
+    if real is None:  # taken as gguf's name just before the last read ended and put it back
+        from gguf.gguf_reader import GGUFReader as real
+    return real(path, mode, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def _gguf_parsed_once(source: ModelSource, keep: bool = True):
     """transformers' reads of source's .gguf served by its one parse (_gguf_parse): transformers
@@ -999,25 +1024,29 @@ def _gguf_parsed_once(source: ModelSource, keep: bool = True):
     package at each call) and takes no parse from its caller, so for the time of the read gguf's
     name stands for one that hands back the parse kept for that file; any other file, or a
     writable mode, gets gguf's own reader. keep: as _gguf_parse's. A folder's source, or no gguf
-    package: nothing to do."""
+    package: nothing to do. The name is swapped once for all the reads under way, in any thread,
+    and put back when the last ends: swapped and put back per read, the first of two threads' reads
+    to end took the stand-in away from the other's, and the other then put back the first's for
+    good (a source, its parse and the file's mapping held for the rest of the process)."""
+    global _gguf_reads_under_way, _gguf_reader_found
     if not source.gguf_file or importlib.util.find_spec("gguf") is None:
         yield
         return
     import gguf
 
-    real = gguf.GGUFReader
-    own = (source.path / source.gguf_file).resolve()
-
-    def reader(path, mode="r", *args, **kwargs):
-        if mode == "r" and not args and not kwargs and Path(path).resolve() == own:
-            return _gguf_parse(source, keep)
-        return real(path, mode, *args, **kwargs)
-
-    gguf.GGUFReader = reader
+    token = _GGUF_READS.set((*_GGUF_READS.get(), ((source.path / source.gguf_file).resolve(), source, keep)))
+    with _GGUF_STAND_IN:
+        if _gguf_reads_under_way == 0:
+            _gguf_reader_found, gguf.GGUFReader = gguf.GGUFReader, _gguf_reader_stand_in
+        _gguf_reads_under_way += 1
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        with _GGUF_STAND_IN:
+            _gguf_reads_under_way -= 1
+            if _gguf_reads_under_way == 0:
+                gguf.GGUFReader, _gguf_reader_found = _gguf_reader_found, None
+        _GGUF_READS.reset(token)
 
 
 def _load_order():

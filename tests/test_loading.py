@@ -665,6 +665,50 @@ def test_another_files_read_meanwhile_gets_its_own_parse(tmp_path):
         assert loading._gguf_blocks(gguf.GGUFReader(str(other)))[1] == 3
 
 
+def test_gguf_reads_in_two_threads_leave_the_package_reader_as_it_was(tmp_path):
+    """Two threads reading a .gguf each (a library caller loading two models at once): the first
+    read to end put back the reader it had found, and the second then put back the first's stand-in,
+    which stayed as gguf.GGUFReader for good (every later read of the first file served, and kept,
+    by the first source: its parse and the file's mapping never let go). And while both read,
+    neither thread's file is served by the other's source."""
+    import threading
+
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    a = loading.resolve(write_tiny_llama_gguf(tmp_path / "a.gguf", layers=2))
+    b = loading.resolve(write_tiny_llama_gguf(tmp_path / "b.gguf", layers=3))
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def read_a():
+        with loading._gguf_parsed_once(a):
+            a_in.set()
+            b_in.wait(10)
+            seen["a"] = gguf.GGUFReader(str(tmp_path / "a.gguf")) is loading._gguf_parse(a)
+        a_out.set()
+
+    def read_b():
+        a_in.wait(10)
+        with loading._gguf_parsed_once(b):
+            b_in.set()
+            a_out.wait(10)  # a's read ends while b's goes on
+            seen["b"] = gguf.GGUFReader(str(tmp_path / "b.gguf")) is loading._gguf_parse(b)
+            # a's file, read in b's thread after a's read ended: a reader of its own, kept by no source
+            seen["a from b"] = gguf.GGUFReader(str(tmp_path / "a.gguf")) is not loading._gguf_parse(a, keep=False)
+
+    threads = [threading.Thread(target=read_a), threading.Thread(target=read_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"a": True, "b": True, "a from b": True}
+    assert gguf.GGUFReader is GGUFReader
+    a._parsed.clear()
+    gguf.GGUFReader(str(tmp_path / "a.gguf"))
+    assert a._parsed == {}  # a later read of a's file is not served by (kept on) a's source
+
+
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])
 def test_a_truncated_gguf_is_said_to_be_one(tmp_path, monkeypatch, keep):
     """A .gguf cut short (an interrupted download) said only the reader's words, 'cannot reshape
