@@ -652,7 +652,8 @@ def test_a_gguf_replaced_between_reads_is_parsed_again(tmp_path):
     write_tiny_llama_gguf(tmp_path / "new.gguf", layers=3)
     os.replace(tmp_path / "new.gguf", tmp_path / "tiny.gguf")
     assert loading._gguf_blocks(loading._gguf_parse(src))[1] == 3
-    assert list(src._parsed.values()) != [first]  # the old version's is not held beside it
+    # the old version's is not held beside the new one
+    assert list(src._parsed.values()) == [loading._gguf_parse(src)] and loading._gguf_parse(src) is not first
 
 
 def test_another_files_read_meanwhile_gets_its_own_parse(tmp_path):
