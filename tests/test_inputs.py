@@ -175,6 +175,54 @@ def test_convert_a_vision_model_exactly(tmp_path):
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-12
 
 
+def test_convert_of_a_model_without_logits_names_and_compares_every_output(tmp_path):
+    """A ViTModel has no logits: the verification compares its last_hidden_state and its
+    pooler_output, and says so (the report's "compared"; the human line names them, where it used
+    to say "max |Δlogit| ... of the logit scale" of a hidden state). A language model's line still
+    speaks of logits."""
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verification"]["compared"] == "last_hidden_state, pooler_output"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "o2")])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
+    assert line.startswith("verified: stock reload max |Δ| of the last_hidden_state, pooler_output = ") \
+        and "of their largest magnitude" in line and "logit" not in line, line
+    from tests.tiny_models import save_tiny
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
+    assert line.startswith("verified: stock reload max |Δlogit| = ") and "of the logit scale" in line, line
+
+
+def test_convert_verification_of_a_model_without_logits_covers_its_pooler(tmp_path, monkeypatch):
+    """The verification of a ViTModel compared its last_hidden_state alone: a converted checkpoint
+    whose pooler computed something else passed. Now every output is compared: refused."""
+    from safetensors.torch import load_file, save_file
+
+    from normswap import convert_dir
+
+    real = convert_dir.convert_directory
+
+    def moves_the_pooler(source, out, *args, **kwargs):
+        section = real(source, out, *args, **kwargs)
+        tensors = load_file(out / "model.safetensors")
+        tensors["pooler.dense.bias"] = tensors["pooler.dense.bias"] + 0.5
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return section
+
+    monkeypatch.setattr(convert_dir, "convert_directory", moves_the_pooler)
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "the converted model's last_hidden_state, pooler_output differ by" in result.stderr, result.output
+    assert not out.exists()
+
+
 def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
     """A conversion that forgets to center the patch convolution is caught by the verification's
     zero-mean check on an image probe: exit 2, nothing written."""

@@ -50,8 +50,13 @@ def _render(data: dict) -> None:
         console.print(f"untied {data['untied']['head']} from {data['untied']['table']} (tie_word_embeddings: false)")
     v = data.get("verification")
     if v:
+        # What the errors are of: the logits, or every output of a model without (a ViTModel's
+        # last_hidden_state and pooler_output), relative to their largest magnitude.
+        err = f"{v['max_rel_logit_error']:.3g}"
+        what = f"|Δlogit| = {err} of the logit scale" if v["compared"] == "logits" else \
+            f"|Δ| of the {v['compared']} = {err} of their largest magnitude"
         console.print(
-            f"verified: stock reload max |Δlogit| = {v['max_rel_logit_error']:.3g} of the logit scale "
+            f"verified: stock reload max {what} "
             f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
             f"(tolerance {v['tolerance_rms']:g})"
         )
