@@ -62,8 +62,8 @@ def _render(data: dict) -> None:
         )
     if data.get("saved_to"):
         console.print(f"wrote {data['saved_to']}")
-    elif data.get("error"):
-        console.print(f"nothing written: {data['error']}")
+    elif data.get("error"):  # the error line that follows says why: not twice
+        console.print("nothing written")
 
 
 @cli.command(epilog=model_epilog())
@@ -92,7 +92,9 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
             result = convert_checkpoint(model, out, keep_gain=keep_gain, partial=partial, dtype=dtype, force=force,
                                         progress=bars, option_names=OPTION_NAMES)
     except ConversionRefused as e:
-        emit(e.result.to_dict(), as_json, _render)
+        # The per-norm report, then the one error line; no note on stored tensors a load would drop:
+        # nothing was loaded, and the refusal is the answer (a rerun that converts says it).
+        emit(e.result.to_dict(), as_json, _render, notes=False)
         raise
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
