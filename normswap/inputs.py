@@ -1,7 +1,8 @@
 """The inputs of one forward of a model, derived from its forward's signature and its config.
 
-A text model reads token ids; a vision model `pixel_values`, an audio model `input_features` (a
-spectrogram) or `input_values` (a waveform). Which of them a model takes is read from its
+A text model reads token ids; a vision model `pixel_values` (a video model a clip of them), an
+audio model `input_features` (a spectrogram) or `input_values` (a waveform, or AST's spectrogram).
+Which of them a model takes is read from its
 `main_input_name` and its forward's parameters; their shapes from its config (and its sub-configs:
 a CLIP model's image size is in its vision_config) and from its module tree (the strides of the
 convolutions that turn a spectrogram or a waveform into positions). Nothing here names a model.
@@ -152,6 +153,20 @@ def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple
     return (batch, frames, size if isinstance(size, int) else 80)  # 80: the usual speech front end's mel bins
 
 
+def _values_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple[int, ...]:
+    """A waveform (batch, samples) long enough for seq_len positions after the 1-d convolutions
+    that turn samples into positions. A model with none whose config counts mel bins reads a
+    spectrogram there (AST: batch, frames, mel bins), of the config's max_length frames (which
+    its position table is built for) where it sets one, else of seq_len."""
+    stride, over = _conv_steps(model)
+    mels = setting(config, "num_mel_bins")
+    if stride == 1 and over == 0 and isinstance(mels, int) and mels > 0 and \
+            not any(isinstance(m, nn.Conv1d) for m in model.modules()):
+        frames = setting(config, "max_length")
+        return (batch, frames if isinstance(frames, int) and frames > 0 else seq_len, mels)
+    return (batch, seq_len * stride + over)
+
+
 def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, *, batch: int = 1,
           seq_len: int = 4, decoder_len: int | None = None, generator: torch.Generator | None = None,
           device=None, masks: bool = True) -> dict:
@@ -189,7 +204,11 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
                 out["attention_mask"] = torch.ones_like(out[name])
         elif name == "pixel_values":
             channels = setting(config, "num_channels")
-            out[name] = floats((batch, channels if isinstance(channels, int) else 3, *_image_size(config)))
+            image = (channels if isinstance(channels, int) else 3, *_image_size(config))
+            # A config that counts frames is a video model's (VideoMAE, ViViT, TimeSformer): a clip
+            # of exactly that many images, which its position table (or time embedding) is built for.
+            frames = setting(config, "num_frames")
+            out[name] = floats((batch, frames, *image) if isinstance(frames, int) and frames > 0 else (batch, *image))
         elif name == "input_features":
             shape = _features_shape(model, config, batch, seq_len)
             out[name] = floats(shape)
@@ -197,8 +216,7 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
                 frames = shape[2] if isinstance(setting(config, "num_mel_bins"), int) else shape[1]
                 out["input_features_mask"] = torch.ones((batch, frames), dtype=torch.long, device=device)
         elif name == "input_values":
-            stride, over = _conv_steps(model)
-            out[name] = floats((batch, seq_len * stride + over))
+            out[name] = floats(_values_shape(model, config, batch, seq_len))
         else:
             raise ValueError(f"cannot build the input {name!r}")
     if getattr(config, "is_encoder_decoder", False):

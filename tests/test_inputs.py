@@ -93,6 +93,65 @@ def test_a_waveform_long_enough_for_the_feature_convolutions():
     assert all(f.category != "untraced" for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
 
 
+def _vivit(device="meta"):
+    from transformers import VivitConfig, VivitModel
+
+    config = VivitConfig(**SIZES, image_size=32, num_frames=4, tubelet_size=[2, 8, 8])
+    with torch.device(device):
+        return VivitModel(config).eval()
+
+
+def _ast(device="meta"):
+    from transformers import ASTConfig, ASTModel
+
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device(device):
+        return ASTModel(config).eval()
+
+
+def test_a_video_model_gets_a_clip_of_the_configs_frames():
+    """VideoMAE, ViViT and TimeSformer read (batch, frames, channels, height, width): fed one
+    image, their forward failed ("not enough values to unpack") and every norm was untraced."""
+    model = _vivit()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("pixel_values",)
+    assert _shapes(inputs.build(model, tr.fed)) == {"pixel_values": (1, 4, 3, 32, 32)}
+    assert all(f.category is None for f in discover(model).norms.values())
+
+
+def test_a_spectrogram_in_input_values_where_no_convolution_reads_a_waveform():
+    """AST's input_values is a spectrogram (batch, max_length frames, num_mel_bins), which its
+    position table is built for: fed a waveform, its forward failed and every norm was untraced.
+    A model with a feature encoder's 1-d convolutions still gets a waveform."""
+    model = _ast()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("input_values",)
+    assert _shapes(inputs.build(model, tr.fed)) == {"input_values": (1, 24, 16)}
+    assert not any(f.category == "untraced" for f in discover(model).norms.values())
+    assert len(_shapes(inputs.build(_wav2vec2(), ("input_values",)))["input_values"]) == 2
+
+
+def test_convert_a_video_model_exactly(tmp_path):
+    """ViViT's stream is its tubelet convolution's channels, a class token and position
+    embeddings: every LayerNorm converts, verified on a clip probe, and the stock reload gives the
+    original's float64 outputs on other random clips."""
+    path = _save(_vivit(device="cpu").double(), tmp_path / "vivit")
+    out = tmp_path / "vivit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verification"]["probe"] == [2, 4, 3, 32, 32] and doc["verification"]["passed"]
+    assert all(n["rms"] for n in doc["norms"])
+    from transformers import VivitModel
+
+    clip = torch.randn((3, 4, 3, 32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        ref, got = (VivitModel.from_pretrained(p, dtype=torch.float64).eval()(pixel_values=clip)
+                    for p in (path, str(out)))
+    for name in ("last_hidden_state", "pooler_output"):
+        assert float((got[name] - ref[name]).abs().max() / ref[name].abs().max()) < 1e-12, name
+
+
 def test_a_model_that_pairs_text_and_images_gets_both():
     model = _clip()
     assert inputs.candidates(model) == [("input_ids", "pixel_values"), ("input_ids",)]
