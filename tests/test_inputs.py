@@ -390,6 +390,27 @@ def test_a_patch_convolution_read_elsewhere_too_is_not_centered():
     assert d.writers == [] and all(f.category == "uncenterable-term" for f in d.norms.values()), d.norms
 
 
+def test_a_tower_without_a_feature_method_is_traced_through_its_own_forward():
+    """Qwen2-Audio's model has no get_audio_features: its audio tower's norms were untraced ("no
+    get_<x>_features method runs that input's tower"). The tower module's own forward, the
+    shallowest whose main input is input_features (not the inner Qwen2AudioModel, which is about
+    its ids), is traced on that input alone and decides them."""
+    from normswap.discover import layer_norm_paths, norm_readers
+    from tests.sweep_models import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("qwen2_audio", "Qwen2AudioForConditionalGeneration")
+    tr = trace(model)
+    assert tr.fed == ("input_ids",) and tr.unfed == ["input_features"]
+    assert [(t.via, t.fed, t.error) for t in tr.more] == [("model.audio_tower", ("input_features",), None)]
+    readers, note = norm_readers(model, layer_norm_paths(model), tr)
+    tower = "model.audio_tower."
+    assert note is None and readers[tower + "layers.0.final_layer_norm"] == [tower + "layers.0.fc1"]
+    d = discover(model, tr=tr)
+    assert d.norms and all(f.category not in (None, "untraced") for f in d.norms.values()), d.norms
+
+
 def test_a_towers_readers_come_from_its_own_trace():
     """Voxtral's forward runs its Llama text model on ids alone; its audio tower runs through
     get_audio_features(input_features), and its norms' readers are those seen there, the output of
