@@ -83,12 +83,20 @@ def test_a_spectrogram_of_exactly_the_frames_whisper_requires():
     assert shapes["input_features"] == (1, 16, 40) and shapes["decoder_input_ids"] == (1, 4)
 
 
-def test_a_waveform_long_enough_for_the_feature_convolutions():
+def test_a_waveform_of_exactly_the_samples_the_feature_convolutions_need():
+    """seq_len (4) positions from the fewest samples: 2 x (4 - 1) + 3 = 9 for the second
+    convolution, 5 x (9 - 1) + 10 = 50 for the first; the positional convolution (kernel 16,
+    padding 8) keeps the length. The count used to add every kernel's overhang, that one's too, and
+    multiply none by the strides before it (61 samples here)."""
     model = _wav2vec2()
     tr = trace(model)
     assert tr.error is None and tr.fed == ("input_values",)
     (n,) = _shapes(inputs.build(model, tr.fed))["input_values"][1:]
-    assert n == 4 * 5 * 2 + (10 - 5) + (3 - 2) + (16 - 1)  # 4 positions, and every kernel's overhang
+    assert n == 50
+    real = _wav2vec2(device="cpu")
+    with torch.no_grad():
+        assert real(**inputs.build(real, tr.fed)).last_hidden_state.shape[1] == 4
+        assert real(input_values=torch.ones((1, n - 1))).last_hidden_state.shape[1] == 3  # the fewest
     d = discover(model)
     assert all(f.category != "untraced" for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
 
