@@ -256,6 +256,7 @@ def test_convert_of_a_model_without_logits_names_and_compares_every_output(tmp_p
     [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
     assert line.startswith("verified: stock reload max |Δ| of the last_hidden_state, pooler_output = ") \
         and "of their largest magnitude" in line and "logit" not in line, line
+    assert "logit" not in result.stderr, result.stderr  # its progress line neither
     from tests.tiny_models import save_tiny
 
     save_tiny("gpt2", tmp_path / "gpt2")
