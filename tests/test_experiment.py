@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -1140,6 +1141,70 @@ def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretrainin
     pretrain.check_model_fits(load_recipe(path).pretrain, pretrain.most_tokens(GENESIS.read_text()))
 
 
+def test_a_pretraining_under_another_mixed_precision_than_its_own_is_refused_before_it(tmp_path, monkeypatch):
+    """accelerate keeps one mixed precision per process, the run's (finetune.mixed_precision): with
+    finetune.mixed_precision = "bf16" on a CPU the pretraining ran under bf16 autocast whatever
+    pretrain.mixed_precision said, and was cached under the key of the float32 one, which every
+    later run of the [pretrain] section then reused. Refused before anything is made."""
+    from types import SimpleNamespace
+
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" is "no", as on this machine
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    with pytest.raises(RecipeError, match=r"^pretrain\.mixed_precision: 'auto' is 'no' here, but this run trains "
+                                          r"under 'bf16' \(finetune\.mixed_precision; accelerate keeps one mixed "
+                                          r"precision per process\): set pretrain\.mixed_precision = 'bf16' or "
+                                          r"finetune\.mixed_precision = 'no'$"):
+        run_experiment(path, tmp_path / "out", overrides=['finetune.mixed_precision="bf16"'], progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    # and by the pretraining itself, under a caller's accelerator
+    recipe = load_recipe(path)
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1,
+                                  mixed_precision="fp16")
+    with pytest.raises(RecipeError, match=r"^pretrain\.mixed_precision: 'auto' is 'no' here, but this run trains "
+                                          r"under 'fp16'"):
+        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
+
+
+def test_a_pretraining_of_auto_precision_is_keyed_by_what_auto_is_on_the_machine(monkeypatch):
+    """"auto" is bf16 on a GPU and none on a CPU: one cache key named both trainings (a cache shared
+    by a GPU machine and a CPU one handed either the other's weights). On a CPU it keeps the key
+    entries had before: the committed result names its model by it."""
+    from normswap.experiment import pretrain
+
+    recipe = load_recipe(ROOT / "recipes" / "ln2rms-kjv-gpt2.toml")
+    section = recipe.pretrain
+    committed = json.loads((ROOT / "recipes" / "results" / "ln2rms-kjv-gpt2" / "results.json").read_text())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = pretrain.cache_key(section, recipe.seed)
+    assert committed["model"] == f"<normswap cache>/pretrain/{recipe.name}-{cpu}"
+    assert pretrain.cache_key(replace(section, mixed_precision="no"), recipe.seed) != cpu  # as before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = pretrain.cache_key(section, recipe.seed)
+    assert gpu != cpu and gpu == pretrain.cache_key(replace(section, mixed_precision="bf16"), recipe.seed)
+
+
+def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
+    """accelerate keeps one mixed precision per process: a second run_experiment with another
+    finetune.mixed_precision was accelerate's ValueError ("restart your runtime completely"), an
+    internal error."""
+    from accelerate import Accelerator
+
+    from normswap.experiment import runner
+
+    Accelerator()  # as an earlier run in this process left it (or finds it so)
+    mixed = "fp16" if Accelerator().mixed_precision != "fp16" else "bf16"
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN), [f'finetune.mixed_precision="{mixed}"'])
+    with pytest.raises(RecipeError, match=rf"^finetune\.mixed_precision: '{mixed}' \({mixed}\), but an earlier run "
+                                          r"set accelerate up in this process with '\w+' \(it keeps one mixed "
+                                          r"precision per process\): run this one in a new process$"):
+        runner.make_accelerator(recipe, tmp_path / "out")
+
+
 @pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
                                                                                           n_head=4, context=16)])
 def test_the_pretrained_models_parameter_count_is_the_models(shape):
@@ -1299,7 +1364,8 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(pretrain, "train", no_training)
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
-    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1)
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1,
+                                  mixed_precision=pretrain.resolve_mixed_precision("auto"))
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
         pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
     assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "

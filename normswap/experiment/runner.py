@@ -46,6 +46,7 @@ from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import (
     INFO_FILE,
     ONE_TOKEN_PER_BYTE,
+    check_pretraining_precision,
     check_pretraining_texts,
     encode,
     ensure_pretrained,
@@ -63,6 +64,7 @@ from normswap.experiment.trainer import (
     check_resumable,
     check_step_fits,
     check_training_text,
+    resolve_mixed_precision,
     train,
 )
 from normswap.fileio import (
@@ -135,9 +137,7 @@ def make_accelerator(recipe: Recipe, out: Path):
     precision and tracker."""
     from accelerate import Accelerator
 
-    mp = recipe.finetune.mixed_precision
-    if mp == "auto":
-        mp = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if torch.cuda.is_available() else "no"
+    mp = resolve_mixed_precision(recipe.finetune.mixed_precision)
     tracker = recipe.tracker
     if tracker == "auto":
         tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
@@ -146,7 +146,18 @@ def make_accelerator(recipe: Recipe, out: Path):
     kwargs = {"mixed_precision": mp}
     if tracker != "none":
         kwargs.update(log_with=tracker, project_dir=str(out / "logs"))
-    return Accelerator(**kwargs)
+    try:
+        return Accelerator(**kwargs)
+    except ValueError as e:
+        if "already been initialized" not in str(e):
+            raise
+        # accelerate's "restart your runtime completely": an internal error of a second
+        # run_experiment in one Python process with another finetune.mixed_precision
+        from accelerate.state import AcceleratorState
+
+        raise RecipeError(f"finetune.mixed_precision: {recipe.finetune.mixed_precision!r} ({mp}), but an earlier "
+                          f"run set accelerate up in this process with {AcceleratorState().mixed_precision!r} (it "
+                          "keeps one mixed precision per process): run this one in a new process") from None
 
 
 def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) -> None:
@@ -332,14 +343,14 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
                 raise NormswapError(f"finetune: {e}") from None
             train_ids = windows.ids
     else:
-        _check_before_pretraining(recipe, texts, digests)
+        _check_before_pretraining(recipe, texts, digests, accelerator)
     # OUT and the folders above it that this run makes go again if it fails before writing there
     with made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step)
 
 
-def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str]) -> None:
+def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str], accelerator) -> None:
     """With [pretrain], the tokenizer is trained with the model, so what the texts' token counts
     decide (a held-out text shorter than a window, a training text shorter than a sequence) was
     found only after the pretraining, minutes to hours in. Found here instead where it is certain:
@@ -354,6 +365,9 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: di
         # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
         # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
         same = "train" in texts and Path(p.text) == Path(recipe.data.train)
+        # (the run's precision as make_accelerator will choose it, or a caller's accelerator's)
+        check_pretraining_precision(p, accelerator.mixed_precision if accelerator is not None
+                                    else resolve_mixed_precision(recipe.finetune.mixed_precision))
         texts["pretrain"] = texts["train"] if same else read_text(p.text)
         check_pretraining_texts(p, most["train"] if same else most_tokens(texts["pretrain"]), most["eval"])
     from normswap.evaluate import check_before_tokenizing

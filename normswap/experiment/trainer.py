@@ -103,6 +103,16 @@ class StopFlag:
                 signal.signal(s, h)
 
 
+def resolve_mixed_precision(value: str) -> str:
+    """A recipe's mixed_precision as accelerate takes it: `auto` is bf16 on a GPU that has it,
+    fp16 on another GPU, else no."""
+    if value != "auto":
+        return value
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
 def lr_at(s: TrainSettings, step: int) -> float:
     """Linear warm-up to s.lr, then constant / linear / cosine decay to 0 at s.steps."""
     if s.warmup_steps and step < s.warmup_steps:
