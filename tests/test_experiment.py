@@ -636,6 +636,33 @@ def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides
         load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
 
 
+@pytest.mark.parametrize("overrides, arms, same", [
+    ([f'data.eval="{GENESIS.name}"'], ["original"], "pretrain.text"),
+    ([f'data.eval="{GENESIS.name}"'], ["original", "approx+ft"], "pretrain.text and data.train"),
+    (['data.eval="copy.txt"', 'data.train="copy.txt"', f'pretrain.text="{JOSHUA.name}"'], ["approx+ft"],
+     "data.train"),
+])
+def test_a_held_out_text_that_is_a_training_text_is_warned_about(tmp_path, monkeypatch, overrides, arms, same):
+    """data.eval the same text as pretrain.text or data.train (a copy under another name too) ran
+    without a word, its perplexity reported as held-out. Said before anything runs."""
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    (tmp_path / "copy.txt").write_bytes(GENESIS.read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first warning stops the run where it is said
+        with pytest.raises(UserWarning, match=rf"^data\.eval is the same text as {same}: its perplexity is not held "
+                                              r"out \(the reports call it so\), it measures how well the models fit "
+                                              r"the text they trained on$"):
+            run_experiment(path, tmp_path / "out", arms, overrides=overrides, progress=False)
+        # data.train that no arm trains on, a held-out text of its own: nothing to say
+        with pytest.raises(pytest.fail.Exception, match="the run started"):
+            run_experiment(path, tmp_path / "out", ["original"], overrides=[f'data.train="{JOSHUA.name}"'],
+                           progress=False)
+
+
 def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeypatch):
     """`accelerate launch -m normswap experiment` runs the command in every process, and each reads
     the recipe: the warm-up warning came once per process. Rank 0 says it; the others do not (an
