@@ -193,6 +193,16 @@ def test_not_toml_and_missing_file(tmp_path):
         load_recipe(tmp_path / "absent.toml")
 
 
+def test_a_recipe_with_a_byte_order_mark_is_read_as_without(tmp_path):
+    """A recipe saved by a Windows editor begins with a UTF-8 byte-order mark: it was refused as "not
+    valid TOML (Invalid statement (at line 1, column 1))", a line 1 that looks right. The data texts
+    are read past one (normswap.data); the recipe is now too."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    marked = tmp_path / "marked.toml"
+    marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_recipe(marked).to_dict() == load_recipe(path).to_dict()
+
+
 def test_a_recipe_file_past_a_mebibyte_is_not_read_to_the_end(tmp_path):
     """`normswap experiment /dev/zero` read until memory ran out (MemoryError, exit 1): a recipe is
     read up to 1 MiB and refused past it. (A file here, which the read without the bound parsed:

@@ -365,7 +365,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise TypeError(f"overrides: expected a list of 'key=value' strings, got {overrides!r}")
     p = Path(path).expanduser()
     try:
-        with p.open(encoding="utf-8") as f:  # text mode: newlines as read_text gives them
+        # text mode: newlines as read_text gives them; utf-8-sig: the byte-order mark a Windows
+        # editor writes is no TOML (it was "not valid TOML (Invalid statement (at line 1, column 1))")
+        with p.open(encoding="utf-8-sig") as f:
             text = f.read(_MOST_RECIPE_CHARS + 1)
         if len(text) > _MOST_RECIPE_CHARS:
             raise RecipeError(f"{path}: more than {_MOST_RECIPE_CHARS >> 20} MiB, not a recipe file")
