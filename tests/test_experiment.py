@@ -629,6 +629,26 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     assert "Fine-tuning:" not in summary_markdown(result)  # no arm trained
 
 
+def test_the_summary_names_the_control_the_recovered_share_was_measured_against(every_arm):
+    """Without original+ft, recovered is measured against the untrained original (summary_rows):
+    the summary's line still said "final nll of original+ft" and "each model compared with the
+    original trained the same way"."""
+    from normswap.experiment.report import summary_markdown, summary_rows
+
+    result = json.loads((every_arm.out / "results.json").read_text())
+    assert "1 − (final nll − final nll of original+ft) / (nll at step 0 − nll of original)" in summary_markdown(result)
+    del result["arms"]["original+ft"]
+    row = next(r for r in summary_rows(result["arms"]) if r["arm"] == "approx+ft")
+    arms = result["arms"]
+    gap_start = arms["approx+ft"]["evals"][0]["nll"] - arms["original"]["evals"][0]["nll"]
+    assert row["recovered"] == pytest.approx(
+        1 - (arms["approx+ft"]["evals"][-1]["nll"] - arms["original"]["evals"][-1]["nll"]) / gap_start)
+    summary = summary_markdown(result)
+    assert "1 − (final nll − final nll of original) / (nll at step 0 − nll of original)" in summary
+    assert "final nll of original+ft" not in summary and "trained the same way" not in summary
+    assert "against the untrained original" in summary
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["finetune.steps=4", "finetune.warmup_steps=10"],
      r"finetune.steps \(4\) is not more than finetune.warmup_steps \(10\): the whole run is the warm-up, its "
