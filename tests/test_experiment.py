@@ -981,6 +981,36 @@ def _count_digests(monkeypatch) -> list[str]:
     return digested
 
 
+def test_tokenizing_a_long_text_is_a_stage_on_stderr(tmp_path, monkeypatch, capsys, pretrained_dir):
+    """Training the tokenizer on a long text and tokenizing it (the smoke recipe's 3 MB: 8 s of encode
+    under load; a 100 MB text, minutes) ran with nothing on stderr: the first bar came after them, and
+    the training text was tokenized again, silently, before the first arm. Each is a stage now, when
+    the text is LONG_TEXT or longer (here every text is)."""
+    from normswap.experiment import pretrain
+
+    class Pretraining(Exception):
+        pass
+
+    def build_model(*args):  # the texts are tokenized: the rest is the training
+        raise Pretraining
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pretrain, "LONG_TEXT", 0)
+    monkeypatch.setattr(pretrain, "build_model", build_model)
+    with pytest.raises(Pretraining):
+        run_experiment(write_recipe(tmp_path / "r.toml", PRETRAIN), tmp_path / "out", ["original+ft"])
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" ...")]
+    assert stages == ["pretrain: train the tokenizer ...", "pretrain: tokenize pretrain.text ...",
+                      "pretrain: tokenize data.eval ..."]
+    path = model_recipe(tmp_path, pretrained_dir, ["original+ft"])
+    run_experiment(path, tmp_path / "out2", overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" ...")]
+    assert stages[:2] == ["tokenize data.train ...", "tokenize data.eval ..."], stages
+    monkeypatch.setattr(pretrain, "LONG_TEXT", 1 << 20)  # texts of kilobytes: no line
+    run_experiment(path, tmp_path / "out3", overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    assert "tokenize" not in capsys.readouterr().err
+
+
 def test_a_text_that_cannot_be_read_for_its_digest_is_one_line_naming_its_key():
     """The run takes the texts' digests before it reads them (its fingerprint, checked against an
     earlier run in OUT before anything else): a text this user may not read is the line the read

@@ -196,6 +196,23 @@ def check_pretraining_precision(section: PretrainSection, run_precision: str) ->
                           f"finetune.mixed_precision = {want!r}")
 
 
+# A text this long (in characters) takes seconds to tokenize or to train a tokenizer on (the smoke
+# recipe's 3 MB: 8 s to encode on this project's machine under load): such a stage gets a bar, where
+# there was silence (a 100 MB text: minutes before the first bar). A shorter one is not worth a line.
+LONG_TEXT = 1 << 20
+
+
+@contextlib.contextmanager
+def text_stage(desc: str, text: str, progress: bool):
+    """A one-step bar on stderr (desc, then its time) around work on `text` when it is LONG_TEXT or
+    longer and progress is on; nothing otherwise."""
+    from normswap.progress import stderr_bar
+
+    with stderr_bar(total=1, desc=desc, unit="text", disable=not progress or len(text) < LONG_TEXT) as bar:
+        yield
+        bar.update(1)
+
+
 def encode(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
@@ -250,13 +267,18 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
         tok_dir.mkdir(parents=True, exist_ok=True)
         tmp = partial / "tokenizer.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        train_tokenizer(text, section.vocab_size).save_pretrained(tmp)
+        with text_stage("pretrain: train the tokenizer", text, progress):
+            tokenizer = train_tokenizer(text, section.vocab_size)
+        tokenizer.save_pretrained(tmp)
         shutil.rmtree(tok_dir)
         tmp.rename(tok_dir)
     accelerator.wait_for_everyone()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    ids = encode(tokenizer, text)
-    eval_ids = encode(tokenizer, eval_text)
+    shown = progress and accelerator.is_main_process
+    with text_stage("pretrain: tokenize pretrain.text", text, shown):
+        ids = encode(tokenizer, text)
+    with text_stage("pretrain: tokenize data.eval", eval_text, shown):
+        eval_ids = encode(tokenizer, eval_text)
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
     model.to(parse_dtype(section.dtype))
     try:

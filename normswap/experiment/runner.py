@@ -55,6 +55,7 @@ from normswap.experiment.pretrain import (
     most_tokens,
     pretrain_dir,
     read_text,
+    text_stage,
 )
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import (
@@ -298,6 +299,11 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
                             on_step=on_step)
 
 
+def _shown(progress: bool, accelerator) -> bool:
+    """Whether this process draws progress: the main one, as in every stage of a launched run."""
+    return progress and _is_main_process(accelerator)
+
+
 def _is_main_process(accelerator) -> bool:
     """Before an Accelerator exists, the rank a launcher (accelerate launch, torchrun) gave this process."""
     if accelerator is not None:
@@ -338,7 +344,7 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
         check_before_loading([loaded[0].config], loaded[1], texts["eval"], **_eval_windows(recipe),
                              model_class=model_class)
         if "train" in texts:
-            windows = _train_windows(recipe, loaded[1], texts["train"])
+            windows = _train_windows(recipe, loaded[1], texts["train"], _shown(progress, accelerator))
             try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
                 windows.micro_batches(0, 0, 1, recipe.finetune.grad_accum)
             except NormswapError as e:
@@ -426,10 +432,12 @@ def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
     return texts
 
 
-def _train_windows(recipe: Recipe, tokenizer, text: str) -> RandomWindows:
+def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool) -> RandomWindows:
     ft = recipe.finetune
     try:
-        return RandomWindows(encode(tokenizer, text), ft.seq_len, ft.batch_size, recipe.seed)
+        with text_stage("tokenize data.train", text, progress):
+            ids = encode(tokenizer, text)
+        return RandomWindows(ids, ft.seq_len, ft.batch_size, recipe.seed)
     except NormswapError as e:
         raise NormswapError(f"data.train: {e}") from None
 
@@ -513,12 +521,14 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
-    eval_ids = encode(tokenizer, texts["eval"])
+    shown = progress and accelerator.is_main_process
+    with text_stage("tokenize data.eval", texts["eval"], shown):
+        eval_ids = encode(tokenizer, texts["eval"])
     if train_ids is None and "train" in texts:
         # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
         # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
         # first arm that trains begins, after the arms before it have run.
-        train_ids = _train_windows(recipe, tokenizer, texts["train"]).ids
+        train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
 
     windows = _eval_windows(recipe)
     floor = None
@@ -564,7 +574,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
         else:
             batches = (RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed) if train_ids is not None
-                       else _train_windows(recipe, tokenizer, texts["train"]))
+                       else _train_windows(recipe, tokenizer, texts["train"], shown))
             train_ids = batches.ids
             teacher = original if training == "distill" else None
             h = train(accelerator, model, ft, batches, arm_dir / "state",
