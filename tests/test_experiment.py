@@ -897,6 +897,43 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     assert not final.with_name(final.name + ".partial").exists()
 
 
+def test_a_run_refused_for_a_pretraining_another_run_is_doing_leaves_no_out(tmp_path, monkeypatch):
+    """The second of two experiments sharing a [pretrain] section (two --out folders) was refused once
+    it had written OUT/recipe.json and OUT/logs/: a run of nothing, which a rerun with another recipe
+    was refused for. Refused before OUT is made now. And the entry's lock is let go once it is
+    trained: another run may use it while this one's arms run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "original+ft"])
+    recipe = load_recipe(path)
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    lock = final.parent / f".{final.name}.normswap.lock"
+    fd = _hold_lock(lock)
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing .*; try again"):
+            run_experiment(path, tmp_path / "out", progress=False)
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "out").exists()
+    free = []
+
+    def on_step(arm, step, loss):  # during the fine-tuning, as another run would take it (at once or not)
+        import fcntl
+
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free.append(arm)
+        finally:
+            os.close(fd)
+
+    run_experiment(path, tmp_path / "out", progress=False, on_step=on_step,
+                   overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    assert free == ["original+ft"]
+
+
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
                                          (["original", "approx+ft"], JOSHUA.name)])
 def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):

@@ -350,12 +350,21 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
             except NormswapError as e:
                 raise NormswapError(f"finetune: {e}") from None
             train_ids = windows.ids
-    else:
-        _check_before_pretraining(recipe, texts, digests, accelerator)
+    pretraining = contextlib.ExitStack()  # the pretraining's cache entry, locked until it is trained
+    if recipe.pretrain is not None:
+        final = _check_before_pretraining(recipe, texts, digests, accelerator)
+        if final is not None and _is_main_process(accelerator):
+            # Another run pretraining this entry (two --out folders sharing a [pretrain] section) was
+            # found by ensure_pretrained, after OUT/recipe.json: the refused run left OUT behind, a
+            # run of nothing that a rerun with another recipe was then refused for. Taken here, before
+            # OUT is made; ensure_pretrained takes it again (re-entrant) and _run lets it go once
+            # the model is trained, not at the end of the arms.
+            final.parent.mkdir(parents=True, exist_ok=True)
+            pretraining.enter_context(target_lock(final.resolve()))
     # OUT and the folders above it that this run makes go again if it fails before writing there
-    with made_folders(out):
+    with pretraining, made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
-                    accelerator=accelerator, plot=plot, on_step=on_step)
+                    accelerator=accelerator, plot=plot, on_step=on_step, pretraining=pretraining)
 
 
 def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, str]) -> None:
@@ -374,18 +383,22 @@ def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, st
                       stacklevel=2)
 
 
-def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str], accelerator) -> None:
+def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str],
+                              accelerator) -> Path | None:
     """With [pretrain], the tokenizer is trained with the model, so what the texts' token counts
     decide (a held-out text shorter than a window, a training text shorter than a sequence) was
     found only after the pretraining, minutes to hours in. Found here instead where it is certain:
     the window options against each other and pretrain.context, the texts by the most tokens the
     tokenizer can make of them (pretrain.most_tokens). The counts between that bound and what the
-    windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
+    windows need are still checked once the tokenizer exists (_run, as in every scoring). Returns
+    the cache entry the pretraining will train; None when it is trained already."""
     p = recipe.pretrain
     # Each text's bound counted once (an encode of the whole text; pretrain.text's shared with
     # data.train when they are one file): the checks below and the pretraining's share them.
     most = {key: most_tokens(text) for key, text in texts.items()}
-    if not (pretrain_dir(p, recipe.seed, recipe.name, digests[p.text]) / INFO_FILE).is_file():  # a cached one is not trained again
+    final = pretrain_dir(p, recipe.seed, recipe.name, digests[p.text])
+    pretraining = not (final / INFO_FILE).is_file()  # a cached one is not trained again
+    if pretraining:
         # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
         # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
         same = "train" in texts and Path(p.text) == Path(recipe.data.train)
@@ -403,6 +416,7 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: di
             check_training_text(most["train"], recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
         except NormswapError as e:
             raise NormswapError(f"data.train: {e}") from None
+    return final if pretraining else None
 
 
 def _check_fits(recipe: Recipe, model) -> None:
@@ -477,10 +491,11 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
 
 
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
-         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
+         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step,
+         pretraining: contextlib.ExitStack) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
     `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
-    `digests`, the recipe's text_digests()."""
+    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done)."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
@@ -512,6 +527,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                                                      texts["eval"], text=texts.pop("pretrain", None),
                                                      text_digest=digests[recipe.pretrain.text], stop=stop,
                                                      progress=progress)
+        pretraining.close()  # trained: another run may use the entry while this one's arms run
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
         _check_fits(recipe, loaded[0])
