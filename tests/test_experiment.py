@@ -1542,6 +1542,13 @@ def test_the_stop_notice_is_one_line_that_ends_an_open_bar_only_on_a_terminal(ca
     assert stop.is_set() and stop.signal == signal.SIGINT
     assert capsys.readouterr().err == ("\n" if terminal else "") + \
         "normswap: stopping after this step or evaluation (checkpointing; Ctrl-C to stop now)\n"
+    # Under `accelerate launch` the launcher passes the signal to every process: rank 0 says it (the
+    # notice came once per process); every process stops.
+    monkeypatch.setenv("RANK", "1")
+    stop = StopFlag()
+    with stop.on_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert stop.is_set() and capsys.readouterr().err == ""
 
 
 def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):
