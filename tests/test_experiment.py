@@ -732,13 +732,33 @@ def test_a_finished_arm_whose_result_is_not_one_is_bad_input(tmp_path, pretraine
     assert (out / "arms" / "original" / "result.json").is_file()
 
 
-def test_another_recipe_in_the_same_out_is_refused(every_arm):
+def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
+    """Refused naming what differs: it said only "a different recipe (or other --set values)", also
+    to a user who had changed neither but edited a text the recipe names."""
     from normswap.errors import NormswapError
 
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]),
                          ["finetune.lr=0.5"])
-    with pytest.raises(NormswapError, match="a run of a different recipe"):
+    with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(finetune\.lr 0\.001 there, 0\.5 "
+                                            r"here\); remove it or choose another out$"):
         run_experiment(recipe, every_arm.out, progress=False)
+    # The recipe as it was, in another folder (a moved checkout: the same run), its held-out text edited
+    out = tmp_path / "out"
+    shutil.copytree(every_arm.out, out, ignore=shutil.ignore_patterns("logs", "state"))
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    assert load_recipe(path).fingerprint() == json.loads((out / "recipe.json").read_text())["fingerprint"]
+    import gzip
+
+    (tmp_path / JOSHUA.name).write_bytes(gzip.compress(gzip.decompress(JOSHUA.read_bytes()) + b"Amen.\n"))
+    with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(data\.eval: its text has changed\);"):
+        run_experiment(path, out, ["original"], progress=False)
+    # a recipe.json from before the texts were recorded: which one changed cannot be told
+    record = json.loads((out / "recipe.json").read_text())
+    del record["texts"]
+    (out / "recipe.json").write_text(json.dumps(record))
+    with pytest.raises(NormswapError, match=r"different recipe \(the same keys: a text it names has changed "
+                                            r"\(pretrain\.text, data\.train, data\.eval\)\);"):
+        run_experiment(path, out, ["original"], progress=False)
 
 
 
@@ -1579,6 +1599,13 @@ def test_the_stop_notice_is_one_line_that_ends_an_open_bar_only_on_a_terminal(ca
     assert stop.is_set() and stop.signal == signal.SIGINT
     assert capsys.readouterr().err == ("\n" if terminal else "") + \
         "normswap: stopping after this step or evaluation (checkpointing; Ctrl-C to stop now)\n"
+    # Under `accelerate launch` the launcher passes the signal to every process: rank 0 says it (the
+    # notice came once per process); every process stops.
+    monkeypatch.setenv("RANK", "1")
+    stop = StopFlag()
+    with stop.on_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert stop.is_set() and capsys.readouterr().err == ""
 
 
 def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):

@@ -155,6 +155,11 @@ class Recipe:
                         from None
         return digests
 
+    def texts_by_key(self, digests: dict[str, str]) -> dict[str, str]:
+        """Each text's digest (digests: text_digests()) by the key that names it, {"data.eval": ...}:
+        what OUT's recipe.json records, to say which text changed when a rerun is refused."""
+        return {f"{section}.{key}": digests[getattr(getattr(self, section), key)] for section, key in self._text_keys()}
+
     def _text_keys(self) -> list[tuple[str, str]]:
         """The (section, key) of every text path the recipe gives."""
         return [(section, f.name) for section in ("pretrain", "data") if getattr(self, section) is not None

@@ -1,7 +1,7 @@
 """run_experiment: a recipe, every arm, evaluated from step 0, reported.
 
 Layout of OUT:
-  recipe.json              the validated recipe (a rerun with a different one is refused)
+  recipe.json              the validated recipe and its texts' digests (a rerun with a different one is refused, naming what differs)
   arms/<arm>/state/        the arm's resumable checkpoint while it trains (resumed only by as many processes)
   arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it; the reports include it)
   logs/                    accelerate trackers (TensorBoard event files when installed)
@@ -162,13 +162,15 @@ def make_accelerator(recipe: Recipe, out: Path):
                           "keeps one mixed precision per process): run this one in a new process") from None
 
 
-def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) -> None:
+def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, recipe: Recipe | None = None,
+               digests: dict[str, str] | None = None) -> None:
     """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
     recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.) And a report or an arm's
     record (of `arms`) that is a link there can be written through (fileio.replaced_atomically;
-    curves.png only as `plot` says)."""
+    curves.png only as `plot` says). recipe, digests: the recipe of `fingerprint` and its
+    text_digests(), to say what differs from the run in OUT."""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
@@ -179,8 +181,11 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) 
     if stamp.is_file():
         previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another {n['out']}")
         if not isinstance(previous, dict) or previous.get("fingerprint") != fingerprint:
-            raise NormswapError(f"{out} holds a run of a different recipe (or other {n['overrides']} values); "
-                                f"remove it or choose another {n['out']}")
+            what = _what_differs(previous, recipe, digests) if recipe is not None and isinstance(previous, dict) \
+                else None
+            what = what or f"or other {n['overrides']} values"
+            raise NormswapError(f"{out} holds a run of a different recipe ({what}); remove it or choose another "
+                                f"{n['out']}")
     # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
     # write failed the write: after the pretraining and every arm for a report, after the arm for its
     # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
@@ -189,6 +194,37 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) 
     for path in (*(out / name for name in report.report_files(plot)), *(p for p in unfinished if not os.path.isfile(p))):
         if path.is_symlink() and (why := unwritable(path)):
             raise cannot_write(path, why)
+
+
+def _what_differs(previous: dict, recipe: Recipe, digests: dict[str, str], most: int = 3) -> str:
+    """What makes the run in OUT (its recipe.json, `previous`) another recipe than `recipe`, as
+    `finetune.steps 20 there, 30 here; data.eval: its text has changed`: the refusal said only "a
+    different recipe (or other --set values)", also to a user who had changed neither but edited a
+    text the recipe names, and left finding the difference to them. "" when it cannot be told."""
+    before = previous.get("recipe")
+    if not isinstance(before, dict):
+        return ""
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        return {k: v for key, value in d.items()
+                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                             else [(f"{prefix}{key}", value)])}
+
+    then, now = flat(before), flat(recipe.to_dict())
+    texts = recipe.texts_by_key(digests)
+    recorded = previous.get("texts") if isinstance(previous.get("texts"), dict) else {}
+    said = []
+    for key in dict.fromkeys([*now, *then]):
+        if key in ("arms", "description", "tracker"):  # not part of the fingerprint
+            continue
+        if key in texts and key in recorded:  # by content, as the fingerprint takes it (a moved file is the same)
+            if recorded[key] != texts[key]:
+                said.append(f"{key}: its text has changed")
+        elif then.get(key, "unset") != now.get(key, "unset") and key not in texts:
+            said.append(f"{key} {json.dumps(then.get(key, 'unset'))} there, {json.dumps(now.get(key, 'unset'))} here")
+    if not said and not recorded and texts:  # a recipe.json from before the texts were recorded
+        return f"the same keys: a text it names has changed ({', '.join(texts)})"
+    return "; ".join(said[:most]) + (f"; and {len(said) - most} more" if len(said) > most else "")
 
 
 def _load_model(path: str, progress: bool):
@@ -318,7 +354,7 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
-    _check_out(out, recipe.fingerprint(digests), arms, plot)
+    _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests)
     if recipe.pretrain is not None:
         _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
                                                   digests[recipe.pretrain.text]))
@@ -533,9 +569,10 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             check_resumable(arm_dir / "state", accelerator.num_processes, arm)
     if accelerator.is_main_process:
         # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
+        # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
         write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
-                                                          "source": recipe.source, "recipe": recipe.to_dict()},
-                                                         indent=1))
+                                                          "source": recipe.source, "recipe": recipe.to_dict(),
+                                                          "texts": recipe.texts_by_key(digests)}, indent=1))
     accelerator.wait_for_everyone()
     if accelerator.trackers == [] and accelerator.log_with:
         accelerator.init_trackers(recipe.name)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from normswap import jsonsafe
+from normswap._env import launched_main
 from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
@@ -89,8 +90,9 @@ class StopFlag:
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
             # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
             line_break = "\n" if isatty(sys.stderr) else ""
-            print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
-                  file=sys.stderr)
+            if launched_main():  # the launcher signals every process: the notice came once per process
+                print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to "
+                      "stop now)", file=sys.stderr)
             self.signal = signum
             self.set()
 
