@@ -358,13 +358,27 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 _kill_point("before-publish")
                 publish_dir(tmp, target, replace=replace, in_place=in_place)
             except OSError as e:
-                # the file named: it may be one the block read (a source file carried over), not the target
-                name = f"{os.fsdecode(e.filename)}: " if e.filename and e.strerror else ""
-                raise NormswapError(f"cannot write {target}: {name}{e.strerror or one_line(e)}") from None
+                raise NormswapError(f"cannot write {target}: {_failed_file(e)}{e.strerror or one_line(e)}") from None
             finally:
                 _OUR_STAGING.discard(tmp)
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What only a write fails with: a copy's error then concerns the file it was writing.
+_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _failed_file(e: OSError) -> str:
+    """The file an error of the staged block concerns, as 'FILE: ' ('' when it names none): it may be
+    one the block read (a source file carried over), not the target. A copy's error names both
+    (shutil: filename the source, filename2 the copy); a full disk's is the copy's, where naming the
+    source said 'cannot write OUT: MODEL/tokenizer.json: No space left on device', as if the model's
+    folder were full."""
+    if not (e.filename and e.strerror):
+        return ""
+    named = e.filename2 if e.filename2 and e.errno in _WRITE_ERRORS else e.filename
+    return f"{os.fsdecode(named)}: "
 
 
 def _staging_prefix(target: Path) -> str:
