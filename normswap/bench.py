@@ -527,11 +527,14 @@ def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
 
 
 def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/results") -> Path:
-    """benchmarks/results/bench-<model>-<device>-<date>.json"""
+    """benchmarks/results/bench-<model>-<device>-<date>.json, <model> the folder's own name (`bench .`
+    inside it, where the name as typed has none, was 'bench-x-...'; letters of any script kept, where
+    'my model ü' was 'my-model'), a hub id's last part, a .gguf file's name without the suffix."""
     def slug(s: str) -> str:
-        return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "x"
+        return re.sub(r"[\W_]+", "-", s.lower()).strip("-") or "x"
 
-    model = slug(Path(result.config.model).name)
+    named = Path(result.config.model).expanduser()
+    model = slug((named.resolve() if named.exists() else named).name.removesuffix(".gguf"))
     device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
     return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
 

@@ -105,6 +105,21 @@ def test_decode_passes_the_cache_under_the_name_the_forward_takes(compiled):
     assert bench._cache_argument(run) == ("cache" if "cache" in takes else "past_key_values")
 
 
+def test_the_default_results_file_is_named_after_the_models_own_folder(tmp_path, monkeypatch):
+    """`cd my-model && normswap bench .` wrote benchmarks/results/bench-x-cpu-DATE.json: the name as
+    typed, '.', has no name, and the slug fell back to 'x'; a folder named in another script lost
+    its letters ('modèle ü' was 'mod-le'). The folder's own name, letters kept."""
+    import time
+
+    model = _config_only("llama", tmp_path / "Modèle ü")
+    monkeypatch.chdir(model)
+    r = CliRunner().invoke(cli, ["bench", ".", "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                 "--warmup", "0", "--repeats", "1"])
+    assert r.exit_code == 0, r.output
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert [p.name for p in (model / "benchmarks" / "results").iterdir()] == [f"bench-modèle-ü-cpu-{day}.json"]
+
+
 def test_bad_input_is_one_line(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
     r = CliRunner().invoke(cli, ["bench", str(model), "--modes", "sprint"])
