@@ -155,6 +155,11 @@ class Recipe:
                         from None
         return digests
 
+    def texts_by_key(self, digests: dict[str, str]) -> dict[str, str]:
+        """Each text's digest (digests: text_digests()) by the key that names it, {"data.eval": ...}:
+        what OUT's recipe.json records, to say which text changed when a rerun is refused."""
+        return {f"{section}.{key}": digests[getattr(getattr(self, section), key)] for section, key in self._text_keys()}
+
     def _text_keys(self) -> list[tuple[str, str]]:
         """The (section, key) of every text path the recipe gives."""
         return [(section, f.name) for section in ("pretrain", "data") if getattr(self, section) is not None
@@ -365,7 +370,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise TypeError(f"overrides: expected a list of 'key=value' strings, got {overrides!r}")
     p = Path(path).expanduser()
     try:
-        with p.open(encoding="utf-8") as f:  # text mode: newlines as read_text gives them
+        # text mode: newlines as read_text gives them; utf-8-sig: the byte-order mark a Windows
+        # editor writes is no TOML (it was "not valid TOML (Invalid statement (at line 1, column 1))")
+        with p.open(encoding="utf-8-sig") as f:
             text = f.read(_MOST_RECIPE_CHARS + 1)
         if len(text) > _MOST_RECIPE_CHARS:
             raise RecipeError(f"{path}: more than {_MOST_RECIPE_CHARS >> 20} MiB, not a recipe file")
