@@ -1332,6 +1332,43 @@ def test_a_pretraining_of_auto_precision_is_keyed_by_what_auto_is_on_the_machine
     assert gpu != cpu and gpu == pretrain.cache_key(replace(section, mixed_precision="bf16"), recipe.seed)
 
 
+@pytest.mark.parametrize("recorded, refused", [("<normswap cache>/pretrain/tiny-000000000000", True),
+                                               ("{entry}", False), ("/elsewhere/cache/pretrain/{name}", False),
+                                               (None, False)])
+def test_an_out_whose_arms_ran_on_another_pretraining_is_refused(tmp_path, monkeypatch, recorded, refused):
+    """pretrain.mixed_precision "auto" is keyed by what it is on the machine: an OUT whose arms ran on
+    a GPU before it was keyed so, or on a CPU, then resumed on a GPU (`--arms` by `--arms`), was not
+    refused by its fingerprint: the run pretrained anew and reported its arms beside the earlier
+    ones, run on other weights. Refused before anything runs; the same entry (also under another
+    cache folder) or no finished arm runs."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain, runner
+    from normswap.experiment.runner import portable_path
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    recipe = load_recipe(path)
+    entry = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint()}))
+    if recorded is not None:
+        recorded = recorded.format(entry=portable_path(str(entry), None), name=entry.name)
+        (out / "results.json").write_text(json.dumps({"model": recorded}))
+    if refused:
+        with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds arms run on the pretrained model {re.escape(recorded)}, "
+                                                rf"and this run's is {entry.name} \(pretrain\.mixed_precision "
+                                                r'"auto" is keyed by what it is on the machine\): its arms would be '
+                                                rf"reported beside them on other weights; remove {re.escape(str(out))} or choose "
+                                                r"another out$"):
+            run_experiment(path, out, progress=False)
+    else:
+        with pytest.raises(pytest.fail.Exception, match="the run started"):
+            run_experiment(path, out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.json", *(["results.json"] if recorded else [])]
+
+
 def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
     """accelerate keeps one mixed precision per process: a second run_experiment with another
     finetune.mixed_precision was accelerate's ValueError ("restart your runtime completely"), an

@@ -65,7 +65,7 @@ class TrainSettings:
     weight_decay: float = _spec(0.0, minimum=0.0)
     max_grad_norm: float = _spec(1.0, minimum=0.0, doc="0 turns clipping off")
     dtype: str = _spec("fp32", choices=RUN_DTYPES, doc="dtype of the weights being trained")
-    mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, else no")
+    mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, fp16 on another GPU, else no")
     checkpoint_every: int = _spec(50, minimum=1, doc="steps between resumable checkpoints")
 
 

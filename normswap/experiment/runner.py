@@ -355,6 +355,9 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
     _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests)
+    if recipe.pretrain is not None:
+        _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
+                                                  digests[recipe.pretrain.text]))
     _warn_if_not_held_out(recipe, arms, digests)
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
@@ -401,6 +404,25 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
     with pretraining, made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
                     accelerator=accelerator, plot=plot, on_step=on_step, pretraining=pretraining)
+
+
+def _check_same_pretraining(out: Path, entry: Path) -> None:
+    """OUT's earlier arms (results.json's `model`) ran on the pretraining this run uses, `entry`, or
+    the run is refused. The fingerprint does not tell: pretrain.mixed_precision "auto" is keyed by
+    what it is on the machine (pretrain.cache_key), so an OUT made on a CPU and resumed on a GPU, or
+    made on a GPU before "auto" was keyed so, pretrained anew, and its new arms were reported beside
+    the earlier ones, each compared with another model's numbers. An OUT with no finished arm has
+    nothing to mix with."""
+    try:  # only a guard: a results.json that cannot be read is rewritten by the run, as before
+        recorded = jsonsafe.read(out / "results.json").get("model")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(recorded, str) and recorded and Path(recorded).name != entry.name:
+        n = option_labels(EXPERIMENT_OPTIONS)
+        raise NormswapError(f"{out} holds arms run on the pretrained model {recorded}, and this run's is "
+                            f"{entry.name} (pretrain.mixed_precision \"auto\" is keyed by what it is on the "
+                            f"machine): its arms would be reported beside them on other weights; remove {out} "
+                            f"or choose another {n['out']}")
 
 
 def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, str]) -> None:
