@@ -20,6 +20,7 @@ GPU speed: the result records the device, and the CLI labels CPU runs as such.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import platform
@@ -173,17 +174,18 @@ def _decode(model, ids):
 
     prompt = ids.shape[1]
     nxt = ids[:, -1:].contiguous()
+    name = _cache_argument(model)
     with torch.no_grad():
         try:
             cache = StaticCache(config=model.config, max_cache_len=prompt + 1)
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **{name: cache}, use_cache=True)
             counters = [layer.cumulative_length for layer in getattr(cache, "layers", [])
                         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
             if not counters:
                 raise TypeError("no cache position to reset")
         except Exception:  # noqa: BLE001 - the model's attention layers refuse a static cache
             cache, counters = DynamicCache(config=model.config), None
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **{name: cache}, use_cache=True)
 
     def step():
         with torch.no_grad():
@@ -192,8 +194,20 @@ def _decode(model, ids):
             else:
                 for c in counters:
                     c.fill_(prompt)
-            return model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            return model(input_ids=nxt, **{name: cache}, use_cache=True).logits
     return step, counters is not None
+
+
+def _cache_argument(model) -> str:
+    """The name the model's forward takes its KV cache under: `cache` since transformers 5.24,
+    which still takes `past_key_values` but warns (a FutureWarning on stderr from every bench's
+    decode rows) and drops it in 5.40; `past_key_values` before. A compiled model is asked about
+    the module it wraps (its own forward takes *args, **kwargs)."""
+    forward = getattr(model, "_orig_mod", model).forward
+    try:
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    except (TypeError, ValueError):  # a forward without a signature to read
+        return "past_key_values"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,11 +527,14 @@ def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
 
 
 def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/results") -> Path:
-    """benchmarks/results/bench-<model>-<device>-<date>.json"""
+    """benchmarks/results/bench-<model>-<device>-<date>.json, <model> the folder's own name (`bench .`
+    inside it, where the name as typed has none, was 'bench-x-...'; letters of any script kept, where
+    'my model ü' was 'my-model'), a hub id's last part, a .gguf file's name without the suffix."""
     def slug(s: str) -> str:
-        return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "x"
+        return re.sub(r"[\W_]+", "-", s.lower()).strip("-") or "x"
 
-    model = slug(Path(result.config.model).name)
+    named = Path(result.config.model).expanduser()
+    model = slug((named.resolve() if named.exists() else named).name.removesuffix(".gguf"))
     device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
     return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
 

@@ -18,7 +18,10 @@ whole; its config.json and normswap.json
 what cannot be copied as content: a link to nothing, a link that loops back into a folder the
 copy is inside, a pipe, socket or device node (reading a pipe would block forever), and the
 output folder itself where it lies inside the source (`--out MODEL/fast`): carried, each run
-would copy the previous result into the new one, one level deeper every time.
+would copy the previous result into the new one, one level deeper every time; and for the same
+reason every earlier normswap output inside the source, a folder holding a normswap.json beside
+its config.json (`--out MODEL/fast2` after `--out MODEL/fast` copied fast, weights and all, into
+fast2, and a third output both: the model folder grew by more each run).
 
 Over the model's own folder (--in-place) the published folder is the user's only copy, so every
 entry is kept as it is (hidden ones, links as links, pipes) except the stock weight files the new
@@ -163,6 +166,8 @@ def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None, outwa
                 skip.add(name)
             elif target is not None and p.resolve() == target:
                 skip.add(name)
+            elif _earlier_output(p):  # another run's result, not a part of the model
+                skip.add(name)
             elif p.is_dir():
                 if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):
                     skip.add(name)
@@ -175,6 +180,12 @@ def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None, outwa
         return skip
 
     return ignore
+
+
+def _earlier_output(p: Path) -> bool:
+    """Whether `p` is a folder a normswap run wrote (patch --out, convert): its manifest beside
+    its config. A model's own parts (2_Dense/) hold no normswap.json."""
+    return p.is_dir() and (p / MANIFEST_NAME).is_file() and (p / "config.json").is_file()
 
 
 def _link_or_copy(src, dst) -> None:

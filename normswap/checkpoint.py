@@ -36,12 +36,12 @@ import ctypes.util
 import errno
 import os
 import re
-import shutil
 import signal
 import stat
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -57,7 +57,16 @@ from normswap.errors import (
     option_setting,
     way_out,
 )
-from normswap.fileio import LockHeld, cannot_make, made_folders, path_lock, sibling_name, target_path, umask
+from normswap.fileio import (
+    LockHeld,
+    cannot_make,
+    made_folders,
+    path_lock,
+    remove_tree,
+    sibling_name,
+    target_path,
+    umask,
+)
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
 
@@ -133,7 +142,7 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
     _kill_point("before-exchange")
     if exchange_dirs(tmp, target):
         _kill_point("after-exchange")
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old tree
+        _remove_old_tree(tmp, target)  # tmp now holds the old tree
         return
     # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
     # `target` is missing, but the complete old tree is at `aside` the whole time.
@@ -141,7 +150,15 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
     os.rmdir(aside)
     os.replace(target, aside)
     os.replace(tmp, target)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_old_tree(aside, target)
+
+
+def _remove_old_tree(old: Path, target: Path) -> None:
+    """The replaced tree goes; where it cannot (another user's folder in it), the user is told
+    where it is and how large a thing was left, never left to find a hidden model-sized copy."""
+    if error := remove_tree(old):
+        warnings.warn(f"{target} was replaced, but its old tree could not be removed: {one_line(error)}; "
+                      f"remove {old} yourself", stacklevel=2)
 
 
 def is_checkpoint_dir(directory: Path) -> bool:
@@ -358,13 +375,26 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 _kill_point("before-publish")
                 publish_dir(tmp, target, replace=replace, in_place=in_place)
             except OSError as e:
-                # the file named: it may be one the block read (a source file carried over), not the target
-                name = f"{os.fsdecode(e.filename)}: " if e.filename and e.strerror else ""
-                raise NormswapError(f"cannot write {target}: {name}{e.strerror or one_line(e)}") from None
+                raise NormswapError(f"cannot write {target}: {_failed_file(e)}{e.strerror or one_line(e)}") from None
             finally:
                 _OUR_STAGING.discard(tmp)
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)
+
+
+# What only a write fails with: a copy's error then concerns the file it was writing.
+_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def _failed_file(e: OSError) -> str:
+    """The file an error of the staged block concerns, as 'FILE: ' ('' when it names none): it may be
+    one the block read (a source file carried over), not the target. A copy's error names both
+    (shutil: filename the source, filename2 the copy); a full disk's is the copy's, where naming the
+    source said 'cannot write OUT: MODEL/tokenizer.json: No space left on device', as if the model's
+    folder were full."""
+    if not (e.filename and e.strerror):
+        return ""
+    named = e.filename2 if e.filename2 and e.errno in _WRITE_ERRORS else e.filename
+    return f"{os.fsdecode(named)}: "
 
 
 def _staging_prefix(target: Path) -> str:
@@ -386,7 +416,7 @@ def remove_stale_staging(target: Path) -> list[Path]:
         if not re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) or not p.is_dir() or p.is_symlink() \
                 or p in _OUR_STAGING:
             continue
-        shutil.rmtree(p, ignore_errors=True)
+        remove_tree(p)
         removed.append(p)
     return removed
 

@@ -3,7 +3,8 @@ atomic write every results file, report, manifest and launch table goes through 
 path written through, to the file it leads to), the umask that
 files made through temporary names are given back, the one check, made before any long work,
 that a destination can be written at all, the refusal of an empty output path, and the missing
-folders of an output path made for a run and removed again when it fails (made_folders), and
+folders of an output path made for a run and removed again when it fails (made_folders), the
+removal of a tree that is normswap's to remove, read-only folders in it included (remove_tree), and
 the one lock file that serialises two writers of one path (path_lock)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -135,6 +137,42 @@ def made_folders(folder: str | os.PathLike) -> Iterator[None]:
             except OSError:
                 break
         raise
+
+
+def remove_tree(path: str | os.PathLike) -> OSError | None:
+    """Remove `path`, a tree that is normswap's to remove (a staging folder, or the old tree an
+    --in-place or --force publish swapped out), whatever its folders' modes; None once it is gone,
+    else the error that kept it. A folder's entries cannot be removed while it may not be written
+    (chmod -R a-w on a model: its copy in a staging folder, or the old tree after the swap, keeps
+    the modes), so where the plain removal fails, the tree's folders are given their owner's
+    read, write and search bits (this process owns them, or nothing changes) and it is removed
+    again. shutil.rmtree(ignore_errors=True) left such a tree, model-sized, and said nothing.
+    Links are never followed."""
+    try:
+        shutil.rmtree(path)
+        return None
+    except FileNotFoundError:
+        return None
+    except OSError:
+        pass
+    folders = [os.fspath(path)]
+    while folders:
+        folder = folders.pop()
+        try:
+            mode = stat.S_IMODE(os.lstat(folder).st_mode)
+            if mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(folder, mode | stat.S_IRWXU)
+            with os.scandir(folder) as entries:
+                folders.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue  # not ours, or gone: the removal below says what is left
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e
+    return None
 
 
 def _nearest_present(folder: Path) -> tuple[Path, list[Path]]:

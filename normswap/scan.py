@@ -100,6 +100,7 @@ def scan(ref: str, strict: bool = False, with_readers: bool = True, warn: bool =
 
     source = resolve(ref, progress=progress)
     model = build_meta_model(source, load_config(source, progress))
-    doc = {"model": ref, "path": str(source.path)}
+    # where the model was read: the file itself for a .gguf (its folder may hold several)
+    doc = {"model": ref, "path": str(source.path / source.gguf_file if source.gguf_file else source.path)}
     doc.update(scan_model(model, strict=strict, with_readers=with_readers, warn=warn))
     return doc

@@ -84,6 +84,41 @@ def test_decode_step_is_the_next_token_of_the_prompt(arch, fused):
     assert static
 
 
+def test_decode_passes_the_cache_under_the_name_the_forward_takes():
+    """`normswap bench` printed transformers 5.24's "FutureWarning: `past_key_values` is deprecated
+    and will be removed in version 5.40.0 ... Use `cache` instead." (two lines, once per variant)
+    among its progress lines: decode passed the cache under its old name. It passes it under the
+    name the forward's signature takes (a compiled model's: the module it wraps)."""
+    import inspect
+    import warnings
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, static = bench._decode(model, ids)
+        step()
+    assert static and not [w for w in caught if "past_key_values" in str(w.message)], caught
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert bench._cache_argument(model) == name
+    assert bench._cache_argument(torch.compile(model, backend="eager")) == name  # wrapping compiles nothing yet
+
+
+def test_the_default_results_file_is_named_after_the_models_own_folder(tmp_path, monkeypatch):
+    """`cd my-model && normswap bench .` wrote benchmarks/results/bench-x-cpu-DATE.json: the name as
+    typed, '.', has no name, and the slug fell back to 'x'; a folder named in another script lost
+    its letters ('modèle ü' was 'mod-le'). The folder's own name, letters kept."""
+    import time
+
+    model = _config_only("llama", tmp_path / "Modèle ü")
+    monkeypatch.chdir(model)
+    r = CliRunner().invoke(cli, ["bench", ".", "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                 "--warmup", "0", "--repeats", "1"])
+    assert r.exit_code == 0, r.output
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert [p.name for p in (model / "benchmarks" / "results").iterdir()] == [f"bench-modèle-ü-cpu-{day}.json"]
+
+
 def test_bad_input_is_one_line(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
     r = CliRunner().invoke(cli, ["bench", str(model), "--modes", "sprint"])

@@ -161,6 +161,28 @@ def test_an_out_inside_the_model_folder_is_not_carried_into_itself(tmp_path, mon
     assert where == "runs/fast" or (out / "runs" / "notes.txt").read_text() == "the user's"
 
 
+@pytest.mark.parametrize("command", ["patch", "convert"])
+def test_an_earlier_output_inside_the_model_folder_is_not_carried(tmp_path, monkeypatch, command):
+    """`normswap patch . --out fast`, then `--out fast2`: fast (a subfolder with a config.json,
+    carried whole as another model) was copied into fast2, weights and all, and a third output
+    held both: each run grew the model folder by every earlier result. An earlier output (its
+    normswap.json beside its config.json) is left behind, at any depth; a model's own subfolder
+    with a config.json (2_Dense/) is still carried."""
+    src = tmp_path / "m"
+    save_tiny("gpt2", src)
+    (src / "2_Dense").mkdir()
+    (src / "2_Dense" / "config.json").write_text("{}")
+    monkeypatch.chdir(src)
+    args = ["patch", ".", "--impl", "torch"] if command == "patch" else ["convert", ".", "--to", "rms"]
+    for where in ("fast", "runs/fast", "fast2"):
+        r = CliRunner().invoke(cli, [*args, "--out", where])
+        assert r.exit_code == 0, r.output
+    out = src / "fast2"
+    assert (out / "normswap.json").is_file() and (out / "2_Dense" / "config.json").is_file()
+    assert not (out / "fast").exists(), sorted(_tree(out))
+    assert [p for p in out.rglob("normswap.json") if p.parent != out] == [], sorted(_tree(out))
+
+
 def test_in_place_keeps_every_entry_but_the_stock_weights(tmp_path):
     """--in-place shares the module with --out but keeps the user's folder as it is: hidden
     entries, weight-like files that are not stock weights, links as links, pipes."""

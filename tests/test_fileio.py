@@ -295,6 +295,68 @@ def _as_a_user_the_bits_bind(fn):
     return value
 
 
+def _read_only_model(folder: Path, text: str) -> None:
+    """A model folder its owner made read-only (chmod -R a-w): a subfolder, files, no folder writable."""
+    (folder / ".git" / "objects").mkdir(parents=True)
+    (folder / "config.json").write_text(text)
+    (folder / ".git" / "objects" / "ab").write_text("a blob")
+    for d in (folder / ".git" / "objects", folder / ".git", folder):
+        d.chmod(0o555)
+
+
+def test_a_read_only_old_tree_is_removed_after_the_swap():
+    """`normswap patch M --in-place` (or --force onto an earlier output) on a folder its owner had
+    made read-only (chmod -R a-w): the swap succeeded (it needs only the parent's write bit), exit
+    0, but the old tree, model-sized, stayed beside it as .M.normswap-PID-* for good: its entries
+    could not be unlinked from folders that may not be written, and rmtree(ignore_errors=True)
+    said nothing. remove_tree gives the owner's folders back their write bit first. As nobody
+    where root ignores permission bits."""
+    import shutil
+    import warnings
+
+    from normswap.checkpoint import publish_dir
+    from normswap.fileio import remove_tree
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o777)
+
+        def work():
+            _read_only_model(base / "alone", "{}")
+            gone = remove_tree(base / "alone")
+            _read_only_model(base / "m", '{"old": 1}')
+            new = base / ".m.normswap-1-abc"
+            new.mkdir()
+            (new / "config.json").write_text('{"new": 1}')
+            (new / ".git").mkdir()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                publish_dir(new, base / "m", replace=True, in_place=True)
+            return (gone, sorted(os.listdir(base)), (base / "m" / "config.json").read_text(),
+                    [str(w.message) for w in caught])
+
+        gone, listing, config, warned = _as_a_user_the_bits_bind(work)
+        assert gone is None and listing == ["m"] and config == '{"new": 1}' and warned == []
+    finally:
+        shutil.rmtree(base)
+
+
+def test_an_old_tree_that_cannot_be_removed_is_said(tmp_path, monkeypatch):
+    """Where the old tree cannot go even so (another user's folder inside it), a warning names
+    where it is: a model-sized hidden folder is never left without a word."""
+    from normswap import checkpoint
+
+    monkeypatch.setattr(checkpoint, "remove_tree", lambda p: PermissionError(errno.EACCES, "Permission denied", str(p)))
+    (tmp_path / "m").mkdir()
+    new = tmp_path / ".m.normswap-1-abc"
+    new.mkdir()
+    with pytest.warns(UserWarning) as caught:
+        checkpoint.publish_dir(new, tmp_path / "m", replace=True, in_place=True)
+    [said] = [str(w.message) for w in caught]
+    assert said == (f"{tmp_path / 'm'} was replaced, but its old tree could not be removed: {new}: Permission "
+                    f"denied; remove {new} yourself")
+
+
 def test_a_folder_on_the_way_that_cannot_be_entered_is_a_reason_not_an_exception():
     """--out or a results file below a folder this user may not enter (another user's 0700 home):
     unwritable() raised PermissionError from its first look at the path (is_dir), so the

@@ -139,6 +139,28 @@ def test_disk_full_leaves_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
 
 
+def test_a_full_disk_while_carrying_names_the_copy_not_the_models_file(tmp_path, monkeypatch):
+    """A disk that filled up while the tokenizer was carried over said 'cannot write OUT:
+    MODEL/tokenizer.json: No space left on device', naming the model's own file, as if its folder
+    were full: shutil's copy names both files, the source first. A write's error names the copy."""
+    from normswap import carry
+
+    src = tmp_path / "m"
+    model = save_tiny("llama", src)
+    report = patch(model, "torch", probe=SMALL)
+
+    def full(a, b, **kw):  # as shutil's sendfile copy raises it
+        raise OSError(errno.ENOSPC, "No space left on device", str(a), None, str(b))
+
+    monkeypatch.setattr(carry.shutil, "copy2", full)
+    with pytest.raises(NormswapError) as e:
+        checkpoint.save_patched(model, report, tmp_path / "out", source=resolve(str(src)))
+    said = str(e.value)
+    assert said.startswith(f"cannot write {tmp_path / 'out'}: {tmp_path}/.out.normswap-"), said
+    assert said.endswith("tokenizer.json: No space left on device") and str(src) not in said, said
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
 def _changed_on_the_way_to_disk(monkeypatch, change) -> None:
     """save_patched's weights are written, then change(out_dir) alters them before the reload check."""
     real = checkpoint.write_model_files

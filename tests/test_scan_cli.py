@@ -614,6 +614,20 @@ def test_scan_shows_discovered_refusals_with_reasons(tmp_path):
     assert len(qk) == 2 * L and all("not a sum of residual-stream writers" in n["to_rms"]["why_not"] for n in qk)
 
 
+def test_a_gguf_scans_path_is_the_file(tmp_path):
+    """`normswap scan DIR/model.gguf --json` said "path": "DIR", the folder, as for a model
+    directory: a script reading the document could not tell which of the folder's files it was."""
+    from test_loading import write_tiny_llama_gguf
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny ü.gguf")
+    write_tiny_llama_gguf(tmp_path / "other.gguf")
+    result = run(str(gguf), "--json", "--no-readers")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["path"] == str(gguf)
+    save_tiny("llama", tmp_path / "llama")
+    assert scan_json(tmp_path / "llama")["path"] == str(tmp_path / "llama")
+
+
 def test_a_gguf_scan_says_on_stderr_what_it_reads(tmp_path, capfd):
     """transformers reads a .gguf's config from the file's whole metadata, tokenizer included:
     seconds (SmolLM2-135M's Q4_1: about 5) in which scan showed nothing. That read is a stage of

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from normswap import jsonsafe
+from normswap._env import launched_main
 from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
@@ -89,8 +90,9 @@ class StopFlag:
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
             # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
             line_break = "\n" if isatty(sys.stderr) else ""
-            print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
-                  file=sys.stderr)
+            if launched_main():  # the launcher signals every process: the notice came once per process
+                print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to "
+                      "stop now)", file=sys.stderr)
             self.signal = signum
             self.set()
 
@@ -101,6 +103,16 @@ class StopFlag:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def resolve_mixed_precision(value: str) -> str:
+    """A recipe's mixed_precision as accelerate takes it: `auto` is bf16 on a GPU that has it,
+    fp16 on another GPU, else no."""
+    if value != "auto":
+        return value
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
