@@ -533,8 +533,10 @@ def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/re
     def slug(s: str) -> str:
         return re.sub(r"[\W_]+", "-", s.lower()).strip("-") or "x"
 
-    named = Path(result.config.model).expanduser()
-    model = slug((named.resolve() if named.exists() else named).name.removesuffix(".gguf"))
+    # abspath, not resolve: '.' and '..' get their folder's name, but a link keeps the name it was
+    # given (a hub cache's model.gguf leads to blobs/<sha256>, which named the file after the hash)
+    name = Path(os.path.abspath(Path(result.config.model).expanduser())).name
+    model = slug(name[:-len(".gguf")] if name.lower().endswith(".gguf") else name)  # the loader's test
     device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
     return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
 
