@@ -20,7 +20,6 @@ GPU speed: the result records the device, and the CLI labels CPU runs as such.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import platform
@@ -203,11 +202,10 @@ def _cache_argument(model) -> str:
     which still takes `past_key_values` but warns (a FutureWarning on stderr from every bench's
     decode rows) and drops it in 5.40; `past_key_values` before. A compiled model is asked about
     the module it wraps (its own forward takes *args, **kwargs)."""
-    forward = getattr(model, "_orig_mod", model).forward
-    try:
-        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-    except (TypeError, ValueError):  # a forward without a signature to read
-        return "past_key_values"
+    from normswap.inputs import forward_params
+
+    # a forward without a signature to read takes the name every version still takes
+    return "cache" if "cache" in forward_params(getattr(model, "_orig_mod", model).forward) else "past_key_values"
 
 
 # ---------------------------------------------------------------------------------------------
