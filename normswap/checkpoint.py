@@ -154,8 +154,8 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
 
 
 def _remove_old_tree(old: Path, target: Path) -> None:
-    """The replaced tree goes; where it cannot (another user's folder in it), the user is told
-    where it is and how large a thing was left, never left to find a hidden model-sized copy."""
+    """The replaced tree goes; where it cannot (another user's folder in it), a warning names where
+    it is and why it stayed: a hidden model-sized copy is never left without a word."""
     if error := remove_tree(old):
         warnings.warn(f"{target} was replaced, but its old tree could not be removed: {one_line(error)}; "
                       f"remove {old} yourself", stacklevel=2)
