@@ -168,7 +168,8 @@ def _run_as_rms(model, manifest) -> None:
 def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, batch=None,
                       config=None, meta=None) -> dict:
     """Reload the converted directory with stock transformers; compare its logits (and those of
-    its RMS-patched form) with the original model's on a probe batch. Raises when over tolerance.
+    its RMS-patched form; every output of a model without logits) with the original model's on a
+    probe batch. Raises when over tolerance.
     config: loading.load_config(source), and meta: loading.build_meta_model(source, config), when
     the caller already has them (the load of the original then builds no meta model of its own)."""
     from normswap import loading
@@ -188,15 +189,15 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         batch = probe_batch(meta, ProbeConfig(batch=2, seq_len=32))
     original = loading.load_model(source, dtype=run_dtype, config=config, meta=meta)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
-    ref = model_output(original, batch, raw=True)[1]
-    check_reference_output("logits", ref, f"{source.ref} (the original)")
+    compared, ref = model_output(original, batch, raw=True, every=True)
+    check_reference_output(compared, ref, f"{source.ref} (the original)")
     del original
     converted = loading.load_model(converted_source, dtype=run_dtype, config=conv_cfg)
-    got = model_output(converted, batch, raw=True)[1]
+    got = model_output(converted, batch, raw=True, every=True)[1]
     zero_mean = check_zero_mean(converted, manifest, batch, raise_on_failure=False,
                                 stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)
     _run_as_rms(converted, manifest)
-    got_rms = model_output(converted, batch, raw=True)[1]
+    got_rms = model_output(converted, batch, raw=True, every=True)[1]
     scale = float(ref.abs().max()) or 1.0
     err = float((got - ref).abs().max()) / scale
     err_rms = float((got_rms - ref).abs().max()) / scale
@@ -206,8 +207,11 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
     # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
     # it is held to the same gate as the stock reload.
     tol_rms = tol
-    # "probe": the main input's shape (ids, an image, a spectrogram, a waveform)
+    # "probe": the main input's shape (ids, an image, a spectrogram, a waveform); "compared": the
+    # outputs the errors are of ("logits", or every output of a model without: "last_hidden_state,
+    # pooler_output"), relative to their largest magnitude; the errors keep their older "logit" keys
     result = {"probe": list(next(iter(batch.values())).shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
+              "compared": compared,
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
               "tolerance_rms": tol_rms, "zero_mean": zero_mean,
               "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
@@ -215,7 +219,7 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         raise NormswapError(f"verification failed: {zero_mean_failure(zero_mean)}; nothing was written")
     if not result["passed"]:
         raise NormswapError(
-            f"verification failed: converted logits differ by {err:.3g} of the logit scale as LayerNorms "
+            f"verification failed: the converted model's {compared} differ by {err:.3g} of their scale as LayerNorms "
             f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
         )
     return result

@@ -223,7 +223,9 @@ def trace(model: nn.Module, inputs: dict | None = None, towers: bool = True) -> 
     each modality input the forward takes and that run did not feed (a multimodal LM's images or
     audio, which need placeholder tokens in the ids that no config says how to place), the
     model's own get_<x>_features method (which runs that tower and its projector, as the forward
-    does) on that input alone: the Trace's `more` (towers=False: not those)."""
+    does) on that input alone, or, where the model has none, the forward of the tower itself (the
+    shallowest module whose forward is mainly about that input: Qwen2-Audio's audio_tower): the
+    Trace's `more` (towers=False: not those)."""
     if inputs is not None:
         return _trace_call(model, model, inputs)
     sets = model_inputs.candidates(model) or [("input_ids",)]
@@ -243,18 +245,24 @@ def trace(model: nn.Module, inputs: dict | None = None, towers: bool = True) -> 
             if found is not None:
                 owner, method = found
                 fn = getattr(owner, method)
-                sub = _trace_call(model, fn, model_inputs.build(owner, (name,), fn, seq_len=SEQ_LEN),
-                                  what=f"{method}({name})")
-                sub.via, sub.fed = method, (name,)
+                # a tower's forward is called as the module, as its parent calls it (its hooks run)
+                via = method if method != "forward" else next(p for p, m in model.named_modules() if m is owner)
+                sub = _trace_call(model, owner if method == "forward" else fn,
+                                  model_inputs.build(owner, (name,), fn, seq_len=SEQ_LEN), what=f"{via}({name})")
+                sub.via, sub.fed = via, (name,)
                 tr.more.append(sub)
     return tr
 
 
 def _feature_method(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
     """(module, method): the shallowest get_<x>_features method in `model` that names the input
-    `name` among its parameters (a wrapper taking *args defers to the one it calls)."""
+    `name` among its parameters (a wrapper taking *args defers to the one it calls); else
+    (tower, "forward"): the shallowest module below the model whose forward is mainly about
+    `name` (normswap.inputs.main_input: an inner multimodal model that also takes it is about its
+    ids), the tower the forward would run on that input."""
     seen: set[type] = set()
-    for _path, mod in model.named_modules():
+    modules = list(model.named_modules())
+    for _path, mod in modules:
         if type(mod) in seen:  # a model holds thousands of modules of a few classes
             continue
         seen.add(type(mod))
@@ -262,7 +270,10 @@ def _feature_method(model: nn.Module, name: str) -> tuple[nn.Module, str] | None
             if attr.startswith("get_") and attr.endswith("_features") and callable(getattr(type(mod), attr, None)):
                 if name in model_inputs.forward_params(getattr(mod, attr)):
                     return mod, attr
-    return None
+    towers = [(path.count("."), i, mod) for i, (path, mod) in enumerate(modules)
+              if path and model_inputs.main_input(mod) == name]
+    return (min(towers)[2], "forward") if towers else None
+
 
 
 def _trace_call(model: nn.Module, fn, kwargs: dict, what: str = "forward") -> Trace:
@@ -452,8 +463,8 @@ def discover(model: nn.Module, inputs: dict | None = None, tr: Trace | None = No
     if untowered:
         for p, f in d.norms.items():
             if f.category == "untraced" and not any(t.calls.get(p) for t in (tr, *tr.more)):
-                f.reason += (f"; the forward also takes {', '.join(untowered)}, and no get_<x>_features method "
-                             "runs that input's tower on its own")
+                f.reason += (f"; the forward also takes {', '.join(untowered)}, and neither a get_<x>_features "
+                             "method nor a tower's own forward runs on that input alone")
     return d
 
 

@@ -1,7 +1,8 @@
 """The inputs of one forward of a model, derived from its forward's signature and its config.
 
-A text model reads token ids; a vision model `pixel_values`, an audio model `input_features` (a
-spectrogram) or `input_values` (a waveform). Which of them a model takes is read from its
+A text model reads token ids; a vision model `pixel_values` (a video model a clip of them), an
+audio model `input_features` (a spectrogram) or `input_values` (a waveform, or AST's spectrogram).
+Which of them a model takes is read from its
 `main_input_name` and its forward's parameters; their shapes from its config (and its sub-configs:
 a CLIP model's image size is in its vision_config) and from its module tree (the strides of the
 convolutions that turn a spectrogram or a waveform into positions). Nothing here names a model.
@@ -111,15 +112,32 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _conv_steps(model: nn.Module) -> tuple[int, int]:
-    """(product of strides, sum of kernel overhangs) of the model's 1-d convolutions: how many
-    input steps make one position, and how many more the kernels need at the edges."""
-    stride, over = 1, 0
+def _conv_stride(model: nn.Module) -> int:
+    """The product of the strides of the model's 1-d convolutions: how many input steps make one
+    position."""
+    stride = 1
     for m in model.modules():
         if isinstance(m, nn.Conv1d):
             stride *= int(m.stride[0])
-            over += max(int(m.kernel_size[0]) - int(m.stride[0]), 0)
-    return stride, over
+    return stride
+
+
+def _samples(model: nn.Module, positions: int) -> int:
+    """The fewest waveform samples the model's 1-d convolutions, applied in module order (a feature
+    encoder's chain), turn into `positions` positions: each needs stride x (its outputs - 1) +
+    its dilated kernel, less its zero padding. A padded convolution of stride 1 (wav2vec2's
+    positional convolution, a conformer's depthwise one) keeps the length, so it adds nothing; an
+    earlier count added every kernel's overhang, padded or not, and multiplied none by the strides
+    before it: 2756 samples for wav2vec2-conformer's 8 positions, which 2640 make; 3140 for
+    Moonshine's 8, which made 6."""
+    n = positions
+    for m in reversed([m for m in model.modules() if isinstance(m, nn.Conv1d)]):
+        stride, kernel, dilation = int(m.stride[0]), int(m.kernel_size[0]), int(m.dilation[0])
+        pad = 0 if isinstance(m.padding, str) else int(m.padding[0])
+        if m.padding == "same" or (stride == 1 and 2 * pad >= dilation * (kernel - 1)):
+            continue
+        n = max(stride * (n - 1) + dilation * (kernel - 1) + 1 - 2 * pad, 1)
+    return n
 
 
 def _image_size(config) -> tuple[int, int]:
@@ -139,7 +157,7 @@ def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple
     audio towers built like it, which take exactly max_source_positions frames per position after
     their strided convolutions), else (batch, frames, features) of seq_len positions (a conformer's
     max_source_positions bounds its relative positions, 5000 frames of attention in a probe)."""
-    stride, _ = _conv_steps(model)
+    stride = _conv_stride(model)
     mels = setting(config, "num_mel_bins")
     if isinstance(mels, int):
         positions = setting(config, "max_source_positions")
@@ -150,6 +168,18 @@ def _features_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple
         return (batch, frames, per_channel * (setting(config, "input_channels") or 1))
     size = setting(config, "feature_projection_input_dim", "feature_size")
     return (batch, frames, size if isinstance(size, int) else 80)  # 80: the usual speech front end's mel bins
+
+
+def _values_shape(model: nn.Module, config, batch: int, seq_len: int) -> tuple[int, ...]:
+    """A waveform (batch, samples) long enough for seq_len positions after the 1-d convolutions
+    that turn samples into positions. A model with none whose config counts mel bins reads a
+    spectrogram there (AST: batch, frames, mel bins), of the config's max_length frames (which
+    its position table is built for) where it sets one, else of seq_len."""
+    mels = setting(config, "num_mel_bins")
+    if isinstance(mels, int) and mels > 0 and not any(isinstance(m, nn.Conv1d) for m in model.modules()):
+        frames = setting(config, "max_length")
+        return (batch, frames if isinstance(frames, int) and frames > 0 else seq_len, mels)
+    return (batch, _samples(model, seq_len))
 
 
 def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, *, batch: int = 1,
@@ -189,7 +219,11 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
                 out["attention_mask"] = torch.ones_like(out[name])
         elif name == "pixel_values":
             channels = setting(config, "num_channels")
-            out[name] = floats((batch, channels if isinstance(channels, int) else 3, *_image_size(config)))
+            image = (channels if isinstance(channels, int) else 3, *_image_size(config))
+            # A config that counts frames is a video model's (VideoMAE, ViViT, TimeSformer): a clip
+            # of exactly that many images, which its position table (or time embedding) is built for.
+            frames = setting(config, "num_frames")
+            out[name] = floats((batch, frames, *image) if isinstance(frames, int) and frames > 0 else (batch, *image))
         elif name == "input_features":
             shape = _features_shape(model, config, batch, seq_len)
             out[name] = floats(shape)
@@ -197,8 +231,7 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
                 frames = shape[2] if isinstance(setting(config, "num_mel_bins"), int) else shape[1]
                 out["input_features_mask"] = torch.ones((batch, frames), dtype=torch.long, device=device)
         elif name == "input_values":
-            stride, over = _conv_steps(model)
-            out[name] = floats((batch, seq_len * stride + over))
+            out[name] = floats(_values_shape(model, config, batch, seq_len))
         else:
             raise ValueError(f"cannot build the input {name!r}")
     if getattr(config, "is_encoder_decoder", False):

@@ -1493,6 +1493,9 @@ def _load(directory, impl, dtype, device, verify, progress):
         device = parse_device(device)
     require_progress_fn(progress)
     source = resolve(directory, "directory", progress)
+    if source.gguf_file:  # read_manifest(source.path) named the file's folder, or read a manifest beside it
+        raise NormswapError(f"{source.ref}: a .gguf file is not a normswap checkpoint (normswap writes folders: "
+                            "load one that patch --out or convert --out wrote)")
     manifest = read_manifest(source.path)
     # before the weights: a patch that cannot run here (or an impl that cannot) is refused first
     section = runnable_patch(manifest.get("patch"), source.ref, impl,

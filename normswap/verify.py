@@ -120,7 +120,7 @@ class ModuleCheck:
 
 @dataclass
 class ModelCheck:
-    kind: str  # "logits" or "last_hidden_state"
+    kind: str  # what was compared: "logits", "last_hidden_state", or the names of the outputs (model_output)
     dtype: str
     max_abs_diff: float
     max_abs_value: float
@@ -503,10 +503,15 @@ def _input_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[str, torch.Tensor]:
+def model_output(model: nn.Module, batch: dict, *, raw: bool = False, every: bool = False) -> tuple[str, torch.Tensor]:
     """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor): the one
     forward pass every check and every score goes through. `batch` holds the forward's keyword
-    arguments (tensors are moved to the model's input device).
+    arguments (tensors are moved to the model's input device). With every=True (the conversion's
+    check: it changes weights that any output may read, as a ViT's pooler reads its final norm) a
+    model without logits gives every floating-point output, not its last hidden state alone; so
+    does a model with neither (CLIP: image-text logits, embeddings, each tower's states). Those
+    outputs come flattened into one tensor, and the kind names them in the model's order
+    ("last_hidden_state, pooler_output"): what was compared, for the reports.
 
     The tensor comes back as float32 on the CPU (comparable across devices and dtypes), or with
     raw=True as the model produced it (its dtype and device: scoring and float64 checks).
@@ -522,19 +527,23 @@ def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[s
     finally:
         for m, training in flags:
             m.training = training
-    for kind in ("logits", "last_hidden_state"):
+    for kind in ("logits",) if every else ("logits", "last_hidden_state"):
         t = getattr(out, kind, None)
         if t is not None:
             return kind, t.detach() if raw else t.detach().float().cpu()
-    # A model with neither (CLIP: image-text logits, embeddings, each tower's states): every
-    # floating-point tensor it returns, flattened into one, so that a check compares them all.
     from normswap.discover import tensors_in
 
-    parts = [t.detach().reshape(-1) for t in tensors_in(out) if t.is_floating_point()]
+    items = out.items() if isinstance(out, dict) else enumerate(out if isinstance(out, (list, tuple)) else (out,))
+    names, parts = [], []
+    for name, value in items:
+        floats = [t.detach().reshape(-1) for t in tensors_in(value) if t.is_floating_point()]
+        if floats:
+            names.append(str(name))
+            parts += floats
     if not parts:
         raise NormswapError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
     t = torch.cat([p.to(parts[0].dtype) for p in parts])
-    return "outputs", t if raw else t.float().cpu()
+    return ", ".join(names), t if raw else t.float().cpu()
 
 
 def logits_rtol(dtype: torch.dtype) -> float:

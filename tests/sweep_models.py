@@ -17,7 +17,8 @@ _SIZES = {
         "num_decoder_layers", "num_encoder_layers", "num_key_value_heads", "num_kv_heads",
         "num_experts_per_tok", "moe_topk", "top_k"),
     4: ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
-        "n_heads", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+        "n_heads", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+        "num_frames"),  # a video model's clip: 16 or 32 frames of 196 patches are thousands of positions
     8: ("head_dim", "d_kv", "kv_channels", "attention_head_size", "qk_rope_head_dim", "v_head_dim",
         "qk_nope_head_dim"),
     48: ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
@@ -31,7 +32,9 @@ _EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
           "maskformer": dict(backbone_config=dict(model_type="swin", embed_dim=16, depths=[1, 1, 1, 1],
                                                   num_heads=[1, 1, 1, 1],
                                                   out_features=["stage1", "stage2", "stage3", "stage4"]),
-                             fpn_feature_size=32)}
+                             fpn_feature_size=32),
+          # its spectrograms' frames (the position table is built for exactly that many): 1024 by default
+          "audio-spectrogram-transformer": dict(max_length=64)}
 _TOKENS = dict(pad_token_id=1, bos_token_id=2, eos_token_id=2, decoder_start_token_id=0)
 
 

@@ -132,7 +132,7 @@ SWEEP: dict[str, tuple[str, ...]] = {
     'plbart:seq2seq': ('post-ln',),
     'prophetnet': ('post-ln', 'untraced'),
     'prophetnet:seq2seq': ('post-ln',),
-    'qwen2_audio': ('untraced',),
+    'qwen2_audio': ('not-stream', 'uncenterable-term'),
     'qwen3_5': ('not-built',),
     'qwen3_5_moe': ('not-built',),
     'qwen3_asr': ('untraced',),
@@ -169,7 +169,7 @@ SWEEP: dict[str, tuple[str, ...]] = {
 # an image, a spectrogram or a waveform) with LayerNorms, as SWEEP: traced on the inputs their
 # forward and config give (normswap.inputs), converted exactly where the graph allows.
 SWEEP_MODALITIES: dict[str, tuple[str, ...]] = {
-    'audio-spectrogram-transformer': ('untraced',),
+    'audio-spectrogram-transformer': ('converts', 'post-ln'),
     'audioflamingo3_encoder': ('not-stream', 'uncenterable-term'),
     'beit': ('not-stream', 'stray-reader', 'uncenterable-term'),
     'blip-2': ('untraced',),
@@ -304,19 +304,19 @@ SWEEP_MODALITIES: dict[str, tuple[str, ...]] = {
     'swin2sr': ('not-built',),
     'swinv2': ('not-built',),
     'table-transformer': ('not-built',),
-    'timesformer': ('untraced',),
+    'timesformer': ('stray-reader', 'uncenterable-term'),
     'timm_backbone': ('not-built',),
     'timm_wrapper': ('not-built',),
     'tipsv2_vision_model': ('converts', 'uncenterable-term'),
     'unispeech': ('not-stream', 'post-ln'),
     'unispeech-sat': ('not-stream', 'post-ln'),
     'video_llama_3_vision': ('untraced',),
-    'videomae': ('untraced',),
+    'videomae': ('uncenterable-term',),
     'vit': ('converts',),
     'vit_mae': ('uncenterable-term',),
     'vit_msn': ('converts',),
     'vitdet': ('not-stream', 'uncenterable-term'),
-    'vivit': ('untraced',),
+    'vivit': ('converts',),
     'voxtral_encoder': ('uncenterable-term',),
     'wav2vec2': ('not-stream', 'post-ln'),
     'wav2vec2-bert': ('converts', 'nonlinear-reader', 'not-stream', 'post-ln'),
@@ -529,15 +529,16 @@ def test_earlier_releases_differ_where_listed():
 
 # Architectures whose LayerNorms all sit in another modality's tower, which the sweep's text-only
 # forward (input_ids) never runs. Each tower is traced through the model's own get_<x>_features
-# method on that input alone (normswap.discover.trace: Trace.more) and decided there (None), or,
-# where that method does not run on the meta device or the model has none, every tower norm is
-# refused as untraced with the reason (held here by a piece of it): never a guess.
+# method on that input alone (normswap.discover.trace: Trace.more), or, where the model has none,
+# through the tower module's own forward, and decided there (None), or, where that does not run on
+# the meta device, every tower norm is refused as untraced with the reason (held here by a piece of
+# it): never a guess.
 TOWERS: dict[str, tuple[str, str | None]] = {
     "audioflamingo3": ("model.audio_tower.", "get_audio_features(input_features) did not run"),  # torch.nonzero
     "glmasr": ("model.audio_tower.", "get_audio_features(input_features) did not run"),
     "musicflamingo": ("model.audio_tower.", "get_audio_features(input_features) did not run"),  # needs input_ids
     "omniasr": ("model.audio_tower.", "get_audio_features(input_values) did not run"),
-    "qwen2_audio": ("model.audio_tower.", "no get_<x>_features method runs that input's tower"),
+    "qwen2_audio": ("model.audio_tower.", None),  # no get_<x>_features: the tower's own forward
     "qwen3_asr": ("model.audio_tower.", "get_audio_features(input_features) did not run"),
     "voxtral": ("model.audio_tower.", None),
     # the tiny config's mm_tokens_per_image does not fit its shrunk vision tower: an average pool of stride 0

@@ -83,14 +83,81 @@ def test_a_spectrogram_of_exactly_the_frames_whisper_requires():
     assert shapes["input_features"] == (1, 16, 40) and shapes["decoder_input_ids"] == (1, 4)
 
 
-def test_a_waveform_long_enough_for_the_feature_convolutions():
+def test_a_waveform_of_exactly_the_samples_the_feature_convolutions_need():
+    """seq_len (4) positions from the fewest samples: 2 x (4 - 1) + 3 = 9 for the second
+    convolution, 5 x (9 - 1) + 10 = 50 for the first; the positional convolution (kernel 16,
+    padding 8) keeps the length. The count used to add every kernel's overhang, that one's too, and
+    multiply none by the strides before it (61 samples here)."""
     model = _wav2vec2()
     tr = trace(model)
     assert tr.error is None and tr.fed == ("input_values",)
     (n,) = _shapes(inputs.build(model, tr.fed))["input_values"][1:]
-    assert n == 4 * 5 * 2 + (10 - 5) + (3 - 2) + (16 - 1)  # 4 positions, and every kernel's overhang
+    assert n == 50
+    real = _wav2vec2(device="cpu")
+    with torch.no_grad():
+        assert real(**inputs.build(real, tr.fed)).last_hidden_state.shape[1] == 4
+        assert real(input_values=torch.ones((1, n - 1))).last_hidden_state.shape[1] == 3  # the fewest
     d = discover(model)
     assert all(f.category != "untraced" for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
+
+
+def _vivit(device="meta"):
+    from transformers import VivitConfig, VivitModel
+
+    config = VivitConfig(**SIZES, image_size=32, num_frames=4, tubelet_size=[2, 8, 8])
+    with torch.device(device):
+        return VivitModel(config).eval()
+
+
+def _ast(device="meta"):
+    from transformers import ASTConfig, ASTModel
+
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device(device):
+        return ASTModel(config).eval()
+
+
+def test_a_video_model_gets_a_clip_of_the_configs_frames():
+    """VideoMAE, ViViT and TimeSformer read (batch, frames, channels, height, width): fed one
+    image, their forward failed ("not enough values to unpack") and every norm was untraced."""
+    model = _vivit()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("pixel_values",)
+    assert _shapes(inputs.build(model, tr.fed)) == {"pixel_values": (1, 4, 3, 32, 32)}
+    assert all(f.category is None for f in discover(model).norms.values())
+
+
+def test_a_spectrogram_in_input_values_where_no_convolution_reads_a_waveform():
+    """AST's input_values is a spectrogram (batch, max_length frames, num_mel_bins), which its
+    position table is built for: fed a waveform, its forward failed and every norm was untraced.
+    A model with a feature encoder's 1-d convolutions still gets a waveform."""
+    model = _ast()
+    tr = trace(model)
+    assert tr.error is None and tr.fed == ("input_values",)
+    assert _shapes(inputs.build(model, tr.fed)) == {"input_values": (1, 24, 16)}
+    assert not any(f.category == "untraced" for f in discover(model).norms.values())
+    assert len(_shapes(inputs.build(_wav2vec2(), ("input_values",)))["input_values"]) == 2
+
+
+def test_convert_a_video_model_exactly(tmp_path):
+    """ViViT's stream is its tubelet convolution's channels, a class token and position
+    embeddings: every LayerNorm converts, verified on a clip probe, and the stock reload gives the
+    original's float64 outputs on other random clips."""
+    path = _save(_vivit(device="cpu").double(), tmp_path / "vivit")
+    out = tmp_path / "vivit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["verification"]["probe"] == [2, 4, 3, 32, 32] and doc["verification"]["passed"]
+    assert all(n["rms"] for n in doc["norms"])
+    from transformers import VivitModel
+
+    clip = torch.randn((3, 4, 3, 32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        ref, got = (VivitModel.from_pretrained(p, dtype=torch.float64).eval()(pixel_values=clip)
+                    for p in (path, str(out)))
+    for name in ("last_hidden_state", "pooler_output"):
+        assert float((got[name] - ref[name]).abs().max() / ref[name].abs().max()) < 1e-12, name
 
 
 def test_a_model_that_pairs_text_and_images_gets_both():
@@ -173,6 +240,54 @@ def test_convert_a_vision_model_exactly(tmp_path):
     pixels = torch.randn((3, 3, 32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ref, got = _vit_outputs(path, pixels), _vit_outputs(str(out), pixels)
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-12
+
+
+def test_convert_of_a_model_without_logits_names_and_compares_every_output(tmp_path):
+    """A ViTModel has no logits: the verification compares its last_hidden_state and its
+    pooler_output, and says so (the report's "compared"; the human line names them, where it used
+    to say "max |Δlogit| ... of the logit scale" of a hidden state). A language model's line still
+    speaks of logits."""
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verification"]["compared"] == "last_hidden_state, pooler_output"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "o2")])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
+    assert line.startswith("verified: stock reload max |Δ| of the last_hidden_state, pooler_output = ") \
+        and "of their largest magnitude" in line and "logit" not in line, line
+    from tests.tiny_models import save_tiny
+
+    save_tiny("gpt2", tmp_path / "gpt2")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "gpt2"), "--to", "rms", "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
+    assert line.startswith("verified: stock reload max |Δlogit| = ") and "of the logit scale" in line, line
+
+
+def test_convert_verification_of_a_model_without_logits_covers_its_pooler(tmp_path, monkeypatch):
+    """The verification of a ViTModel compared its last_hidden_state alone: a converted checkpoint
+    whose pooler computed something else passed. Now every output is compared: refused."""
+    from safetensors.torch import load_file, save_file
+
+    from normswap import convert_dir
+
+    real = convert_dir.convert_directory
+
+    def moves_the_pooler(source, out, *args, **kwargs):
+        section = real(source, out, *args, **kwargs)
+        tensors = load_file(out / "model.safetensors")
+        tensors["pooler.dense.bias"] = tensors["pooler.dense.bias"] + 0.5
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return section
+
+    monkeypatch.setattr(convert_dir, "convert_directory", moves_the_pooler)
+    path = _save(_vit(device="cpu"), tmp_path / "vit")
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "the converted model's last_hidden_state, pooler_output differ by" in result.stderr, result.output
+    assert not out.exists()
 
 
 def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
@@ -281,6 +396,27 @@ def test_a_patch_convolution_read_elsewhere_too_is_not_centered():
                                       pooler)
     d = discover(model)
     assert d.writers == [] and all(f.category == "uncenterable-term" for f in d.norms.values()), d.norms
+
+
+def test_a_tower_without_a_feature_method_is_traced_through_its_own_forward():
+    """Qwen2-Audio's model has no get_audio_features: its audio tower's norms were untraced ("no
+    get_<x>_features method runs that input's tower"). The tower module's own forward, the
+    shallowest whose main input is input_features (not the inner Qwen2AudioModel, which is about
+    its ids), is traced on that input alone and decides them."""
+    from normswap.discover import layer_norm_paths, norm_readers
+    from tests.sweep_models import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build("qwen2_audio", "Qwen2AudioForConditionalGeneration")
+    tr = trace(model)
+    assert tr.fed == ("input_ids",) and tr.unfed == ["input_features"]
+    assert [(t.via, t.fed, t.error) for t in tr.more] == [("model.audio_tower", ("input_features",), None)]
+    readers, note = norm_readers(model, layer_norm_paths(model), tr)
+    tower = "model.audio_tower."
+    assert note is None and readers[tower + "layers.0.final_layer_norm"] == [tower + "layers.0.fc1"]
+    d = discover(model, tr=tr)
+    assert d.norms and all(f.category not in (None, "untraced") for f in d.norms.values()), d.norms
 
 
 def test_a_towers_readers_come_from_its_own_trace():

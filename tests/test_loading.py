@@ -492,6 +492,28 @@ def write_tiny_llama_gguf(path, vocab=96, hidden=32, layers=2, heads=4, kv_heads
     return path
 
 
+def test_normswap_load_names_a_gguf_file_not_its_folder(tmp_path):
+    """normswap.load('m.gguf') said 'DIR: not a normswap checkpoint (no normswap.json)', naming the
+    file's folder; with a normswap output's manifest in that folder it went on to apply that
+    manifest's patch to the GGUF's model. A .gguf is refused by its own name."""
+    import shutil
+
+    import normswap
+
+    (tmp_path / "models").mkdir()
+    gguf = write_tiny_llama_gguf(tmp_path / "models" / "tiny.gguf")
+    says = f"{gguf}: a .gguf file is not a normswap checkpoint (normswap writes folders: "
+    with pytest.raises(NormswapError) as e:
+        loading.load(gguf)
+    assert str(e.value).startswith(says), str(e.value)
+    save_tiny("llama", tmp_path / "llama")
+    normswap.patch_checkpoint(str(tmp_path / "llama"), "torch", out=str(tmp_path / "fast"))
+    shutil.copy(tmp_path / "fast" / "normswap.json", gguf.parent / "normswap.json")
+    with pytest.raises(NormswapError) as e:
+        loading.load(gguf)
+    assert str(e.value).startswith(says), str(e.value)
+
+
 def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
     """A GGUF's config names no architecture; the loader must still build the causal LM (with
     lm_head and logits, paths as in the converted built-in copy), not the bare base model."""

@@ -116,6 +116,26 @@ def test_patch_of_the_bert_base_layout_runs_verifies_and_says_it_once(bert_base_
     assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
 
 
+def test_a_refused_conversion_of_the_bert_base_layout_is_one_error_line(bert_base_layout, tmp_path):
+    """`normswap convert` of it is refused (BERT is post-LN): with --json, stderr said the note on
+    the unused tensors ("... the load drops them") before the error, for a load that never ran;
+    without, the note, the table, then "nothing written: X" and "normswap: error: X", the reason
+    twice. Now the error line is the one line on stderr with --json (the report keeps the record),
+    and without it the table ends in "nothing written", then the error, once."""
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(bert_base_layout), "--to", "rms", "--out", str(out), "--json"])
+    assert r.exit_code == 2 and not out.exists()
+    assert r.stderr.startswith("normswap: error: nothing converts") and r.stderr.count("\n") == 1, r.stderr
+    [unused] = json.loads(r.stdout)["unused_tensors"]
+    assert unused["not_built"] == BERT_HEADS
+    r = CliRunner().invoke(cli, ["convert", str(bert_base_layout), "--to", "rms", "--out", str(out)])
+    assert r.exit_code == 2 and not out.exists() and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert not any(ln.startswith("note:") for ln in lines), lines
+    assert lines[-2:] == ["nothing written", lines[-1]] and lines[-1].startswith("normswap: error: nothing converts")
+    assert sum("nothing converts" in ln for ln in lines) == 1, lines
+
+
 def test_patch_in_place_would_drop_a_head_and_is_refused(bert_base_layout, tmp_path):
     """--in-place rewrites the folder with what BertForMaskedLM loads: bert-base's pooler and
     next-sentence head would be gone from the user's only copy. Refused before the load, naming

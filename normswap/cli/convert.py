@@ -50,15 +50,20 @@ def _render(data: dict) -> None:
         console.print(f"untied {data['untied']['head']} from {data['untied']['table']} (tie_word_embeddings: false)")
     v = data.get("verification")
     if v:
+        # What the errors are of: the logits, or every output of a model without (a ViTModel's
+        # last_hidden_state and pooler_output), relative to their largest magnitude.
+        err = f"{v['max_rel_logit_error']:.3g}"
+        what = f"|Δlogit| = {err} of the logit scale" if v["compared"] == "logits" else \
+            f"|Δ| of the {v['compared']} = {err} of their largest magnitude"
         console.print(
-            f"verified: stock reload max |Δlogit| = {v['max_rel_logit_error']:.3g} of the logit scale "
+            f"verified: stock reload max {what} "
             f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
             f"(tolerance {v['tolerance_rms']:g})"
         )
     if data.get("saved_to"):
         console.print(f"wrote {data['saved_to']}")
-    elif data.get("error"):
-        console.print(f"nothing written: {data['error']}")
+    elif data.get("error"):  # the error line that follows says why: not twice
+        console.print("nothing written")
 
 
 @cli.command(epilog=model_epilog())
@@ -87,7 +92,9 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
             result = convert_checkpoint(model, out, keep_gain=keep_gain, partial=partial, dtype=dtype, force=force,
                                         progress=bars, option_names=OPTION_NAMES)
     except ConversionRefused as e:
-        emit(e.result.to_dict(), as_json, _render)
+        # The per-norm report, then the one error line; no note on stored tensors a load would drop:
+        # nothing was loaded, and the refusal is the answer (a rerun that converts says it).
+        emit(e.result.to_dict(), as_json, _render, notes=False)
         raise
     for note in result.notes:
         click.echo(f"note: {note}", err=True)

@@ -272,13 +272,14 @@ def device_option(f: Callable) -> Callable:
                         help="Where the model runs; auto: the CUDA device when there is one.")(f)
 
 
-def emit(data: dict, as_json: bool, render: Callable[[dict], None]) -> None:
+def emit(data: dict, as_json: bool, render: Callable[[dict], None], *, notes: bool = True) -> None:
     """Print `data` as one JSON document, or hand it to the command's human renderer. A write that
     fails (a full disk: `> /dev/full`) says it was stdout: the system's reason alone ("No space
     left on device") read as if the command's own output (a saved model) had failed. A report's
     unused_tensors (what a load dropped that cannot change what the model computes) are said first,
-    one note each on stderr, --json or not."""
-    for unused in data.get("unused_tensors") or ():
+    one note each on stderr, --json or not (notes=False: a refusal's report, whose error line is
+    the answer; the JSON keeps them)."""
+    for unused in (data.get("unused_tensors") or ()) if notes else ():
         click.echo(f"note: {unused['note']}", err=True)
     try:
         if as_json:
