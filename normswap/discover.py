@@ -224,7 +224,8 @@ def trace(model: nn.Module, inputs: dict | None = None, towers: bool = True) -> 
     audio, which need placeholder tokens in the ids that no config says how to place), the
     model's own get_<x>_features method (which runs that tower and its projector, as the forward
     does) on that input alone, or, where the model has none, the forward of the tower itself (the
-    shallowest module whose forward is mainly about that input: Qwen2-Audio's audio_tower): the
+    shallowest module whose forward is mainly about that input: Qwen2-Audio's audio_tower; asked
+    for every hidden state, any of which its parent may read): the
     Trace's `more` (towers=False: not those)."""
     if inputs is not None:
         return _trace_call(model, model, inputs)
@@ -247,8 +248,14 @@ def trace(model: nn.Module, inputs: dict | None = None, towers: bool = True) -> 
                 fn = getattr(owner, method)
                 # a tower's forward is called as the module, as its parent calls it (its hooks run)
                 via = method if method != "forward" else next(p for p, m in model.named_modules() if m is owner)
-                sub = _trace_call(model, owner if method == "forward" else fn,
-                                  model_inputs.build(owner, (name,), fn, seq_len=SEQ_LEN), what=f"{via}({name})")
+                kwargs = model_inputs.build(owner, (name,), fn, seq_len=SEQ_LEN)
+                if method == "forward" and model_inputs.takes(fn, "output_hidden_states"):
+                    # The parent may read any layer's stream, not the last alone (LLaVA's
+                    # vision_feature_layer): every hidden state leaves the traced call, so a
+                    # norm is decided as if each were read (a get_<x>_features method returns
+                    # what the model reads, and needs none of this).
+                    kwargs["output_hidden_states"] = True
+                sub = _trace_call(model, owner if method == "forward" else fn, kwargs, what=f"{via}({name})")
                 sub.via, sub.fed = via, (name,)
                 tr.more.append(sub)
     return tr

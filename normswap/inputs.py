@@ -38,6 +38,16 @@ def forward_params(fn: Callable) -> list[str]:
         return []
 
 
+def takes(fn: Callable, name: str) -> bool:
+    """Whether `fn` accepts the keyword `name`: it names it, or takes **kwargs (where transformers'
+    forwards take output_hidden_states); False when not inspectable."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _configs(config):
     """`config`, then its sub-configs (text, vision, audio, encoder...), breadth first: a
     setting of the model's own config wins over a sub-config's, a child's over a grandchild's."""

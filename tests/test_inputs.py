@@ -256,6 +256,7 @@ def test_convert_of_a_model_without_logits_names_and_compares_every_output(tmp_p
     [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
     assert line.startswith("verified: stock reload max |Δ| of the last_hidden_state, pooler_output = ") \
         and "of their largest magnitude" in line and "logit" not in line, line
+    assert "logit" not in result.stderr, result.stderr  # its progress line neither
     from tests.tiny_models import save_tiny
 
     save_tiny("gpt2", tmp_path / "gpt2")
@@ -417,6 +418,40 @@ def test_a_tower_without_a_feature_method_is_traced_through_its_own_forward():
     assert note is None and readers[tower + "layers.0.final_layer_norm"] == [tower + "layers.0.fc1"]
     d = discover(model, tr=tr)
     assert d.norms and all(f.category not in (None, "untraced") for f in d.norms.values()), d.norms
+
+
+def test_a_tower_traced_through_its_forward_counts_every_hidden_state_as_read():
+    """A tower traced through its own forward (no get_<x>_features) was traced for its last
+    hidden state alone, while its parent may read any layer's (LLaVA's vision_feature_layer: here
+    hidden_states[-2], projected into the text stream): every ViT norm was said to convert, whose
+    conversion centers the stream that parent reads. Now the tower is asked for every hidden
+    state: a stream that leaves it unnormed refuses them."""
+    from torch import nn
+    from transformers import ViTConfig, ViTModel
+
+    class WithTower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = ViTConfig(**SIZES, image_size=32, patch_size=8)
+            self.vision_tower = ViTModel(self.config, add_pooling_layer=False)
+            self.embed, self.proj = nn.Embedding(100, 32), nn.Linear(32, 32)
+
+        def forward(self, input_ids, pixel_values=None):
+            x = self.embed(input_ids)
+            if pixel_values is not None:
+                if input_ids.shape[1] < 1000:  # as a multimodal LM without its placeholder tokens
+                    raise ValueError("image features and image tokens do not match")
+                x = torch.cat([self.proj(self.vision_tower(pixel_values, output_hidden_states=True)
+                                         .hidden_states[-2]), x], 1)
+            return x
+
+    with torch.device("meta"):
+        model = WithTower().eval()
+    tr = trace(model)
+    assert tr.unfed == ["pixel_values"] and [(t.via, t.error) for t in tr.more] == [("vision_tower", None)]
+    d = discover(model, tr=tr)
+    assert len(d.norms) == 2 * SIZES["num_hidden_layers"] + 1
+    assert all(f.category not in (None, "untraced") for f in d.norms.values()), d.norms
 
 
 def test_a_towers_readers_come_from_its_own_trace():

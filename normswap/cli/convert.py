@@ -80,13 +80,14 @@ def convert(model: str, target: str, out: str, keep_gain: bool, partial: bool, d
             force: bool, as_json: bool) -> None:
     """Fold LayerNorm γ/β into the layers that read them and center every writer into the residual
     stream, so each LayerNorm equals an RMSNorm. The output loads in stock transformers with the
-    same logits; its normswap.json lists the norms that may run as RMSNorm kernels
-    (`normswap patch DIR` then runs them as such: weightless where γ was folded)."""
+    same outputs (logits, or every output of a model without); its normswap.json lists the norms
+    that may run as RMSNorm kernels (`normswap patch DIR` then runs them as such: weightless where
+    γ was folded)."""
 
     from normswap.api import ConversionRefused, convert_checkpoint
 
     announce = {"convert": f"converting {model} into {out} ...",
-                "verify": "verifying: stock reload and logits against the original ..."}
+                "verify": "verifying: the stock reload's outputs against the original's ..."}
     try:
         with ProgressBars({"convert": "B"}, announce=announce) as bars:
             result = convert_checkpoint(model, out, keep_gain=keep_gain, partial=partial, dtype=dtype, force=force,
