@@ -186,6 +186,9 @@ def fixtures(root: Path) -> dict:
     texts.mkdir()
     fx["text"] = texts / "t.txt"
     fx["text"].write_text("In the beginning God created the heaven and the earth. " * 40)
+    # the experiment recipes' held-out text: another than their training text (the same one is warned about)
+    fx["heldout"] = texts / "heldout.txt"
+    fx["heldout"].write_text("And the earth was without form, and void. " * 40)
     fx["short"] = texts / "short.txt"
     fx["short"].write_text("Hi there.")
     fx["empty_txt"] = texts / "empty.txt"
@@ -208,12 +211,12 @@ def fixtures(root: Path) -> dict:
     fx["recipe"] = ROOT / "recipes" / "ln2rms-kjv-gpt2.toml"
     fx["long_recipe"] = texts / "long.toml"  # found once the model is loaded
     fx["long_recipe"].write_text(f'name = "t"\narms = ["original"]\n[model]\npath = "{fx["gpt2"]}"\n[data]\n'
-                                 f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 500\n')
+                                 f'train = "{fx["text"]}"\neval = "{fx["heldout"]}"\n[finetune]\nseq_len = 500\n')
     for arch in ("gpt2", "llama"):  # a tiny [model] recipe: refused before any arm runs, in seconds
         fx[f"{arch}_recipe"] = texts / f"{arch}.toml"
         fx[f"{arch}_recipe"].write_text(
             f'name = "t"\narms = ["original", "exact+ft"]\n[model]\npath = "{fx[arch]}"\n[data]\n'
-            f'train = "{fx["text"]}"\neval = "{fx["text"]}"\n[finetune]\nseq_len = 16\nbatch_size = 2\n')
+            f'train = "{fx["text"]}"\neval = "{fx["heldout"]}"\n[finetune]\nseq_len = 16\nbatch_size = 2\n')
     fx["deep_recipe"] = texts / "deep.toml"  # tomllib recurses per level: a RecursionError, no TOMLDecodeError
     fx["deep_recipe"].write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     fx["bad_recipe"] = texts / "bad.toml"

@@ -265,9 +265,9 @@ def _check_context(cfg: BenchConfig, config, n: Mapping[str, str]) -> None:
     """Refuse a sequence the model has no positions for (learned position tables end there: every
     variant would fail with an IndexError), before the model is built. Decode writes one token
     after the prompt."""
-    from normswap.evaluate import config_context_length
+    from normswap.inputs import context_length
 
-    context = config_context_length(config)
+    context = context_length(config)
     need = cfg.seq + (1 if "decode" in cfg.modes else 0)
     if context is not None and need > context:
         extra = " plus the decoded token" if need > cfg.seq else ""

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from normswap.errors import NormswapError, require_bool
+from normswap.inputs import text_config
 from normswap.jobs import keep_dtype, record_infos, run_jobs
 from normswap.manifest import rms_forms
 from normswap.plan import build_manifest, check_refusals, plan_conversion
@@ -139,6 +140,4 @@ def untie_config(model) -> None:
 
 def _configs(config) -> Iterable:
     yield config
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        yield get_text()
+    yield text_config(config)

@@ -86,9 +86,12 @@ def convert_directory(
             reader = st.CheckpointReader(source.path, names, prefix=arch.prefix if arch else "")
             _refuse_a_head_stored_apart(source, plan.untie, lambda name: reader.read(name) if name in reader.raw else None)
         dropped = list(unused.not_built) if unused is not None else []
+        # by their stored names: a head kept under a name the load renames (legacy LayerNorm.gamma
+        # and .beta, which transformers loads as .weight and .bias) was written out under it
+        stored = loading.stored_keys_of(meta, st.checkpoint_layout(source.path)[1], dropped)
         infos = st.convert_files(
             source.path, out, plan, names, prefix=arch.prefix if arch else "",
-            out_dtype=policy, streaming=streaming, progress=progress, dropped=dropped,
+            out_dtype=policy, streaming=streaming, progress=progress, dropped=stored,
         )
         record_infos(plan, infos)
         cfg = jsonsafe.read_or_refuse(source.path / "config.json", what="config.json")  # load_config read it: changed since?

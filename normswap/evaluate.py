@@ -43,12 +43,11 @@ import torch
 from normswap import data as text_data
 from normswap.data import Corpus, cut_pieces, open_corpus
 from normswap.errors import BadInputError, NormswapError, option_labels, using_option_names
+from normswap.inputs import context_length
 from normswap.progress import ProgressFn
 from normswap.verify import model_output
 from normswap.walk import require_module
 
-# Config attributes that hold a model's context length, by the names the families use.
-CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 DOCUMENT_SEPARATOR = "\n\n"
 # Rows of logits turned into float64 log-probabilities at once (64 x 152k vocab = 78 MB).
 _ROWS_PER_CHUNK = 64
@@ -158,19 +157,6 @@ class Window:
 # ----------------------------------------------------------------------------- window planning
 
 
-def model_context_length(model) -> int | None:
-    return config_context_length(getattr(model, "config", None))
-
-
-def config_context_length(config) -> int | None:
-    """Positions the model has (its context), from the config alone; None when it names none."""
-    for attr in CONTEXT_ATTRS:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 # The window options, named in messages as the caller calls them (errors.option_labels): the
 # library's parameter names by default; under a command line the flags it installed with
 # errors.using_option_names (`ppl --max-length`, `patch --eval-max-length`).
@@ -209,7 +195,7 @@ def plan_window(models: Sequence, max_length: int | None, stride: int | None) ->
     """(window, stride): the models' context capped by max_length; stride defaults to half of it."""
     check_window_options(max_length, stride)
     n = option_labels(WINDOW_OPTIONS)
-    contexts = [c for c in (model_context_length(m) for m in models) if c is not None]
+    contexts = [c for c in (context_length(getattr(m, "config", None)) for m in models) if c is not None]
     context = min(contexts) if contexts else None
     if max_length is None:
         if context is None:

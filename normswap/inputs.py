@@ -72,16 +72,48 @@ def setting(config, *names: str):
     return None
 
 
-def vocab_size(config) -> int:
-    """The token vocabulary: the text config's, else the first (sub-)config's that has one; 0 if none."""
+def text_config(config):
+    """The config of the model's token side: a multimodal model's text config, else the config
+    itself. Where transformers finds two (MusicGen's text encoder and decoder: get_text_config()
+    refuses to choose), the encoder's, the one `input_ids` reach."""
     get_text = getattr(config, "get_text_config", None)
-    text = get_text() if callable(get_text) else None
-    for c in (text, config):
-        v = getattr(c, "vocab_size", None) if c is not None else None
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    v = setting(config, "vocab_size")
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+    if not callable(get_text):
+        return config
+    try:
+        return get_text()
+    except ValueError:
+        return get_text(encoder=True)
+
+
+def _token_setting(config, *names: str) -> int | None:
+    """The first of `names` set to a positive whole number in the text config, else in the
+    config, else in a sub-config (breadth first); None when none is. The token side goes first:
+    a multimodal model's own config may hold a value of its other modality under the same name
+    (VibeVoice-ASR's max_position_embeddings counts audio frames; MusicFlamingo's is a float)."""
+    for c in (text_config(config), config, *_configs(config)):
+        for name in names:
+            value = getattr(c, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def vocab_size(config) -> int:
+    """The token vocabulary (as _token_setting finds it); 0 if none."""
+    return _token_setting(config, "vocab_size") or 0
+
+
+# Config attributes that hold a model's context length, by the names the families use (MPT's
+# max_seq_len sizes its ALiBi table: a longer input fails in the forward).
+CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
+                 "max_seq_len")
+
+
+def context_length(config) -> int | None:
+    """Positions the model's token ids can take (its context), from the config alone, as
+    _token_setting finds it; None when no config names one. The one reading of it: the probe
+    batch's length (normswap.verify), the perplexity window, bench's and experiment's checks."""
+    return _token_setting(config, *CONTEXT_ATTRS)
 
 
 def main_input(model: nn.Module, fn: Callable | None = None) -> str | None:

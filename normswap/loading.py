@@ -5,6 +5,7 @@ embedded default model. Scans build the model on the meta device from its config
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import importlib.util
@@ -52,6 +53,9 @@ class ModelSource:
     ref: str  # what the user typed
     path: Path  # a directory holding config.json (or the .gguf's directory)
     gguf_file: str | None = None  # file name inside `path` when loading from GGUF
+    # The .gguf's parse (gguf.GGUFReader), by file version (_stat_key), for the later reads of
+    # this source up to its weights' (_gguf_parse).
+    _parsed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def from_pretrained_kwargs(self) -> dict:
@@ -305,9 +309,9 @@ def _load_gguf(directory: Path, gguf_name: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with gguf_bar_follows_transformers():
+        with _gguf_parsed_once(ModelSource(gguf_name, directory, gguf_name)), gguf_bar_follows_transformers():
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_name)
     except Exception as e:  # a damaged install: the reader's ValueError was a traceback
         raise gguf_malformed(directory / gguf_name, e) or e from None
     # The weights are already de-quantised; drop the quantizer so the model can be re-saved.
@@ -329,7 +333,7 @@ def load_config(source: ModelSource, progress: bool | ProgressFn | None = None):
     from transformers import AutoConfig
 
     try:
-        with _gguf_read(source, "config", progress) as reading:
+        with _gguf_read(source, "config", progress) as reading, _gguf_parsed_once(source):
             config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
     except OSError as e:
@@ -726,7 +730,7 @@ def _head_class_of_weights(source: ModelSource, config) -> type | None:
             name, _, fills = loaded_name(key)
             if name not in holds:
                 unplaced.update(fills or (key,))
-        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref))
+        refused, unused = unused_tensors(model, _not_ignored_on_load(model, unplaced), str(source.ref), source.path)
         if not refused and (unused is None or not unused.not_built):
             return cls
     return None
@@ -784,7 +788,13 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
     kwargs["dtype"] = dtype if dtype is not None else "auto"
     if device is not None:
         kwargs["device_map"] = device
-    model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
+    try:
+        with _gguf_parsed_once(source):
+            model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
+    finally:
+        # the parse is let go once the weights are in: held on, it would weigh on the rest of the
+        # command (160 MB of arrays for SmolLM2-135M, and the file's pages the load touched)
+        source._parsed.clear()
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
@@ -839,7 +849,7 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
     from normswap import streaming as st
 
     if source.gguf_file:
-        if problems := _gguf_block_problems(source.path / source.gguf_file, config):
+        if problems := _gguf_block_problems(source, config):
             _weights_do_not_match(source.ref, problems, gguf=True)
         return
     quantised = getattr(config, "quantization_config", None) is not None
@@ -895,7 +905,8 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
         if as_stored and isinstance(shape, list) and shape != list(tensor.shape):
             mismatched.append((name, shape, list(tensor.shape)))
     return check_loading_info(meta, {"mismatched_keys": mismatched, "missing_keys": _unfilled(meta, filled),
-                                     "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref))
+                                     "unexpected_keys": _not_ignored_on_load(meta, unexpected)}, str(source.ref),
+                              stored=source.path)
 
 
 # A GGUF tensor of a block: blk.N.attn_q.weight (llama.cpp's names), enc.blk.N... and dec.blk.N...
@@ -903,7 +914,7 @@ def check_stored_tensors(source: ModelSource, config, meta=None) -> UnusedTensor
 _GGUF_BLOCK = re.compile(r"(\w+\.)?blk\.(\d+)\.")
 
 
-def _gguf_block_problems(path: Path, config) -> list[str]:
+def _gguf_block_problems(source: ModelSource, config) -> list[str]:
     """What a GGUF's tensor names say against its own {arch}.block_count, which transformers
     builds the model's layers from (num_hidden_layers, GPT-2's n_layer, T5's num_layers): blocks
     past the count, which the load dropped without a word (transformers maps the file's tensors
@@ -912,10 +923,10 @@ def _gguf_block_problems(path: Path, config) -> list[str]:
     only once it had de-quantised the file and allocated every layer. A file without the key gets
     the config class's default count (`config`: the one transformers read from the file; Llama's
     32, so a 40-block file lost 8), said as such. A gap in the blocks is left to the load. Read
-    with the gguf package's reader, as transformers reads the file; one that cannot be read is the
-    load's to say."""
+    with the gguf package's reader, as transformers reads the file (the one parse of it:
+    _gguf_parse); one that cannot be read is the load's to say."""
     try:
-        key, count, held = _gguf_blocks(path, *_stat_key(path))
+        key, count, held = _gguf_blocks(_gguf_parse(source))
     except Exception:  # noqa: BLE001  (a file the reader cannot read: the load names it)
         return []
     said = f"{key} is {count} there"
@@ -944,15 +955,11 @@ def _stat_key(path: Path) -> tuple:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-@functools.lru_cache(maxsize=4)
-def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[int, int]]]:
+def _gguf_blocks(reader) -> tuple[str, int | None, dict[str, dict[int, int]]]:
     """(the metadata key of the block count, its value or None, {"blk." / "enc.blk." / ...: {block:
-    its tensor count}}). Once per file version: the reader parses the whole metadata (1.5 s for
-    SmolLM2-135M, mostly its tokenizer), and a conversion loads its source twice."""
-    from gguf import GGUFReader
+    its tensor count}}), from the file's parse (gguf.GGUFReader)."""
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    reader = GGUFReader(path)
     key = f"{read_field(reader, 'general.architecture')[0]}.block_count"
     count = read_field(reader, key)
     held: dict[str, dict[int, int]] = {}
@@ -961,6 +968,56 @@ def _gguf_blocks(path: Path, *version) -> tuple[str, int | None, dict[str, dict[
             blocks = held.setdefault(f"{m[1] or ''}blk.", {})
             blocks[int(m[2])] = blocks.get(int(m[2]), 0) + 1
     return key, count[0] if len(count) == 1 and isinstance(count[0], int) else None, held
+
+
+def _gguf_parse(source: ModelSource, keep: bool = True):
+    """The parse of source's .gguf (gguf.GGUFReader), made once per file version and kept with
+    `source` until its weights are loaded (load_model lets it go). A parse takes 1.5-2 s for
+    SmolLM2-135M (its tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB
+    while held), and a command made up to four: transformers' for the config, the tokenizer and
+    the weights, and the block check's. keep=False: the parse held is used, but one made is not
+    kept (a read that may come after the weights: patch --out's tokenizer, which would otherwise
+    hold it through the rest of the command). A file replaced or edited in between is parsed again."""
+    # the class itself, from its module: _gguf_parsed_once stands in for the package's name
+    from gguf.gguf_reader import GGUFReader
+
+    path = source.path / source.gguf_file
+    version = _stat_key(path)
+    if version in source._parsed:
+        return source._parsed[version]
+    parsed = GGUFReader(path)
+    if keep:
+        source._parsed.clear()  # an older version's, not to be held beside the new one
+        source._parsed[version] = parsed
+    return parsed
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once(source: ModelSource, keep: bool = True):
+    """transformers' reads of source's .gguf served by its one parse (_gguf_parse): transformers
+    parses the file anew for each (load_gguf_checkpoint: `GGUFReader(path)`, looked up on the gguf
+    package at each call) and takes no parse from its caller, so for the time of the read gguf's
+    name stands for one that hands back the parse kept for that file; any other file, or a
+    writable mode, gets gguf's own reader. keep: as _gguf_parse's. A folder's source, or no gguf
+    package: nothing to do."""
+    if not source.gguf_file or importlib.util.find_spec("gguf") is None:
+        yield
+        return
+    import gguf
+
+    real = gguf.GGUFReader
+    own = (source.path / source.gguf_file).resolve()
+
+    def reader(path, mode="r", *args, **kwargs):
+        if mode == "r" and not args and not kwargs and Path(path).resolve() == own:
+            return _gguf_parse(source, keep)
+        return real(path, mode, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def _load_order():
@@ -1010,6 +1067,22 @@ def _unfilled(meta, filled: set[str]) -> list[str]:
                 filled |= group
                 grown = True
     return [name for names in names_of.values() for name in names if name not in filled]
+
+
+def stored_keys_of(meta, keys, names) -> list[str]:
+    """The checkpoint's `keys` that the load of `meta`'s class puts under one of `names` (as
+    transformers names them, or reports them when it drops them: UnusedTensors.not_built), by
+    its renaming (_loaded_name): a head kept under a legacy name is found under the one it had."""
+    names = set(names)
+    if not names:
+        return []
+    loaded = _loaded_name(meta, meta.state_dict())
+    out = []
+    for key in sorted(keys, key=_load_order()):  # a renaming may depend on the keys before it
+        name, _, fills = loaded(key)
+        if names & {name, *fills}:
+            out.append(key)
+    return out
 
 
 def _loaded_name(meta, state: dict):
@@ -1108,16 +1181,18 @@ def from_pretrained_checked(cls, path, ref: str, **kwargs):
         raise NormswapError(f"{ref}: cannot load the weights: {one_line(e)}") from None
     # what the load dropped that cannot change the computation, for the command to say (once: the
     # check before the load found the same, from the same rule)
-    model.normswap_unused_tensors = check_loading_info(model, info, ref, gguf="gguf_file" in kwargs)
+    model.normswap_unused_tensors = check_loading_info(model, info, ref, gguf="gguf_file" in kwargs, stored=Path(path))
     return model
 
 
-def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False) -> UnusedTensors | None:
+def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool = False,
+                       stored: Path | None = None) -> UnusedTensors | None:
     """One line naming the first few keys when the checkpoint and the model disagree, except the
     keys the architecture declares ignorable (transformers already leaves tied ones out) and the
     stored tensors that cannot change what the model computes (unused_tensors: the one policy for
     what a model has no place for), which are returned, for the caller to say. gguf: the model was
-    described by a GGUF file's own metadata, not by a config.json."""
+    described by a GGUF file's own metadata, not by a config.json. stored: the folder of the
+    weights (unused_tensors reads the stored shape of an obsolete buffer's name there)."""
     def kept(keys, patterns):
         patterns = [re.compile(p) for p in patterns or ()]
         return sorted((k for k in keys if not any(p.search(k) for p in patterns)), key=_natural)
@@ -1128,7 +1203,7 @@ def check_loading_info(model, info: dict, ref: str, shown: int = 3, gguf: bool =
     problems = []
     missing = kept(info.get("missing_keys", ()), getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = kept(info.get("unexpected_keys", ()), getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    unexpected, unused = unused_tensors(model, unexpected, ref)
+    unexpected, unused = unused_tensors(model, unexpected, ref, stored)
     mismatched = sorted(info.get("mismatched_keys", ()), key=lambda m: m[0])
     if mismatched:
         problems.append(f"{len(mismatched)} tensor(s) of another shape than the config gives: " + first(
@@ -1224,7 +1299,7 @@ class UnusedTensors:
                 "saved_from": self.saved_from, "buffers": list(self.buffers), "note": self.note()}
 
 
-def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensors | None]:
+def unused_tensors(model, unexpected, ref: str, stored: Path | None = None) -> tuple[list[str], UnusedTensors | None]:
     """The one policy for the stored tensors `model` has no place for (`unexpected`, named as
     transformers names them, after its own ignorable names): (those that are refused, in order;
     those that cannot change what the model computes, as UnusedTensors, None when none). A
@@ -1235,20 +1310,27 @@ def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensor
       head under GPT2LMHeadModel);
     - it is a non-persistent buffer of its module: a constant the module computes from its config
       (GPT-Neo's causal mask, which older transformers saved);
-    - it is an OBSOLETE_BUFFERS name its module has no place for (GPT-2's attn.masked_bias).
+    - it is an OBSOLETE_BUFFERS name its module has no place for, stored as that buffer was: a
+      scalar (GPT-2's attn.masked_bias, torch.tensor(-1e4)); its stored shape is read from the
+      weights in the folder `stored` (_stored_shapes), and one it cannot read is refused.
     Refused: a tensor of a module the class builds without it (a norm bias under an RMSNorm, a
     Linear bias the config turned off: the checkpoint's model computed with it), and one of a
     module no class of this config builds (a layer past the config's count; a q_norm of
     another architecture's checkpoint under a class without one)."""
     modules = dict(model.named_modules())
     refused, not_built, buffers = [], [], []
+    obsolete = [name for name in unexpected if name.rpartition(".")[2] in OBSOLETE_BUFFERS
+                and (module := modules.get(name.rpartition(".")[0])) is not None
+                and not hasattr(module, name.rpartition(".")[2])]
+    # a tensor of another shape under the old buffer's name is not that buffer: a weight of the
+    # model the checkpoint was saved from, which this class would run without
+    scalars = {name for name, shape in _stored_shapes(stored, obsolete, model).items() if shape == []}
     for name in sorted(unexpected, key=_natural):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None:
             not_built.append(name)
-        elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or (
-                leaf in OBSOLETE_BUFFERS and not hasattr(module, leaf)):
+        elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or name in scalars:
             buffers.append(name)
         else:
             refused.append(name)
@@ -1263,6 +1345,54 @@ def unused_tensors(model, unexpected, ref: str) -> tuple[list[str], UnusedTensor
     if not (not_built or buffers):
         return refused, None
     return refused, UnusedTensors(str(ref), type(model).__name__, tuple(not_built), saved_from, tuple(buffers))
+
+
+def _stored_shapes(folder: Path | None, names: list[str], model) -> dict[str, list[int]]:
+    """{name: its stored shape} for the `names` (as the load names them) that the weights in
+    `folder` hold, under that name or the bare base model's (without model's base_model_prefix),
+    read without their values: safetensors headers, pickled files on the meta device (each file
+    once). A name no file holds, or whose file cannot be read, is left out."""
+    from normswap import streaming as st
+
+    if folder is None or not names:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    keys = {name: [name] + ([name[len(prefix) + 1:]] if prefix and name.startswith(prefix + ".") else [])
+            for name in names}
+    try:
+        _, where, _ = st.checkpoint_layout(folder)
+
+        def shapes_in(file: str) -> dict:
+            return {k: e.get("shape") for k, e in st.read_header(folder / file).items() if isinstance(e, dict)}
+    except NormswapError:  # pickled weights: one file, or an index of shards
+        from transformers.modeling_utils import load_state_dict
+        from transformers.utils import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+        where = {}
+        if (folder / WEIGHTS_NAME).is_file():
+            where = {key: WEIGHTS_NAME for ks in keys.values() for key in ks}
+        elif (folder / WEIGHTS_INDEX_NAME).is_file():
+            with contextlib.suppress(Exception):
+                where = dict(jsonsafe.loads((folder / WEIGHTS_INDEX_NAME).read_bytes())["weight_map"])
+
+        def shapes_in(file: str) -> dict:
+            return {k: list(t.shape) for k, t in load_state_dict(folder / file, map_location="meta").items()}
+    read: dict[str, dict] = {}
+    out = {}
+    for name, candidates in keys.items():
+        for key in candidates:
+            file = where.get(key)
+            if not isinstance(file, str):
+                continue
+            if file not in read:
+                try:
+                    read[file] = shapes_in(file)
+                except Exception:  # noqa: BLE001  (a file that cannot be read: its shapes are unknown)
+                    read[file] = {}
+            if isinstance(shape := read[file].get(key), list):
+                out[name] = shape
+                break
+    return out
 
 
 def _held_by_siblings(model, names: list[str], every: bool = False):
@@ -1443,7 +1573,7 @@ def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = Non
     from transformers import AutoTokenizer
 
     try:
-        with _gguf_read(source, "tokenizer", progress) as reading:
+        with _gguf_read(source, "tokenizer", progress) as reading, _gguf_parsed_once(source, keep=False):
             tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs)
             reading.update(1)
         return tokenizer

@@ -209,12 +209,14 @@ def convert_files(
     dropped: Iterable[str] = (),
 ) -> dict[str, dict]:
     """Convert the safetensors checkpoint in `src` into `out` (same shard files, same tensor names
-    plus an untied head, less the tensors `dropped` names, as the model names them; a shard left
-    with none is not written); returns the jobs' infos (e.g. BLOOM's bake scale)."""
+    plus an untied head, less the tensors `dropped` names, as the checkpoint stores them; a shard
+    left with none is not written); returns the jobs' infos (e.g. BLOOM's bake scale)."""
     policy = out_dtype or keep_dtype(None)
     reader = CheckpointReader(Path(src), model_names, prefix, plan.aliases)
-    for name in dropped:
-        reader.raw.pop(name, None)
+    dropped = set(dropped)
+    for name, (_, key) in list(reader.raw.items()):
+        if key in dropped:
+            del reader.raw[name]
     job_outputs = {o for j in plan.jobs for o in j.outputs}
     new_names = [o for o in job_outputs if o not in reader.raw]  # the untied head
 

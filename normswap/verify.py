@@ -471,9 +471,8 @@ def probe_batch(model: nn.Module, cfg: ProbeConfig = ProbeConfig()) -> dict[str,
     names = _probe_inputs(model)
     if "input_ids" in names and inputs.vocab_size(config) < 2:
         raise BadInputError("cannot build a probe batch: the model's config has no vocab_size")
-    get_text = getattr(config, "get_text_config", None)  # CLIP's context is its text config's
-    context = inputs.setting(get_text() if callable(get_text) else config, "max_position_embeddings", "n_positions")
-    seq_len = min(cfg.seq_len, int(context)) if isinstance(context, int) and context > 0 else cfg.seq_len
+    context = inputs.context_length(config)
+    seq_len = min(cfg.seq_len, context) if context is not None else cfg.seq_len
     return inputs.build(model, names, batch=cfg.batch, seq_len=seq_len, decoder_len=max(seq_len // 2, 1),
                         generator=torch.Generator().manual_seed(cfg.seed + 1), device="cpu", masks=False)
 

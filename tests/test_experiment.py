@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,16 @@ def test_not_toml_and_missing_file(tmp_path):
         load_recipe(bad)
     with pytest.raises(RecipeError, match="no such recipe file"):
         load_recipe(tmp_path / "absent.toml")
+
+
+def test_a_recipe_with_a_byte_order_mark_is_read_as_without(tmp_path):
+    """A recipe saved by a Windows editor begins with a UTF-8 byte-order mark: it was refused as "not
+    valid TOML (Invalid statement (at line 1, column 1))", a line 1 that looks right. The data texts
+    are read past one (normswap.data); the recipe is now too."""
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    marked = tmp_path / "marked.toml"
+    marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_recipe(marked).to_dict() == load_recipe(path).to_dict()
 
 
 def test_a_recipe_file_past_a_mebibyte_is_not_read_to_the_end(tmp_path):
@@ -618,6 +629,26 @@ def test_the_summary_says_what_the_fine_tuning_ran(every_arm):
     assert "Fine-tuning:" not in summary_markdown(result)  # no arm trained
 
 
+def test_the_summary_names_the_control_the_recovered_share_was_measured_against(every_arm):
+    """Without original+ft, recovered is measured against the untrained original (summary_rows):
+    the summary's line still said "final nll of original+ft" and "each model compared with the
+    original trained the same way"."""
+    from normswap.experiment.report import summary_markdown, summary_rows
+
+    result = json.loads((every_arm.out / "results.json").read_text())
+    assert "1 − (final nll − final nll of original+ft) / (nll at step 0 − nll of original)" in summary_markdown(result)
+    del result["arms"]["original+ft"]
+    row = next(r for r in summary_rows(result["arms"]) if r["arm"] == "approx+ft")
+    arms = result["arms"]
+    gap_start = arms["approx+ft"]["evals"][0]["nll"] - arms["original"]["evals"][0]["nll"]
+    assert row["recovered"] == pytest.approx(
+        1 - (arms["approx+ft"]["evals"][-1]["nll"] - arms["original"]["evals"][-1]["nll"]) / gap_start)
+    summary = summary_markdown(result)
+    assert "1 − (final nll − final nll of original) / (nll at step 0 − nll of original)" in summary
+    assert "final nll of original+ft" not in summary and "trained the same way" not in summary
+    assert "against the untrained original" in summary
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["finetune.steps=4", "finetune.warmup_steps=10"],
      r"finetune.steps \(4\) is not more than finetune.warmup_steps \(10\): the whole run is the warm-up, its "
@@ -633,6 +664,33 @@ def test_a_run_that_never_leaves_its_warm_up_is_warned_about(tmp_path, overrides
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_recipe(path, ["finetune.steps=2"])  # 2 steps after 1 warm-up step: nothing to say
+
+
+@pytest.mark.parametrize("overrides, arms, same", [
+    ([f'data.eval="{GENESIS.name}"'], ["original"], "pretrain.text"),
+    ([f'data.eval="{GENESIS.name}"'], ["original", "approx+ft"], "pretrain.text and data.train"),
+    (['data.eval="copy.txt"', 'data.train="copy.txt"', f'pretrain.text="{JOSHUA.name}"'], ["approx+ft"],
+     "data.train"),
+])
+def test_a_held_out_text_that_is_a_training_text_is_warned_about(tmp_path, monkeypatch, overrides, arms, same):
+    """data.eval the same text as pretrain.text or data.train (a copy under another name too) ran
+    without a word, its perplexity reported as held-out. Said before anything runs."""
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    (tmp_path / "copy.txt").write_bytes(GENESIS.read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first warning stops the run where it is said
+        with pytest.raises(UserWarning, match=rf"^data\.eval is the same text as {same}: its perplexity is not held "
+                                              r"out \(the reports call it so\), it measures how well the models fit "
+                                              r"the text they trained on$"):
+            run_experiment(path, tmp_path / "out", arms, overrides=overrides, progress=False)
+        # data.train that no arm trains on, a held-out text of its own: nothing to say
+        with pytest.raises(pytest.fail.Exception, match="the run started"):
+            run_experiment(path, tmp_path / "out", ["original"], overrides=[f'data.train="{JOSHUA.name}"'],
+                           progress=False)
 
 
 def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeypatch):
@@ -674,13 +732,33 @@ def test_a_finished_arm_whose_result_is_not_one_is_bad_input(tmp_path, pretraine
     assert (out / "arms" / "original" / "result.json").is_file()
 
 
-def test_another_recipe_in_the_same_out_is_refused(every_arm):
+def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
+    """Refused naming what differs: it said only "a different recipe (or other --set values)", also
+    to a user who had changed neither but edited a text the recipe names."""
     from normswap.errors import NormswapError
 
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]),
                          ["finetune.lr=0.5"])
-    with pytest.raises(NormswapError, match="a run of a different recipe"):
+    with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(finetune\.lr 0\.001 there, 0\.5 "
+                                            r"here\); remove it or choose another out$"):
         run_experiment(recipe, every_arm.out, progress=False)
+    # The recipe as it was, in another folder (a moved checkout: the same run), its held-out text edited
+    out = tmp_path / "out"
+    shutil.copytree(every_arm.out, out, ignore=shutil.ignore_patterns("logs", "state"))
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    assert load_recipe(path).fingerprint() == json.loads((out / "recipe.json").read_text())["fingerprint"]
+    import gzip
+
+    (tmp_path / JOSHUA.name).write_bytes(gzip.compress(gzip.decompress(JOSHUA.read_bytes()) + b"Amen.\n"))
+    with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(data\.eval: its text has changed\);"):
+        run_experiment(path, out, ["original"], progress=False)
+    # a recipe.json from before the texts were recorded: which one changed cannot be told
+    record = json.loads((out / "recipe.json").read_text())
+    del record["texts"]
+    (out / "recipe.json").write_text(json.dumps(record))
+    with pytest.raises(NormswapError, match=r"different recipe \(the same keys: a text it names has changed "
+                                            r"\(pretrain\.text, data\.train, data\.eval\)\);"):
+        run_experiment(path, out, ["original"], progress=False)
 
 
 
@@ -839,6 +917,43 @@ def test_a_pretraining_another_run_is_doing_is_refused_at_once(tmp_path, monkeyp
     assert not final.with_name(final.name + ".partial").exists()
 
 
+def test_a_run_refused_for_a_pretraining_another_run_is_doing_leaves_no_out(tmp_path, monkeypatch):
+    """The second of two experiments sharing a [pretrain] section (two --out folders) was refused once
+    it had written OUT/recipe.json and OUT/logs/: a run of nothing, which a rerun with another recipe
+    was refused for. Refused before OUT is made now. And the entry's lock is let go once it is
+    trained: another run may use it while this one's arms run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "original+ft"])
+    recipe = load_recipe(path)
+    final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    lock = final.parent / f".{final.name}.normswap.lock"
+    fd = _hold_lock(lock)
+    try:
+        with pytest.raises(NormswapError, match=r"another normswap run \(pid 4242\) is writing .*; try again"):
+            run_experiment(path, tmp_path / "out", progress=False)
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "out").exists()
+    free = []
+
+    def on_step(arm, step, loss):  # during the fine-tuning, as another run would take it (at once or not)
+        import fcntl
+
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free.append(arm)
+        finally:
+            os.close(fd)
+
+    run_experiment(path, tmp_path / "out", progress=False, on_step=on_step,
+                   overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    assert free == ["original+ft"]
+
+
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
                                          (["original", "approx+ft"], JOSHUA.name)])
 def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
@@ -921,6 +1036,36 @@ def _count_digests(monkeypatch) -> list[str]:
     monkeypatch.setattr(recipe, "file_digest", counted)
     monkeypatch.setattr(pretrain, "file_digest", counted)
     return digested
+
+
+def test_tokenizing_a_long_text_is_a_stage_on_stderr(tmp_path, monkeypatch, capsys, pretrained_dir):
+    """Training the tokenizer on a long text and tokenizing it (the smoke recipe's 3 MB: 8 s of encode
+    under load; a 100 MB text, minutes) ran with nothing on stderr: the first bar came after them, and
+    the training text was tokenized again, silently, before the first arm. Each is a stage now, when
+    the text is LONG_TEXT or longer (here every text is)."""
+    from normswap.experiment import pretrain
+
+    class Pretraining(Exception):
+        pass
+
+    def build_model(*args):  # the texts are tokenized: the rest is the training
+        raise Pretraining
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pretrain, "LONG_TEXT", 0)
+    monkeypatch.setattr(pretrain, "build_model", build_model)
+    with pytest.raises(Pretraining):
+        run_experiment(write_recipe(tmp_path / "r.toml", PRETRAIN), tmp_path / "out", ["original+ft"])
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" ...")]
+    assert stages == ["pretrain: train the tokenizer ...", "pretrain: tokenize pretrain.text ...",
+                      "pretrain: tokenize data.eval ..."]
+    path = model_recipe(tmp_path, pretrained_dir, ["original+ft"])
+    run_experiment(path, tmp_path / "out2", overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    stages = [line for line in capsys.readouterr().err.splitlines() if line.endswith(" ...")]
+    assert stages[:2] == ["tokenize data.train ...", "tokenize data.eval ..."], stages
+    monkeypatch.setattr(pretrain, "LONG_TEXT", 1 << 20)  # texts of kilobytes: no line
+    run_experiment(path, tmp_path / "out3", overrides=["finetune.steps=1", "finetune.warmup_steps=0"])
+    assert "tokenize" not in capsys.readouterr().err
 
 
 def test_a_text_that_cannot_be_read_for_its_digest_is_one_line_naming_its_key():
@@ -1140,6 +1285,107 @@ def test_a_pretrained_model_larger_than_the_machine_is_refused_before_pretrainin
     pretrain.check_model_fits(load_recipe(path).pretrain, pretrain.most_tokens(GENESIS.read_text()))
 
 
+def test_a_pretraining_under_another_mixed_precision_than_its_own_is_refused_before_it(tmp_path, monkeypatch):
+    """accelerate keeps one mixed precision per process, the run's (finetune.mixed_precision): with
+    finetune.mixed_precision = "bf16" on a CPU the pretraining ran under bf16 autocast whatever
+    pretrain.mixed_precision said, and was cached under the key of the float32 one, which every
+    later run of the [pretrain] section then reused. Refused before anything is made."""
+    from types import SimpleNamespace
+
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" is "no", as on this machine
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN)
+    with pytest.raises(RecipeError, match=r"^pretrain\.mixed_precision: 'auto' is 'no' here, but this run trains "
+                                          r"under 'bf16' \(finetune\.mixed_precision; accelerate keeps one mixed "
+                                          r"precision per process\): set pretrain\.mixed_precision = 'bf16' or "
+                                          r"finetune\.mixed_precision = 'no'$"):
+        run_experiment(path, tmp_path / "out", overrides=['finetune.mixed_precision="bf16"'], progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    # and by the pretraining itself, under a caller's accelerator
+    recipe = load_recipe(path)
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1,
+                                  mixed_precision="fp16")
+    with pytest.raises(RecipeError, match=r"^pretrain\.mixed_precision: 'auto' is 'no' here, but this run trains "
+                                          r"under 'fp16'"):
+        pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
+
+
+def test_a_pretraining_of_auto_precision_is_keyed_by_what_auto_is_on_the_machine(monkeypatch):
+    """"auto" is bf16 on a GPU and none on a CPU: one cache key named both trainings (a cache shared
+    by a GPU machine and a CPU one handed either the other's weights). On a CPU it keeps the key
+    entries had before: the committed result names its model by it."""
+    from normswap.experiment import pretrain
+
+    recipe = load_recipe(ROOT / "recipes" / "ln2rms-kjv-gpt2.toml")
+    section = recipe.pretrain
+    committed = json.loads((ROOT / "recipes" / "results" / "ln2rms-kjv-gpt2" / "results.json").read_text())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = pretrain.cache_key(section, recipe.seed)
+    assert committed["model"] == f"<normswap cache>/pretrain/{recipe.name}-{cpu}"
+    assert pretrain.cache_key(replace(section, mixed_precision="no"), recipe.seed) != cpu  # as before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = pretrain.cache_key(section, recipe.seed)
+    assert gpu != cpu and gpu == pretrain.cache_key(replace(section, mixed_precision="bf16"), recipe.seed)
+
+
+@pytest.mark.parametrize("recorded, refused", [("<normswap cache>/pretrain/tiny-000000000000", True),
+                                               ("{entry}", False), ("/elsewhere/cache/pretrain/{name}", False),
+                                               (None, False)])
+def test_an_out_whose_arms_ran_on_another_pretraining_is_refused(tmp_path, monkeypatch, recorded, refused):
+    """pretrain.mixed_precision "auto" is keyed by what it is on the machine: an OUT whose arms ran on
+    a GPU before it was keyed so, or on a CPU, then resumed on a GPU (`--arms` by `--arms`), was not
+    refused by its fingerprint: the run pretrained anew and reported its arms beside the earlier
+    ones, run on other weights. Refused before anything runs; the same entry (also under another
+    cache folder) or no finished arm runs."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import pretrain, runner
+    from normswap.experiment.runner import portable_path
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    recipe = load_recipe(path)
+    entry = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "recipe.json").write_text(json.dumps({"fingerprint": recipe.fingerprint()}))
+    if recorded is not None:
+        recorded = recorded.format(entry=portable_path(str(entry), None), name=entry.name)
+        (out / "results.json").write_text(json.dumps({"model": recorded}))
+    if refused:
+        with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds arms run on the pretrained model {re.escape(recorded)}, "
+                                                rf"and this run's is {entry.name} \(pretrain\.mixed_precision "
+                                                r'"auto" is keyed by what it is on the machine\): its arms would be '
+                                                rf"reported beside them on other weights; remove {re.escape(str(out))} or choose "
+                                                r"another out$"):
+            run_experiment(path, out, progress=False)
+    else:
+        with pytest.raises(pytest.fail.Exception, match="the run started"):
+            run_experiment(path, out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["recipe.json", *(["results.json"] if recorded else [])]
+
+
+def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
+    """accelerate keeps one mixed precision per process: a second run_experiment with another
+    finetune.mixed_precision was accelerate's ValueError ("restart your runtime completely"), an
+    internal error."""
+    from accelerate import Accelerator
+
+    from normswap.experiment import runner
+
+    Accelerator()  # as an earlier run in this process left it (or finds it so)
+    mixed = "fp16" if Accelerator().mixed_precision != "fp16" else "bf16"
+    recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN), [f'finetune.mixed_precision="{mixed}"'])
+    with pytest.raises(RecipeError, match=rf"^finetune\.mixed_precision: '{mixed}' \({mixed}\), but an earlier run "
+                                          r"set accelerate up in this process with '\w+' \(it keeps one mixed "
+                                          r"precision per process\): run this one in a new process$"):
+        runner.make_accelerator(recipe, tmp_path / "out")
+
+
 @pytest.mark.parametrize("shape", [dict(n_layer=2, n_embd=32, n_head=2, context=64), dict(n_layer=3, n_embd=24,
                                                                                           n_head=4, context=16)])
 def test_the_pretrained_models_parameter_count_is_the_models(shape):
@@ -1299,7 +1545,8 @@ def test_the_pretraining_evaluation_window_is_named_as_pretrain_context(tmp_path
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(pretrain, "train", no_training)
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN))
-    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1)
+    accelerator = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None, num_processes=1,
+                                  mixed_precision=pretrain.resolve_mixed_precision("auto"))
     with using_option_names(runner.EVAL_WINDOW_KEYS), pytest.raises(NormswapError) as e:  # as run_experiment runs it
         pretrain.ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name, EVAL_TEXT, progress=False)
     assert re.fullmatch(r"data\.eval: the text is shorter than one window: (\d+) tokens, window 64; "
@@ -1352,6 +1599,13 @@ def test_the_stop_notice_is_one_line_that_ends_an_open_bar_only_on_a_terminal(ca
     assert stop.is_set() and stop.signal == signal.SIGINT
     assert capsys.readouterr().err == ("\n" if terminal else "") + \
         "normswap: stopping after this step or evaluation (checkpointing; Ctrl-C to stop now)\n"
+    # Under `accelerate launch` the launcher passes the signal to every process: rank 0 says it (the
+    # notice came once per process); every process stops.
+    monkeypatch.setenv("RANK", "1")
+    stop = StopFlag()
+    with stop.on_interrupt():
+        signal.raise_signal(signal.SIGINT)
+    assert stop.is_set() and capsys.readouterr().err == ""
 
 
 def test_a_stop_between_arms_is_not_ignored(tmp_path, pretrained_dir):

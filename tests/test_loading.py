@@ -595,7 +595,7 @@ def test_an_encoder_decoders_gguf_blocks_are_counted_per_stack(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert loading._gguf_block_problems(tmp_path / "t5.gguf", None) == [
+    assert loading._gguf_block_problems(loading.resolve(tmp_path / "t5.gguf"), None) == [
         "t5.block_count is 2 there, but the file holds 3 blocks: 2 tensor(s) of dec.blk.2, which the load would drop "
         "without a word"]
 
@@ -605,7 +605,90 @@ def test_a_gguf_whose_blocks_match_its_block_count_loads_every_block(tmp_path):
     src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=3))
     model = loading.load_model(src)
     assert len(model.model.layers) == 3
-    assert loading._gguf_block_problems(tmp_path / "tiny.gguf", loading.load_config(src)) == []
+    assert loading._gguf_block_problems(src, loading.load_config(src)) == []
+
+
+def _count_gguf_parses(monkeypatch) -> list[str]:
+    """The paths gguf's reader parses from now on (every parse: transformers' and normswap's)."""
+    gguf_reader = pytest.importorskip("gguf.gguf_reader")
+    parses, real = [], gguf_reader.GGUFReader.__init__
+
+    def counted(self, path, *args, **kwargs):
+        parses.append(str(path))
+        real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reader.GGUFReader, "__init__", counted)
+    return parses
+
+
+@pytest.mark.parametrize("out, parses", [(False, 1), (True, 2)])
+def test_a_gguf_command_parses_the_file_once_up_to_its_weights(tmp_path, monkeypatch, out, parses):
+    """`patch FILE.gguf` parsed the file's metadata three times up to its weights (transformers
+    for the config, the block check, transformers for the weights; 1.5-2 s each for
+    SmolLM2-135M), and `--out` a fourth for the tokenizer it writes out: one parse now serves the
+    reads up to the weights; the tokenizer, read after them, parses again (the parse is not held
+    past the weights: test below)."""
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    read = _count_gguf_parses(monkeypatch)
+    r = CliRunner().invoke(cli, ["patch", str(gguf), "--impl", "torch"] + (["--out", str(tmp_path / "out")] if out else []))
+    assert r.exit_code == 0, r.output
+    assert read == [str(gguf)] * parses
+    import gguf as gguf_package
+    from gguf.gguf_reader import GGUFReader
+
+    assert gguf_package.GGUFReader is GGUFReader  # the package's own name is back
+
+
+def test_a_gguf_parse_is_let_go_once_the_weights_are_in(tmp_path, monkeypatch):
+    """Held past the load, the parse would weigh on the rest of the command (160 MB of arrays for
+    SmolLM2-135M): a second load of the same source parses again."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    parses = _count_gguf_parses(monkeypatch)
+    config = loading.load_config(src)
+    loading.load_model(src, config=config)
+    assert len(parses) == 1 and src._parsed == {}
+    loading.load_model(src, config=config)
+    assert len(parses) == 2 and src._parsed == {}
+    # a read after the weights (patch --out's tokenizer) parses, and keeps nothing either (this
+    # file has no tokenizer: refused, after its parse)
+    with pytest.raises(NormswapError, match="no usable tokenizer"):
+        loading.load_tokenizer(src)
+    assert len(parses) == 3 and src._parsed == {}
+
+
+def test_a_gguf_tokenizer_read_before_the_weights_shares_the_configs_parse(tmp_path, monkeypatch):
+    """ppl reads the config, the tokenizer, then the weights: one parse for the three."""
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
+    parses = _count_gguf_parses(monkeypatch)
+    config = loading.load_config(src)
+    with pytest.raises(NormswapError, match="no usable tokenizer"):
+        loading.load_tokenizer(src)
+    loading.load_model(src, config=config)
+    assert len(parses) == 1
+
+
+def test_a_gguf_replaced_between_reads_is_parsed_again(tmp_path):
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=2))
+    first = loading._gguf_parse(src)
+    assert loading._gguf_parse(src) is first
+    write_tiny_llama_gguf(tmp_path / "new.gguf", layers=3)
+    os.replace(tmp_path / "new.gguf", tmp_path / "tiny.gguf")
+    assert loading._gguf_blocks(loading._gguf_parse(src))[1] == 3
+    assert list(src._parsed.values()) != [first]  # the old version's is not held beside it
+
+
+def test_another_files_read_meanwhile_gets_its_own_parse(tmp_path):
+    import gguf
+
+    src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=2))
+    other = write_tiny_llama_gguf(tmp_path / "other.gguf", layers=3)
+    with loading._gguf_parsed_once(src):
+        assert gguf.GGUFReader(str(tmp_path / "tiny.gguf")) is loading._gguf_parse(src)
+        assert loading._gguf_blocks(gguf.GGUFReader(str(other)))[1] == 3
 
 
 @pytest.mark.parametrize("keep", [0.99, 0.5, 2000, 200])

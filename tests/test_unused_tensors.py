@@ -7,6 +7,7 @@ layers past the config's count)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -57,16 +58,24 @@ def _stock(cls_name: str, d):
     return getattr(transformers, cls_name).from_pretrained(d, output_loading_info=True)
 
 
-def _legacy_gpt2(d, pickled: bool):
+def _legacy_gpt2(d, pickled: bool | str, masked_bias: torch.Tensor | None = None):
     """A GPT-2 as a 2020-era transformers saved it: each attention's causal mask `attn.bias` and its
-    fill value `attn.masked_bias` stored with the weights (pytorch_model.bin, or safetensors)."""
+    fill value `attn.masked_bias` (a scalar, -1e4; or `masked_bias`) stored with the weights
+    (pytorch_model.bin, its two shards with pickled="sharded", or safetensors)."""
     model = save_tiny("gpt2", d)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     for i in range(2):
         tensors[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.uint8)).view(1, 1, 64, 64)
-        tensors[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        tensors[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4) if masked_bias is None else masked_bias.clone()
     (d / "model.safetensors").unlink()
-    if pickled:
+    if pickled == "sharded":
+        names = sorted(tensors)
+        shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, keys in shards.items():
+            torch.save({k: tensors[k] for k in keys}, d / file)
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    elif pickled:
         torch.save(tensors, d / "pytorch_model.bin")
     else:
         from safetensors.torch import save_file
@@ -208,6 +217,46 @@ def test_a_gpt2_with_the_buffers_older_transformers_saved_loads(tmp_path, pickle
     assert torch.equal(model_output(reloaded.eval(), BATCH)[1], model_output(stock.eval(), BATCH)[1])
 
 
+@pytest.mark.parametrize("pickled", [True, "sharded", False], ids=["pickled", "sharded", "safetensors"])
+def test_a_masked_bias_that_is_not_the_old_scalar_buffer_is_refused(tmp_path, pickled):
+    """masked_bias was accepted by its name alone, whatever it held: a tensor of 32 values under it
+    is no fill constant but a weight of the model the checkpoint was saved from, which GPT-2 would
+    run without. Only what 2020-era transformers stored (a scalar: torch.tensor(-1e4)) is the old
+    buffer; anything else is refused as any tensor without a place is, before the load (its shape
+    read from the files: safetensors headers, a pickled file on the meta device; sharded pickled
+    weights are checked for missing tensors only there) and by the load's own check (shards
+    read on the meta device)."""
+    d = tmp_path / "gpt2"
+    _legacy_gpt2(d, pickled, masked_bias=torch.full((32,), -1e4))
+    src = loading.resolve(d)
+    says = ("2 tensor(s) the config has no place for: transformer.h.0.attn.masked_bias, "
+            "transformer.h.1.attn.masked_bias")
+    if pickled != "sharded":
+        with pytest.raises(NormswapError, match=re.escape(says)):
+            loading.check_stored_tensors(src, loading.load_config(src))
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch"])
+    [error] = [ln for ln in r.stderr.splitlines() if ln.startswith("normswap: error:")]
+    assert r.exit_code == 2 and says in error and "Traceback" not in r.stderr, r.stderr
+    stock, info = _stock("GPT2LMHeadModel", d)
+    with pytest.raises(NormswapError, match=re.escape(says)):
+        loading.check_loading_info(stock, info, str(d), stored=d)
+
+
+@pytest.mark.parametrize("pickled", [True, "sharded", False], ids=["pickled", "sharded", "safetensors"])
+def test_the_old_scalar_masked_bias_is_accepted_in_every_layout(tmp_path, pickled):
+    """The shape check reads each layout: the scalar is found as such in one pickled file, in
+    shards, and in safetensors, before the load and after it."""
+    d = tmp_path / "gpt2"
+    _legacy_gpt2(d, pickled)
+    src = loading.resolve(d)
+    masked = ("transformer.h.0.attn.masked_bias", "transformer.h.1.attn.masked_bias")
+    before = loading.check_stored_tensors(src, loading.load_config(src))
+    assert before is None if pickled == "sharded" else before.buffers == masked  # see the test above
+    stock, info = _stock("GPT2LMHeadModel", d)
+    assert loading.check_loading_info(stock, info, str(d), stored=d).buffers == masked
+    assert loading.load_model(src).normswap_unused_tensors.buffers == masked
+
+
 def test_convert_of_a_model_saved_with_another_head_runs_verifies_and_leaves_the_head_out(tmp_path):
     """A GPT-2 saved from GPT2DoubleHeadsModel (its multiple-choice head) with the legacy
     masked_bias, config naming GPT2LMHeadModel: convert was refused for 'no place for'. It converts
@@ -322,6 +371,41 @@ def test_a_layer_past_the_config_is_refused_beside_a_head_that_is_accepted(tmp_p
     assert str(e.value) == (f"{d}: the weights do not match config.json (num_hidden_layers is 2 there, but the weights "
                             "hold 3 layers: 16 tensor(s) of bert.encoder.layer.2 the config has no place for); is the "
                             "config from another model size?")
+
+
+def test_convert_leaves_out_a_dropped_head_stored_under_a_legacy_name(tmp_path):
+    """transformers renames every checkpoint's legacy LayerNorm.gamma / .beta to .weight / .bias
+    on load (its "legacy" conversion mapping), a head's too. A Megatron-BERT (its own norms are
+    named `ln`, so the checkpoint streams) saved from MegatronBertForPreTraining with the MLM
+    head's LayerNorm under the old names, config naming MegatronBertForNextSentencePrediction:
+    convert dropped the head by the loaded names and wrote cls.predictions.transform.LayerNorm
+    .gamma and .beta into the output anyway, while its normswap.json said they were dropped."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "megatron"
+    config = transformers.MegatronBertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=96, max_position_embeddings=64,
+                                             architectures=["MegatronBertForNextSentencePrediction"])
+    torch.manual_seed(0)
+    model = randomize_norms_and_biases(transformers.MegatronBertForPreTraining(config))
+    tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+               v.contiguous().clone() for k, v in model.state_dict().items()}
+    assert {"cls.predictions.transform.LayerNorm.gamma", "cls.predictions.transform.LayerNorm.beta"} <= set(tensors)
+    d.mkdir()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(d)
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), "--to", "rms", "--partial", "--out", str(out)])
+    assert r.exit_code == 0, r.stderr
+    dropped = json.loads((out / "normswap.json").read_text())["convert"]["dropped"]
+    assert "cls.predictions.transform.LayerNorm.weight" in dropped
+    stored = set(load_file(out / "model.safetensors"))
+    assert not any(k.startswith("cls.predictions.") for k in stored), sorted(stored)
+    assert {"cls.seq_relationship.weight", "bert.pooler.dense.weight"} <= stored  # what the class builds
+    converted, info = transformers.MegatronBertForNextSentencePrediction.from_pretrained(
+        out, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
 
 
 def test_convert_of_pickled_weights_names_what_the_output_does_not_hold(tmp_path):

@@ -26,8 +26,15 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, using_option_names
-from normswap.experiment.recipe import PretrainSection, file_digest
-from normswap.experiment.trainer import RandomWindows, StopFlag, check_training_text, physical_memory, train
+from normswap.experiment.recipe import PretrainSection, RecipeError, file_digest
+from normswap.experiment.trainer import (
+    RandomWindows,
+    StopFlag,
+    check_training_text,
+    physical_memory,
+    resolve_mixed_precision,
+    train,
+)
 from normswap.progress import ProgressBars
 
 EOS = "<|endoftext|>"
@@ -47,6 +54,11 @@ def cache_key(section: PretrainSection, seed: int, text_digest: str | None = Non
     section.text, when the caller has taken it (Recipe.text_digests: a run takes each once, a
     read of the whole file); None takes it here."""
     d = dataclasses.asdict(section)
+    # "auto" is bf16 on one machine and none on another (resolve_mixed_precision): keyed as it
+    # resolves, or a cache shared by a GPU machine and a CPU one handed either the other's weights.
+    # Left "auto" where it means none: the key the CPU entries made before this had.
+    if section.mixed_precision == "auto" and (mp := resolve_mixed_precision("auto")) != "no":
+        d["mixed_precision"] = mp
     d["text"] = file_digest(section.text) if text_digest is None else text_digest
     d["seed"] = seed
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
@@ -170,6 +182,37 @@ def check_pretraining_texts(section: PretrainSection, tokens: int, eval_tokens: 
                                 ONE_TOKEN_PER_BYTE, **_heldout_windows(section))
 
 
+def check_pretraining_precision(section: PretrainSection, run_precision: str) -> None:
+    """Refuse to pretrain under another mixed precision than pretrain.mixed_precision says.
+    accelerate keeps one per process, the run's Accelerator's (from finetune.mixed_precision): the
+    pretraining ran under it whatever [pretrain] said, and its cache entry, keyed by the section,
+    then held weights trained otherwise than the key says, reused by every later run of the section
+    (finetune.mixed_precision = "bf16" on a CPU pretrained in bf16 under the key of float32)."""
+    want = resolve_mixed_precision(section.mixed_precision)
+    if want != run_precision:
+        raise RecipeError(f"pretrain.mixed_precision: {section.mixed_precision!r} is {want!r} here, but this run "
+                          f"trains under {run_precision!r} (finetune.mixed_precision; accelerate keeps one mixed "
+                          f"precision per process): set pretrain.mixed_precision = {run_precision!r} or "
+                          f"finetune.mixed_precision = {want!r}")
+
+
+# A text this long (in characters) takes seconds to tokenize or to train a tokenizer on (the smoke
+# recipe's 3 MB: 8 s to encode on this project's machine under load): such a stage gets a bar, where
+# there was silence (a 100 MB text: minutes before the first bar). A shorter one is not worth a line.
+LONG_TEXT = 1 << 20
+
+
+@contextlib.contextmanager
+def text_stage(desc: str, text: str, progress: bool):
+    """A one-step bar on stderr (desc, then its time) around work on `text` when it is LONG_TEXT or
+    longer and progress is on; nothing otherwise."""
+    from normswap.progress import stderr_bar
+
+    with stderr_bar(total=1, desc=desc, unit="text", disable=not progress or len(text) < LONG_TEXT) as bar:
+        yield
+        bar.update(1)
+
+
 def encode(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
@@ -216,6 +259,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
 
     from normswap.checkpoint import staged_dir
 
+    check_pretraining_precision(section, accelerator.mixed_precision)  # a caller's accelerator too
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
     text = read_text(section.text) if text is None else text
@@ -223,13 +267,18 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
         tok_dir.mkdir(parents=True, exist_ok=True)
         tmp = partial / "tokenizer.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        train_tokenizer(text, section.vocab_size).save_pretrained(tmp)
+        with text_stage("pretrain: train the tokenizer", text, progress):
+            tokenizer = train_tokenizer(text, section.vocab_size)
+        tokenizer.save_pretrained(tmp)
         shutil.rmtree(tok_dir)
         tmp.rename(tok_dir)
     accelerator.wait_for_everyone()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    ids = encode(tokenizer, text)
-    eval_ids = encode(tokenizer, eval_text)
+    shown = progress and accelerator.is_main_process
+    with text_stage("pretrain: tokenize pretrain.text", text, shown):
+        ids = encode(tokenizer, text)
+    with text_stage("pretrain: tokenize data.eval", eval_text, shown):
+        eval_ids = encode(tokenizer, eval_text)
     model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
     model.to(parse_dtype(section.dtype))
     try:

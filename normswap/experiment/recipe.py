@@ -65,7 +65,7 @@ class TrainSettings:
     weight_decay: float = _spec(0.0, minimum=0.0)
     max_grad_norm: float = _spec(1.0, minimum=0.0, doc="0 turns clipping off")
     dtype: str = _spec("fp32", choices=RUN_DTYPES, doc="dtype of the weights being trained")
-    mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, else no")
+    mixed_precision: str = _spec("auto", choices=MIXED_PRECISION, doc="auto: bf16 on a GPU that has it, fp16 on another GPU, else no")
     checkpoint_every: int = _spec(50, minimum=1, doc="steps between resumable checkpoints")
 
 
@@ -154,6 +154,11 @@ class Recipe:
                     raise RecipeError(f"{section}.{key}: {e.filename or path}: cannot read ({e.strerror or e})") \
                         from None
         return digests
+
+    def texts_by_key(self, digests: dict[str, str]) -> dict[str, str]:
+        """Each text's digest (digests: text_digests()) by the key that names it, {"data.eval": ...}:
+        what OUT's recipe.json records, to say which text changed when a rerun is refused."""
+        return {f"{section}.{key}": digests[getattr(getattr(self, section), key)] for section, key in self._text_keys()}
 
     def _text_keys(self) -> list[tuple[str, str]]:
         """The (section, key) of every text path the recipe gives."""
@@ -365,7 +370,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise TypeError(f"overrides: expected a list of 'key=value' strings, got {overrides!r}")
     p = Path(path).expanduser()
     try:
-        with p.open(encoding="utf-8") as f:  # text mode: newlines as read_text gives them
+        # text mode: newlines as read_text gives them; utf-8-sig: the byte-order mark a Windows
+        # editor writes is no TOML (it was "not valid TOML (Invalid statement (at line 1, column 1))")
+        with p.open(encoding="utf-8-sig") as f:
             text = f.read(_MOST_RECIPE_CHARS + 1)
         if len(text) > _MOST_RECIPE_CHARS:
             raise RecipeError(f"{path}: more than {_MOST_RECIPE_CHARS >> 20} MiB, not a recipe file")

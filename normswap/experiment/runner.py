@@ -1,7 +1,7 @@
 """run_experiment: a recipe, every arm, evaluated from step 0, reported.
 
 Layout of OUT:
-  recipe.json              the validated recipe (a rerun with a different one is refused)
+  recipe.json              the validated recipe and its texts' digests (a rerun with a different one is refused, naming what differs)
   arms/<arm>/state/        the arm's resumable checkpoint while it trains (resumed only by as many processes)
   arms/<arm>/result.json   the arm's evaluations and losses once it is done (a rerun skips it; the reports include it)
   logs/                    accelerate trackers (TensorBoard event files when installed)
@@ -28,6 +28,7 @@ import platform
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,6 +47,7 @@ from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import (
     INFO_FILE,
     ONE_TOKEN_PER_BYTE,
+    check_pretraining_precision,
     check_pretraining_texts,
     encode,
     ensure_pretrained,
@@ -53,6 +55,7 @@ from normswap.experiment.pretrain import (
     most_tokens,
     pretrain_dir,
     read_text,
+    text_stage,
 )
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
 from normswap.experiment.trainer import (
@@ -63,6 +66,7 @@ from normswap.experiment.trainer import (
     check_resumable,
     check_step_fits,
     check_training_text,
+    resolve_mixed_precision,
     train,
 )
 from normswap.fileio import (
@@ -135,9 +139,7 @@ def make_accelerator(recipe: Recipe, out: Path):
     precision and tracker."""
     from accelerate import Accelerator
 
-    mp = recipe.finetune.mixed_precision
-    if mp == "auto":
-        mp = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if torch.cuda.is_available() else "no"
+    mp = resolve_mixed_precision(recipe.finetune.mixed_precision)
     tracker = recipe.tracker
     if tracker == "auto":
         tracker = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
@@ -146,16 +148,29 @@ def make_accelerator(recipe: Recipe, out: Path):
     kwargs = {"mixed_precision": mp}
     if tracker != "none":
         kwargs.update(log_with=tracker, project_dir=str(out / "logs"))
-    return Accelerator(**kwargs)
+    try:
+        return Accelerator(**kwargs)
+    except ValueError as e:
+        if "already been initialized" not in str(e):
+            raise
+        # accelerate's "restart your runtime completely": an internal error of a second
+        # run_experiment in one Python process with another finetune.mixed_precision
+        from accelerate.state import AcceleratorState
+
+        raise RecipeError(f"finetune.mixed_precision: {recipe.finetune.mixed_precision!r} ({mp}), but an earlier "
+                          f"run set accelerate up in this process with {AcceleratorState().mixed_precision!r} (it "
+                          "keeps one mixed precision per process): run this one in a new process") from None
 
 
-def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) -> None:
+def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, recipe: Recipe | None = None,
+               digests: dict[str, str] | None = None) -> None:
     """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
     recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.) And a report or an arm's
     record (of `arms`) that is a link there can be written through (fileio.replaced_atomically;
-    curves.png only as `plot` says)."""
+    curves.png only as `plot` says). recipe, digests: the recipe of `fingerprint` and its
+    text_digests(), to say what differs from the run in OUT."""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
@@ -166,8 +181,11 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) 
     if stamp.is_file():
         previous = jsonsafe.read_or_refuse(stamp, f"remove {out} or choose another {n['out']}")
         if not isinstance(previous, dict) or previous.get("fingerprint") != fingerprint:
-            raise NormswapError(f"{out} holds a run of a different recipe (or other {n['overrides']} values); "
-                                f"remove it or choose another {n['out']}")
+            what = _what_differs(previous, recipe, digests) if recipe is not None and isinstance(previous, dict) \
+                else None
+            what = what or f"or other {n['overrides']} values"
+            raise NormswapError(f"{out} holds a run of a different recipe ({what}); remove it or choose another "
+                                f"{n['out']}")
     # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
     # write failed the write: after the pretraining and every arm for a report, after the arm for its
     # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
@@ -176,6 +194,37 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True) 
     for path in (*(out / name for name in report.report_files(plot)), *(p for p in unfinished if not os.path.isfile(p))):
         if path.is_symlink() and (why := unwritable(path)):
             raise cannot_write(path, why)
+
+
+def _what_differs(previous: dict, recipe: Recipe, digests: dict[str, str], most: int = 3) -> str:
+    """What makes the run in OUT (its recipe.json, `previous`) another recipe than `recipe`, as
+    `finetune.steps 20 there, 30 here; data.eval: its text has changed`: the refusal said only "a
+    different recipe (or other --set values)", also to a user who had changed neither but edited a
+    text the recipe names, and left finding the difference to them. "" when it cannot be told."""
+    before = previous.get("recipe")
+    if not isinstance(before, dict):
+        return ""
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        return {k: v for key, value in d.items()
+                for k, v in (flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                             else [(f"{prefix}{key}", value)])}
+
+    then, now = flat(before), flat(recipe.to_dict())
+    texts = recipe.texts_by_key(digests)
+    recorded = previous.get("texts") if isinstance(previous.get("texts"), dict) else {}
+    said = []
+    for key in dict.fromkeys([*now, *then]):
+        if key in ("arms", "description", "tracker"):  # not part of the fingerprint
+            continue
+        if key in texts and key in recorded:  # by content, as the fingerprint takes it (a moved file is the same)
+            if recorded[key] != texts[key]:
+                said.append(f"{key}: its text has changed")
+        elif then.get(key, "unset") != now.get(key, "unset") and key not in texts:
+            said.append(f"{key} {json.dumps(then.get(key, 'unset'))} there, {json.dumps(now.get(key, 'unset'))} here")
+    if not said and not recorded and texts:  # a recipe.json from before the texts were recorded
+        return f"the same keys: a text it names has changed ({', '.join(texts)})"
+    return "; ".join(said[:most]) + (f"; and {len(said) - most} more" if len(said) > most else "")
 
 
 def _load_model(path: str, progress: bool):
@@ -286,6 +335,11 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
                             on_step=on_step)
 
 
+def _shown(progress: bool, accelerator) -> bool:
+    """Whether this process draws progress: the main one, as in every stage of a launched run."""
+    return progress and _is_main_process(accelerator)
+
+
 def _is_main_process(accelerator) -> bool:
     """Before an Accelerator exists, the rank a launcher (accelerate launch, torchrun) gave this process."""
     if accelerator is not None:
@@ -300,7 +354,11 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
-    _check_out(out, recipe.fingerprint(digests), arms, plot)
+    _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests)
+    if recipe.pretrain is not None:
+        _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
+                                                  digests[recipe.pretrain.text]))
+    _warn_if_not_held_out(recipe, arms, digests)
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
     for name, section in (("pretrain", recipe.pretrain),
@@ -325,35 +383,86 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
         check_before_loading([loaded[0].config], loaded[1], texts["eval"], **_eval_windows(recipe),
                              model_class=model_class)
         if "train" in texts:
-            windows = _train_windows(recipe, loaded[1], texts["train"])
+            windows = _train_windows(recipe, loaded[1], texts["train"], _shown(progress, accelerator))
             try:  # step 1's batch: a size that cannot be allocated fails here, not after the arms before it
                 windows.micro_batches(0, 0, 1, recipe.finetune.grad_accum)
             except NormswapError as e:
                 raise NormswapError(f"finetune: {e}") from None
             train_ids = windows.ids
-    else:
-        _check_before_pretraining(recipe, texts, digests)
+    pretraining = contextlib.ExitStack()  # the pretraining's cache entry, locked until it is trained
+    if recipe.pretrain is not None:
+        final = _check_before_pretraining(recipe, texts, digests, accelerator)
+        if final is not None and _is_main_process(accelerator):
+            # Another run pretraining this entry (two --out folders sharing a [pretrain] section) was
+            # found by ensure_pretrained, after OUT/recipe.json: the refused run left OUT behind, a
+            # run of nothing that a rerun with another recipe was then refused for. Taken here, before
+            # OUT is made; ensure_pretrained takes it again (re-entrant) and _run lets it go once
+            # the model is trained, not at the end of the arms.
+            final.parent.mkdir(parents=True, exist_ok=True)
+            pretraining.enter_context(target_lock(final.resolve()))
     # OUT and the folders above it that this run makes go again if it fails before writing there
-    with made_folders(out):
+    with pretraining, made_folders(out):
         return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
-                    accelerator=accelerator, plot=plot, on_step=on_step)
+                    accelerator=accelerator, plot=plot, on_step=on_step, pretraining=pretraining)
 
 
-def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str]) -> None:
+def _check_same_pretraining(out: Path, entry: Path) -> None:
+    """OUT's earlier arms (results.json's `model`) ran on the pretraining this run uses, `entry`, or
+    the run is refused. The fingerprint does not tell: pretrain.mixed_precision "auto" is keyed by
+    what it is on the machine (pretrain.cache_key), so an OUT made on a CPU and resumed on a GPU, or
+    made on a GPU before "auto" was keyed so, pretrained anew, and its new arms were reported beside
+    the earlier ones, each compared with another model's numbers. An OUT with no finished arm has
+    nothing to mix with."""
+    try:  # only a guard: a results.json that cannot be read is rewritten by the run, as before
+        recorded = jsonsafe.read(out / "results.json").get("model")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(recorded, str) and recorded and Path(recorded).name != entry.name:
+        n = option_labels(EXPERIMENT_OPTIONS)
+        raise NormswapError(f"{out} holds arms run on the pretrained model {recorded}, and this run's is "
+                            f"{entry.name} (pretrain.mixed_precision \"auto\" is keyed by what it is on the "
+                            f"machine): its arms would be reported beside them on other weights; remove {out} "
+                            f"or choose another {n['out']}")
+
+
+def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, str]) -> None:
+    """data.eval is the held-out text: the reports call its perplexity held-out, and the recovered
+    share compares arms by it. The very text a model trained on (pretrain.text; data.train when an
+    arm trains) scores how well it learnt that text, not what it does on text it has not seen: a
+    recipe that names it twice ran without a word. Said (by content: a copy under another name too),
+    and run: measuring the fit is a choice one may make."""
+    eval_digest = digests[recipe.data.eval]
+    trained_on = [key for key, path in (("pretrain.text", recipe.pretrain and recipe.pretrain.text),
+                                        ("data.train", any(parse_arm(a)[1] for a in arms) and recipe.data.train))
+                  if path and digests[path] == eval_digest]
+    if trained_on:
+        warnings.warn(f"data.eval is the same text as {' and '.join(trained_on)}: its perplexity is not held out "
+                      "(the reports call it so), it measures how well the models fit the text they trained on",
+                      stacklevel=2)
+
+
+def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: dict[str, str],
+                              accelerator) -> Path | None:
     """With [pretrain], the tokenizer is trained with the model, so what the texts' token counts
     decide (a held-out text shorter than a window, a training text shorter than a sequence) was
     found only after the pretraining, minutes to hours in. Found here instead where it is certain:
     the window options against each other and pretrain.context, the texts by the most tokens the
     tokenizer can make of them (pretrain.most_tokens). The counts between that bound and what the
-    windows need are still checked once the tokenizer exists (_run, as in every scoring)."""
+    windows need are still checked once the tokenizer exists (_run, as in every scoring). Returns
+    the cache entry the pretraining will train; None when it is trained already."""
     p = recipe.pretrain
     # Each text's bound counted once (an encode of the whole text; pretrain.text's shared with
     # data.train when they are one file): the checks below and the pretraining's share them.
     most = {key: most_tokens(text) for key, text in texts.items()}
-    if not (pretrain_dir(p, recipe.seed, recipe.name, digests[p.text]) / INFO_FILE).is_file():  # a cached one is not trained again
+    final = pretrain_dir(p, recipe.seed, recipe.name, digests[p.text])
+    pretraining = not (final / INFO_FILE).is_file()  # a cached one is not trained again
+    if pretraining:
         # Read once (a large text is seconds a read): _run hands it to the pretraining. The shipped
         # recipes pretrain on their data.train, which _read_texts has read when an arm trains.
         same = "train" in texts and Path(p.text) == Path(recipe.data.train)
+        # (the run's precision as make_accelerator will choose it, or a caller's accelerator's)
+        check_pretraining_precision(p, accelerator.mixed_precision if accelerator is not None
+                                    else resolve_mixed_precision(recipe.finetune.mixed_precision))
         texts["pretrain"] = texts["train"] if same else read_text(p.text)
         check_pretraining_texts(p, most["train"] if same else most_tokens(texts["pretrain"]), most["eval"])
     from normswap.evaluate import check_before_tokenizing
@@ -365,14 +474,15 @@ def _check_before_pretraining(recipe: Recipe, texts: dict[str, str], digests: di
             check_training_text(most["train"], recipe.finetune.seq_len, ONE_TOKEN_PER_BYTE)
         except NormswapError as e:
             raise NormswapError(f"data.train: {e}") from None
+    return final if pretraining else None
 
 
 def _check_fits(recipe: Recipe, model) -> None:
-    """finetune.seq_len within the model's context, read as the evaluation reads it (every
-    family's name for it: n_positions, n_ctx, seq_length, ..., not max_position_embeddings alone)."""
-    from normswap.evaluate import model_context_length
+    """finetune.seq_len within the model's context, read as the evaluation reads it
+    (normswap.inputs.context_length: every family's name for it, the text config's first)."""
+    from normswap.inputs import context_length
 
-    check_seq_len(recipe.finetune.seq_len, model_context_length(model))
+    check_seq_len(recipe.finetune.seq_len, context_length(getattr(model, "config", None)))
 
 
 def _eval_windows(recipe: Recipe) -> dict:
@@ -394,10 +504,12 @@ def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
     return texts
 
 
-def _train_windows(recipe: Recipe, tokenizer, text: str) -> RandomWindows:
+def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool) -> RandomWindows:
     ft = recipe.finetune
     try:
-        return RandomWindows(encode(tokenizer, text), ft.seq_len, ft.batch_size, recipe.seed)
+        with text_stage("tokenize data.train", text, progress):
+            ids = encode(tokenizer, text)
+        return RandomWindows(ids, ft.seq_len, ft.batch_size, recipe.seed)
     except NormswapError as e:
         raise NormswapError(f"data.train: {e}") from None
 
@@ -437,10 +549,11 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
 
 
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
-         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
+         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step,
+         pretraining: contextlib.ExitStack) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
     `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
-    `digests`, the recipe's text_digests()."""
+    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done)."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
@@ -456,9 +569,10 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             check_resumable(arm_dir / "state", accelerator.num_processes, arm)
     if accelerator.is_main_process:
         # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
+        # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
         write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
-                                                          "source": recipe.source, "recipe": recipe.to_dict()},
-                                                         indent=1))
+                                                          "source": recipe.source, "recipe": recipe.to_dict(),
+                                                          "texts": recipe.texts_by_key(digests)}, indent=1))
     accelerator.wait_for_everyone()
     if accelerator.trackers == [] and accelerator.log_with:
         accelerator.init_trackers(recipe.name)
@@ -472,6 +586,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                                                      texts["eval"], text=texts.pop("pretrain", None),
                                                      text_digest=digests[recipe.pretrain.text], stop=stop,
                                                      progress=progress)
+        pretraining.close()  # trained: another run may use the entry while this one's arms run
         model_path = str(model_dir)
         loaded = _load_model(model_path, progress)
         _check_fits(recipe, loaded[0])
@@ -481,12 +596,14 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
-    eval_ids = encode(tokenizer, texts["eval"])
+    shown = progress and accelerator.is_main_process
+    with text_stage("tokenize data.eval", texts["eval"], shown):
+        eval_ids = encode(tokenizer, texts["eval"])
     if train_ids is None and "train" in texts:
         # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
         # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
         # first arm that trains begins, after the arms before it have run.
-        train_ids = _train_windows(recipe, tokenizer, texts["train"]).ids
+        train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
 
     windows = _eval_windows(recipe)
     floor = None
@@ -532,7 +649,7 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
         else:
             batches = (RandomWindows(train_ids, ft.seq_len, ft.batch_size, recipe.seed) if train_ids is not None
-                       else _train_windows(recipe, tokenizer, texts["train"]))
+                       else _train_windows(recipe, tokenizer, texts["train"], shown))
             train_ids = batches.ids
             teacher = original if training == "distill" else None
             h = train(accelerator, model, ft, batches, arm_dir / "state",

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from normswap import jsonsafe
+from normswap._env import launched_main
 from normswap.errors import NormswapError, one_line
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
@@ -89,8 +90,9 @@ class StopFlag:
             again = "Ctrl-C" if signum == signal.SIGINT else "a second SIGTERM"
             # On a terminal the bar's line is open: end it first (elsewhere that was a blank line).
             line_break = "\n" if isatty(sys.stderr) else ""
-            print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to stop now)",
-                  file=sys.stderr)
+            if launched_main():  # the launcher signals every process: the notice came once per process
+                print(f"{line_break}normswap: stopping after this step or evaluation (checkpointing; {again} to "
+                      "stop now)", file=sys.stderr)
             self.signal = signum
             self.set()
 
@@ -101,6 +103,16 @@ class StopFlag:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+
+
+def resolve_mixed_precision(value: str) -> str:
+    """A recipe's mixed_precision as accelerate takes it: `auto` is bf16 on a GPU that has it,
+    fp16 on another GPU, else no."""
+    if value != "auto":
+        return value
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
 
 
 def lr_at(s: TrainSettings, step: int) -> float:
@@ -357,7 +369,10 @@ def _ranks_saved(found: Path) -> int | None:
     resume on 2 was refused as 'trained on 1 process, run it again on 1' and the run on 1 for the
     file it lacks; and a copy beside a file (random_states_0 copy.pkl, which the glob matched) made a
     sound one of 1 read as one of 2. Only the top rank's file lost is beyond what names can tell:
-    the count is then one short, as the checkpoint's files are."""
+    the count is then one short, as the checkpoint's files are. Nothing else says it: accelerate's
+    other files (model, optimizer: the main process's) and each RNG file's contents (its step, the
+    process's generators) hold no count, no scheduler or sampler is prepared, and OUT's records of
+    it (an arm's result.json, results.json's environment) are of finished arms and invocations."""
     ranks = [int(m[1]) for p in found.glob("random_states_*.pkl")
              if (m := re.fullmatch(r"random_states_([0-9]+)\.pkl", p.name))]
     return max(ranks) + 1 if ranks else None
