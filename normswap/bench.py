@@ -20,7 +20,6 @@ GPU speed: the result records the device, and the CLI labels CPU runs as such.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import platform
@@ -203,11 +202,10 @@ def _cache_argument(model) -> str:
     which still takes `past_key_values` but warns (a FutureWarning on stderr from every bench's
     decode rows) and drops it in 5.40; `past_key_values` before. A compiled model is asked about
     the module it wraps (its own forward takes *args, **kwargs)."""
-    forward = getattr(model, "_orig_mod", model).forward
-    try:
-        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-    except (TypeError, ValueError):  # a forward without a signature to read
-        return "past_key_values"
+    from normswap.inputs import forward_params
+
+    # a forward without a signature to read takes the name every version still takes
+    return "cache" if "cache" in forward_params(getattr(model, "_orig_mod", model).forward) else "past_key_values"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,8 +531,10 @@ def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/re
     def slug(s: str) -> str:
         return re.sub(r"[\W_]+", "-", s.lower()).strip("-") or "x"
 
-    named = Path(result.config.model).expanduser()
-    model = slug((named.resolve() if named.exists() else named).name.removesuffix(".gguf"))
+    # abspath, not resolve: '.' and '..' get their folder's name, but a link keeps the name it was
+    # given (a hub cache's model.gguf leads to blobs/<sha256>, which named the file after the hash)
+    name = Path(os.path.abspath(Path(result.config.model).expanduser())).name
+    model = slug(name[:-len(".gguf")] if name.lower().endswith(".gguf") else name)  # the loader's test
     device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
     return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
 

@@ -166,7 +166,9 @@ def _left_out(source_dir: Path, out_dir: Path, target: Path | None = None, outwa
                 skip.add(name)
             elif target is not None and p.resolve() == target:
                 skip.add(name)
-            elif _earlier_output(p):  # another run's result, not a part of the model
+            elif _earlier_output(p) and p.resolve().is_relative_to(roots[0]):
+                # another run's result, not a part of the model; one outside it that a link leads
+                # to is a folder outside the model like any other (carried as the link)
                 skip.add(name)
             elif p.is_dir():
                 if p.is_symlink() and any(r.is_relative_to(p.resolve()) for r in (*roots, *inside)):

@@ -154,8 +154,8 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
 
 
 def _remove_old_tree(old: Path, target: Path) -> None:
-    """The replaced tree goes; where it cannot (another user's folder in it), the user is told
-    where it is and how large a thing was left, never left to find a hidden model-sized copy."""
+    """The replaced tree goes; where it cannot (another user's folder in it), a warning names where
+    it is and why it stayed: a hidden model-sized copy is never left without a word."""
     if error := remove_tree(old):
         warnings.warn(f"{target} was replaced, but its old tree could not be removed: {one_line(error)}; "
                       f"remove {old} yourself", stacklevel=2)
@@ -375,7 +375,8 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
                 _kill_point("before-publish")
                 publish_dir(tmp, target, replace=replace, in_place=in_place)
             except OSError as e:
-                raise NormswapError(f"cannot write {target}: {_failed_file(e)}{e.strerror or one_line(e)}") from None
+                raise NormswapError(f"cannot write {target}: {_failed_file(e, tmp, target)}"
+                                    f"{e.strerror or one_line(e)}") from None
             finally:
                 _OUR_STAGING.discard(tmp)
                 remove_tree(tmp)
@@ -385,16 +386,19 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
 _WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
-def _failed_file(e: OSError) -> str:
+def _failed_file(e: OSError, staging: Path, target: Path) -> str:
     """The file an error of the staged block concerns, as 'FILE: ' ('' when it names none): it may be
     one the block read (a source file carried over), not the target. A copy's error names both
     (shutil: filename the source, filename2 the copy); a full disk's is the copy's, where naming the
     source said 'cannot write OUT: MODEL/tokenizer.json: No space left on device', as if the model's
-    folder were full."""
+    folder were full. A file in `staging` is named where it was to be published: the staging folder
+    is removed before the message is read, and its hidden name is no place the user knows."""
     if not (e.filename and e.strerror):
         return ""
-    named = e.filename2 if e.filename2 and e.errno in _WRITE_ERRORS else e.filename
-    return f"{os.fsdecode(named)}: "
+    named = Path(os.fsdecode(e.filename2 if e.filename2 and e.errno in _WRITE_ERRORS else e.filename))
+    if named.is_relative_to(staging):
+        named = target / named.relative_to(staging)
+    return f"{named}: "
 
 
 def _staging_prefix(target: Path) -> str:

@@ -159,7 +159,10 @@ def remove_tree(path: str | os.PathLike) -> OSError | None:
     while folders:
         folder = folders.pop()
         try:
-            mode = stat.S_IMODE(os.lstat(folder).st_mode)
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode):
+                continue  # `path` a link: scandir and chmod would act on the folders it leads to
+            mode = stat.S_IMODE(st.st_mode)
             if mode & stat.S_IRWXU != stat.S_IRWXU:
                 os.chmod(folder, mode | stat.S_IRWXU)
             with os.scandir(folder) as entries:

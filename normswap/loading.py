@@ -1653,7 +1653,9 @@ def _load(directory, impl, dtype, device, verify, progress):
     require_progress_fn(progress)
     source = resolve(directory, "directory", progress)
     if source.gguf_file:  # read_manifest(source.path) named the file's folder, or read a manifest beside it
-        raise NormswapError(f"{source.ref}: a .gguf file is not a normswap checkpoint (normswap writes folders: "
+        # named as given, or, where a folder was given (its one .gguf, no config.json), the file in it
+        named = source.ref if Path(source.ref).expanduser().is_file() else source.path / source.gguf_file
+        raise NormswapError(f"{named}: a .gguf file is not a normswap checkpoint (normswap writes folders: "
                             "load one that patch --out or convert --out wrote)")
     manifest = read_manifest(source.path)
     # before the weights: a patch that cannot run here (or an impl that cannot) is refused first

@@ -119,6 +119,33 @@ def test_the_default_results_file_is_named_after_the_models_own_folder(tmp_path,
     assert [p.name for p in (model / "benchmarks" / "results").iterdir()] == [f"bench-modèle-ü-cpu-{day}.json"]
 
 
+def test_the_default_results_file_keeps_the_name_a_link_was_given(tmp_path, monkeypatch):
+    """`normswap bench ~/.cache/huggingface/hub/models--o--m/snapshots/SHA/model.Q4.gguf` wrote
+    bench-<the blob's sha256>-cpu-DATE.json: the cache's .gguf is a link into blobs/, and the
+    name was taken from where it leads; a folder linked as `llama` was named after its target's
+    'run-17'. The name as given, '.' and '..' still their folder's; '.GGUF' loads as .gguf too."""
+    import time
+    from types import SimpleNamespace
+
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "3f9a8c2b").write_bytes(b"")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "model.Q4.gguf").symlink_to(tmp_path / "blobs" / "3f9a8c2b")
+    (tmp_path / "Other.GGUF").symlink_to(tmp_path / "blobs" / "3f9a8c2b")
+    (tmp_path / "runs" / "run-17").mkdir(parents=True)
+    (tmp_path / "llama").symlink_to(tmp_path / "runs" / "run-17")
+    monkeypatch.chdir(tmp_path / "runs" / "run-17")
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+
+    def named(model):
+        result = SimpleNamespace(config=SimpleNamespace(model=model), device={"type": "cpu", "name": "cpu"})
+        return bench.default_output(result).name.removesuffix(f"-cpu-{day}.json")
+
+    assert [named(str(tmp_path / "snap" / "model.Q4.gguf")), named("../../llama"), named(str(tmp_path / "Other.GGUF")),
+            named("."), named(".."), named("org/Some.Model")] == \
+        ["bench-model-q4", "bench-llama", "bench-other", "bench-run-17", "bench-runs", "bench-some-model"]
+
+
 def test_bad_input_is_one_line(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
     r = CliRunner().invoke(cli, ["bench", str(model), "--modes", "sprint"])

@@ -181,6 +181,17 @@ def test_an_earlier_output_inside_the_model_folder_is_not_carried(tmp_path, monk
     assert (out / "normswap.json").is_file() and (out / "2_Dense" / "config.json").is_file()
     assert not (out / "fast").exists(), sorted(_tree(out))
     assert [p for p in out.rglob("normswap.json") if p.parent != out] == [], sorted(_tree(out))
+    # A link to an earlier output is judged by where it leads: inside the model, left behind as
+    # the output itself; outside it, a folder outside the model, carried as the link (with the
+    # warning), as before the earlier-output rule
+    r = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "elsewhere")])
+    assert r.exit_code == 0, r.output
+    (src / "latest").symlink_to("fast")
+    (src / "shared").symlink_to(tmp_path / "elsewhere")
+    r = CliRunner().invoke(cli, [*args, "--out", "fast3"])
+    assert r.exit_code == 0, r.output
+    assert not os.path.lexists(src / "fast3" / "latest"), sorted(_tree(src / "fast3"))
+    assert os.readlink(src / "fast3" / "shared") == str(tmp_path / "elsewhere")
 
 
 def test_in_place_keeps_every_entry_but_the_stock_weights(tmp_path):

@@ -341,6 +341,28 @@ def test_a_read_only_old_tree_is_removed_after_the_swap():
         shutil.rmtree(base)
 
 
+def test_remove_tree_of_a_link_changes_nothing_it_leads_to(tmp_path):
+    """remove_tree(LINK) walked the folders the link leads to, after rmtree refused the link, and
+    gave them their owner's write bit: a user's read-only model (sub/ 0555) came back 0755. A
+    link is refused as rmtree refuses it, and nothing it leads to changes."""
+    import stat
+
+    from normswap.fileio import remove_tree
+
+    (tmp_path / "model" / "sub").mkdir(parents=True)
+    (tmp_path / "model" / "sub" / "w.bin").write_bytes(b"w")
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    for d in (tmp_path / "model" / "sub", tmp_path / "model"):
+        d.chmod(0o555)
+    try:
+        assert isinstance(remove_tree(tmp_path / "link"), OSError)
+        assert [oct(stat.S_IMODE(d.stat().st_mode)) for d in (tmp_path / "model", tmp_path / "model" / "sub")] \
+            == ["0o555", "0o555"] and (tmp_path / "model" / "sub" / "w.bin").read_bytes() == b"w"
+    finally:
+        for d in (tmp_path / "model", tmp_path / "model" / "sub"):
+            d.chmod(0o755)
+
+
 def test_an_old_tree_that_cannot_be_removed_is_said(tmp_path, monkeypatch):
     """Where the old tree cannot go even so (another user's folder inside it), a warning names
     where it is: a model-sized hidden folder is never left without a word."""

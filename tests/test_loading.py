@@ -512,6 +512,10 @@ def test_normswap_load_names_a_gguf_file_not_its_folder(tmp_path):
     with pytest.raises(NormswapError) as e:
         loading.load(gguf)
     assert str(e.value).startswith(says), str(e.value)
+    # the folder given, its one .gguf taken as the model: the file is named, not the folder as a .gguf
+    with pytest.raises(NormswapError) as e:
+        loading.load(gguf.parent)
+    assert str(e.value).startswith(says), str(e.value)
 
 
 def test_gguf_builds_and_loads_the_causal_lm(tmp_path):
