@@ -527,7 +527,8 @@ def _run_bench(cfg: BenchConfig, progress: ProgressFn | None) -> BenchResult:
 def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/results") -> Path:
     """benchmarks/results/bench-<model>-<device>-<date>.json, <model> the folder's own name (`bench .`
     inside it, where the name as typed has none, was 'bench-x-...'; letters of any script kept, where
-    'my model ü' was 'my-model'), a hub id's last part, a .gguf file's name without the suffix."""
+    'my model ü' was 'my-model'), a hub id's last part, a .gguf file's name without the suffix; with
+    -2, -3, ... before .json where that name is taken."""
     def slug(s: str) -> str:
         return re.sub(r"[\W_]+", "-", s.lower()).strip("-") or "x"
 
@@ -536,7 +537,14 @@ def default_output(result: BenchResult, root: str | os.PathLike = "benchmarks/re
     name = Path(os.path.abspath(Path(result.config.model).expanduser())).name
     model = slug(name[:-len(".gguf")] if name.lower().endswith(".gguf") else name)  # the loader's test
     device = slug(result.device["name"] if result.device["type"] == "cuda" else "cpu")
-    return Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}.json"
+    stem = Path(root) / f"bench-{model}-{device}-{time.strftime('%Y-%m-%d', time.gmtime())}"
+    # A second run the same day (other options, or a/model after b/model) takes the next free name:
+    # the default never replaces an earlier result; only an --out the user names does.
+    path, n = stem.with_name(stem.name + ".json"), 1
+    while os.path.lexists(path):
+        n += 1
+        path = stem.with_name(f"{stem.name}-{n}.json")
+    return path
 
 
 def check_result_target(path: str | os.PathLike) -> None:

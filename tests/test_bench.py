@@ -146,6 +146,28 @@ def test_the_default_results_file_keeps_the_name_a_link_was_given(tmp_path, monk
         ["bench-model-q4", "bench-llama", "bench-other", "bench-run-17", "bench-runs", "bench-some-model"]
 
 
+def test_the_default_results_file_never_replaces_an_earlier_result(tmp_path, monkeypatch):
+    """`normswap bench a/model`, then `normswap bench b/model` (or the same model again with other
+    options) the same day: the second run's default file had the first's name and replaced its
+    numbers without a word. The default takes the next free name; only a named --out replaces."""
+    import time
+
+    first, second = _config_only("llama", tmp_path / "a" / "model"), _config_only("gpt2", tmp_path / "b" / "model")
+    monkeypatch.chdir(tmp_path)
+    docs = []
+    for model in (first, second, first):
+        r = CliRunner().invoke(cli, ["bench", str(model), "--impls", "torch", "--modes", "prefill", "--seq", "4",
+                                     "--warmup", "0", "--repeats", "1", "--json"])
+        assert r.exit_code == 0, r.output
+        docs.append(json.loads(r.stdout))
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    stem = f"benchmarks/results/bench-model-cpu-{day}"
+    assert [d["saved_to"] for d in docs] == [f"{stem}.json", f"{stem}-2.json", f"{stem}-3.json"]
+    for doc in docs:  # each file still holds its own run
+        saved = Path(doc.pop("saved_to"))
+        assert json.loads(saved.read_text()) == doc
+
+
 def test_bad_input_is_one_line(tmp_path):
     model = _config_only("llama", tmp_path / "cfg")
     r = CliRunner().invoke(cli, ["bench", str(model), "--modes", "sprint"])
