@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from normswap import jsonsafe
+from normswap.choices import AT_MOST, MODES  # defined there: --help states them without importing torch
 from normswap.errors import NormswapError, named_twice, option_labels, using_option_names
 from normswap.progress import ProgressFn
 
-MODES = ("train", "prefill", "decode")
 FORMAT = "normswap-bench/1"
 
 
@@ -355,18 +355,7 @@ CHECKED_OPTIONS = ("impls", "modes", "batch", "seq", "warmup", "repeats", "compi
 BENCH_OPTIONS = (*CHECKED_OPTIONS, "fuse_residual")
 # Each count's smallest value (seq: the train step's loss needs a next token to predict).
 _AT_LEAST = (("batch", 1), ("seq", 2), ("repeats", 1), ("warmup", 0))
-# The largest of the counts that only multiply time, each with why more buys nothing: a typo
-# (--repeats 1000000000) would otherwise time one row for years, every row after it waiting. batch
-# and seq need no cap: seq is held to the model's context (_check_context), and a batch past the
-# memory fails its allocation at once.
-AT_MOST = {
-    # the median's standard error shrinks as 1/sqrt(repeats): at 10,000 it is 1% of the calls'
-    # spread, below what runs on one machine agree to; that many 1 s train steps is ~3 hours a row
-    "repeats": 10_000,
-    # warm-up settles compilation, autotuning, allocator and caches in a handful of calls (default
-    # 3); a thousand is far past that (a cuda-graph decode row captures after 3 calls of its own)
-    "warmup": 1_000,
-}
+# The largest, AT_MOST, with why each is enough: normswap.choices.
 
 
 def check_config(cfg: BenchConfig) -> None:

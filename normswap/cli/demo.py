@@ -26,10 +26,10 @@ def demo(impl: str, max_tokens: int, as_json: bool) -> None:
     """Scan, patch (--impl triton) and perplexity-diff the embedded SmolLM2-135M."""
     from normswap import api
     from normswap import scan as scanning
+    from normswap.choices import DEFAULT_MODEL
     from normswap.cli.patch import render as render_patch
     from normswap.cli.scan import render as render_scan
     from normswap.cli.scan import warn_unknown
-    from normswap.loading import DEFAULT_MODEL
 
     # Before the scan: a --max-tokens the library refuses is one line naming the flag as typed.
     evaluation = api.demo_evaluation(max_tokens, option_names=OPTION_NAMES)

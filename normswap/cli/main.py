@@ -129,10 +129,22 @@ def _warning_line(message) -> None:
         pass
 
 
+class NormswapCommand(click.Command):
+    """Every command (the group's command_class). Transformers is quieted as the command starts,
+    not as the group finds it: there it was imported (and torch under it, 1-2 s) before click had
+    read the command's arguments, so `COMMAND --help` and a mistyped option took as long."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        quiet_transformers()
+        return super().invoke(ctx)
+
+
 class NormswapGroup(click.Group):
     """Turns every NormswapError (and any OSError: a permission, a full disk, an unreadable file)
     into one line on stderr and exit code 2, Ctrl-C into one line and 130; anything else is an
     internal error, one line and exit 1 (NORMSWAP_DEBUG=1 shows the traceback)."""
+
+    command_class = NormswapCommand
 
     def main(self, args=None, prog_name=None, **extra) -> Any:
         # click's standalone mode would answer Ctrl-C with a blank line + "Aborted!" and exit 1,
@@ -163,7 +175,6 @@ class NormswapGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            quiet_transformers()
             with warnings.catch_warnings():
                 warnings.showwarning = one_line_warnings(warnings.showwarning)
                 return super().invoke(ctx)

@@ -6,8 +6,8 @@ import sys
 
 import click
 
+from normswap.choices import DEFAULT_MODEL
 from normswap.cli.main import OldSpellings, ProgressBars, cli, emit, json_option, model_epilog, report_console
-from normswap.loading import DEFAULT_MODEL
 
 
 @cli.command(epilog=model_epilog())
