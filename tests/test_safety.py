@@ -737,6 +737,42 @@ def test_case9_a_sigint_ignored_by_the_parent_stays_ignored(src, module):
     assert json.loads(p.stdout)["model"] == str(src)
 
 
+# Ctrl-C that lands in a __del__ while the command's first imports run (regex's Group.__del__ runs
+# many times under transformers' import): the driver's finder makes and drops such an object when
+# transformers is first imported, and the object interrupts the process from its __del__.
+_SIGINT_IN_A_DEL = """
+import os, signal, sys
+class Dropped:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between bytecodes: here, inside __del__
+            pass
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers":
+            sys.meta_path.remove(self)
+            Dropped()
+        return None
+sys.meta_path.insert(0, Interrupt())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+def test_case9_ctrl_c_in_a_del_during_the_first_imports_is_not_lost(src):
+    """Raised there, Python ignored the KeyboardInterrupt ('Exception ignored in: <function
+    Group.__del__ ...>' and its traceback) and the command ran on to exit 0: seen in 1 of 30
+    SIGINTs at random instants to `normswap scan smollm2-135m` at load 7, once the imports of
+    torch and transformers had moved from start-up into the command (so that --help needs
+    neither). They run with the signals ending the process at once, as at start-up."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGINT_IN_A_DEL, "scan", str(src), "--json", "--no-readers"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
+
+
 # A signal later than every atexit handler: sent while the interpreter tears its modules down
 # (a global of __main__ freed), after Python has switched its signal handling off.
 _SIGNAL_IN_TEARDOWN = """

@@ -18,19 +18,7 @@ import _signal as signal
 import os
 import sys
 
-from normswap.cli.signals import Terminated, interruption, raise_interrupt
-
-
-def _exit_now(line: str, code: int) -> None:
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def _interrupted(signum=signal.SIGINT, _frame=None) -> None:
-    _exit_now(*interruption(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()))
+from normswap.cli.signals import end_at_once, exit_now, interruption, raise_interrupt
 
 
 def _handle(signals, handler) -> None:
@@ -63,7 +51,7 @@ def main() -> None:
     # shell script's background job ('normswap ... &') ignores SIGINT so that a Ctrl-C meant for the
     # script's foreground command does not end it; set here unconditionally, it did end it.
     ours = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
-    _handle(ours, _interrupted)
+    _handle(ours, end_at_once)
     _reopen_closed_std_streams()
     try:
         from normswap.cli.main import run
@@ -74,7 +62,7 @@ def main() -> None:
         _handle(ours, raise_interrupt)
         run()
     except KeyboardInterrupt as e:
-        _exit_now(*interruption(e))
+        exit_now(*interruption(e))
     except SystemExit:
         # Done: what is left is the interpreter's shutdown. The output is flushed first, since an
         # interrupt from here on ends the process without Python's own flush.
@@ -86,7 +74,7 @@ def main() -> None:
         # its own flush of stdout and stderr); a signal later than that takes the default action,
         # with no line: acceptable, since the run has finished by then (every write published,
         # every lock released, the output flushed) and the shell still reports 130 or 143.
-        _handle(ours, _interrupted)
+        _handle(ours, end_at_once)
         raise
 
 

@@ -16,7 +16,7 @@ import click
 
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap._env import launched_main
-from normswap.cli.signals import interruption, received_interrupt
+from normswap.cli.signals import EndingAtOnce, interruption, received_interrupt
 from normswap.errors import NormswapError
 from normswap.jsonsafe import finite_or_null
 from normswap.progress import ProgressBars  # noqa: F401  (every command draws the library's progress with it)
@@ -130,12 +130,18 @@ def _warning_line(message) -> None:
 
 
 class NormswapCommand(click.Command):
-    """Every command (the group's command_class). Transformers is quieted as the command starts,
-    not as the group finds it: there it was imported (and torch under it, 1-2 s) before click had
-    read the command's arguments, so `COMMAND --help` and a mistyped option took as long."""
+    """Every command (the group's command_class). torch and transformers are imported as the
+    command starts, not as the group finds it: there they were imported before click had read
+    the command's arguments, so `COMMAND --help` and a mistyped option took 1.5-2 s."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        quiet_transformers()
+        # Every command's library call imports both (1-2 s idle, 4 s under load): here, before the
+        # command has done anything, so that an interrupt in them ends the run at once, as one
+        # during start-up does (signals.EndingAtOnce says why a raised one could be lost).
+        with EndingAtOnce():
+            import torch  # noqa: F401
+
+            quiet_transformers()
         return super().invoke(ctx)
 
 

@@ -4,7 +4,9 @@ imports of normswap), read by the entry point before anything heavy is imported 
 # _signal, the built-in module under signal.py: read before the entry point can answer Ctrl-C, and
 # signal.py is not loaded at start-up (it brings enum and functools): an interrupt in its import
 # was a traceback. Its numbers and handlers are the same, as plain ints.
-from _signal import SIGTERM
+import os
+import sys
+from _signal import SIGINT, SIGTERM, getsignal, signal
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -42,3 +44,36 @@ def raise_interrupt(signum: int, _frame=None) -> None:
 def received_interrupt() -> KeyboardInterrupt | None:
     """The first interrupt raise_interrupt raised in this process, None when none came."""
     return _RECEIVED[0] if _RECEIVED else None
+
+
+def exit_now(line: str, code: int) -> None:
+    """Say `line` and end the process at once with `code`: for a moment where nothing needs
+    cleaning up (nothing written yet, or everything already done)."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def end_at_once(signum: int, _frame=None) -> None:
+    """The handler for SIGINT and SIGTERM while nothing needs cleaning up: one line, and the exit."""
+    exit_now(*interruption(Terminated() if signum == SIGTERM else KeyboardInterrupt()))
+
+
+class EndingAtOnce:
+    """`with EndingAtOnce():` the signals answered by raise_interrupt end the process at once
+    (end_at_once) for the block, then are raised again. For imports before a command has done
+    anything: raised there, an interrupt may land in a __del__ (regex's, under transformers'
+    import), where Python prints 'Exception ignored ... KeyboardInterrupt' and goes on, so the
+    run carried on to exit 0 as if Ctrl-C had not been pressed. (No contextlib: this module is
+    read before the entry point answers signals, and contextlib is not loaded by then.)"""
+
+    def __enter__(self) -> None:
+        self._ours = [s for s in (SIGINT, SIGTERM) if getsignal(s) is raise_interrupt]
+        for s in self._ours:
+            signal(s, end_at_once)
+
+    def __exit__(self, *_exc) -> None:
+        for s in self._ours:
+            signal(s, raise_interrupt)
