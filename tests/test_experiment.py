@@ -451,6 +451,33 @@ def test_every_arm_runs_and_reports(every_arm):
     assert not any((out / "arms" / a / "state").exists() for a in ALL_ARMS)
 
 
+def test_the_command_ends_its_process_and_keeps_the_tracker_file(every_arm, cache, tmp_path):
+    """`normswap experiment` ends the process itself after the report, without Python's teardown
+    of every module (cli._exit_without_teardown): TensorBoard's event file still holds every scalar
+    (accelerate's end_training closed it before), the results are written, no lock file is left."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_startup import marked_env
+
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN, arms=["original", "original+ft"])  # pretrained: cached
+    env = {**marked_env(tmp_path), "NORMSWAP_CACHE": str(cache)}
+    p = subprocess.run([sys.executable, "-m", "normswap", "experiment", str(path), "--out", str(tmp_path / "out"),
+                        "--no-progress", "--json"], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["files"]["results.json"]
+    # start-up's atexit handler ran, the teardown did not (the process was ended before it)
+    assert "atexit: registered at start-up" in p.stderr.splitlines() and "teardown ran" not in p.stderr
+    [events] = (tmp_path / "out" / "logs").rglob("events.out.tfevents*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    steps = {tag: [e.step for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    assert steps["original+ft/train/loss"] == steps["original+ft/train/lr"] == [1, 2, 3, 4]
+    for metric in ("ppl", "nll", "kl_mean", "kl_max", "top1_agreement"):
+        assert steps[f"original+ft/eval/{metric}"] == [0, 2, 4]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(results["arms"]["original+ft"]["losses"]) == 4
+    assert [f for f in [*tmp_path.rglob("*"), *cache.rglob("*")] if "lock" in f.name] == []
+
+
 def test_a_report_file_that_is_a_link_is_written_through_it(every_arm, tmp_path):
     """The reports were renamed into place by hand (a fixed temporary name each), which replaced a
     link in OUT (summary.md linked into a notes folder, curves.png into a web folder) with a regular

@@ -774,7 +774,9 @@ def test_case9_ctrl_c_in_a_del_during_the_first_imports_is_not_lost(src):
 
 
 # A signal later than every atexit handler: sent while the interpreter tears its modules down
-# (a global of __main__ freed), after Python has switched its signal handling off.
+# (a global of __main__ freed), after Python has switched its signal handling off. Only where
+# main() is not the program (here: called from a function) does the interpreter tear down after
+# it; as the program it ends the process first (cli._exit_without_teardown, tests/test_startup.py).
 _SIGNAL_IN_TEARDOWN = """
 import os, signal, sys
 from normswap.cli import main
@@ -783,7 +785,9 @@ class Late:
         kill(pid, sig)
 late = Late()
 sys.argv = ["normswap", *sys.argv[2:]]
-main()
+def run():
+    main()
+run()
 """
 
 

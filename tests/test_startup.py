@@ -1,18 +1,24 @@
-"""How long a command takes when its work is small: `--help`, a mistyped option and a missing
-argument are answered before anything heavy is imported.
+"""How long a command takes to start and to end when its work is small.
 
-Each case runs the console script's own code, `from normswap.cli import main; main()`, in a fresh
-interpreter and asks which heavy packages it imported: torch alone is 1-2 s of import (4-6 s on a
-loaded machine), where the help itself takes 70 ms."""
+Start-up: `--help`, a mistyped option and a missing argument are answered before anything heavy
+is imported. Each case runs the console script's own code, `from normswap.cli import main;
+main()`, in a fresh interpreter and asks which heavy packages it imported: torch alone is 1-2 s of
+import (4-6 s on a loaded machine), where the help itself takes 70 ms.
+
+Exit: a finished run ends without the interpreter's teardown of every module (0.8 s idle, 4-6 s
+under load, after the report), and loses nothing to it: every atexit handler, the threads still
+running, the C library's buffered output (normswap.cli._exit_without_teardown)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny
 
 from normswap.cli import cli
 
@@ -83,3 +89,116 @@ def test_the_driver_sees_a_heavy_import():
     p, heavy = _run("scan", "/no/such/model")
     assert p.returncode == 2, p.stderr[-3000:]
     assert "transformers" in heavy and "torch" in heavy
+
+
+# ---- the exit ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("startup") / "llama"
+    save_tiny("llama", d)
+    return d
+
+
+# What a finished run must not lose: an atexit handler registered before main() (as coverage's is,
+# from a .pth file) and one a library registers during the command; a non-daemon thread that is
+# still working when the command has returned (it waits for the main thread to stop, as Python's
+# shutdown marks it, then writes a file); output buffered on a piped stdout by Python and by the C
+# library (from atexit handlers: after the report). And a
+# global's __del__, which only the interpreter's teardown runs: it must not run, or the run took
+# the slow way out. The library's hooks go in as transformers is first imported (in the command).
+_FINISHED_RUN = """
+import atexit, os, sys, threading, time
+OUT = sys.argv[1]
+atexit.register(os.write, 2, b"atexit: registered before main\\n")
+class Global:
+    def __del__(self, write=os.write):
+        write(2, b"teardown ran\\n")
+marker = Global()
+def late_writer():
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    time.sleep(0.3)
+    with open(os.path.join(OUT, "thread.txt"), "w") as f:
+        f.write("written after the command returned")
+class During:
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers":
+            sys.meta_path.remove(self)
+            import ctypes
+            atexit.register(os.write, 2, b"atexit: registered during the command\\n")
+            atexit.register(ctypes.CDLL(None).printf, b"printed by C after the report\\n")
+            atexit.register(lambda: sys.stdout.write("written to sys.stdout after the report\\n"))
+            threading.Thread(target=late_writer).start()
+        return None
+sys.meta_path.insert(0, During())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[2:]]
+main()
+"""
+
+
+def test_a_finished_run_ends_without_the_teardown_and_loses_nothing(tiny, tmp_path):
+    """The interpreter's teardown after `normswap scan smollm2-135m` took 0.8 s idle and 4-6 s
+    under load between the report and the shell's prompt (mostly the garbage collector walking
+    torch's and transformers' objects). The run now ends after Python's own steps up to it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONUNBUFFERED", None)  # set, it leaves C's stdout unbuffered: nothing there to flush
+    p = subprocess.run([sys.executable, "-c", _FINISHED_RUN, str(tmp_path), "scan", str(tiny), "--json",
+                        "--no-readers"], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report, end = json.JSONDecoder().raw_decode(p.stdout)
+    assert report["model"] == str(tiny)
+    # what Python's last flush and exit(3)'s would have flushed, in their order
+    assert p.stdout[end:].split("\n") == ["", "written to sys.stdout after the report", "printed by C after the report", ""]
+    assert p.stderr.splitlines() == ["atexit: registered during the command", "atexit: registered before main"]
+    assert (tmp_path / "thread.txt").read_text() == "written after the command returned"
+
+
+def test_an_error_keeps_its_exit_code(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _FINISHED_RUN, str(tmp_path), "scan", str(tmp_path / "none")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = p.stderr.splitlines()
+    assert lines[0].startswith("normswap: error: ") and "teardown ran" not in lines, lines
+    assert (tmp_path / "thread.txt").is_file()
+
+
+# Put on PYTHONPATH, Python imports it at start-up, before the program: an atexit handler registered
+# before normswap's code, and a global whose __del__ says whether the teardown ran.
+_SITECUSTOMIZE = """
+import atexit, os
+atexit.register(os.write, 2, b"atexit: registered at start-up\\n")
+class Global:
+    def __del__(self, write=os.write):
+        write(2, b"teardown ran\\n")
+marker = Global()
+"""
+
+
+def marked_env(tmp_path: Path) -> dict:
+    """An environment whose Python says on stderr that its start-up's atexit handler ran and, if
+    it did, that its teardown ran."""
+    d = tmp_path / "site"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(d)]))
+
+
+def test_python_m_normswap_ends_without_the_teardown(tiny, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "normswap", "scan", str(tiny), "--json", "--no-readers"],
+                       env=marked_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["model"] == str(tiny)
+    assert p.stderr.splitlines() == ["atexit: registered at start-up"]
+
+
+def test_under_a_profiler_main_returns_to_it(tmp_path):
+    """main() ends the process only as the program: cProfile prints its statistics after main()
+    raises SystemExit, and a run that ended the process there would lose them."""
+    p = subprocess.run([sys.executable, "-m", "cProfile", "-m", "normswap", "--version"],
+                       env=marked_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("normswap, version") and "function calls" in p.stdout
+    assert p.stderr.splitlines() == ["atexit: registered at start-up", "teardown ran"]
