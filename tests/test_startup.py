@@ -202,3 +202,29 @@ def test_under_a_profiler_main_returns_to_it(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith("normswap, version") and "function calls" in p.stdout
     assert p.stderr.splitlines() == ["atexit: registered at start-up", "teardown ran"]
+
+
+# A script that runs several commands in turn, calling main() at its top level and catching the
+# SystemExit that ends each: the script is the program, and goes on after each command.
+_COMMANDS_IN_TURN = """
+import sys
+from normswap.cli import main
+for args in (["--version"], ["scan", sys.argv[1]]):
+    sys.argv = ["normswap", *args]
+    try:
+        main()
+    except SystemExit as e:
+        print("exited", e.code, flush=True)
+print("every command ran")
+"""
+
+
+def test_a_script_that_catches_the_exit_goes_on(tmp_path):
+    """main() called inside a try block at a script's top level ended the whole process after the
+    first command (`--version`), exit 0, the script's later commands and lines never run: the
+    call was taken for the program's last."""
+    p = subprocess.run([sys.executable, "-c", _COMMANDS_IN_TURN, str(tmp_path / "none")],
+                       env=marked_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines()[1:] == ["exited 0", "exited 2", "every command ran"], p.stdout
+    assert p.stderr.splitlines()[0].startswith("normswap: error: "), p.stderr

@@ -89,8 +89,11 @@ def _is_the_program(caller) -> bool:
     the console script, of `python -m normswap` (under runpy's frames) or of `python -c`, so that
     nothing but the interpreter's exit runs after it. Not so under a profiler (`python -m cProfile
     -m normswap`, whose statistics are printed after main() returns), a debugger, or a program or
-    test that calls main() from a function."""
-    if caller.f_code.co_name != "<module>":
+    test that calls main() from a function. Nor where the call may be inside a try or with block
+    of the caller's: `try: main() except SystemExit: ...` at a script's top level (one that runs
+    several commands in turn) goes on after main(), and ending the process there ended the script
+    after its first command, silently and with exit 0."""
+    if caller.f_code.co_name != "<module>" or _has_a_handler(caller.f_code):
         return False
     frame = caller.f_back
     while frame is not None:
@@ -98,6 +101,18 @@ def _is_the_program(caller) -> bool:
             return False
         frame = frame.f_back
     return True
+
+
+def _has_a_handler(code) -> bool:
+    """Whether `code` has a try or with block anywhere (then the call to main() may be inside one:
+    not the program, for the slow exit rather than a lost script). Python 3.11+ lists them in the
+    code's exception table, 3.10 opens each with a SETUP_ instruction."""
+    table = getattr(code, "co_exceptiontable", None)
+    if table is not None:
+        return bool(table)
+    import dis
+
+    return any(i.opname.startswith("SETUP_") for i in dis.get_instructions(code))
 
 
 def _exit_without_teardown(code) -> None:
