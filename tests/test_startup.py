@@ -228,3 +228,43 @@ def test_a_script_that_catches_the_exit_goes_on(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.splitlines()[1:] == ["exited 0", "exited 2", "every command ran"], p.stdout
     assert p.stderr.splitlines()[0].startswith("normswap: error: "), p.stderr
+
+
+# An atexit handler that leaves stdout closed, or writes to it after the report: Python's final
+# flush passes over a closed stream, and says why a failing one failed (exit 120).
+_LAST_WRITE = """
+import atexit, sys
+from normswap.cli import main
+atexit.register({handler})
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+def _last_write(handler: str, stdout, env: dict, *args: str) -> subprocess.CompletedProcess:
+    env = dict(env)
+    env.pop("PYTHONUNBUFFERED", None)  # set, stdout holds nothing for the final flush
+    return subprocess.run([sys.executable, "-c", _LAST_WRITE.format(handler=handler), *args],
+                          env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300)
+
+
+def test_a_stdout_closed_by_an_atexit_handler_is_no_failed_flush(tmp_path):
+    """Flushing the closed stdout raised ValueError, taken for a failed final flush: exit 120
+    where Python's shutdown, which passes over a closed or None stream, exits 0."""
+    env = marked_env(tmp_path)
+    for handler in ("lambda: sys.stdout.close()", "lambda: setattr(sys, 'stdout', None)"):
+        p = _last_write(handler, subprocess.PIPE, env, "--version")
+        assert (p.returncode, p.stdout) == (0, "normswap, version 0.1.0\n"), (handler, p.stderr[-3000:])
+        assert "teardown ran" not in p.stderr
+
+
+def test_a_final_flush_that_fails_is_said_as_python_says_it(tmp_path):
+    """Written after the report to a full disk, stdout's final flush failed: exit 120 as Python,
+    but nothing said, where Python names the stream and the error."""
+    with open("/dev/full", "w") as full:
+        p = _last_write("lambda: sys.stdout.write('after the report')", full, marked_env(tmp_path),
+                        "scan", str(tmp_path / "none"))
+    assert p.returncode == 120, p.stderr[-3000:]
+    assert p.stderr.splitlines()[1:] == ["atexit: registered at start-up",  # Python's order: handlers, then flush
+                                         "Exception ignored in: <_io.TextIOWrapper name='<stdout>' mode='w' "
+                                         "encoding='utf-8'>", "OSError: [Errno 28] No space left on device"], p.stderr

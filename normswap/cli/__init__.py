@@ -143,10 +143,16 @@ def _exit_without_teardown(code) -> None:
     run_atexit()
     status = code or 0
     for stream in (sys.stdout, sys.stderr):
+        # As Python's own final flush: a stream set to None or closed (by an atexit handler, a
+        # library) is passed over, not a failed flush (exit 120 where Python exits 0).
+        if stream is None or getattr(stream, "closed", False):
+            continue
         try:
             stream.flush()
-        except (OSError, ValueError, AttributeError):
+        except Exception as e:
             status = 120  # what Python exits with when its own final flush fails
+            if stream is sys.stdout:  # and says why (for stderr it cannot)
+                _say_ignored(e, stream)
     ctypes = sys.modules.get("ctypes")  # not imported: no C library's output to flush
     if ctypes is not None:
         try:
@@ -154,6 +160,19 @@ def _exit_without_teardown(code) -> None:
         except (OSError, AttributeError):  # no C library by that name (Windows)
             return
     os._exit(status)
+
+
+def _say_ignored(error: BaseException, stream) -> None:
+    """What Python writes to stderr when its final flush of stdout fails (its unraisable hook's
+    'Exception ignored in: ...' and the error), for a failure it would have said."""
+    import traceback
+
+    try:
+        sys.stderr.write(f"Exception ignored in: {stream!r}\n")
+        sys.stderr.writelines(traceback.format_exception_only(error))
+        sys.stderr.flush()
+    except Exception:  # stderr gone too: nothing left to say it on
+        pass
 
 
 def _register_commands() -> None:
