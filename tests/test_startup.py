@@ -268,3 +268,24 @@ def test_a_final_flush_that_fails_is_said_as_python_says_it(tmp_path):
     assert p.stderr.splitlines()[1:] == ["atexit: registered at start-up",  # Python's order: handlers, then flush
                                          "Exception ignored in: <_io.TextIOWrapper name='<stdout>' mode='w' "
                                          "encoding='utf-8'>", "OSError: [Errno 28] No space left on device"], p.stderr
+
+
+# ctypes as on Windows, where LoadLibrary takes a name and CDLL(None) raises TypeError.
+_NO_C_LIBRARY_BY_NONE = """
+import ctypes, sys
+def CDLL(name, *args, **kwargs):
+    raise TypeError("LoadLibrary() argument 1 must be str, not None")
+ctypes.CDLL = CDLL
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+def test_without_a_c_library_to_flush_python_ends_the_run(tmp_path):
+    """Where the C library cannot be named (Windows: TypeError from CDLL(None)), every finished
+    run ended in a traceback and exit 1 after its report; Python's own shutdown ends it instead."""
+    p = subprocess.run([sys.executable, "-c", _NO_C_LIBRARY_BY_NONE, "--version"], env=marked_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert (p.returncode, p.stdout) == (0, "normswap, version 0.1.0\n"), p.stderr[-3000:]
+    assert p.stderr.splitlines() == ["atexit: registered at start-up", "teardown ran"], p.stderr

@@ -157,7 +157,7 @@ def _exit_without_teardown(code) -> None:
     if ctypes is not None:
         try:
             ctypes.CDLL(None).fflush(None)
-        except (OSError, AttributeError):  # no C library by that name (Windows)
+        except (OSError, AttributeError, TypeError):  # none by that name: Windows' LoadLibrary takes no None (TypeError)
             return
     os._exit(status)
 
