@@ -20,7 +20,13 @@ import _signal as signal
 import os
 import sys
 
-from normswap.cli.signals import end_at_once, exit_now, interruption, raise_interrupt
+from normswap.cli.signals import (
+    end_at_once,
+    exit_now,
+    interruption,
+    raise_interrupt,
+    resending_lost_interrupts,
+)
 
 
 def _handle(signals, handler) -> None:
@@ -63,6 +69,7 @@ def main() -> None:
         # The command: raised where the program is, so that its clean-ups run (a staging folder,
         # a lock file, the folders made for --out)
         _handle(ours, raise_interrupt)
+        sys.unraisablehook = resending_lost_interrupts(sys.unraisablehook)
         run()
     except KeyboardInterrupt as e:
         exit_now(*interruption(e))

@@ -41,6 +41,28 @@ def raise_interrupt(signum: int, _frame=None) -> None:
     raise error
 
 
+def resending_lost_interrupts(previous):
+    """A sys.unraisablehook for the command line, around `previous`: an interrupt raise_interrupt
+    raised where Python cannot pass an exception on (a __del__, a weakref callback: regex's
+    Group.__del__ runs often under transformers' lazy imports) is not printed as 'Exception
+    ignored in ...' with a traceback, after which the run went on as if Ctrl-C had not been
+    pressed: the signal is sent again 50 ms later, when the program is elsewhere (if it is in such
+    a place again, this repeats). Anything else goes to `previous`."""
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, KeyboardInterrupt) and any(error is e for e in _RECEIVED):
+            import threading  # loaded by then (torch imports it): not before the entry point answers
+
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), SIGTERM if isinstance(error, Terminated) else SIGINT))
+            timer.daemon = True  # the run may end first: nothing then to interrupt
+            timer.start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def received_interrupt() -> KeyboardInterrupt | None:
     """The first interrupt raise_interrupt raised in this process, None when none came."""
     return _RECEIVED[0] if _RECEIVED else None
