@@ -786,6 +786,40 @@ def test_case9_ctrl_c_in_a_del_during_the_command_is_not_lost(src):
     assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
 
 
+# Ctrl-C during the command's first imports that a package swallows on the way (as torch turns a
+# failed NumPy initialisation into a warning and goes on): the driver's finder interrupts the
+# process while torch is first imported, inside a handler that drops whatever is raised there.
+_SIGINT_SWALLOWED = """
+import os, signal, sys
+class Swallow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):  # the handler runs between bytecodes: here, inside the try
+                    pass
+            except BaseException:
+                pass
+        return None
+sys.meta_path.insert(0, Swallow())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+def test_case9_ctrl_c_swallowed_during_the_first_imports_is_not_lost(src):
+    """The first imports run with the signals ending the process at once (signals.EndingAtOnce):
+    raised there, an interrupt a package catches and drops was lost, and the scan ran on to exit 0
+    (the resending unraisable hook sees only those lost in a __del__)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _SIGINT_SWALLOWED, "scan", str(src), "--json", "--no-readers"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr[-3000:])
+    assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
+
+
 # A signal later than every atexit handler: sent while the interpreter tears its modules down
 # (a global of __main__ freed), after Python has switched its signal handling off. Only where
 # main() is not the program (here: called from a function) does the interpreter tear down after
