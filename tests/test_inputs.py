@@ -287,8 +287,71 @@ def test_convert_verification_of_a_model_without_logits_covers_its_pooler(tmp_pa
     out = tmp_path / "vit-rms"
     result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
     assert result.exit_code == 2, result.output
-    assert "the converted model's last_hidden_state, pooler_output differ by" in result.stderr, result.output
+    assert "the converted model's pooler_output differs by" in result.stderr, result.output
     assert not out.exists()
+
+
+def _loud_vit(tmp_path):
+    """A ViTModel whose final norm's weight is ~100: its last hidden state reaches hundreds, its
+    pooler output (a tanh, its dense layer scaled down so that it does not saturate) stays below 1."""
+    model = _vit(device="cpu")
+    randomize_norms_and_biases(model, 0)
+    with torch.no_grad():
+        model.layernorm.weight.mul_(100)
+        model.pooler.dense.weight.div_(100)
+    model.save_pretrained(tmp_path / "vit")
+    return str(tmp_path / "vit")
+
+
+def test_convert_verification_judges_each_output_on_its_own_scale(tmp_path, monkeypatch):
+    """A conversion whose pooler bias moved by 0.005 passed: the pooler's error (~0.005 of its
+    own magnitude, 50x the fp32 tolerance) was measured against the last hidden state's scale
+    (hundreds). Each output is now held to the tolerance of its own largest magnitude: refused,
+    naming the pooler; the report gives each output's error."""
+    from safetensors.torch import load_file, save_file
+
+    from normswap import convert_dir
+
+    real = convert_dir.convert_directory
+    shift = {"by": 0.0}
+
+    def moves_the_pooler(source, out, *args, **kwargs):
+        section = real(source, out, *args, **kwargs)
+        tensors = load_file(out / "model.safetensors")
+        tensors["pooler.dense.bias"] = tensors["pooler.dense.bias"] + shift["by"]
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return section
+
+    monkeypatch.setattr(convert_dir, "convert_directory", moves_the_pooler)
+    path = _loud_vit(tmp_path)
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "ok"), "--json"])
+    assert result.exit_code == 0, result.output
+    v = json.loads(result.stdout)["verification"]
+    assert set(v["outputs"]) == {"last_hidden_state", "pooler_output"}
+    assert v["max_rel_logit_error"] == max(o["max_rel_error"] for o in v["outputs"].values()) <= v["tolerance"]
+    shift["by"] = 0.005
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "the converted model's pooler_output differs by" in result.stderr, result.output
+    assert "of its own largest magnitude" in result.stderr and not out.exists()
+
+
+def test_patch_compares_every_output_of_a_model_without_logits(tmp_path):
+    """patch compared a ViTModel's last_hidden_state alone, while convert compared its pooler
+    output too: both now compare (and name) the same outputs, each on its own scale, through
+    verify.named_outputs and verify.compare_outputs."""
+    path = _loud_vit(tmp_path)
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.stdout)["model_check"]
+    assert check["kind"] == "last_hidden_state, pooler_output" and check["passed"]
+    hidden, pooler = check["outputs"]["last_hidden_state"], check["outputs"]["pooler_output"]
+    assert hidden["max_abs_value"] > 100 and pooler["max_abs_value"] < 1  # each its own scale
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch"])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("whole model:")]
+    assert "max |Δlast_hidden_state|" in line and "max |Δpooler_output|" in line and line.endswith(": pass"), line
 
 
 def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
@@ -339,7 +402,7 @@ def test_patch_checks_a_vision_model_whole(tmp_path):
     result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--out", str(tmp_path / "p"), "--json"])
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["model_check"]
-    assert check["kind"] == "last_hidden_state" and check["passed"]
+    assert check["kind"] == "last_hidden_state, pooler_output" and check["passed"]
 
 
 @pytest.mark.parametrize("argv", [["ppl", "{m}", "--data", "{t}"], ["diff", "{m}", "{m}", "--data", "{t}"],
