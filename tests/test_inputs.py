@@ -185,6 +185,38 @@ def test_a_text_model_keeps_its_probe_batch():
     assert torch.equal(batch["input_ids"], torch.randint(3, model.config.vocab_size, (2, 8), generator=g))
 
 
+def test_an_audio_transformer_whose_pooler_averages_two_rows_converts_exactly(tmp_path):
+    """AST's pooler is (y[:, 0] + y[:, 1]) / 2 of its final norm's output y: that add was taken for
+    a residual add (post-ln, "its output is added into the residual stream") and the norm was
+    refused, so ASTModel converted only with --partial. A sum of rows of the output that leaves
+    the model keeps γ and β in the norm (its output is the original's exactly): every norm
+    converts, and float64 outputs match on other random spectrograms. In ASTForAudioClassification
+    the average feeds the classifier's LayerNorm, which γ and β cannot be folded through: refused
+    as such (nonlinear-reader), not as a residual add."""
+    d = discover(_ast())
+    assert all(f.category is None for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
+    assert d.norms["layernorm"].readers == [("<output>", None)]
+    path = _save(_ast(device="cpu").double(), tmp_path / "ast")
+    out = tmp_path / "ast-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert all(n["rms"] for n in doc["norms"]) and doc["verification"]["compute_dtype"] == "float64"
+    assert doc["verification"]["compared"] == "last_hidden_state, pooler_output" and doc["verification"]["passed"]
+    from transformers import ASTConfig, ASTForAudioClassification, ASTModel
+
+    spec = torch.randn((3, 24, 16), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        ref, got = (ASTModel.from_pretrained(p, dtype=torch.float64).eval()(input_values=spec) for p in (path, str(out)))
+    for name in ("last_hidden_state", "pooler_output"):
+        assert float((got[name] - ref[name]).abs().max() / ref[name].abs().max()) < 1e-12, name
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device("meta"):
+        head = discover(ASTForAudioClassification(config).eval())
+    final = head.norms["audio_spectrogram_transformer.layernorm"]
+    assert final.category == "nonlinear-reader" and "classifier.layernorm reads a sum of rows" in final.reason
+
+
 def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
     """Fuyu's forward also takes image_patches (no config gives their shape): what they add into
     the text stream is unseen, so its text norms are refused, not converted on a text-only trace."""
