@@ -217,6 +217,46 @@ def test_an_audio_transformer_whose_pooler_averages_two_rows_converts_exactly(tm
     assert final.category == "nonlinear-reader" and "classifier.layernorm reads a sum of rows" in final.reason
 
 
+def _musicgen(device="meta", cls="MusicgenForConditionalGeneration"):
+    import transformers
+    from transformers import EncodecConfig, MusicgenConfig, T5Config
+    from transformers.models.musicgen.configuration_musicgen import MusicgenDecoderConfig
+
+    text = T5Config(vocab_size=99, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16)
+    audio = EncodecConfig(hidden_size=32, num_filters=4, codebook_size=64, codebook_dim=32, upsampling_ratios=[2, 2],
+                          num_residual_layers=1, target_bandwidths=[1.5], sampling_rate=8000)
+    decoder = MusicgenDecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    ffn_dim=64, num_codebooks=2, max_position_embeddings=64, pad_token_id=64,
+                                    bos_token_id=64)
+    config = MusicgenConfig(text_encoder=text.to_dict(), audio_encoder=audio.to_dict(), decoder=decoder.to_dict())
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        return getattr(transformers, cls)(config.decoder if cls == "MusicgenForCausalLM" else config).eval()
+
+
+def test_musicgen_gets_decoder_codes_of_its_own_vocabulary_one_row_per_codebook(tmp_path):
+    """MusicGen's decoder reads audio codes, (batch x num_codebooks, length) of its own vocabulary
+    (64 here; its text encoder's is 99): fed (batch, length) ids of the text vocabulary, its trace
+    failed ("shape '[-1, 2, 4]' is invalid", every norm untraced) and `patch` ended in "internal
+    error: IndexError: index out of range in self". The decoder ids now come from the decoder's
+    config; the causal decoder alone gets its input_ids as codebook rows too."""
+    model = _musicgen()
+    tr = trace(model)
+    assert tr.error is None, tr.error
+    assert not any(f.category == "untraced" for p, f in discover(model, tr=tr).norms.items() if p.startswith("decoder."))
+    batch = probe_batch(_musicgen(device="cpu"))
+    assert _shapes(batch)["decoder_input_ids"] == (2 * 2, 4) and int(batch["decoder_input_ids"].max()) < 64
+    assert _shapes(batch)["input_ids"] == (2, 8) and int(batch["input_ids"].max()) >= 64  # the text vocabulary
+    assert trace(_musicgen(cls="MusicgenForCausalLM")).error is None
+    assert _shapes(probe_batch(_musicgen(device="cpu", cls="MusicgenForCausalLM"))) == {"input_ids": (2 * 2, 8)}
+    path = _save(_musicgen(device="cpu"), tmp_path / "musicgen")
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model_check"]["kind"] == "logits" and doc["model_check"]["passed"]
+    assert any(m["path"].startswith("decoder.") and m["status"] == "patched" for m in doc["modules"])
+
+
 def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
     """Fuyu's forward also takes image_patches (no config gives their shape): what they add into
     the text stream is unseen, so its text norms are refused, not converted on a text-only trace."""
