@@ -257,6 +257,21 @@ def test_musicgen_gets_decoder_codes_of_its_own_vocabulary_one_row_per_codebook(
     assert any(m["path"].startswith("decoder.") and m["status"] == "patched" for m in doc["modules"])
 
 
+@pytest.mark.parametrize("model_type,class_name,codebooks", [("csm", "CsmForConditionalGeneration", 32),
+                                                              ("moshi", "MoshiForCausalLM", 8)])
+def test_a_config_with_codebooks_whose_ids_are_text_keeps_one_row_per_sequence(model_type, class_name, codebooks):
+    """CSM and Moshi set num_codebooks too, but read (batch, length) text ids (their audio codes come
+    another way): they got batch x num_codebooks rows (64 for CSM's 32 codebooks), a probe batch and
+    a whole-model check that many times larger. Ids come as one row per codebook only where the
+    model looks each row up in a table of its own (MusicGen's decoder)."""
+    from tests.sweep_models import build
+
+    model = build(model_type, class_name)
+    assert inputs.setting(model.config, "num_codebooks") == codebooks
+    assert _shapes(probe_batch(model))["input_ids"] == (2, 8)
+    assert trace(model, towers=False).error is None
+
+
 def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
     """Fuyu's forward also takes image_patches (no config gives their shape): what they add into
     the text stream is unseen, so its text norms are refused, not converted on a text-only trace."""
