@@ -217,6 +217,25 @@ def test_an_audio_transformer_whose_pooler_averages_two_rows_converts_exactly(tm
     assert final.category == "nonlinear-reader" and "classifier.layernorm reads a sum of rows" in final.reason
 
 
+def test_scan_names_the_readers_convert_uses_for_a_sum_of_rows():
+    """scan listed AST's final norm as read by "<output>, <model>" (the model's own code adds two rows
+    of it into the pooler) while convert recorded "<output>" alone, though both are to be the same
+    readers: scan now follows a sum of rows as convert does, so it says "<output>" for ASTModel and,
+    for ASTForAudioClassification, names classifier.layernorm (which reads the average)."""
+    from transformers import ASTConfig, ASTForAudioClassification
+
+    from normswap.discover import norm_readers
+
+    model = _ast()
+    readers, note = norm_readers(model, ["layernorm"])
+    assert note is None and readers["layernorm"] == ["<output>"] == [r for r, _ in discover(model).norms["layernorm"].readers]
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device("meta"):
+        head = ASTForAudioClassification(config).eval()
+    final = "audio_spectrogram_transformer.layernorm"
+    assert norm_readers(head, [final])[0][final] == ["classifier.layernorm"]
+
+
 def _musicgen(device="meta", cls="MusicgenForConditionalGeneration"):
     import transformers
     from transformers import EncodecConfig, MusicgenConfig, T5Config
