@@ -711,6 +711,36 @@ def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeyp
     assert len(said["0"]) == 1 and "finetune.steps (1) is not more than finetune.warmup_steps (5)" in said["0"][0]
 
 
+@pytest.mark.parametrize("raised, code, every_process", [
+    (None, 2, True),  # a usage error: every process parses the same arguments
+    ("EveryProcessError", 2, True), ("Interrupted", 130, True),
+    ("NormswapError", 2, False),  # a process's own failure: said by the process that has it
+])
+def test_under_a_launcher_what_every_process_stops_for_is_said_by_the_main_one(tmp_path, monkeypatch, raised, code,
+                                                                               every_process):
+    """Under `accelerate launch` each process said the error it stopped with: a refusal, the
+    stop of a Ctrl-C, a mistyped option came once per process. Rank 0 says what every process
+    stops for; a failure of one process's own is still said by it."""
+    import normswap.experiment
+    from normswap import errors
+
+    def run(*a, **k):
+        raise getattr(errors, raised, Interrupted)("what stopped it")
+
+    monkeypatch.setattr(normswap.experiment, "run_experiment", run)
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    command = ["experiment", str(path), "--arms"] + (["original"] if raised else [])
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == code, r.stderr
+        if raised:
+            assert r.stderr == ("" if rank == "1" and every_process else
+                                f"normswap: {'' if raised == 'Interrupted' else 'error: '}what stopped it\n")
+        else:
+            assert r.stderr == ("" if rank == "1" else "normswap: error: Option '--arms' requires an argument.\n")
+
+
 @pytest.mark.parametrize("bad", ["{}", '{"evals": []}', '{"evals": [{"step": 0}]}', '{"evals": [1]}',
                                  '{"evals": [{"step": 0, "ppl": 1, "nll": 0, "kl_mean": 0, "kl_max": 0, '
                                  '"top1_agreement": 1}], "losses": 3}'])
@@ -2373,6 +2403,83 @@ def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretraine
             assert abs(x - y) / abs(y) < 1e-5
         pa, pb = a["arms"][arm]["evals"][-1]["ppl"], b["arms"][arm]["evals"][-1]["ppl"]
         assert abs(pa - pb) / pb < 1e-5
+
+
+def _two_ranks(args: list[str], env: dict, timeout: float = 180) -> list[tuple[int | None, str]]:
+    """`normswap experiment ARGS` as the 2 CPU processes of a launch (the variables torchrun sets), each
+    process's (exit code, stderr): what `accelerate launch` hides (its agent SIGTERMs the other processes
+    once one has failed, and SIGKILLs them 30 s later). A process still running after `timeout` is
+    killed (exit code -9)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "normswap", "experiment", *args], text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+             for rank in (0, 1)]
+    deadline = time.monotonic() + timeout
+    said = []
+    for p in procs:
+        try:
+            err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = p.communicate()[1]
+        said.append((p.returncode, err))
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["out locked", "pretraining locked", "another recipe in out", "record not written"])
+def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says_it(tmp_path, pretrained_dir,
+                                                                                      case):
+    """Under `accelerate launch` the main process alone takes OUT's lock and the pretraining's and writes
+    the records: a refusal there ended it while the others waited for it in the process group's start
+    or a barrier until the launcher killed them (30 s, then its traceback). And a refusal every process
+    reached was said once per process. Now every process stops at once with exit 2, and the main
+    process says it, once."""
+    env = {**os.environ, "NORMSWAP_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--no-progress"]
+    fd = None
+    if case == "pretraining locked":
+        from normswap.experiment import pretrain
+
+        path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+        recipe = load_recipe(path)
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("NORMSWAP_CACHE", env["NORMSWAP_CACHE"])
+            final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+        fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
+        says = rf"another normswap run \(pid 4242\) is writing .*{final.name}; try again when it has finished"
+    else:
+        path = model_recipe(tmp_path, pretrained_dir, ["original"])
+        if case == "out locked":
+            fd = _hold_lock(tmp_path / ".out.normswap.lock")
+            says = r"another normswap run \(pid 4242\) is writing .*out; try again when it has finished"
+        elif case == "another recipe in out":
+            out.mkdir()
+            (out / "recipe.json").write_text('{"fingerprint": "another"}')
+            says = r".*out holds a run of a different recipe .*; remove it or choose another --out"
+        else:  # the main process's write of the arm's record fails, once the run has begun
+            run_experiment(path, out, progress=False)
+            record = out / "arms" / "original" / "result.json"
+            record.unlink()
+            record.mkdir()
+            says = r".*result\.json.*"
+    try:
+        (rc0, err0), (rc1, err1) = _two_ranks([str(path), *args], env)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert (rc0, rc1) == (2, 2), (err0, err1)
+    assert re.fullmatch(f"normswap: error: {says}\n", err0), err0
+    assert err1 == ""
 
 
 # --------------------------------------------------------------------------- report

@@ -6,6 +6,7 @@ import signal
 
 import click
 
+from normswap._env import launched_main
 from normswap.cli.main import cli, emit, json_option
 from normswap.cli.signals import EXIT_INTERRUPTED, EXIT_TERMINATED
 
@@ -38,7 +39,8 @@ def experiment(recipe, out, overrides, arms, no_progress, as_json) -> None:
             result = run_experiment(recipe, out, arms, overrides=overrides, progress=not no_progress,
                                     stop=stop, option_names=OPTION_NAMES)
     except Interrupted as e:
-        click.echo(f"normswap: {e}", err=True)
+        if launched_main():  # every process of a launch stops together (trainer.any_process): said once
+            click.echo(f"normswap: {e}", err=True)
         raise SystemExit(EXIT_TERMINATED if stop.signal == signal.SIGTERM else EXIT_INTERRUPTED) from None
     if not result.data:  # not the main process of an `accelerate launch`: it reports nothing
         return

@@ -17,7 +17,7 @@ import click
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap._env import launched_main
 from normswap.cli.signals import interruption, received_interrupt
-from normswap.errors import NormswapError
+from normswap.errors import EveryProcessError, NormswapError
 from normswap.jsonsafe import finite_or_null
 from normswap.progress import ProgressBars  # noqa: F401  (every command draws the library's progress with it)
 
@@ -145,7 +145,8 @@ class NormswapGroup(click.Group):
             click.echo(line, err=True)
             sys.exit(code)
         except click.UsageError as e:
-            click.echo(_usage_line(e), err=True)
+            if launched_main():  # every process of a launch parses the same arguments: said once
+                click.echo(_usage_line(e), err=True)
             sys.exit(EXIT_BAD_INPUT)
         except click.ClickException as e:
             e.show()
@@ -169,7 +170,8 @@ class NormswapGroup(click.Group):
                 return super().invoke(ctx)
         except NormswapError as e:
             _exit_if_interrupted(ctx)
-            click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
+            if launched_main() or not isinstance(e, EveryProcessError):  # else the main process says it
+                click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
             _exit_if_interrupted(ctx)
@@ -179,7 +181,8 @@ class NormswapGroup(click.Group):
             click.echo(f"normswap: error: {_escaped(one_line(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except click.UsageError as e:
-            click.echo(_usage_line(e), err=True)
+            if launched_main():  # every process of a launch parses the same arguments: said once
+                click.echo(_usage_line(e), err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except KeyboardInterrupt as e:
             line, code = interruption(e)

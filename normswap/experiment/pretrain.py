@@ -26,6 +26,7 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, using_option_names
+from normswap.experiment import processes
 from normswap.experiment.recipe import PretrainSection, RecipeError, file_digest
 from normswap.experiment.trainer import (
     RandomWindows,
@@ -263,59 +264,60 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
     text = read_text(section.text) if text is None else text
-    if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
-        tok_dir.mkdir(parents=True, exist_ok=True)
-        tmp = partial / "tokenizer.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with text_stage("pretrain: train the tokenizer", text, progress):
-            tokenizer = train_tokenizer(text, section.vocab_size)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(tok_dir)
-        tmp.rename(tok_dir)
-    accelerator.wait_for_everyone()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    shown = progress and accelerator.is_main_process
-    with text_stage("pretrain: tokenize pretrain.text", text, shown):
-        ids = encode(tokenizer, text)
-    with text_stage("pretrain: tokenize data.eval", eval_text, shown):
-        eval_ids = encode(tokenizer, eval_text)
-    model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
-    model.to(parse_dtype(section.dtype))
-    try:
-        batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
-    except NormswapError as e:
-        raise NormswapError(f"pretrain.text: {e}") from None
+    with processes.together():
+        if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            tmp = partial / "tokenizer.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            with text_stage("pretrain: train the tokenizer", text, progress):
+                tokenizer = train_tokenizer(text, section.vocab_size)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(tok_dir)
+            tmp.rename(tok_dir)
+    with processes.together():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        shown = progress and accelerator.is_main_process
+        with text_stage("pretrain: tokenize pretrain.text", text, shown):
+            ids = encode(tokenizer, text)
+        with text_stage("pretrain: tokenize data.eval", eval_text, shown):
+            eval_ids = encode(tokenizer, eval_text)
+        model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
+        model.to(parse_dtype(section.dtype))
+        try:
+            batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
+        except NormswapError as e:
+            raise NormswapError(f"pretrain.text: {e}") from None
     history = train(accelerator, model, section, batches, partial / "state", stop=stop, progress=progress,
                     desc="pretrain", log_prefix="pretrain/")
     info = {}
-    if accelerator.is_main_process:
-        from normswap.evaluate import perplexity
+    with processes.together():
+        if accelerator.is_main_process:
+            from normswap.evaluate import perplexity
 
-        # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
-        with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
-            with using_option_names(_HELDOUT_NAMES):
-                ppl = perplexity(model, tokenizer, eval_ids, progress=bars if progress else False,
-                                 **_heldout_windows(section))
-        info = {
-            "steps": history.step, "train_seconds": round(history.train_seconds, 1),
-            "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
-            * section.grad_accum * accelerator.num_processes,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "final_train_loss": history.losses[-1] if history.losses else None,
-            "heldout_tokens": eval_ids.numel(), "heldout_ppl": ppl.ppl,
-            "unigram_ppl": unigram_perplexity(ids, eval_ids, len(tokenizer)),
-            "section": dataclasses.asdict(section), "seed": seed,
-        }
-        if not ppl.ppl < info["unigram_ppl"]:
-            # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
-            warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
-                          f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
-        with staged_dir(final, replace=True) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        shutil.rmtree(partial, ignore_errors=True)
-    accelerator.wait_for_everyone()
+            # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
+            with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
+                with using_option_names(_HELDOUT_NAMES):
+                    ppl = perplexity(model, tokenizer, eval_ids, progress=bars if progress else False,
+                                     **_heldout_windows(section))
+            info = {
+                "steps": history.step, "train_seconds": round(history.train_seconds, 1),
+                "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
+                * section.grad_accum * accelerator.num_processes,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "final_train_loss": history.losses[-1] if history.losses else None,
+                "heldout_tokens": eval_ids.numel(), "heldout_ppl": ppl.ppl,
+                "unigram_ppl": unigram_perplexity(ids, eval_ids, len(tokenizer)),
+                "section": dataclasses.asdict(section), "seed": seed,
+            }
+            if not ppl.ppl < info["unigram_ppl"]:
+                # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
+                warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
+                              f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
+            with staged_dir(final, replace=True) as tmp:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+            shutil.rmtree(partial, ignore_errors=True)
     if not accelerator.is_main_process:
         info = _read_info(final)
     return final, info

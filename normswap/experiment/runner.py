@@ -42,7 +42,7 @@ from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, option_labels, using_option_names
-from normswap.experiment import report
+from normswap.experiment import processes, report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import (
     INFO_FILE,
@@ -305,7 +305,8 @@ EVAL_WINDOW_KEYS = {"data": "data.eval", "max_length": "data.eval_max_length", "
                     "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
-def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
+def _checked_arguments(recipe, out, arms, overrides, on_step) -> tuple[Path, Recipe, list[str]]:
+    """run_experiment's arguments checked: OUT as a path, the recipe read, the arms selected."""
     if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
         recipe = load_recipe(recipe, overrides)
     elif overrides:
@@ -317,22 +318,36 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
         raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
+    return out, recipe, arms
+
+
+def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
     with contextlib.ExitStack() as held:
-        if _is_main_process(accelerator):
-            # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
-            # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
-            if why := unwritable(out, folder=True):
-                raise cannot_write(out, why)
-            # Two runs writing one OUT would train an arm into one state folder, each removing the
-            # other's checkpoints, and write each other's reports: the second is refused at once,
-            # by the lock beside OUT that patch and convert take for --out.
-            try:
-                held.enter_context(made_folders(out.parent))
-            except OSError as e:
-                raise cannot_make(out, e) from None
-            held.enter_context(target_lock(out))
-        return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
-                            on_step=on_step)
+        if accelerator is None:
+            held.enter_context(processes.joined())
+        # Every process checks; the main one alone takes the locks and makes OUT. A refusal any of
+        # them reaches is every one's (processes.together), before the run's first barrier.
+        with processes.together():
+            out, recipe, arms = _checked_arguments(recipe, out, arms, overrides, on_step)
+            run = _checked_run(recipe, out, arms, held, progress=progress, plot=plot, accelerator=accelerator)
+        return _run(recipe, out, arms, *run, progress=progress, stop=stop, plot=plot, on_step=on_step)
+
+
+def _take_out(out: Path, accelerator, held: contextlib.ExitStack) -> None:
+    """OUT's lock (the main process's), and the folders above OUT made, in `held`."""
+    if _is_main_process(accelerator):
+        # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
+        # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
+        if why := unwritable(out, folder=True):
+            raise cannot_write(out, why)
+        # Two runs writing one OUT would train an arm into one state folder, each removing the
+        # other's checkpoints, and write each other's reports: the second is refused at once,
+        # by the lock beside OUT that patch and convert take for --out.
+        try:
+            held.enter_context(made_folders(out.parent))
+        except OSError as e:
+            raise cannot_make(out, e) from None
+        held.enter_context(target_lock(out))
 
 
 def _shown(progress: bool, accelerator) -> bool:
@@ -347,9 +362,12 @@ def _is_main_process(accelerator) -> bool:
     return launched_main()
 
 
-def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
-                 on_step) -> ExperimentResult:
-    """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
+def _checked_run(recipe: Recipe, out: Path, arms: list[str], held: contextlib.ExitStack, *, progress, plot,
+                 accelerator) -> tuple:
+    """What can be checked before OUT is made, OUT locked and made (its lock, the pretraining's and
+    OUT's removal if the run fails before writing there go into `held`), the Accelerator made:
+    _run's arguments after `arms`."""
+    _take_out(out, accelerator, held)
     # Every text's digest, once for the run: the fingerprint (checked here, recorded in recipe.json
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
@@ -400,10 +418,18 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
             # the model is trained, not at the end of the arms.
             final.parent.mkdir(parents=True, exist_ok=True)
             pretraining.enter_context(target_lock(final.resolve()))
+    held.enter_context(pretraining)
     # OUT and the folders above it that this run makes go again if it fails before writing there
-    with pretraining, made_folders(out):
-        return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
-                    accelerator=accelerator, plot=plot, on_step=on_step, pretraining=pretraining)
+    held.enter_context(made_folders(out))
+    accelerator = accelerator or make_accelerator(recipe, out)
+    # An arm left part-trained by a run with another process count is refused now, not after the
+    # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
+    # result.json records the count, and the summary says which arms ran on which.)
+    for arm in arms:
+        arm_dir = out / "arms" / arm
+        if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
+            check_resumable(arm_dir / "state", accelerator.num_processes, arm)
+    return loaded, texts, train_ids, digests, accelerator, pretraining
 
 
 def _check_same_pretraining(out: Path, entry: Path) -> None:
@@ -549,31 +575,24 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
 
 
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
-         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step,
-         pretraining: contextlib.ExitStack) -> ExperimentResult:
+         digests: dict[str, str], accelerator, pretraining: contextlib.ExitStack, *, progress, stop, plot,
+         on_step) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
     `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
-    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done)."""
+    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done).
+    What the main process does alone is done together (processes.together): its failure is every process's."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
     from normswap.progress import stderr_bar
 
-    accelerator = accelerator or make_accelerator(recipe, out)
-    # An arm left part-trained by a run with another process count is refused now, not after the
-    # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
-    # result.json records the count, and the summary says which arms ran on which.)
-    for arm in arms:
-        arm_dir = out / "arms" / arm
-        if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
-            check_resumable(arm_dir / "state", accelerator.num_processes, arm)
-    if accelerator.is_main_process:
-        # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
-        # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
-        write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
-                                                          "source": recipe.source, "recipe": recipe.to_dict(),
-                                                          "texts": recipe.texts_by_key(digests)}, indent=1))
-    accelerator.wait_for_everyone()
+    with processes.together():
+        if accelerator.is_main_process:
+            # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
+            # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
+            write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
+                                                              "source": recipe.source, "recipe": recipe.to_dict(),
+                                                              "texts": recipe.texts_by_key(digests)}, indent=1))
     if accelerator.trackers == [] and accelerator.log_with:
         accelerator.init_trackers(recipe.name)
     stop = stop or StopFlag()
@@ -588,30 +607,31 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                                                      progress=progress)
         pretraining.close()  # trained: another run may use the entry while this one's arms run
         model_path = str(model_dir)
-        loaded = _load_model(model_path, progress)
-        _check_fits(recipe, loaded[0])
     else:
         model_path = recipe.model.path
-    original, tokenizer = loaded
-    original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
     shown = progress and accelerator.is_main_process
-    with text_stage("tokenize data.eval", texts["eval"], shown):
-        eval_ids = encode(tokenizer, texts["eval"])
-    if train_ids is None and "train" in texts:
-        # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
-        # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
-        # first arm that trains begins, after the arms before it have run.
-        train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
-
     windows = _eval_windows(recipe)
     floor = None
-    if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
-        # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
-        half_original = build_arm(original, "original", recipe.impl, ft.dtype)
-        floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)
-        del half_original
+    with processes.together():
+        if recipe.pretrain is not None:
+            loaded = _load_model(model_path, progress)
+            _check_fits(recipe, loaded[0])
+        original, tokenizer = loaded
+        original.to(accelerator.device)
+        with text_stage("tokenize data.eval", texts["eval"], shown):
+            eval_ids = encode(tokenizer, texts["eval"])
+        if train_ids is None and "train" in texts:
+            # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
+            # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
+            # first arm that trains begins, after the arms before it have run.
+            train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
+        if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
+            # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
+            half_original = build_arm(original, "original", recipe.impl, ft.dtype)
+            floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)
+            del half_original
 
     def evaluate(model, step: int) -> dict:
         r = diff_models(original, model, tokenizer, eval_ids, progress=False, **windows)
@@ -625,7 +645,8 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         arm_dir = out / "arms" / arm
         done = arm_dir / RESULT_FILE
         if done.is_file():
-            results[arm] = _read_arm_result(done, arm)
+            with processes.together():
+                results[arm] = _read_arm_result(done, arm)
             if progress and accelerator.is_main_process:  # else a rerun of a finished run said nothing at all
                 print(f"[{i + 1}/{len(arms)}] {arm}: finished by an earlier run (delete {arm_dir} to run it again)",
                       file=sys.stderr)
@@ -637,13 +658,14 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             raise Interrupted(f"stopped before [{i + 1}/{len(arms)}] {arm}; run the same command again to resume")
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)
-        model = build_arm(original, arm, recipe.impl, ft.dtype)
+        with processes.together():
+            model = build_arm(original, arm, recipe.impl, ft.dtype)
         arm_started = time.perf_counter()
         desc = f"[{i + 1}/{len(arms)}] {arm}"
         if training is None:
             # A bar for the evaluation too: an arm that does not train was seconds with nothing shown.
             with stderr_bar(total=1, desc=desc, unit="eval", disable=not (progress and accelerator.is_main_process)) \
-                    as bar:
+                    as bar, processes.together():
                 evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
                 bar.update(1)
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
@@ -657,45 +679,46 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                       eval_every=ft.eval_every, stop=stop, progress=progress, desc=desc, log_prefix=f"{arm}/",
                       on_step=(lambda s, loss, arm=arm: on_step(arm, s, loss)) if on_step else None)
             history = {"steps": h.step, "losses": h.losses, "evals": h.evals, "train_seconds": h.train_seconds}
-        if accelerator.is_main_process:
-            result = {"transform": transform, "training": training, **history,
-                      "wall_seconds": time.perf_counter() - arm_started}
-            if training:  # its sequences per step: OUT's arms may come from calls launched differently
-                result["num_processes"] = accelerator.num_processes
-            if evaluate.window:
-                result["eval_window"] = evaluate.window
-            write_text_atomic(done, json.dumps(finite_or_null(result)))
-            shutil.rmtree(arm_dir / "state", ignore_errors=True)
-            results[arm] = result
-        accelerator.wait_for_everyone()
+        with processes.together():
+            if accelerator.is_main_process:
+                result = {"transform": transform, "training": training, **history,
+                          "wall_seconds": time.perf_counter() - arm_started}
+                if training:  # its sequences per step: OUT's arms may come from calls launched differently
+                    result["num_processes"] = accelerator.num_processes
+                if evaluate.window:
+                    result["eval_window"] = evaluate.window
+                write_text_atomic(done, json.dumps(finite_or_null(result)))
+                shutil.rmtree(arm_dir / "state", ignore_errors=True)
+                results[arm] = result
         del model
     data, files = {}, {}
-    if accelerator.is_main_process:
-        from normswap.loading import unused_tensors_of
+    with processes.together():
+        if accelerator.is_main_process:
+            from normswap.loading import unused_tensors_of
 
-        recipe_dir = Path(recipe.source).parent if recipe.source else None
-        results = _with_earlier_arms(results, out, recipe)
-        window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
-        data = {
-            "recipe": recipe.to_dict(),
-            "fingerprint": recipe.fingerprint(digests),
-            "model": model_path,
-            # what the model's load dropped that cannot change what it computes (a head it was saved
-            # with, an old masked_bias): said by every other command's report, and the arms were made
-            # without them. Named as the model path is (portable_path), no machine's path in the note.
-            "unused_tensors": [replace(u, model=portable_path(u.model, recipe_dir)).to_dict()
-                               for u in unused_tensors_of(original)],
-            "pretrain": pretrain_info,
-            "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
-            "noise_floor": _floor_section(floor, ft.dtype),
-            "arms": _judged(results, floor, ft.dtype),
-            "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                            "device": str(accelerator.device), "num_processes": accelerator.num_processes,
-                            "mixed_precision": accelerator.mixed_precision,
-                            "dtype": _dtype_name(ft.dtype)},
-            "seconds_this_invocation": round(time.perf_counter() - started, 1),
-        }
-        data = portable_result(data, recipe_dir)
-        files = report.write_reports(data, out, plot=plot)
+            recipe_dir = Path(recipe.source).parent if recipe.source else None
+            results = _with_earlier_arms(results, out, recipe)
+            window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
+            data = {
+                "recipe": recipe.to_dict(),
+                "fingerprint": recipe.fingerprint(digests),
+                "model": model_path,
+                # what the model's load dropped that cannot change what it computes (a head it was saved
+                # with, an old masked_bias): said by every other command's report, and the arms were made
+                # without them. Named as the model path is (portable_path), no machine's path in the note.
+                "unused_tensors": [replace(u, model=portable_path(u.model, recipe_dir)).to_dict()
+                                   for u in unused_tensors_of(original)],
+                "pretrain": pretrain_info,
+                "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
+                "noise_floor": _floor_section(floor, ft.dtype),
+                "arms": _judged(results, floor, ft.dtype),
+                "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                                "device": str(accelerator.device), "num_processes": accelerator.num_processes,
+                                "mixed_precision": accelerator.mixed_precision,
+                                "dtype": _dtype_name(ft.dtype)},
+                "seconds_this_invocation": round(time.perf_counter() - started, 1),
+            }
+            data = portable_result(data, recipe_dir)
+            files = report.write_reports(data, out, plot=plot)
     accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
     return ExperimentResult(out=out, data=data, files=files, model_path=str(model_path))

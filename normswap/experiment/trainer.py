@@ -37,7 +37,8 @@ import torch
 
 from normswap import jsonsafe
 from normswap._env import launched_main
-from normswap.errors import NormswapError, one_line
+from normswap.errors import EveryProcessError, NormswapError, one_line
+from normswap.experiment import processes
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
 from normswap.progress import isatty
@@ -381,20 +382,21 @@ def _ranks_saved(found: Path) -> int | None:
 def _save(accelerator, state_dir: Path, history: History) -> None:
     name = f"step-{history.step:06d}"
     target = state_dir / name
-    if accelerator.is_main_process and target.exists():
-        shutil.rmtree(target)
-    accelerator.wait_for_everyone()
+    with processes.together():
+        if accelerator.is_main_process and target.exists():
+            shutil.rmtree(target)
     # torch files, not safetensors: GPT-2's tied lm_head/wte round-trip without a warning
-    accelerator.save_state(str(target), safe_serialization=False)
-    if accelerator.is_main_process:
-        (target / TRAINER_STATE).write_text(json.dumps(history.to_dict()))
-        tmp = state_dir / f".{LATEST}.tmp"
-        tmp.write_text(name)
-        os.replace(tmp, state_dir / LATEST)  # the commit point: a kill before it keeps the old one
-        for old in state_dir.glob("step-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    with processes.together():  # each process writes its own random state
+        accelerator.save_state(str(target), safe_serialization=False)
+    with processes.together():
+        if accelerator.is_main_process:
+            (target / TRAINER_STATE).write_text(json.dumps(history.to_dict()))
+            tmp = state_dir / f".{LATEST}.tmp"
+            tmp.write_text(name)
+            os.replace(tmp, state_dir / LATEST)  # the commit point: a kill before it keeps the old one
+            for old in state_dir.glob("step-*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -488,7 +490,10 @@ def train(
     if resumed is not None:
         found, history = resumed
         try:
-            accelerator.load_state(str(found))
+            with processes.together():  # each process reads its own random state
+                accelerator.load_state(str(found))
+        except EveryProcessError:
+            raise
         except Exception as e:  # noqa: BLE001  (what accelerate's reader raises on files it did not write:
             # a truncated model.bin is torch's RuntimeError, a missing optimizer.bin FileNotFoundError, ...)
             if _out_of_memory(e) or isinstance(e, PermissionError):
@@ -506,12 +511,12 @@ def train(
     def run_eval(step: int) -> None:
         if evaluate is None:
             return
-        if accelerator.is_main_process:
-            metrics = evaluate(accelerator.unwrap_model(model), step)
-            history.evals.append({"step": step, **metrics})
-            accelerator.log({f"{log_prefix}eval/{k}": v for k, v in metrics.items()
-                             if isinstance(v, int | float)}, step=step)
-        accelerator.wait_for_everyone()
+        with processes.together():
+            if accelerator.is_main_process:
+                metrics = evaluate(accelerator.unwrap_model(model), step)
+                history.evals.append({"step": step, **metrics})
+                accelerator.log({f"{log_prefix}eval/{k}": v for k, v in metrics.items()
+                                 if isinstance(v, int | float)}, step=step)
 
     if history.step == 0 and not history.evals:
         run_eval(0)
@@ -544,8 +549,8 @@ def train(
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_loss = accelerator.reduce(total / ga, reduction="mean").item()
-            if not math.isfinite(step_loss):
-                raise NormswapError(f"{desc}: the training loss is {step_loss} at step {step + 1} "
+            if not math.isfinite(step_loss):  # the reduced loss: every process stops here
+                raise EveryProcessError(f"{desc}: the training loss is {step_loss} at step {step + 1} "
                                     "(lower the learning rate?)")
             history.losses.append(step_loss)
             history.step = step + 1
