@@ -1052,6 +1052,39 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     assert sorted(digested) == [GENESIS.name, JOSHUA.name], digested
 
 
+@pytest.mark.filterwarnings("ignore:pretraining did not beat the unigram baseline")
+@pytest.mark.parametrize("train", [GENESIS.name, "copy.txt"])
+def test_a_training_text_that_is_the_pretraining_text_is_tokenized_once(tmp_path, monkeypatch, train):
+    """The shipped recipes fine-tune on the text they pretrain on: a first run tokenized it for the
+    pretraining, then again with the same tokenizer for the arms (8 s for the smoke recipe's 3 MB
+    under load). Once now, also when data.train is a copy under another name; and the arms train on
+    the same tokens as a run that finds the pretraining cached (and so tokenizes data.train itself)."""
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "approx+ft"])
+    (tmp_path / "copy.txt").write_bytes(GENESIS.read_bytes())
+    whole = pretrain.read_text(GENESIS)
+    encoded = []
+
+    def encode(tokenizer, text):
+        encoded.append(text == whole)
+        return real_encode(tokenizer, text)
+
+    real_encode = pretrain.encode
+    monkeypatch.setattr(pretrain, "encode", encode)
+    monkeypatch.setattr(runner, "encode", encode)
+    overrides = ["pretrain.steps=4", "pretrain.warmup_steps=1", "finetune.steps=2", "finetune.eval_every=2",
+                 f'data.train="{train}"']
+    first = run_experiment(path, tmp_path / "first", overrides=overrides, progress=False)
+    assert first.data["pretrain"]["steps"] == 4  # it pretrained
+    assert encoded.count(True) == 1, encoded
+    encoded.clear()
+    cached = run_experiment(path, tmp_path / "cached", overrides=overrides, progress=False)
+    assert encoded.count(True) == 1, encoded  # data.train's, by the runner
+    assert cached.data["arms"]["approx+ft"]["losses"] == first.data["arms"]["approx+ft"]["losses"]
+
+
 def _count_digests(monkeypatch) -> list[str]:
     """The names of the files whose digest (recipe.file_digest: a read of the whole file) is taken
     from now on, one entry per digest."""

@@ -229,13 +229,16 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
 
 def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str,
                       *, text: str | None = None, text_digest: str | None = None, stop: StopFlag | None = None,
-                      progress: bool = True) -> tuple[Path, dict]:
+                      progress: bool = True, tokens: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
     and its info (steps, time, held-out perplexity, unigram baseline). eval_text: the held-out
     text's contents (read_text of data.eval, which the runner has read for its own evaluations: it
     was read again here). text: section.text's contents (read_text) when the caller has read them
     already (the runner, for its check before the run): a large text is seconds a read; None reads
-    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it."""
+    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it. tokens: a
+    dict that gets section.text's token ids under "text" when the pretraining runs (it tokenizes
+    the text with the model's tokenizer: the runner's data.train, when it is that text, is not
+    tokenized again)."""
     from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name, text_digest)
@@ -250,11 +253,13 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
     with lock:
         if (final / INFO_FILE).is_file():  # published by a run that held the lock until just now
             return final, _read_info(final)
-        return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress)
+        return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress,
+                         tokens=tokens)
 
 
 def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str,
-              text: str | None, *, stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
+              text: str | None, *, stop: StopFlag | None, progress: bool,
+              tokens: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict]:
     """ensure_pretrained's training, under the cache entry's lock."""
     from transformers import PreTrainedTokenizerFast
 
@@ -279,6 +284,8 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
         shown = progress and accelerator.is_main_process
         with text_stage("pretrain: tokenize pretrain.text", text, shown):
             ids = encode(tokenizer, text)
+        if tokens is not None:
+            tokens["text"] = ids
         with text_stage("pretrain: tokenize data.eval", eval_text, shown):
             eval_ids = encode(tokenizer, eval_text)
         model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)

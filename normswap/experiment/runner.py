@@ -530,11 +530,14 @@ def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
     return texts
 
 
-def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool) -> RandomWindows:
+def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool, ids: torch.Tensor | None = None
+                   ) -> RandomWindows:
+    """The fine-tuning's batches of data.train (`text`), its token ids `ids` when already encoded."""
     ft = recipe.finetune
     try:
-        with text_stage("tokenize data.train", text, progress):
-            ids = encode(tokenizer, text)
+        if ids is None:
+            with text_stage("tokenize data.train", text, progress):
+                ids = encode(tokenizer, text)
         return RandomWindows(ids, ft.seq_len, ft.batch_size, recipe.seed)
     except NormswapError as e:
         raise NormswapError(f"data.train: {e}") from None
@@ -600,11 +603,17 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     pretrain_info = None
     if recipe.pretrain is not None:
         set_seed(recipe.seed)
+        # The tokens of pretrain.text, when the pretraining runs; data.train's when it is the same text
+        # (the shipped recipes'): a first run tokenized it twice, as many seconds again for a large text.
+        pretrained_tokens: dict[str, torch.Tensor] = {}
+        same = "pretrain" in texts and "train" in texts and texts["pretrain"] == texts["train"]
         # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
                                                      texts["eval"], text=texts.pop("pretrain", None),
                                                      text_digest=digests[recipe.pretrain.text], stop=stop,
-                                                     progress=progress)
+                                                     progress=progress, tokens=pretrained_tokens)
+        if same and "text" in pretrained_tokens:
+            train_ids = pretrained_tokens["text"]
         pretraining.close()  # trained: another run may use the entry while this one's arms run
         model_path = str(model_dir)
     else:
@@ -622,11 +631,11 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         original.to(accelerator.device)
         with text_stage("tokenize data.eval", texts["eval"], shown):
             eval_ids = encode(tokenizer, texts["eval"])
-        if train_ids is None and "train" in texts:
+        if recipe.pretrain is not None and "train" in texts:
             # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
             # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
             # first arm that trains begins, after the arms before it have run.
-            train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
+            train_ids = _train_windows(recipe, tokenizer, texts["train"], shown, train_ids).ids
         if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
             # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
             half_original = build_arm(original, "original", recipe.impl, ft.dtype)
