@@ -74,6 +74,14 @@ def write_recipe(path: Path, body: str, arms=ALL_ARMS, head: str = "") -> Path:
     return path
 
 
+def other_text(folder: Path, name: str = "other.txt") -> str:
+    """A training text other than pretrain.text and data.eval (Genesis 2-3), as `name` in `folder`:
+    a recipe that trains on its held-out text is warned about."""
+    text = GENESIS.read_text()
+    (folder / name).write_text(text[text.index("Chapter 2"):])
+    return name
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One NORMSWAP_CACHE for the module: the tiny pretraining runs once."""
@@ -985,7 +993,7 @@ def test_a_run_refused_for_a_pretraining_another_run_is_doing_leaves_no_out(tmp_
 
 
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
-                                         (["original", "approx+ft"], JOSHUA.name)])
+                                         (["original", "approx+ft"], "other.txt")])
 def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     """pretrain.text was read whole for the check before the run (the most tokens it can make) and
     again by the pretraining, and a third time as data.train when it is that file (the shipped
@@ -1000,6 +1008,8 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
+    if train:
+        other_text(tmp_path, train)
     real, real_encode = pretrain.read_text, pretrain.encode
     whole, reads, trained_on, encoded = real(recipe.pretrain.text), [], [], []
 
@@ -1042,14 +1052,14 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     # The bound on the tokens (the UTF-8 encode of a whole text) once per text read: pretrain.text's
     # served the check of one sequence and of the model's size (it was counted for each), data.eval's
     # the pretraining's window and the evaluation's; and once more for the tokenizer's vocabulary cap
-    texts = [whole, held_out, *([real(JOSHUA)] if train and "approx+ft" in arms else [])]
+    texts = [whole, held_out, *([real(tmp_path / train)] if train and "approx+ft" in arms else [])]
     assert sorted(map(len, bounded)) == sorted(map(len, [*texts, whole])), [len(t) for t in bounded]
     # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
-    # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
-    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+    # for the pretraining's held-out perplexity; data.train when it is another file and an arm trains
+    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([train] if train else [])]), reads
     # each file's digest once too: the fingerprint's (in recipe.json) and the cache entry's, looked
     # up before the run and again by the pretraining
-    assert sorted(digested) == [GENESIS.name, JOSHUA.name], digested
+    assert sorted(digested) == sorted([GENESIS.name, JOSHUA.name, *([train] if train else [])]), digested
 
 
 @pytest.mark.filterwarnings("ignore:pretraining did not beat the unigram baseline")
@@ -1167,13 +1177,13 @@ def test_a_run_takes_each_texts_digest_once(tmp_path, monkeypatch, pretrained_di
     once more each (its recipe.json's fingerprint checked): 0.36 s per 100 MB each here. Once per
     run now, the same fingerprint recorded and the cached pretraining used."""
     path = write_recipe(tmp_path / "r.toml", PRETRAIN, arms)
-    if len(arms) > 1:  # data.train another file than pretrain.text (data.eval's: one digest for both)
+    if len(arms) > 1:  # data.train another file than pretrain.text
         (tmp_path / "r.toml").write_text((tmp_path / "r.toml").read_text().replace(
-            f'train = "{GENESIS.name}"', f'train = "{JOSHUA.name}"'))
+            f'train = "{GENESIS.name}"', f'train = "{other_text(tmp_path)}"'))
     recipe = load_recipe(path)
     digested = _count_digests(monkeypatch)
     first = run_experiment(path, tmp_path / "out", progress=False)
-    distinct = sorted({GENESIS.name, JOSHUA.name})
+    distinct = sorted({GENESIS.name, JOSHUA.name, *(["other.txt"] if len(arms) > 1 else [])})
     assert sorted(digested) == distinct, digested
     assert json.loads((tmp_path / "out" / "recipe.json").read_text())["fingerprint"] == first.data["fingerprint"]
     del digested[:]
