@@ -348,7 +348,8 @@ def test_the_command_is_one_library_call(tmp_path, monkeypatch):
     ((args, kwargs),) = calls
     assert args == (path, str(tmp_path / "o"), "original")
     assert kwargs["overrides"] == ("seed=3", "finetune.steps=2") and kwargs["progress"] is False
-    assert kwargs["option_names"] == {"arms": "--arms", "out": "--out", "overrides": "--set"}
+    assert kwargs["option_names"] == {"arms": "--arms", "out": "--out", "overrides": "--set", "force": "--force"}
+    assert kwargs["force"] is False
 
 
 def test_the_default_out_folder_is_the_librarys(tmp_path, monkeypatch, pretrained_dir):
@@ -778,7 +779,8 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]),
                          ["finetune.lr=0.5"])
     with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(finetune\.lr 0\.001 there, 0\.5 "
-                                            r"here\); remove it or choose another out$"):
+                                            r"here\); remove it or choose another out, or pass force=True to "
+                                            r"replace it and the 9 arms finished there \(approx, approx\+distill, approx\+ft and 6 more\)$"):
         run_experiment(recipe, every_arm.out, progress=False)
     # The recipe as it was, in another folder (a moved checkout: the same run), its held-out text edited
     out = tmp_path / "out"
@@ -798,6 +800,59 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
                                             r"\(pretrain\.text, data\.train, data\.eval\)\);"):
         run_experiment(path, out, ["original"], progress=False)
 
+
+
+def test_a_run_that_failed_is_replaced_with_force_when_out_holds_only_the_run(tmp_path, pretrained_dir):
+    """An arm that trained into a NaN loss left OUT holding that learning rate's run: the rerun with
+    a lower one was refused as another recipe's, and OUT had to be deleted by hand. The NaN's line
+    now names the key and the way out, the refusal offers --force and says what it replaces, and
+    --force replaces OUT once every check of the run has passed, only when OUT holds nothing but
+    what a run writes."""
+    path = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    out = tmp_path / "out"
+    unstable = ["--set", 'finetune.optimizer="sgd"', "--set", "finetune.max_grad_norm=0", "--set",
+                "finetune.warmup_steps=0"]
+
+    def run(*args):
+        return CliRunner().invoke(cli, ["experiment", str(path), "--out", str(out), "--no-progress", *unstable,
+                                        *args])
+
+    r = run("--set", "finetune.lr=1e6")
+    assert r.exit_code == 2 and re.fullmatch(
+        r"normswap: error: \[2/2\] approx\+ft: the training loss is nan at step \d: lower finetune\.lr \(1000000\.0 "
+        r"now\), then run again with --force to replace this run\n", r.stderr), r.stderr
+    assert (out / "arms" / "original" / "result.json").is_file() and (out / "arms" / "approx+ft" / "state").is_dir()
+    r = run("--set", "finetune.lr=1e-3")
+    assert r.exit_code == 2 and r.stderr == (
+        f"normswap: error: {out} holds a run of a different recipe (finetune.lr 1000000.0 there, 0.001 here); remove "
+        "it or choose another --out, or pass --force to replace it and the 1 arm finished there (original)\n")
+    (out / "notes.txt").write_text("mine")
+    before = _files(out)
+    r = run("--set", "finetune.lr=1e-3", "--force")
+    assert r.exit_code == 2 and r.stderr == (
+        f"normswap: error: {out} holds a run of another recipe and what no run writes (notes.txt): not replaced, "
+        "even with --force; remove it or choose another --out\n")
+    r = run("--set", "finetune.lr=1e-3")  # and --force is not offered for it
+    assert r.stderr.endswith("; remove it or choose another --out\n"), r.stderr
+    (out / "notes.txt").unlink()
+    before = _files(out)
+    r = run("--set", "finetune.lr=1e-3", "--set", "finetune.seq_len=100000", "--force")  # refused after OUT's check
+    assert r.exit_code == 2 and "finetune.seq_len" in r.stderr, r.stderr
+    assert _files(out) == before  # nothing replaced before every check had passed
+    r = run("--set", "finetune.lr=1e-3", "--force")
+    assert r.exit_code == 0, r.stderr
+    record = json.loads((out / "recipe.json").read_text())
+    assert record["recipe"]["finetune"]["lr"] == 1e-3
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(loss) for loss in results["arms"]["approx+ft"]["losses"])
+    assert {p.name for p in out.iterdir()} <= {"arms", "logs", "recipe.json", "results.csv", "results.json",
+                                               "summary.md", "curves.png"}
+    assert sorted(str(p.relative_to(out)) for p in (out / "arms").rglob("*")) == [
+        "arms/approx+ft", "arms/approx+ft/result.json", "arms/original", "arms/original/result.json"]
+    # the same recipe again: resumed (here: every arm finished), force or not, nothing rerun
+    before = _files(out / "arms")
+    assert run("--set", "finetune.lr=1e-3", "--force").exit_code == 0
+    assert _files(out / "arms") == before
 
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit: json.loads raised RecursionError
@@ -1434,8 +1489,12 @@ def test_an_out_whose_arms_ran_on_another_pretraining_is_refused(tmp_path, monke
                                                 rf"and this run's is {entry.name} \(pretrain\.mixed_precision "
                                                 r'"auto" is keyed by what it is on the machine\): its arms would be '
                                                 rf"reported beside them on other weights; remove {re.escape(str(out))} or choose "
-                                                r"another out$"):
+                                                r"another out, or pass force=True to replace it$"):
             run_experiment(path, out, progress=False)
+        before = _files(out)
+        with pytest.raises(pytest.fail.Exception, match="the run started"):  # replaced once the run starts
+            run_experiment(path, out, progress=False, force=True)
+        assert _files(out) == before
     else:
         with pytest.raises(pytest.fail.Exception, match="the run started"):
             run_experiment(path, out, progress=False)
@@ -2508,7 +2567,7 @@ def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says
         elif case == "another recipe in out":
             out.mkdir()
             (out / "recipe.json").write_text('{"fingerprint": "another"}')
-            says = r".*out holds a run of a different recipe .*; remove it or choose another --out"
+            says = r".*out holds a run of a different recipe .*; remove it or choose another --out, or pass --force .*"
         else:  # the main process's write of the arm's record fails, once the run has begun
             run_experiment(path, out, progress=False)
             record = out / "arms" / "original" / "result.json"

@@ -41,7 +41,14 @@ from normswap._env import launched_main
 from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, option_labels, using_option_names
+from normswap.errors import (
+    NormswapError,
+    one_line,
+    option_labels,
+    option_setting,
+    require_bool,
+    using_option_names,
+)
 from normswap.experiment import processes, report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import (
@@ -58,6 +65,7 @@ from normswap.experiment.pretrain import (
     text_stage,
 )
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
+from normswap.experiment.report import count_noun
 from normswap.experiment.trainer import (
     Interrupted,
     RandomWindows,
@@ -73,6 +81,8 @@ from normswap.fileio import (
     cannot_make,
     cannot_write,
     made_folders,
+    remove_tree,
+    sibling_name,
     target_path,
     unwritable,
     write_text_atomic,
@@ -163,14 +173,16 @@ def make_accelerator(recipe: Recipe, out: Path):
 
 
 def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, recipe: Recipe | None = None,
-               digests: dict[str, str] | None = None) -> None:
+               digests: dict[str, str] | None = None, force: bool = False) -> bool:
     """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
     recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.) And a report or an arm's
     record (of `arms`) that is a link there can be written through (fileio.replaced_atomically;
     curves.png only as `plot` says). recipe, digests: the recipe of `fingerprint` and its
-    text_digests(), to say what differs from the run in OUT."""
+    text_digests(), to say what differs from the run in OUT. force: a run of another recipe is
+    replaced (True returned: _replace_out, once the run's checks have passed) when OUT holds
+    nothing else (_replaceable)."""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
@@ -184,8 +196,11 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, 
             what = _what_differs(previous, recipe, digests) if recipe is not None and isinstance(previous, dict) \
                 else None
             what = what or f"or other {n['overrides']} values"
+            # a recipe.json of another shape is not known to be a run's: its folder is not replaced
+            if _replaceable(out, force, isinstance(previous, dict) and "fingerprint" in previous):
+                return True
             raise NormswapError(f"{out} holds a run of a different recipe ({what}); remove it or choose another "
-                                f"{n['out']}")
+                                f"{n['out']}{_force_way(out, isinstance(previous, dict) and 'fingerprint' in previous)}")
     # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
     # write failed the write: after the pretraining and every arm for a report, after the arm for its
     # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
@@ -194,6 +209,84 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, 
     for path in (*(out / name for name in report.report_files(plot)), *(p for p in unfinished if not os.path.isfile(p))):
         if path.is_symlink() and (why := unwritable(path)):
             raise cannot_write(path, why)
+    return False
+
+
+# What a run writes in OUT (report.report_files, curves.png included), and in each arm's folder.
+RUN_ENTRIES = ("recipe.json", "results.json", "results.csv", "summary.md", "curves.png", "logs", "arms")
+ARM_ENTRIES = (RESULT_FILE, "state")
+
+
+def _not_a_runs(out: Path) -> list[str]:
+    """What in OUT a run does not write (RUN_ENTRIES; in arms/, folders named as arms holding
+    ARM_ENTRIES; the temporary files fileio.replaced_atomically leaves when killed), as paths
+    relative to OUT: what force must not replace. A link where a run makes a folder is not its."""
+
+    def written(folder: Path, names: tuple[str, ...], folders: tuple[str, ...]) -> list[Path]:
+        others = []
+        for p in folder.iterdir():
+            temporary = any(p.name.startswith(f".{sibling_name(n)}.") and p.name.endswith(".tmp") for n in names)
+            if (p.name not in names and not temporary) or (p.name in folders and (p.is_symlink() or not p.is_dir())):
+                others.append(p)
+        return others
+
+    others = written(out, RUN_ENTRIES, ("logs", "arms"))
+    if (out / "arms").is_dir() and not (out / "arms").is_symlink():
+        for arm_dir in (out / "arms").iterdir():
+            try:
+                parse_arm(arm_dir.name)
+            except RecipeError:
+                others.append(arm_dir)
+                continue
+            if arm_dir.is_symlink() or not arm_dir.is_dir():
+                others.append(arm_dir)
+            else:
+                others += written(arm_dir, ARM_ENTRIES, ("state",))
+    return sorted(p.relative_to(out).as_posix() for p in others)
+
+
+def _finished_arms(out: Path) -> list[str]:
+    arms = out / "arms"
+    return sorted(p.parent.name for p in arms.glob(f"*/{RESULT_FILE}")) if arms.is_dir() else []
+
+
+def _replaceable(out: Path, force: bool, runs: bool) -> bool:
+    """Whether force replaces OUT, a run (`runs`: its recipe.json is one a run writes) refused as
+    another's: only when OUT holds nothing a run does not write; refused otherwise, naming it."""
+    if not (force and runs):
+        return False
+    if others := _not_a_runs(out):
+        n = option_labels(EXPERIMENT_OPTIONS)
+        raise NormswapError(f"{out} holds a run of another recipe and what no run writes ({_some(others)}): not replaced, "
+                            f"even with {option_setting(n['force'], True)}; remove it or choose another {n['out']}")
+    return True
+
+
+def _force_way(out: Path, runs: bool) -> str:
+    """The last way out of the refusal of an OUT that holds another run (`runs`: its recipe.json is
+    one a run writes), after removing it and another OUT: force, saying which finished arms it
+    replaces; "" when force would not replace it (_replaceable)."""
+    if not runs or _not_a_runs(out):
+        return ""
+    finished = _finished_arms(out)
+    also = f" and the {count_noun(len(finished), 'arm')} finished there ({_some(finished)})" if finished else ""
+    return f", or pass {option_setting(option_labels(('force',))['force'], True)} to replace it{also}"
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _replace_out(out: Path) -> None:
+    """Empty OUT, a run of another recipe that force replaces (_not_a_runs found nothing else in it).
+    recipe.json goes last: a kill on the way leaves a run that is still refused as another's (and
+    replaced again with force), not a folder of leftovers that no run claims."""
+    for p in sorted(out.iterdir(), key=lambda p: p.name == "recipe.json"):
+        if p.is_dir() and not p.is_symlink():
+            if error := remove_tree(p):
+                raise cannot_write(out, one_line(error))
+        else:
+            p.unlink()
 
 
 def _what_differs(previous: dict, recipe: Recipe, digests: dict[str, str], most: int = 3) -> str:
@@ -278,7 +371,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
                    arms: str | Sequence[str] | None = None, *, overrides: Sequence[str] = (),
                    progress: bool = True, stop: StopFlag | None = None, accelerator=None, plot: bool = True,
                    on_step: Callable[[str, int, float], None] | None = None,
-                   option_names: Mapping[str, str] | None = None) -> ExperimentResult:
+                   option_names: Mapping[str, str] | None = None, force: bool = False) -> ExperimentResult:
     """Run (or resume) every arm of `recipe` (or the `arms` subset: a list or "a,b"), write the
     reports into `out` (default: recipe.default_out(), runs/<name>). The reports cover every arm
     finished in `out`: those run now and those an earlier call finished there (with other `arms`).
@@ -289,13 +382,16 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     ...}), here and in everything the run calls.
 
     stop: a StopFlag; once set (Ctrl-C, SIGTERM, or a caller) the running arm checkpoints and Interrupted is
-    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
+    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step.
+    force: an `out` that holds a run of another recipe (or one on another pretraining: refused
+    otherwise) is replaced, its finished arms too, when it holds nothing but what a run writes; the
+    same recipe's run is resumed, force or not (a finished arm is deterministic: delete its folder to run it again)."""
     with using_option_names(option_labels(EXPERIMENT_OPTIONS, option_names) | EVAL_WINDOW_KEYS):
-        return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step)
+        return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step, force)
 
 
 # The options run_experiment's messages name, as option_names renames them.
-EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
+EXPERIMENT_OPTIONS = ("arms", "out", "overrides", "force")
 # The evaluation's text and window options (diff_models' parameters, _eval_windows) by the recipe
 # keys they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
 # than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens, and `the
@@ -305,8 +401,9 @@ EVAL_WINDOW_KEYS = {"data": "data.eval", "max_length": "data.eval_max_length", "
                     "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
-def _checked_arguments(recipe, out, arms, overrides, on_step) -> tuple[Path, Recipe, list[str]]:
+def _checked_arguments(recipe, out, arms, overrides, on_step, force) -> tuple[Path, Recipe, list[str]]:
     """run_experiment's arguments checked: OUT as a path, the recipe read, the arms selected."""
+    require_bool("force", force)
     if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
         recipe = load_recipe(recipe, overrides)
     elif overrides:
@@ -321,15 +418,17 @@ def _checked_arguments(recipe, out, arms, overrides, on_step) -> tuple[Path, Rec
     return out, recipe, arms
 
 
-def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
+def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step,
+                    force) -> ExperimentResult:
     with contextlib.ExitStack() as held:
         if accelerator is None:
             held.enter_context(processes.joined())
         # Every process checks; the main one alone takes the locks and makes OUT. A refusal any of
         # them reaches is every one's (processes.together), before the run's first barrier.
         with processes.together():
-            out, recipe, arms = _checked_arguments(recipe, out, arms, overrides, on_step)
-            run = _checked_run(recipe, out, arms, held, progress=progress, plot=plot, accelerator=accelerator)
+            out, recipe, arms = _checked_arguments(recipe, out, arms, overrides, on_step, force)
+            run = _checked_run(recipe, out, arms, held, progress=progress, plot=plot, accelerator=accelerator,
+                               force=force)
         return _run(recipe, out, arms, *run, progress=progress, stop=stop, plot=plot, on_step=on_step)
 
 
@@ -363,7 +462,7 @@ def _is_main_process(accelerator) -> bool:
 
 
 def _checked_run(recipe: Recipe, out: Path, arms: list[str], held: contextlib.ExitStack, *, progress, plot,
-                 accelerator) -> tuple:
+                 accelerator, force) -> tuple:
     """What can be checked before OUT is made, OUT locked and made (its lock, the pretraining's and
     OUT's removal if the run fails before writing there go into `held`), the Accelerator made:
     _run's arguments after `arms`."""
@@ -372,10 +471,10 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], held: contextlib.Ex
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
-    _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests)
-    if recipe.pretrain is not None:
-        _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
-                                                  digests[recipe.pretrain.text]))
+    replacing = _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests, force)
+    if recipe.pretrain is not None and not replacing:
+        replacing = _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
+                                                              digests[recipe.pretrain.text]), force)
     _warn_if_not_held_out(recipe, arms, digests)
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
@@ -425,30 +524,32 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], held: contextlib.Ex
     # An arm left part-trained by a run with another process count is refused now, not after the
     # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
     # result.json records the count, and the summary says which arms ran on which.)
-    for arm in arms:
+    for arm in arms if not replacing else ():  # (a replaced run's checkpoints go)
         arm_dir = out / "arms" / arm
         if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
             check_resumable(arm_dir / "state", accelerator.num_processes, arm)
-    return loaded, texts, train_ids, digests, accelerator, pretraining
+    return loaded, texts, train_ids, digests, accelerator, pretraining, replacing
 
 
-def _check_same_pretraining(out: Path, entry: Path) -> None:
+def _check_same_pretraining(out: Path, entry: Path, force: bool = False) -> bool:
     """OUT's earlier arms (results.json's `model`) ran on the pretraining this run uses, `entry`, or
     the run is refused. The fingerprint does not tell: pretrain.mixed_precision "auto" is keyed by
     what it is on the machine (pretrain.cache_key), so an OUT made on a CPU and resumed on a GPU, or
     made on a GPU before "auto" was keyed so, pretrained anew, and its new arms were reported beside
     the earlier ones, each compared with another model's numbers. An OUT with no finished arm has
-    nothing to mix with."""
+    nothing to mix with. force: such an OUT is replaced (True returned), as _check_out replaces one."""
     try:  # only a guard: a results.json that cannot be read is rewritten by the run, as before
         recorded = jsonsafe.read(out / "results.json").get("model")
     except (OSError, ValueError, AttributeError):
-        return
+        return False
     if isinstance(recorded, str) and recorded and Path(recorded).name != entry.name:
-        n = option_labels(EXPERIMENT_OPTIONS)
+        if _replaceable(out, force, True):
+            return True
         raise NormswapError(f"{out} holds arms run on the pretrained model {recorded}, and this run's is "
                             f"{entry.name} (pretrain.mixed_precision \"auto\" is keyed by what it is on the "
                             f"machine): its arms would be reported beside them on other weights; remove {out} "
-                            f"or choose another {n['out']}")
+                            f"or choose another {option_labels(('out',))['out']}{_force_way(out, True)}")
+    return False
 
 
 def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, str]) -> None:
@@ -578,11 +679,12 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
 
 
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
-         digests: dict[str, str], accelerator, pretraining: contextlib.ExitStack, *, progress, stop, plot,
-         on_step) -> ExperimentResult:
+         digests: dict[str, str], accelerator, pretraining: contextlib.ExitStack, replacing: bool, *, progress,
+         stop, plot, on_step) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
     `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
-    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done).
+    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done);
+    `replacing`, whether OUT holds another run that force replaces (now that every check has passed).
     What the main process does alone is done together (processes.together): its failure is every process's."""
     from accelerate.utils import set_seed
 
@@ -591,6 +693,8 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
 
     with processes.together():
         if accelerator.is_main_process:
+            if replacing:
+                _replace_out(out)
             # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
             # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
             write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),

@@ -37,7 +37,7 @@ import torch
 
 from normswap import jsonsafe
 from normswap._env import launched_main
-from normswap.errors import EveryProcessError, NormswapError, one_line
+from normswap.errors import EveryProcessError, NormswapError, one_line, way_out
 from normswap.experiment import processes
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
@@ -441,6 +441,15 @@ def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
                             f"({one_line(e)}); lower {lower}") from None
 
 
+def _lower_lr(s: TrainSettings) -> str:
+    """What to do about a loss that is no longer finite: a lower learning rate, named as the recipe
+    names it, and (under run_experiment) force, since its OUT now holds a run of this one: the rerun
+    with another was refused as another recipe's, and the folder had to be removed by hand."""
+    way = way_out("force", True, "")
+    return f"lower {recipe_key(s, 'lr')} ({s.lr!r} now)" + (f", then run again with {way} to replace this run"
+                                                           if way else "")
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
@@ -550,8 +559,8 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             step_loss = accelerator.reduce(total / ga, reduction="mean").item()
             if not math.isfinite(step_loss):  # the reduced loss: every process stops here
-                raise EveryProcessError(f"{desc}: the training loss is {step_loss} at step {step + 1} "
-                                    "(lower the learning rate?)")
+                raise EveryProcessError(f"{desc}: the training loss is {step_loss} at step {step + 1}: "
+                                        f"{_lower_lr(settings)}")
             history.losses.append(step_loss)
             history.step = step + 1
             history.train_seconds = base_seconds + time.perf_counter() - started
