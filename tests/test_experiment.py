@@ -1501,6 +1501,76 @@ def test_an_out_whose_arms_ran_on_another_pretraining_is_refused(tmp_path, monke
     assert sorted(p.name for p in out.iterdir()) == ["recipe.json", *(["results.json"] if recorded else [])]
 
 
+def _another_run(out: Path, fingerprint: str) -> None:
+    """OUT as a run of `fingerprint` left it, its arms on the pretraining tiny-000000000000: every
+    kind of entry a run writes (reports, logs, a finished arm, a part-trained arm's checkpoint)."""
+    (out / "logs" / "tiny").mkdir(parents=True)
+    (out / "logs" / "tiny" / "events.out").write_bytes(b"event")
+    (out / "recipe.json").write_text(json.dumps({"fingerprint": fingerprint}))
+    (out / "results.json").write_text(json.dumps({"model": "<normswap cache>/pretrain/tiny-000000000000"}))
+    for name in ("results.csv", "summary.md", "curves.png"):
+        (out / name).write_text("report")
+    (out / "arms" / "original").mkdir(parents=True)
+    (out / "arms" / "original" / "result.json").write_text("{}")
+    (out / "arms" / "approx+ft" / "state" / "step-000002").mkdir(parents=True)
+    (out / "arms" / "approx+ft" / "state" / "step-000002" / "model.bin").write_bytes(b"weights")
+
+
+@pytest.mark.parametrize("order", ["by name", "reversed"])
+@pytest.mark.parametrize("other", ["recipe", "pretraining"])
+def test_a_kill_at_any_point_of_the_force_replacement_leaves_out_consistent(tmp_path, monkeypatch, other, order):
+    """--force empties OUT (runner._replace_out) before the run writes its own: a kill at any point
+    of it must leave what the next run either still refuses as another's, or runs on without a
+    finished arm of the replaced run. For OUT refused because its arms ran on another pretraining,
+    the evidence is results.json (recipe.json is this recipe's): removed while arms/ was left (as
+    the folder listed them), a kill there left the other pretraining's finished arms, and the next
+    run, without --force, resumed and reported them beside its own."""
+    import pathlib
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "approx+ft"])
+    recipe = load_recipe(path)
+    fingerprint = "another" if other == "recipe" else recipe.fingerprint()
+    listed = pathlib.Path.iterdir
+    for kill_at in range(1, 20):
+        out = tmp_path / f"out-{kill_at}"
+        out.mkdir()
+        _another_run(out, fingerprint)
+        removed = []
+
+        def removal(real):
+            def remove(p, *a, **k):
+                if len(removed) + 1 == kill_at:
+                    raise KeyboardInterrupt  # the kill, before this entry goes
+                removed.append(Path(p).name)
+                return real(p, *a, **k)
+            return remove
+
+        with monkeypatch.context() as m:
+            m.setattr(runner, "remove_tree", removal(runner.remove_tree))
+            m.setattr(pathlib.Path, "unlink", removal(pathlib.Path.unlink))
+            m.setattr(pathlib.Path, "iterdir", lambda self: iter(sorted(listed(self), reverse=order == "reversed")))
+            try:
+                runner._replace_out(out)
+            except KeyboardInterrupt:
+                pass
+            else:
+                assert not any(out.iterdir())
+                break
+        try:
+            run_experiment(path, out, progress=False)
+        except NormswapError as e:
+            assert f"{out} holds " in str(e), (kill_at, removed)
+        except pytest.fail.Exception:  # the run starts: a new one, or this recipe's with no arm to mix with
+            assert not list(out.glob("arms/*/result.json")), (kill_at, removed)
+    else:
+        pytest.fail("the replacement was never finished")
+
+
 def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
     """accelerate keeps one mixed precision per process: a second run_experiment with another
     finetune.mixed_precision was accelerate's ValueError ("restart your runtime completely"), an

@@ -279,9 +279,13 @@ def _some(names: list[str], most: int = 3) -> str:
 
 def _replace_out(out: Path) -> None:
     """Empty OUT, a run of another recipe that force replaces (_not_a_runs found nothing else in it).
-    recipe.json goes last: a kill on the way leaves a run that is still refused as another's (and
-    replaced again with force), not a folder of leftovers that no run claims."""
-    for p in sorted(out.iterdir(), key=lambda p: p.name == "recipe.json"):
+    What makes the next run refuse OUT goes last: arms/ first, results.json (the pretraining the
+    arms ran on, _check_same_pretraining) once they are gone, recipe.json at the end. A kill on the
+    way leaves a run that is still refused as another's (and replaced again with force), or one with
+    no finished arm: removed in the folder's order, results.json could go before arms/, and the
+    next run resumed the other pretraining's arms beside its own."""
+    last = ("arms", "", "results.json", "recipe.json")
+    for p in sorted(out.iterdir(), key=lambda p: last.index(p.name if p.name in last else "")):
         if p.is_dir() and not p.is_symlink():
             if error := remove_tree(p):
                 raise cannot_write(out, one_line(error))
