@@ -1571,6 +1571,33 @@ def test_a_kill_at_any_point_of_the_force_replacement_leaves_out_consistent(tmp_
         pytest.fail("the replacement was never finished")
 
 
+@pytest.mark.parametrize("where", ["summary.md", "results.json", "arms/original/result.json",
+                                   ".summary.md.abc.tmp"])
+def test_force_does_not_remove_a_folder_where_a_run_writes_a_file(tmp_path, monkeypatch, where):
+    """A run writes its reports and records as files: a folder of that name in OUT is not one it
+    wrote (a user's summary.md/ of notes, say). _not_a_runs took any entry by its name alone, so
+    --force removed such a folder, and what was in it, with the run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    out = tmp_path / "out"
+    out.mkdir()
+    _another_run(out, "another")
+    mine = out / where
+    if mine.exists():
+        mine.unlink()
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    before = _files(out)
+    with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds a run of another recipe and what no run "
+                                            rf"writes \({re.escape(where)}\): not replaced, even with force=True"):
+        run_experiment(path, out, progress=False, force=True)
+    assert _files(out) == before
+
+
 def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
     """accelerate keeps one mixed precision per process: a second run_experiment with another
     finetune.mixed_precision was accelerate's ValueError ("restart your runtime completely"), an

@@ -220,13 +220,15 @@ ARM_ENTRIES = (RESULT_FILE, "state")
 def _not_a_runs(out: Path) -> list[str]:
     """What in OUT a run does not write (RUN_ENTRIES; in arms/, folders named as arms holding
     ARM_ENTRIES; the temporary files fileio.replaced_atomically leaves when killed), as paths
-    relative to OUT: what force must not replace. A link where a run makes a folder is not its."""
+    relative to OUT: what force must not replace. A link where a run makes a folder is not its,
+    nor a folder where it writes a file (a user's summary.md/ of notes went with the run)."""
 
     def written(folder: Path, names: tuple[str, ...], folders: tuple[str, ...]) -> list[Path]:
         others = []
         for p in folder.iterdir():
             temporary = any(p.name.startswith(f".{sibling_name(n)}.") and p.name.endswith(".tmp") for n in names)
-            if (p.name not in names and not temporary) or (p.name in folders and (p.is_symlink() or not p.is_dir())):
+            a_folder = p.is_dir() and not p.is_symlink()
+            if (p.name not in names and not temporary) or a_folder != (p.name in folders):
                 others.append(p)
         return others
 
