@@ -1505,7 +1505,7 @@ def _another_run(out: Path, fingerprint: str) -> None:
     """OUT as a run of `fingerprint` left it, its arms on the pretraining tiny-000000000000: every
     kind of entry a run writes (reports, logs, a finished arm, a part-trained arm's checkpoint)."""
     (out / "logs" / "tiny").mkdir(parents=True)
-    (out / "logs" / "tiny" / "events.out").write_bytes(b"event")
+    (out / "logs" / "tiny" / "events.out.tfevents.1").write_bytes(b"event")
     (out / "recipe.json").write_text(json.dumps({"fingerprint": fingerprint}))
     (out / "results.json").write_text(json.dumps({"model": "<normswap cache>/pretrain/tiny-000000000000"}))
     for name in ("results.csv", "summary.md", "curves.png"):
@@ -1594,6 +1594,37 @@ def test_force_does_not_remove_a_folder_where_a_run_writes_a_file(tmp_path, monk
     before = _files(out)
     with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds a run of another recipe and what no run "
                                             rf"writes \({re.escape(where)}\): not replaced, even with force=True"):
+        run_experiment(path, out, progress=False, force=True)
+    assert _files(out) == before
+
+
+
+@pytest.mark.parametrize("where", ["logs/run.log", "logs/tiny/notes.txt", "logs/tiny/sub/"])
+def test_force_does_not_remove_a_users_file_in_logs(tmp_path, monkeypatch, where):
+    """logs/ is the tracker's (tensorboard's event files, logs/<name>/events.out.tfevents.*), and a
+    name a user may well give their own logs (a run's output redirected there): _not_a_runs took
+    everything under it as the run's, and --force removed a user's file there with the run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    out = tmp_path / "out"
+    out.mkdir()
+    _another_run(out, "another")
+    (out / "logs" / "tiny" / "events.out.tfevents.1795581047.vm.11083.0").write_bytes(b"event")
+    assert runner._not_a_runs(out) == []  # the tracker's files are the run's
+    mine = out / where
+    if where.endswith("/"):
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+    else:
+        mine.write_text("mine")
+    before = _files(out)
+    with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds a run of another recipe and what no run "
+                                            rf"writes \({re.escape(where.rstrip('/'))}\): not replaced, even with "
+                                            "force=True"):
         run_experiment(path, out, progress=False, force=True)
     assert _files(out) == before
 

@@ -215,6 +215,7 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, 
 # What a run writes in OUT (report.report_files, curves.png included), and in each arm's folder.
 RUN_ENTRIES = ("recipe.json", "results.json", "results.csv", "summary.md", "curves.png", "logs", "arms")
 ARM_ENTRIES = (RESULT_FILE, "state")
+TRACKER_FILES = "events.out.tfevents."  # what tensorboard's writer names its files in logs/<name>/
 
 
 def _not_a_runs(out: Path) -> list[str]:
@@ -244,6 +245,15 @@ def _not_a_runs(out: Path) -> list[str]:
                 others.append(arm_dir)
             else:
                 others += written(arm_dir, ARM_ENTRIES, ("state",))
+    if (out / "logs").is_dir() and not (out / "logs").is_symlink():
+        # The tracker's (tensorboard, the one a recipe can name): a folder per run name holding its
+        # event files. A user's own logs/ (a run's stdout redirected there) went with the run.
+        for run_dir in (out / "logs").iterdir():
+            if run_dir.is_symlink() or not run_dir.is_dir():
+                others.append(run_dir)
+            else:
+                others += [p for p in run_dir.iterdir()
+                           if not (p.name.startswith(TRACKER_FILES) and p.is_file() and not p.is_symlink())]
     return sorted(p.relative_to(out).as_posix() for p in others)
 
 
