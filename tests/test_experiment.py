@@ -2665,7 +2665,8 @@ def _two_ranks(args: list[str], env: dict, timeout: float = 180) -> list[tuple[i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["out locked", "pretraining locked", "another recipe in out", "record not written"])
+@pytest.mark.parametrize("case", ["out locked", "pretraining locked", "another recipe in out", "record not written",
+                                  "pretraining record malformed"])
 def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says_it(tmp_path, pretrained_dir,
                                                                                       case):
     """Under `accelerate launch` the main process alone takes OUT's lock and the pretraining's and writes
@@ -2677,7 +2678,7 @@ def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says
     out = tmp_path / "out"
     args = ["--out", str(out), "--no-progress"]
     fd = None
-    if case == "pretraining locked":
+    if case.startswith("pretraining"):
         from normswap.experiment import pretrain
 
         path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
@@ -2685,8 +2686,13 @@ def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says
         with pytest.MonkeyPatch.context() as m:
             m.setenv("NORMSWAP_CACHE", env["NORMSWAP_CACHE"])
             final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
-        fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
-        says = rf"another normswap run \(pid 4242\) is writing .*{final.name}; try again when it has finished"
+        if case == "pretraining locked":
+            fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
+            says = rf"another normswap run \(pid 4242\) is writing .*{final.name}; try again when it has finished"
+        else:  # read by every process once the run has begun
+            final.mkdir(parents=True)
+            (final / pretrain.INFO_FILE).write_text("[1, 2]")
+            says = rf".*{pretrain.INFO_FILE}: not a pretraining record .*; delete .* to pretrain again"
     else:
         path = model_recipe(tmp_path, pretrained_dir, ["original"])
         if case == "out locked":

@@ -242,8 +242,10 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
     from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name, text_digest)
-    if (final / INFO_FILE).is_file():
-        return final, _read_info(final)
+    with processes.together():  # every process reads a cached entry's record: its refusal said once
+        cached = _read_info(final) if (final / INFO_FILE).is_file() else None
+    if cached is not None:
+        return final, cached
     lock = contextlib.nullcontext()
     if accelerator.is_main_process:
         # Two experiments sharing a [pretrain] section (two --out folders, two terminals) would train

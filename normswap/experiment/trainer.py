@@ -484,7 +484,8 @@ def train(
     process for losses; evals on the main process)."""
     from normswap.progress import stderr_bar
 
-    resumed = check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
+    with processes.together():  # every process checks (an interrupted pretraining's): its refusal said once
+        resumed = check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
     state_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = LOSSES[loss]
     optimizer = build_optimizer(model, settings)
