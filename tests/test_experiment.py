@@ -1542,7 +1542,7 @@ def test_a_kill_at_any_point_of_the_force_replacement_leaves_out_consistent(tmp_
         _another_run(out, fingerprint)
         removed = []
 
-        def removal(real):
+        def removal(real, removed=removed, kill_at=kill_at):
             def remove(p, *a, **k):
                 if len(removed) + 1 == kill_at:
                     raise KeyboardInterrupt  # the kill, before this entry goes
