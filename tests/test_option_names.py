@@ -177,7 +177,7 @@ def test_what_force_cannot_replace_names_force_to_a_caller_that_has_it(tmp_path)
 
     for names in ({k: k for k in EXPERIMENT_OPTIONS}, {"arms": "--arms", "out": "--out", "overrides": "--set",
                                                        "force": "--force"}):
-        with using_option_names(names), pytest.raises(NormswapError) as e, pretrain._publishing(), \
+        with using_option_names(names), pytest.raises(NormswapError) as e, pretrain._using_cache_entry_names(), \
                 staged_dir(notes, replace=True):
             pass
         assert str(e.value).endswith("weights or normswap.json); refusing to replace it"), e.value
@@ -392,7 +392,8 @@ def test_each_helper_that_installs_names_has_a_name_of_its_own():
                     isinstance(r, ast.Return) and isinstance(r.value, ast.Call)
                     and getattr(r.value.func, "id", None) == "using_option_names" for r in ast.walk(node)):
                 installers.setdefault(node.name, []).append(path.name)
-    assert installers == {"_using_entry_point_names": ["api.py"], "_using_given_scoring_names": ["evaluate.py"]}
+    assert installers == {"_using_entry_point_names": ["api.py"], "_using_given_scoring_names": ["evaluate.py"],
+                          "_using_cache_entry_names": ["pretrain.py"]}
 
 
 def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):

@@ -322,7 +322,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
                 # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
                 warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
                               f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
-            with _publishing(), staged_dir(final, replace=True) as tmp:
+            with _using_cache_entry_names(), staged_dir(final, replace=True) as tmp:
                 model.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
                 (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
@@ -332,7 +332,7 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     return final, info
 
 
-def _publishing():
+def _using_cache_entry_names():
     """The option names while the cache entry is published: the entry is not OUT, and what
     staged_dir refuses to replace there the experiment's force does not replace either (its
     message said "even with --force", pointing at a flag that does nothing for it)."""
