@@ -1347,16 +1347,25 @@ def unused_tensors(model, unexpected, ref: str, stored: Path | None = None) -> t
     module no class of this config builds (a layer past the config's count; a q_norm of
     another architecture's checkpoint under a class without one)."""
     modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "")
+
+    def module_of(name: str):
+        # a bare base model's checkpoint (GPT2Model's h.0.attn.masked_bias under GPT2LMHeadModel):
+        # transformers loads it under the prefix and reports what it drops by the stored name
+        owner = name.rpartition(".")[0]
+        if (module := modules.get(owner)) is None and prefix and not owner.startswith(prefix + "."):
+            module = modules.get(f"{prefix}.{owner}" if owner else prefix)
+        return module
+
     refused, not_built, buffers = [], [], []
     obsolete = [name for name in unexpected if name.rpartition(".")[2] in OBSOLETE_BUFFERS
-                and (module := modules.get(name.rpartition(".")[0])) is not None
-                and not hasattr(module, name.rpartition(".")[2])]
+                and (module := module_of(name)) is not None and not hasattr(module, name.rpartition(".")[2])]
     # a tensor of another shape under the old buffer's name is not that buffer: a weight of the
     # model the checkpoint was saved from, which this class would run without
     scalars = {name for name, shape in _stored_shapes(stored, obsolete, model).items() if shape == []}
     for name in sorted(unexpected, key=_natural):
-        owner, _, leaf = name.rpartition(".")
-        module = modules.get(owner)
+        leaf = name.rpartition(".")[2]
+        module = module_of(name)
         if module is None:
             not_built.append(name)
         elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or name in scalars:
