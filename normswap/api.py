@@ -359,10 +359,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
         meta = _refuse_dropping_in_place(source, config)
+        _check_writable(target, folder=True)  # what check_out_target checks of an --out
     elif out is not None:
         target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
-        _check_writable(target, folder=True)
         if not in_place and target.parent.is_dir():
             # a second run for this --out is refused now, not after its load and proof; the save takes
             # the lock again (re-entrant), and for a deep new --out only then

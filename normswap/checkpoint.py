@@ -60,12 +60,14 @@ from normswap.errors import (
 from normswap.fileio import (
     LockHeld,
     cannot_make,
+    cannot_write,
     made_folders,
     path_lock,
     remove_tree,
     sibling_name,
     target_path,
     umask,
+    unwritable,
 )
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
@@ -319,8 +321,11 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
 
 def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
-    would destroy the model being read (`verb`: "patched", "converted"). source: the
-    loading.ModelSource the output is written from."""
+    would destroy the model being read (`verb`: "patched", "converted"), or cannot be done (a
+    read-only folder or filesystem: fileio.unwritable's reason, in cannot_write's words, before the
+    load). source: the loading.ModelSource the output is written from. The one check of an --out
+    for patch and convert: convert had none of the last, and its refusal came from the lock file
+    ("cannot create the lock file /ro/.out.normswap.lock: ...") where patch said "cannot write to"."""
     target = target_path(out)
     source_dir = source.path.resolve()
     name = option_labels(("out",))["out"]
@@ -333,6 +338,8 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
         raise NormswapError(f"{target} already exists; pass {_force()} to replace it")
+    if why := unwritable(target, folder=True):
+        raise cannot_write(target, why)
     return target
 
 
