@@ -308,6 +308,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         check_out_target,
         check_replaceable,
         parse_shard_size,
+        recover_beside,
         save_patched,
         target_lock,
     )
@@ -337,6 +338,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
+    if in_place and isinstance(model, str | os.PathLike) and str(model).strip():
+        # a run killed while publishing (no atomic exchange here) may have left the folder aside
+        recover_beside(Path(model).expanduser().resolve())
     source = resolve(model, progress=progress)
     target = None
     if in_place:

@@ -15,8 +15,9 @@ Safety protocol (every step can be killed and the target still holds a loadable 
      --in-place) an existing target is swapped in one atomic exchange (Linux
      renameat2(RENAME_EXCHANGE), macOS renamex_np(RENAME_SWAP)), after which the old tree, now at
      the hidden name, is removed. Elsewhere the fallback is two renames (target aside, new into
-     place): a kill between them leaves the complete old checkpoint at the hidden `.NAME.old-*`
-     name, never a partial one.
+     place): a kill between them leaves the complete old checkpoint at the hidden
+     `.NAME.normswap-old-PID-*` name, never a partial one, and the next run on that target puts it
+     back (recover_interrupted_publish).
 A kill leaves at worst a stale hidden directory beside the target (the next run on that target
 removes it: every run makes its own under the target's lock, so the holder knows any other is a dead run's), never a broken target.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import glob
 import os
 import re
 import signal
@@ -147,12 +149,20 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         _remove_old_tree(tmp, target)  # tmp now holds the old tree
         return
     # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
-    # `target` is missing, but the complete old tree is at `aside` the whole time.
-    aside = Path(tempfile.mkdtemp(prefix=f".{sibling_name(target.name)}.old-", dir=target.parent))
+    # `target` is missing, but the complete old tree is at `aside` the whole time. The aside's name
+    # is normswap's own (_aside_prefix), so that the next run on this target recognises it
+    # (recover_interrupted_publish: put back where the target is missing, else removed); once the
+    # new tree is in place the old one moves to the staging folder's free name, where the exchange
+    # leaves it, so that a kill during its removal leaves a staging folder (remove_stale_staging's),
+    # never a part of a tree under the aside's name, which the next run could put back.
+    aside = Path(tempfile.mkdtemp(prefix=f"{_aside_prefix(target)}{os.getpid()}-", dir=target.parent))
     os.rmdir(aside)
     os.replace(target, aside)
+    _kill_point("fallback-aside")
     os.replace(tmp, target)
-    _remove_old_tree(aside, target)
+    _kill_point("fallback-published")
+    os.replace(aside, tmp)
+    _remove_old_tree(tmp, target)
 
 
 def _remove_old_tree(old: Path, target: Path) -> None:
@@ -334,6 +344,7 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
         raise NormswapError(f"{name} {target} contains the model being {verb}; write elsewhere")
+    recover_beside(target)  # before the target is judged: it may be a killed run's, moved aside
     # What --force could not replace either is refused with its reason, not with a hint to --force
     check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
@@ -369,6 +380,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
             raise cannot_make(target, e) from None
         with target_lock(target):
             try:
+                recover_interrupted_publish(target)
                 remove_stale_staging(target)
                 tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
             except OSError as e:
@@ -412,6 +424,62 @@ def _staging_prefix(target: Path) -> str:
     return f".{sibling_name(target.name)}.normswap-"
 
 
+def _aside_prefix(target: Path) -> str:
+    """The name publish_dir's fallback moves the old tree to, PID-XXXXXXXX after it (never a staging
+    folder's name: those are PID-XXXXXXXX right after _staging_prefix)."""
+    return f"{_staging_prefix(target)}old-"
+
+
+def _ours_beside(target: Path, prefix: str) -> list[Path]:
+    """The folders beside `target` named `prefix` + PID-XXXXXXXX, as mkdtemp names this module's:
+    not another target's whose name starts alike (target "m.normswap-1-x" stages in
+    ".m.normswap-1-x.normswap-PID-...", under its own lock), nor a link. The prefix is matched as
+    text (a target named "m[1]" was a glob pattern matching "m1" instead: its staging folders were
+    never found)."""
+    found = []
+    for p in target.parent.glob(glob.escape(prefix) + "*"):
+        if re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) and p.is_dir() and not p.is_symlink():
+            found.append(p)
+    return sorted(found)
+
+
+def recover_beside(target: Path) -> None:
+    """recover_interrupted_publish under the target's lock (which no publishing run holds then),
+    where a killed run left anything to recover; before a command judges its target (there, or
+    not there): check_out_target, patch --in-place."""
+    if _ours_beside(target, _aside_prefix(target)):
+        with target_lock(target):
+            recover_interrupted_publish(target)
+
+
+def recover_interrupted_publish(target: Path) -> list[Path]:
+    """Called with the target's lock held (under it no other run is publishing): what a run killed
+    in publish_dir's fallback (no atomic exchange) left beside `target`, the old tree under
+    _aside_prefix. Where the target is missing (killed between the two renames) the old tree is
+    complete (it only ever moves whole, and is removed under another name): it is put back, with a
+    warning, the target as it was before that run. Where the target is there (killed after the new
+    tree went in), it is the replaced tree, and removed. Returns what was put back or removed.
+    Names of an older normswap's fallback (".NAME.old-XXXXXXXX") are left alone: nothing in them
+    tells them from a user's backup named alike (".model.old-20240101")."""
+    asides = _ours_beside(target, _aside_prefix(target))
+    if not asides:
+        return []
+    if not os.path.lexists(target):
+        back = max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))  # the last moved aside
+        rename_noreplace(back, target)
+        asides.remove(back)
+        warnings.warn(f"{target} was missing: a normswap run killed while replacing it had left it at {back}; "
+                      "it is back in place", stacklevel=2)
+    for p in asides:
+        # under a staging folder's name first: a kill during the removal leaves no part of a tree
+        # under the aside's name, which a later run finding the target gone would put back
+        gone = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=target.parent))
+        os.rmdir(gone)
+        os.replace(p, gone)
+        _remove_old_tree(gone, target)
+    return asides
+
+
 def remove_stale_staging(target: Path) -> list[Path]:
     """Remove the staging directories beside `target` that killed runs left: hidden, named after the
     target and the pid of the run that made it. Called with the target's lock held (staged_dir): every
@@ -420,12 +488,8 @@ def remove_stale_staging(target: Path) -> list[Path]:
     every run is pid 1 (or the same small pid), so a run the OOM killer ended had the pid of the
     next, alive, and its model-sized folder was kept for good, one more for every such kill."""
     removed = []
-    prefix = _staging_prefix(target)
-    for p in target.parent.glob(prefix + "*"):
-        # PID-XXXXXXXX, as staged_dir's mkdtemp names it: not another target's whose name starts alike
-        # (target "m.normswap-1-x" stages in ".m.normswap-1-x.normswap-PID-...", under its own lock)
-        if not re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) or not p.is_dir() or p.is_symlink() \
-                or p in _OUR_STAGING:
+    for p in _ours_beside(target, _staging_prefix(target)):
+        if p in _OUR_STAGING:
             continue
         remove_tree(p)
         removed.append(p)

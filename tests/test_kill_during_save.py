@@ -120,3 +120,62 @@ def test_sigterm_cleans_up_like_ctrl_c(model_dir, stage):
     assert sorted(q.name for q in d.iterdir()) == names
     _assert_loadable_and_unchanged_output(d, want)
     assert [q.name for q in d.parent.iterdir()] == [d.name]  # no staging directory, no lock file
+
+
+# `normswap patch --in-place` where the OS offers no atomic exchange (publish_dir's fallback: the
+# target renamed aside, the new tree renamed in), as on a filesystem without renameat2's exchange.
+_NO_EXCHANGE = ("import runpy, sys\nfrom normswap import checkpoint\ncheckpoint.exchange_dirs = lambda a, b: False\n"
+                "sys.argv = ['normswap', *sys.argv[1:]]\nrunpy.run_module('normswap', run_name='__main__')")
+
+
+def _fallback_cmd(d: Path) -> list[str]:
+    return [sys.executable, "-c", _NO_EXCHANGE, *_cmd(d)[3:]]
+
+
+@pytest.mark.parametrize("stage, published", [("fallback-aside", False), ("fallback-published", True)])
+def test_a_kill_in_the_fallback_publish_is_recovered_by_the_next_run(model_dir, stage, published):
+    """Killed between the fallback's two renames, the run left the target missing and the whole old
+    checkpoint at a hidden `.NAME.old-XXXXXXXX`, which nothing ever removed or put back (a
+    model-sized copy, and the model gone from its own path); killed after them, the old tree stayed
+    there for good. The aside is named as normswap's own now: the next run puts a missing target
+    back (said in a warning) or removes the replaced tree, and finishes with only the target left."""
+    d, want, names = model_dir
+    p = subprocess.run(_fallback_cmd(d), env=_env(stage), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-2000:])
+    left = sorted(q.name for q in d.parent.iterdir() if q.name != d.name)
+    assert any(".normswap-old-" in n for n in left), left
+    assert d.exists() == published
+    p = subprocess.run(_fallback_cmd(d), env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("it is back in place" in p.stderr) == (not published), p.stderr[-2000:]
+    assert (d / MANIFEST_NAME).is_file()
+    _assert_loadable_and_unchanged_output(d, want)
+    assert [q.name for q in d.parent.iterdir()] == [d.name]
+
+
+def test_only_normswaps_own_asides_are_recovered(tmp_path):
+    """What the recovery touches is named as publish_dir's fallback names it, beside that target:
+    a user's backup named like an older normswap's aside (".model.old-20240101"), another target's
+    folder, a link, are left alone; a target whose name is a glob pattern ("m[1]") finds its own."""
+    from normswap import checkpoint
+
+    target = tmp_path / "m[1]"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    mine = tmp_path / ".m[1].normswap-old-77-abcd_123"
+    mine.mkdir()
+    (mine / "f").write_text("old")
+    kept = [tmp_path / ".m[1].old-20240101", tmp_path / ".m1.normswap-old-77-abcd_123",
+            tmp_path / ".m[1].normswap-old-77-abcd_123.x", tmp_path / ".m[1].normswap-old-x-1"]
+    for k in kept:
+        k.mkdir()
+    (tmp_path / ".m[1].normswap-old-78-link").symlink_to(mine)
+    with checkpoint.target_lock(target):
+        assert checkpoint.recover_interrupted_publish(target) == [mine]
+    assert not mine.exists() and all(k.is_dir() for k in kept)
+    assert (tmp_path / ".m[1].normswap-old-78-link").is_symlink() and target.is_dir()
+    # the target missing: the aside is put back, with a warning
+    target.rename(mine)
+    with pytest.warns(UserWarning, match="it is back in place"), checkpoint.target_lock(target):
+        checkpoint.recover_interrupted_publish(target)
+    assert (target / "config.json").is_file() and not mine.exists()
