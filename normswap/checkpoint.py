@@ -32,15 +32,12 @@ directory itself is exchanged and a lock inside would move with the old tree.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import glob
 import os
 import re
 import signal
 import stat
-import sys
 import tempfile
 import threading
 import warnings
@@ -63,9 +60,11 @@ from normswap.fileio import (
     LockHeld,
     cannot_make,
     cannot_write,
+    exchange_dirs,
     made_folders,
     path_lock,
     remove_tree,
+    rename_noreplace,
     sibling_name,
     target_path,
     umask,
@@ -74,11 +73,6 @@ from normswap.fileio import (
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
 
-RENAME_NOREPLACE = 1  # linux/fs.h
-RENAME_EXCHANGE = 2
-RENAME_SWAP = 2  # macOS sys/stdio.h
-RENAME_EXCL = 4
-
 
 def _kill_point(stage: str) -> None:
     """Test hook: NORMSWAP_TEST_KILL_AT=<stage> makes the process SIGKILL itself right here (or send
@@ -86,48 +80,6 @@ def _kill_point(stage: str) -> None:
     of the protocol, not only random instants."""
     if os.environ.get("NORMSWAP_TEST_KILL_AT") == stage:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("NORMSWAP_TEST_KILL_SIGNAL", "KILL")))
-
-
-def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:
-    """rename(a, b) with renameat2/renamex_np flags. False when the OS or filesystem offers no such
-    call; an OSError (FileExistsError for a target that must not be replaced) when it failed."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fa, fb = os.fsencode(str(a)), os.fsencode(str(b))
-    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
-        AT_FDCWD = -100
-        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, linux_flag)
-    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
-        rc = libc.renamex_np(fa, fb, macos_flag)
-    else:
-        return False
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel or a filesystem without it
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries. False when the OS offers no way to do it."""
-    return _rename_with_flags(a, b, RENAME_EXCHANGE, RENAME_SWAP)
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Move `src` to `dst` only if nothing is at `dst`; FileExistsError otherwise. Where the OS has
-    no such call, plain rename(2) stands in: for directories it fails on a non-empty target, so the
-    most it can replace is an empty directory (never another run's result or a user's files)."""
-    try:
-        if _rename_with_flags(src, dst, RENAME_NOREPLACE, RENAME_EXCL):
-            return
-        os.rename(src, dst)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
-            raise FileExistsError(e.errno, "already exists", str(dst)) from None
-        raise
 
 
 def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool = False) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from normswap import jsonsafe
+from normswap import fileio, jsonsafe
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import (
     BadInputError,
@@ -257,7 +257,9 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             if target.exists() and not _converted(target):  # a half-made directory from an older normswap
-                _remove_half_made(target)
+                if _swap_in(tmp, target):
+                    bar.update(1)
+                    return target
             try:
                 os.rename(tmp, target)  # fails on a folder with files: never replaces another run's copy
             except OSError as e:
@@ -273,14 +275,41 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
     return target
 
 
+def _swap_in(tmp: Path, target: Path) -> bool:
+    """Publish the finished copy `tmp` over the half-made `target` an older normswap left, where the
+    OS swaps two folders in one step (fileio.exchange_dirs): True when `target` holds a whole copy
+    now (what stood there is at `tmp`, for the caller to remove). Between this run's look and the
+    swap another first use (a cache without locks) may have published its copy there: swapped
+    back, that copy stays, as a rename never replaces one; the target held this run's identical
+    copy in between, never nothing. False: no such swap here, or nothing at `target` any more (the
+    caller's rename publishes); the half-made folder then goes through _remove_half_made."""
+    try:
+        swapped = fileio.exchange_dirs(tmp, target)
+    except FileNotFoundError:  # another first use removed it meanwhile
+        return False
+    if not swapped:
+        _remove_half_made(target)
+        return False
+    if _converted(tmp):  # another run's copy, published since the look: it may be reading it
+        with contextlib.suppress(OSError):  # moved again meanwhile: this run's copy stays, the same model
+            fileio.exchange_dirs(tmp, target)
+    return True
+
+
 def _remove_half_made(target: Path) -> None:
     """Remove the half-made `target` an older normswap left (it converted into the cache entry
-    itself). Without the conversion lock (a cache on a file system without locks) two first uses
+    itself), where the OS has no swap of two folders (_swap_in's way). Without the conversion lock
+    (a cache on a file system without locks) two first uses
     can find it at once: removed by an rmtree each, the one whose walk the other's removal overtook
     failed (FileNotFoundError), and an rmtree begun just after the other had published its copy
     there removed that copy under it. It is moved aside first, into a folder of this run's own (a
     rename is atomic: one run moves it, the other finds it gone), and what was moved is looked at
-    again: a copy another run published between this run's look and its rename is put back."""
+    again: a copy another run published between this run's look and its rename is put back.
+    Between that rename and the one putting it back (microseconds: a stat of two files) the entry
+    is missing: the other run, had it begun reading its copy in that instant, fails with a missing
+    file and may be run again; no copy is lost (put back, or this run's published). Only here: an
+    older normswap's half-made folder, a cache without locks, two first uses at once, and the
+    other's publish inside this run's look and rename, on a system without the swap."""
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # swept as a killed run's
     # Into the folder, under a name not there: Windows renames onto no folder, not even an empty one.
     moved = aside / target.name

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import save_tiny
 
-from normswap import loading
+from normswap import fileio, loading
 from normswap.errors import NormswapError
 
 
@@ -1586,10 +1586,56 @@ def test_a_half_made_folder_is_set_aside_where_a_rename_replaces_no_folder(tiny_
     tiny_builtin.mkdir(parents=True)
     (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
     monkeypatch.setattr(os, "rename", windows_rename)
+    monkeypatch.setattr(fileio, "exchange_dirs", lambda a, b: False)  # nor does Windows swap two folders
     monkeypatch.setattr(loading, "_load_gguf", load)
     monkeypatch.setattr(loading, "_converted", another_run_publishes_as_this_one_looks)
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and real_converted(tiny_builtin)
     assert (tiny_builtin / "in-use").is_file() == published
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_the_cache_entry_is_never_missing_while_a_half_made_folder_is_replaced(tiny_builtin, monkeypatch,
+                                                                                published):
+    """_remove_half_made moved the cache entry aside, looked at what it moved, and put back a copy
+    another first use had published since this run's look: between the two renames the entry was
+    missing, and the other run, reading its copy then, failed. Where the OS swaps two folders in
+    one step the half-made folder is swapped for this run's finished copy, and a copy published
+    meanwhile swapped back: every look after this run's first sees a whole copy at the entry."""
+    import errno
+    import fcntl
+    import shutil
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks")))
+    tiny_builtin.mkdir(parents=True)
+    (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
+    real_load, real_converted = loading._load_gguf, loading._converted
+    loaded, seen = [], []
+
+    def load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def looked_at(target):
+        if loaded and target == tiny_builtin and not seen:
+            seen.append("this run's look")
+            if published:  # another first use publishes its copy as this run looks
+                shutil.rmtree(tiny_builtin)
+                copy = tiny_builtin.parent / ".tiny-builtin.other"
+                loaded[0][0].save_pretrained(copy)
+                (copy / "in-use").write_text("the other run reads this copy")
+                copy.rename(tiny_builtin)
+            return False  # what this run saw: the half-made folder
+        if seen:  # any later look: what a reader of the entry would find at that instant
+            seen.append(real_converted(tiny_builtin))
+        return real_converted(target)
+
+    monkeypatch.setattr(loading, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_converted", looked_at)
+    with pytest.warns(UserWarning, match="without the lock"):
+        assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert seen[0] == "this run's look" and len(seen) > 1 and all(seen[1:]), seen
+    assert real_converted(tiny_builtin) and (tiny_builtin / "in-use").is_file() == published
     assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
 
 
