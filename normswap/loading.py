@@ -55,9 +55,14 @@ class ModelSource:
     ref: str  # what the user typed
     path: Path  # a directory holding config.json (or the .gguf's directory)
     gguf_file: str | None = None  # file name inside `path` when loading from GGUF
-    # The .gguf's parse (gguf.GGUFReader), by file version (_stat_key), for the later reads of
-    # this source up to its weights' (_gguf_parse).
+    # The .gguf's parse (gguf.GGUFReader, its metadata in memory: _detached), by file version
+    # (_stat_key), for the later reads of this source up to its weights' (_gguf_parse), or to the
+    # end of a gguf_parse_held block, whose holds these are.
     _parsed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _holds: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+    # The tokenizer a .gguf's metadata makes (or the NormswapError it ended in), by file version:
+    # read once, as the parse it comes from (load_tokenizer)
+    _tokenizer: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def from_pretrained_kwargs(self) -> dict:
@@ -824,8 +829,10 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
             model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
     finally:
         # the parse is let go once the weights are in: held on, it would weigh on the rest of the
-        # command (160 MB of arrays for SmolLM2-135M, and the file's pages the load touched)
-        source._parsed.clear()
+        # command (160 MB of arrays for SmolLM2-135M), unless a caller holds it for a read to come
+        # (gguf_parse_held: convert's second load)
+        if not source._holds:
+            source._parsed.clear()
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
@@ -1002,13 +1009,15 @@ def _gguf_blocks(reader) -> tuple[str, int | None, dict[str, dict[int, int]]]:
 
 
 def _gguf_parse(source: ModelSource, keep: bool = True):
-    """The parse of source's .gguf (gguf.GGUFReader), made once per file version and kept with
-    `source` until its weights are loaded (load_model lets it go). A parse takes 1.5-2 s for
-    SmolLM2-135M (its tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB
-    while held), and a command made up to four: transformers' for the config, the tokenizer and
-    the weights, and the block check's. keep=False: the parse held is used, but one made is not
-    kept (a read that may come after the weights: patch --out's tokenizer, which would otherwise
-    hold it through the rest of the command). A file replaced or edited in between is parsed again."""
+    """The parse of source's .gguf (gguf.GGUFReader, its metadata moved into memory: _detached),
+    made once per file version and kept with `source` until its weights are loaded (load_model
+    lets it go; gguf_parse_held keeps it longer). A parse takes 1.5-2 s for SmolLM2-135M (its
+    tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB while held), and a
+    command made up to four: transformers' for the config, the tokenizer and the weights, and the
+    block check's. keep=False: the parse held is used, but one made is not kept (a read that may
+    come after the weights, which would otherwise hold it through the rest of the command). A
+    file replaced or edited in between is parsed again. The parse kept maps no file: each read
+    that asks gguf for a reader gets one mapping the file for that read alone (_attached)."""
     # the class itself, from its module: _gguf_parsed_once stands in for the package's name
     from gguf.gguf_reader import GGUFReader
 
@@ -1016,11 +1025,79 @@ def _gguf_parse(source: ModelSource, keep: bool = True):
     version = _stat_key(path)
     if version in source._parsed:
         return source._parsed[version]
-    parsed = GGUFReader(path)
+    parsed = _detached(GGUFReader(path))
     if keep:
         source._parsed.clear()  # an older version's, not to be held beside the new one
         source._parsed[version] = parsed
     return parsed
+
+
+def _detached(reader):
+    """`reader` (a gguf.GGUFReader) holding no mapping of its file: the metadata's bytes (the file
+    up to its tensor data: 1.8 MB for SmolLM2-135M) copied into memory and every field's parts
+    (and each tensor's shape and info) made views of that copy; the tensors keep their names and
+    types, not their data. Kept, a parse held the whole file mapped from the config's read to the
+    end of the weights' (the whole command, for one that loads none: scan), which on Windows
+    keeps the file from being replaced or removed. _attached maps it again for a read. A reader
+    of another layout (a gguf release whose parse holds what this does not know) is returned as
+    it is: mapped, as before."""
+    import numpy as np
+
+    try:
+        data = reader.data
+        head = np.array(data[:reader.data_offset])
+        base = data.ctypes.data
+
+        def moved(part):
+            return np.ndarray(part.shape, part.dtype, buffer=head, offset=part.ctypes.data - base,
+                              strides=part.strides)
+
+        fields = [*reader.fields.values(), *(t.field for t in reader.tensors)]
+        parts = [[moved(part) for part in field.parts] for field in fields]
+    except Exception:  # noqa: BLE001  (another layout: kept as gguf made it)
+        return reader
+    for field, new in zip(fields, parts, strict=True):
+        field.parts[:] = new
+    reader.tensors = [t._replace(shape=t.field.parts[3], data=None) for t in reader.tensors]
+    reader.data = head
+    return reader
+
+
+def _attached(parsed, path: Path):
+    """A reader for one read of the file `path`, sharing `parsed`'s metadata (_detached): the file
+    mapped anew, its tensors' data views of that mapping, all let go with the reader when the read
+    ends. A parse kept mapped (another gguf layout) is handed out as it is; one that cannot be
+    attached (gguf's internals moved) is made anew, as gguf makes it."""
+    import copy
+
+    import numpy as np
+
+    if parsed.tensors and parsed.tensors[0].data is not None:
+        return parsed
+    try:
+        reader = copy.copy(parsed)
+        reader.data = np.memmap(path, mode="r")
+        reader._build_tensors(parsed.data_offset, [t.field for t in parsed.tensors])
+        return reader
+    except Exception:  # noqa: BLE001
+        from gguf.gguf_reader import GGUFReader
+
+        return GGUFReader(path)
+
+
+@contextlib.contextmanager
+def gguf_parse_held(source: ModelSource):
+    """Every read of source's .gguf in the block served by one parse (_gguf_parse), the weights'
+    too, however many times (convert loads the original twice: to convert, then to verify, and
+    reads its tokenizer between them), and let go at the block's end, not when a load's weights
+    are in. A folder's source: nothing to hold."""
+    source._holds.append(None)
+    try:
+        yield
+    finally:
+        source._holds.pop()
+        if not source._holds:
+            source._parsed.clear()
 
 
 # The reads of a .gguf under way in this thread (context): (the file, resolved; its source; keep)
@@ -1039,7 +1116,7 @@ def _gguf_reader_stand_in(path, mode="r", *args, **kwargs):
         asked = Path(path).resolve()
         for own, source, keep in reversed(_GGUF_READS.get()):
             if asked == own:
-                return _gguf_parse(source, keep)
+                return _attached(_gguf_parse(source, keep), asked)
     real = _gguf_reader_found
     if real is None:  # taken as gguf's name just before the last read ended and put it back
         from gguf.gguf_reader import GGUFReader as real
@@ -1636,7 +1713,29 @@ def _layers_past_the_config(model, unexpected: list[str], missing: list[str]) ->
 
 def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = None):
     """The model's tokenizer. A GGUF's is a stage of `progress` (normswap.progress.bar): transformers
-    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
+    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time.
+    A GGUF's is made once per file version and kept with the source (its failure too), so that a
+    read after the weights (patch --out writes it out) takes it from the one read before them
+    (api.patch_checkpoint reads it there, while the config's parse is held) and parses nothing."""
+    if source.gguf_file:
+        try:
+            version = _stat_key(source.path / source.gguf_file)
+        except OSError:  # gone since it was resolved: the read names it
+            return _read_tokenizer(source, progress)
+        if version not in source._tokenizer:
+            source._tokenizer.clear()
+            try:
+                source._tokenizer[version] = _read_tokenizer(source, progress)
+            except NormswapError as e:
+                source._tokenizer[version] = e
+        made = source._tokenizer[version]
+        if isinstance(made, NormswapError):
+            raise NormswapError(str(made)) from None
+        return made
+    return _read_tokenizer(source, progress)
+
+
+def _read_tokenizer(source: ModelSource, progress):
     from transformers import AutoTokenizer
 
     try:
