@@ -32,6 +32,7 @@ directory itself is exchanged and a lock inside would move with the old tree.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
@@ -398,9 +399,12 @@ def _ours_beside(target: Path, prefix: str) -> list[Path]:
 def recover_beside(target: Path) -> None:
     """recover_interrupted_publish under the target's lock (which no publishing run holds then),
     where a killed run left anything to recover; before a command judges its target (there, or
-    not there): check_out_target, patch --in-place."""
+    not there): check_out_target, patch --in-place. Where the lock cannot be taken (a run holding
+    it, which may be publishing; a read-only folder) nothing is recovered now: the holder's publish
+    ends, or the check that follows says why this run cannot write there (its line, not the lock
+    file's), and staged_dir recovers under the lock it then holds."""
     if _ours_beside(target, _aside_prefix(target)):
-        with target_lock(target):
+        with contextlib.suppress(NormswapError), target_lock(target):
             recover_interrupted_publish(target)
 
 

@@ -179,3 +179,36 @@ def test_only_normswaps_own_asides_are_recovered(tmp_path):
     with pytest.warns(UserWarning, match="it is back in place"), checkpoint.target_lock(target):
         checkpoint.recover_interrupted_publish(target)
     assert (target / "config.json").is_file() and not mine.exists()
+
+
+def test_an_aside_is_left_alone_while_another_run_holds_the_lock(tmp_path):
+    """recover_beside takes the target's lock: while another run holds it (it may be between the
+    fallback's two renames itself) nothing is touched and nothing is raised (the run's own lock,
+    later, says that another run is writing); once it is free, the target is put back."""
+    import threading
+
+    from normswap import checkpoint
+
+    target = tmp_path / "out"
+    aside = tmp_path / ".out.normswap-old-5-abcd1234"
+    aside.mkdir()
+    (aside / "config.json").write_text("{}")
+    held, release = threading.Event(), threading.Event()
+
+    def other_run():
+        with checkpoint.target_lock(target):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=other_run)
+    t.start()
+    try:
+        assert held.wait(30)
+        checkpoint.recover_beside(target)
+        assert aside.is_dir() and not target.exists()
+    finally:
+        release.set()
+        t.join(30)
+    with pytest.warns(UserWarning, match="it is back in place"):
+        checkpoint.recover_beside(target)
+    assert (target / "config.json").is_file() and not aside.exists()
