@@ -62,6 +62,7 @@ from normswap.fileio import (
     cannot_make,
     cannot_write,
     exchange_dirs,
+    link_to_nothing,
     made_folders,
     path_lock,
     remove_tree,
@@ -289,6 +290,7 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     load). source: the loading.ModelSource the output is written from. The one check of an --out
     for patch and convert: convert had none of the last, and its refusal came from the lock file
     ("cannot create the lock file /ro/.out.normswap.lock: ...") where patch said "cannot write to"."""
+    _recover_through_link(out)
     target = target_path(out)
     source_dir = source.path.resolve()
     name = option_labels(("out",))["out"]
@@ -406,6 +408,21 @@ def recover_beside(target: Path) -> None:
     if _ours_beside(target, _aside_prefix(target)):
         with contextlib.suppress(NormswapError), target_lock(target):
             recover_interrupted_publish(target)
+
+
+def _recover_through_link(out) -> None:
+    """recover_beside for an --out given as a link whose folder a run killed between publish_dir's
+    fallback renames left aside: the link leads to nothing then, and target_path refused it as
+    such before check_out_target's recovery, the old checkpoint left at its hidden name unsaid."""
+    if not isinstance(out, str | os.PathLike) or not str(out).strip():
+        return  # target_path says what is wrong with it
+    given = Path(out).expanduser()
+    try:
+        dangling = link_to_nothing(given) is not None
+    except OSError:  # a folder on the way this user may not enter: target_path says so
+        return
+    if dangling:
+        recover_beside(given.resolve())  # where the link leads, as target_path would resolve it
 
 
 def recover_interrupted_publish(target: Path) -> list[Path]:

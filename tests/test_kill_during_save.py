@@ -212,3 +212,23 @@ def test_an_aside_is_left_alone_while_another_run_holds_the_lock(tmp_path):
     with pytest.warns(UserWarning, match="it is back in place"):
         checkpoint.recover_beside(target)
     assert (target / "config.json").is_file() and not aside.exists()
+
+
+def test_a_kill_in_the_fallback_publish_through_an_out_link_is_recovered(tmp_path):
+    """--out a link to the folder: killed between the fallback's two renames, the folder is aside and
+    the link leads nowhere. The next run refused the link as one to nothing, before any recovery,
+    and the old checkpoint stayed at its hidden name without a word. It is put back through the
+    link now, and --force replaces it as asked; the link stays a link."""
+    src, real, link = tmp_path / "src", tmp_path / "real", tmp_path / "lnk"
+    save_tiny("llama", src)
+    save_tiny("llama", real)
+    link.symlink_to(real)
+    cmd = [sys.executable, "-c", _NO_EXCHANGE, "patch", str(src), "--impl", "reference", "--out", str(link), "--force"]
+    p = subprocess.run(cmd, env=_env("fallback-aside"), capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-2000:])
+    assert not real.exists() and any(".real.normswap-old-" in q.name for q in tmp_path.iterdir())
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "it is back in place" in p.stderr, p.stderr[-2000:]
+    assert link.is_symlink() and (real / MANIFEST_NAME).is_file()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["lnk", "real", "src"]
