@@ -425,6 +425,25 @@ def _recover_through_link(out) -> None:
         recover_beside(given.resolve())  # where the link leads, as target_path would resolve it
 
 
+def _last_moved(asides: list[Path]) -> Path:
+    return max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))
+
+
+def left_aside(target: str | os.PathLike) -> Path | None:
+    """Where a run killed between publish_dir's fallback renames left the missing `target` (what
+    recover_interrupted_publish would put back), or None: for the line of a command that only
+    reads it (scan, ppl, patch without --out), which said "no such file or directory" and not
+    where the model is; the recovery itself is a writing run's, under the target's lock."""
+    target = Path(target).expanduser().absolute()
+    if os.path.lexists(target):
+        return None
+    try:
+        asides = _ours_beside(target, _aside_prefix(target))
+        return _last_moved(asides) if asides else None
+    except OSError:  # an unreadable folder, or one moved meanwhile: the plain line stands
+        return None
+
+
 def recover_interrupted_publish(target: Path) -> list[Path]:
     """Called with the target's lock held (under it no other run is publishing): what a run killed
     in publish_dir's fallback (no atomic exchange) left beside `target`, the old tree under
@@ -438,7 +457,7 @@ def recover_interrupted_publish(target: Path) -> list[Path]:
     if not asides:
         return []
     if not os.path.lexists(target):
-        back = max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))  # the last moved aside
+        back = _last_moved(asides)
         rename_noreplace(back, target)
         asides.remove(back)
         warnings.warn(f"{target} was missing: a normswap run killed while replacing it had left it at {back}; "

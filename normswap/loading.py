@@ -157,6 +157,11 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
         return ModelSource(ref, builtin_model_dir(ref, progress))
     if os.path.lexists(p):  # there, but neither: "no such file or directory" named a path the user can see
         raise NormswapError(f"{ref}: {_not_a_file(p)}; pass a model directory or a .gguf file")
+    from normswap.checkpoint import left_aside  # (checkpoint sits above this module)
+
+    if (aside := left_aside(p)) is not None:
+        raise NormswapError(f"{ref}: no such file or directory: a normswap run killed while replacing it left it "
+                            f"at {aside}; the next patch or convert that writes {ref} puts it back")
     if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))

@@ -232,3 +232,23 @@ def test_a_kill_in_the_fallback_publish_through_an_out_link_is_recovered(tmp_pat
     assert "it is back in place" in p.stderr, p.stderr[-2000:]
     assert link.is_symlink() and (real / MANIFEST_NAME).is_file()
     assert sorted(q.name for q in tmp_path.iterdir()) == ["lnk", "real", "src"]
+
+
+def test_a_read_of_a_model_left_aside_says_where_it_is(tmp_path, monkeypatch):
+    """After a kill between the fallback's renames the model is missing from its path until a run
+    that writes it puts it back. A command that only reads it (scan, ppl, patch without --out) said
+    "no such file or directory, and not a hub id", not where the model was; it names the aside now.
+    A user's backup named like an older normswap's aside is no such thing."""
+    from normswap.errors import NormswapError
+    from normswap.loading import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / ".model.old-20240101").mkdir()
+    with pytest.raises(NormswapError, match=r"no such file or directory, and not a hub id"):
+        resolve(str(tmp_path / "runs" / "model"))
+    aside = tmp_path / "runs" / ".model.normswap-old-5-abcd1234"
+    aside.mkdir()
+    for ref in (str(tmp_path / "runs" / "model"), "runs/model"):  # the second would be read as a hub id
+        with pytest.raises(NormswapError, match=f"left it at {aside}; the next patch or convert that writes"):
+            resolve(ref)
