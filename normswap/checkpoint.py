@@ -450,26 +450,53 @@ def recover_interrupted_publish(target: Path) -> list[Path]:
     _aside_prefix. Where the target is missing (killed between the two renames) the old tree is
     complete (it only ever moves whole, and is removed under another name): it is put back, with a
     warning, the target as it was before that run. Where the target is there (killed after the new
-    tree went in), it is the replaced tree, and removed. Returns what was put back or removed.
+    tree went in), it is the replaced tree, and removed; unless that run's new tree never went in
+    (_unpublished): then it is what stood there, the target a new one, and it is moved in sight
+    (NAME.normswap-kept-*) with a warning. Returns what was put back or removed.
     Names of an older normswap's fallback (".NAME.old-XXXXXXXX") are left alone: nothing in them
     tells them from a user's backup named alike (".model.old-20240101")."""
     asides = _ours_beside(target, _aside_prefix(target))
     if not asides:
         return []
+    done = []
     if not os.path.lexists(target):
         back = _last_moved(asides)
         rename_noreplace(back, target)
         asides.remove(back)
+        done.append(back)
         warnings.warn(f"{target} was missing: a normswap run killed while replacing it had left it at {back}; "
                       "it is back in place", stacklevel=2)
     for p in asides:
+        if _unpublished(p, target) and any(p.iterdir()):  # (empty: killed before it moved the target there)
+            # out of the names this recovery reads, in sight: once that run's staging folder is swept
+            # nothing would tell it from a replaced tree, and the next run removed it
+            kept = Path(tempfile.mkdtemp(prefix=f"{sibling_name(target.name)}.normswap-kept-", dir=target.parent))
+            os.rmdir(kept)
+            rename_noreplace(p, kept)
+            warnings.warn(f"{kept} holds what stood at {target} before a normswap run killed while replacing it; "
+                          f"{target} was made anew since, so it is kept: remove it, or put it back yourself",
+                          stacklevel=2)
+            continue
         # under a staging folder's name first: a kill during the removal leaves no part of a tree
         # under the aside's name, which a later run finding the target gone would put back
         gone = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=target.parent))
         os.rmdir(gone)
         os.replace(p, gone)
         _remove_old_tree(gone, target)
-    return asides
+        done.append(p)
+    return done
+
+
+def _unpublished(aside: Path, target: Path) -> bool:
+    """Whether the run that moved `aside` there was killed before its new tree went in: its staging
+    folder (the same pid) is still beside the target. Under the target's lock none other can be:
+    every run sweeps the dead runs' staging folders before it makes its own, and recovers (here)
+    before it sweeps. The target standing there then is none of that run's: made since by someone
+    else (the user, finding the model gone, fetched it again), and the aside is the only copy of
+    what stood there, which the removal of "the replaced tree" destroyed without a word."""
+    pid = aside.name[len(_aside_prefix(target)):].partition("-")[0]
+    prefix = f"{_staging_prefix(target)}{pid}-"
+    return any(p.name.startswith(prefix) and p not in _OUR_STAGING for p in _ours_beside(target, _staging_prefix(target)))
 
 
 def remove_stale_staging(target: Path) -> list[Path]:

@@ -252,3 +252,30 @@ def test_a_read_of_a_model_left_aside_says_where_it_is(tmp_path, monkeypatch):
     for ref in (str(tmp_path / "runs" / "model"), "runs/model"):  # the second would be read as a hub id
         with pytest.raises(NormswapError, match=f"left it at {aside}; the next patch or convert that writes"):
             resolve(ref)
+
+
+def test_an_aside_whose_run_never_published_is_kept_when_the_target_was_made_anew(tmp_path):
+    """Killed between the fallback's renames, the run left the model aside and its new tree in its
+    staging folder. Where the target has been made anew since (the user, finding the model gone,
+    fetched one again), the next run took the aside for a replaced tree and removed it: the only
+    copy of what stood there, without a word. It is moved in sight now, with a warning, and kept
+    from then on; the killed run's staging folder is swept as before."""
+    from normswap import checkpoint
+
+    target = tmp_path / "model"
+    aside = tmp_path / ".model.normswap-old-4242-abcd1234"
+    staging = tmp_path / ".model.normswap-4242-efgh5678"  # that run's new tree, never published
+    for d, what in ((aside, "the user's model"), (staging, "the patched copy"), (target, "fetched again")):
+        d.mkdir()
+        (d / "weights").write_text(what)
+    with pytest.warns(UserWarning, match="so it is kept: remove it, or put it back yourself"), \
+            checkpoint.target_lock(target):
+        assert checkpoint.recover_interrupted_publish(target) == []
+        checkpoint.remove_stale_staging(target)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("model.normswap-kept-")]
+    assert len(kept) == 1 and (kept[0] / "weights").read_text() == "the user's model"
+    assert (target / "weights").read_text() == "fetched again"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model", kept[0].name])
+    with checkpoint.target_lock(target):  # the next run: nothing more to do, the kept copy stays
+        assert checkpoint.recover_interrupted_publish(target) == []
+    assert (kept[0] / "weights").is_file()
