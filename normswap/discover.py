@@ -10,7 +10,9 @@ own code reads the norm's output, followed through views, casts and pieces cut b
 (split, chunk, unbind: each piece is rows of the output). So a decoder layer that merely
 hands the tensor to its attention is not a reader, its q/k/v projections are; a layer that adds the
 norm's output to the residual stream (Gemma 2's post-norms, BLOOM's embedding norm) is; OUTPUT when
-the output leaves the model as is.
+the output leaves the model as is, or a sum of its rows scaled by constants does (AST's pooler,
+(y[:, 0] + y[:, 1]) / 2: nothing from outside the output enters it; a module reading such a sum
+is its reader).
 
 Whether a LayerNorm can become an RMSNorm exactly (discover, what `normswap convert` plans from),
 for every LayerNorm-like module:
@@ -397,9 +399,9 @@ def norm_readers(model: nn.Module, norm_paths: list[str],
                  tr: Trace | None = None) -> tuple[dict[str, list[str] | None] | None, str | None]:
     """({norm path: its readers}, a note or None), or (None, a note saying why they are unknown): for any
     norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
-    forward) in module order, after OUTPUT when the output leaves the model as is. A converted
-    LayerNorm folds into exactly these (discover's NormFinding.readers). A norm the forward never
-    ran but a tower's get_<x>_features did (Trace.more) has the readers seen there, OUTPUT written
+    forward) in module order, after OUTPUT when the output (or a sum of its rows) leaves the model
+    as is. A converted LayerNorm folds into exactly these (discover's NormFinding.readers). A norm
+    the forward never ran but a tower's get_<x>_features did (Trace.more) has the readers seen there, OUTPUT written
     as `<output of get_x_features>` (the method's output goes on into the model, where the trace
     did not follow it). A norm no trace ran has readers None, and the note names it: nobody saw its
     output, which is not the same as nobody reading it. `tr`: a trace of `model` already made (the
@@ -722,7 +724,10 @@ class _Analysis:
         leaves, found = False, set()
         for c in self.tr.calls.get(path, []):
             passed, uses = self.closure(c.outs[:1], through_adds=False)
-            leaves |= bool(passed & self.tr.output_keys)
+            # a sum of rows of the output (AST's pooler) is the output, as for the conversion
+            # (_readers): leaving the model it is <output>, its readers are the sum's
+            combined, uses = self._row_combinations(passed, uses)
+            leaves |= bool((passed | combined) & self.tr.output_keys)
             found |= {self.nodes[i].module for i, _k in uses}
         return [OUTPUT] * leaves + sorted(found, key=lambda q: self.order.get(q, len(self.order)))
 
@@ -890,8 +895,17 @@ class _Analysis:
         if f.category is not None:
             return
         passed, uses = self.closure([y], through_adds=False)
-        if passed & self.tr.output_keys:
+        combined, uses = self._row_combinations(passed, uses)
+        if (passed | combined) & self.tr.output_keys:
             f.readers.append((OUTPUT, None))
+        for i, k in uses:
+            if k in combined:
+                # γ and β can stay in the norm for a combination that leaves the model (its
+                # output is then exactly the original's), but a module reading it would need
+                # them folded through the combination's coefficients, which are not followed.
+                n = self.nodes[i]
+                f.refuse("nonlinear-reader", f"{n.op} in {n.module or '<model>'} reads a sum of rows of its output")
+                return
         readers: dict[str, str] = {}
         for i, k in uses:
             n = self.nodes[i]
@@ -914,6 +928,31 @@ class _Analysis:
                 return
             readers[n.module] = o
         f.readers += sorted(readers.items(), key=lambda r: self.order[r[0]])
+
+    def _row_combinations(self, passed: set, uses: list) -> tuple[set, list]:
+        """(values, other uses): the values that are sums of rows of the norm's output, scaled by
+        constants (AST's pooler: (y[:, 0] + y[:, 1]) / 2), with the uses of `passed` and of them
+        that are not such a sum. An add of two rows of the output is no residual add: nothing
+        from outside the output enters it, so it holds no stream a later norm would read."""
+        combined: set = set()
+        while True:
+            new, rest = [], []
+            for i, k in uses:
+                n = self.nodes[i]
+                ins = [a for a in n.ins[:2] if _is_key(a)]
+                rows_added = (n.op in ("add", "sub") and len(ins) == 2 and n.kw.get("alpha", 1) == 1
+                              and all(a in passed or a in combined for a in ins))
+                scaled = (n.op in ("mul", "div") and k in combined and n.ins[0] == k and len(n.ins) > 1
+                          and not _is_key(n.ins[1]))
+                if rows_added or scaled:
+                    new += [o for o in n.outs[:1] if o not in combined]
+                else:
+                    rest.append((i, k))
+            if not new:
+                return combined, rest
+            reached, more = self.closure(new, through_adds=False)
+            combined |= reached
+            uses = rest + more
 
     def _bakeable(self, p: str, f: NormFinding, found) -> bool:
         return (len(f.terms) == 1 and f.terms[0].kind == "embedding" and f.eps is not None and f.eps > 0
