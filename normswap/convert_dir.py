@@ -23,8 +23,9 @@ from normswap.verify import (
     ProbeConfig,
     check_reference_output,
     check_weights,
+    compare_outputs,
     logits_rtol,
-    model_output,
+    named_outputs,
     probe_batch,
 )
 
@@ -192,37 +193,48 @@ def verify_conversion(source, converted_dir: str | os.PathLike, manifest: dict, 
         batch = probe_batch(meta, ProbeConfig(batch=2, seq_len=32))
     original = loading.load_model(source, dtype=run_dtype, config=config, meta=meta)
     check_weights(original, str(source.ref))  # a NaN in the input is the input's, not the conversion's
-    compared, ref = model_output(original, batch, raw=True, every=True)
-    check_reference_output(compared, ref, f"{source.ref} (the original)")
+    ref = named_outputs(original, batch, raw=True)
+    for name, t in ref.items():
+        check_reference_output(name, t, f"{source.ref} (the original)")
     del original
     converted = loading.load_model(converted_source, dtype=run_dtype, config=conv_cfg)
-    got = model_output(converted, batch, raw=True, every=True)[1]
+    got = named_outputs(converted, batch, raw=True)
     zero_mean = check_zero_mean(converted, manifest, batch, raise_on_failure=False,
                                 stored_dtype=conv_dtype if isinstance(conv_dtype, torch.dtype) else None)
     _run_as_rms(converted, manifest)
-    got_rms = model_output(converted, batch, raw=True, every=True)[1]
-    scale = float(ref.abs().max()) or 1.0
-    err = float((got - ref).abs().max()) / scale
-    err_rms = float((got_rms - ref).abs().max()) / scale
+    got_rms = named_outputs(converted, batch, raw=True)
     tol = logits_rtol(conv_dtype if isinstance(conv_dtype, torch.dtype) else torch.float32)
     if run_dtype == torch.float32:
         tol = max(tol, 1e-4)
     # The RMS path runs normswap's modules with the reference backend: float64 stays float64, so
     # it is held to the same gate as the stock reload.
     tol_rms = tol
+    # The check patch runs too (verify.compare_outputs): each output against its own largest
+    # magnitude, a pooler's error on the pooler's scale, not on the hidden state's.
+    check, check_rms = compare_outputs(run_dtype, ref, got, tol), compare_outputs(run_dtype, ref, got_rms, tol_rms)
+    err, err_rms = check.max_rel_diff, check_rms.max_rel_diff
     # "probe": the main input's shape (ids, an image, a spectrogram, a waveform); "compared": the
     # outputs the errors are of ("logits", or every output of a model without: "last_hidden_state,
-    # pooler_output"), relative to their largest magnitude; the errors keep their older "logit" keys
+    # pooler_output"); each error is max|Δ| / max|value| of one output, the max_rel_logit_error
+    # keys (kept for scripts) the largest over them, "outputs" each one's
     result = {"probe": list(next(iter(batch.values())).shape), "compute_dtype": str(run_dtype).replace("torch.", ""),
-              "compared": compared,
+              "compared": check.kind,
               "max_rel_logit_error": err, "max_rel_logit_error_rms": err_rms, "tolerance": tol,
-              "tolerance_rms": tol_rms, "zero_mean": zero_mean,
-              "passed": err <= tol and err_rms <= tol_rms and zero_mean["passed"]}
+              "tolerance_rms": tol_rms,
+              "outputs": {name: {"max_rel_error": check.rel_diff(name), "max_rel_error_rms": check_rms.rel_diff(name)}
+                          for name in check.outputs},
+              "zero_mean": zero_mean,
+              "passed": check.passed and check_rms.passed and zero_mean["passed"]}
     if not zero_mean["passed"]:
         raise NormswapError(f"verification failed: {zero_mean_failure(zero_mean)}; nothing was written")
     if not result["passed"]:
+        bad = [n for n in check.outputs if not (check.outputs[n]["passed"] and check_rms.outputs[n]["passed"])]
+        worst = max(bad, key=lambda n: max(result["outputs"][n].values()))
+        o = result["outputs"][worst]
+        more = f" (and {', '.join(b for b in bad if b != worst)})" if len(bad) > 1 else ""
         raise NormswapError(
-            f"verification failed: the converted model's {compared} differ by {err:.3g} of their scale as LayerNorms "
-            f"(tolerance {tol:g}) and by {err_rms:.3g} as RMSNorms (tolerance {tol_rms:g}); nothing was written"
+            f"verification failed: the converted model's {worst}{more} differs by {o['max_rel_error']:.3g} of its own "
+            f"largest magnitude as LayerNorms (tolerance {tol:g}) and by {o['max_rel_error_rms']:.3g} as RMSNorms "
+            f"(tolerance {tol_rms:g}); nothing was written"
         )
     return result

@@ -890,8 +890,17 @@ class _Analysis:
         if f.category is not None:
             return
         passed, uses = self.closure([y], through_adds=False)
-        if passed & self.tr.output_keys:
+        combined, uses = self._row_combinations(passed, uses)
+        if (passed | combined) & self.tr.output_keys:
             f.readers.append((OUTPUT, None))
+        for i, k in uses:
+            if k in combined:
+                # γ and β can stay in the norm for a combination that leaves the model (its
+                # output is then exactly the original's), but a module reading it would need
+                # them folded through the combination's coefficients, which are not followed.
+                n = self.nodes[i]
+                f.refuse("nonlinear-reader", f"{n.op} in {n.module or '<model>'} reads a sum of rows of its output")
+                return
         readers: dict[str, str] = {}
         for i, k in uses:
             n = self.nodes[i]
@@ -914,6 +923,31 @@ class _Analysis:
                 return
             readers[n.module] = o
         f.readers += sorted(readers.items(), key=lambda r: self.order[r[0]])
+
+    def _row_combinations(self, passed: set, uses: list) -> tuple[set, list]:
+        """(values, other uses): the values that are sums of rows of the norm's output, scaled by
+        constants (AST's pooler: (y[:, 0] + y[:, 1]) / 2), with the uses of `passed` and of them
+        that are not such a sum. An add of two rows of the output is no residual add: nothing
+        from outside the output enters it, so it holds no stream a later norm would read."""
+        combined: set = set()
+        while True:
+            new, rest = [], []
+            for i, k in uses:
+                n = self.nodes[i]
+                ins = [a for a in n.ins[:2] if _is_key(a)]
+                rows_added = (n.op in ("add", "sub") and len(ins) == 2 and n.kw.get("alpha", 1) == 1
+                              and all(a in passed or a in combined for a in ins))
+                scaled = (n.op in ("mul", "div") and k in combined and n.ins[0] == k and len(n.ins) > 1
+                          and not _is_key(n.ins[1]))
+                if rows_added or scaled:
+                    new += [o for o in n.outs[:1] if o not in combined]
+                else:
+                    rest.append((i, k))
+            if not new:
+                return combined, rest
+            reached, more = self.closure(new, through_adds=False)
+            combined |= reached
+            uses = rest + more
 
     def _bakeable(self, p: str, f: NormFinding, found) -> bool:
         return (len(f.terms) == 1 and f.terms[0].kind == "embedding" and f.eps is not None and f.eps > 0

@@ -17,7 +17,7 @@ from torch import nn
 from normswap import fuse
 from normswap.errors import NormswapError, option_labels
 from normswap.modules import NormswapNorm, originals_in_place
-from normswap.verify import compare_outputs, model_dtype, model_output, probe_batch
+from normswap.verify import compare_outputs, model_dtype, model_output, named_outputs, probe_batch
 
 
 def _norm_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -107,12 +107,11 @@ def fuse_residual(model: nn.Module, *, pairs: dict[str, str] | None = None,
             raise NormswapError(f"{name}: no residual writers known or discovered for model_type "
                                 f"{model_type!r} (normswap/residual_writers.toml; discovery covers LayerNorm models)")
         pairs, report.unfused = discover(model, batch, writers)
-    before = model_output(model, batch)[1] if check else None
+    before = named_outputs(model, batch) if check else None
     enable(model, pairs)
     report.pairs = dict(pairs)
     if check:
-        kind, after = model_output(model, batch)
-        report.model_check = compare_outputs(kind, dtype or model_dtype(model), before, after)
+        report.model_check = compare_outputs(dtype or model_dtype(model), before, named_outputs(model, batch))
         if not report.model_check.passed:
             fuse.disable(model)
     return report

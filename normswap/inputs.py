@@ -85,6 +85,27 @@ def text_config(config):
         return get_text(encoder=True)
 
 
+def decoder_config(config):
+    """The config of an encoder-decoder's decoder side, which its decoder_input_ids index: the
+    config itself for most (T5, BART, Whisper share one vocabulary), the decoder's own where it
+    has one (MusicGen's decoder reads audio codes of its own vocabulary, not its text encoder's)."""
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            return get_text(decoder=True)
+        except (TypeError, ValueError):
+            pass
+    return config
+
+
+def codebooks(config) -> int:
+    """How many rows of ids make one sequence for a model of `config`: its num_codebooks where it
+    reads several parallel streams of codes per position (MusicGen's decoder takes them as
+    (batch x num_codebooks, length) rows), else 1."""
+    n = getattr(config, "num_codebooks", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def _token_setting(config, *names: str) -> int | None:
     """The first of `names` set to a positive whole number in the text config, else in the
     config, else in a sub-config (breadth first); None when none is. The token side goes first:
@@ -254,11 +275,14 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
             devices[0] if devices else torch.device("cpu")
     fdtype = _float_dtype(model)
 
-    def ids(n: int) -> torch.Tensor:
+    def ids(n: int, side=None) -> torch.Tensor:
+        # `side`: the config of the ids' own side (a decoder's, which may have its own vocabulary
+        # and read several codebooks per position); the token side's by default
+        rows = batch * codebooks(side if side is not None else text_config(config))
         if generator is None:
-            return torch.ones((batch, n), dtype=torch.long, device=device)
-        vocab = vocab_size(config)
-        return torch.randint(min(LOW_ID, vocab - 1), vocab, (batch, n), generator=generator).to(device)
+            return torch.ones((rows, n), dtype=torch.long, device=device)
+        vocab = (_token_setting(side, "vocab_size") if side is not None else None) or vocab_size(config)
+        return torch.randint(min(LOW_ID, vocab - 1), vocab, (rows, n), generator=generator).to(device)
 
     def floats(shape) -> torch.Tensor:
         if generator is None:
@@ -290,7 +314,7 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
         else:
             raise ValueError(f"cannot build the input {name!r}")
     if getattr(config, "is_encoder_decoder", False):
-        out["decoder_input_ids"] = ids(decoder_len or seq_len)
+        out["decoder_input_ids"] = ids(decoder_len or seq_len, decoder_config(config))
     if masks and "use_cache" in params:
         out["use_cache"] = False
     return out

@@ -41,8 +41,9 @@ from normswap.verify import (
     ModuleCheck,
     ProbeConfig,
     compare_outputs,
+    describe_model_check,
     model_dtype,
-    model_output,
+    named_outputs,
     probe_batch,
     verify_module,
 )
@@ -350,8 +351,9 @@ def patch(
         except NormswapError:  # not a token model (no config.vocab_size): per-module proof only
             batch = None
         if batch is not None:
-            kind, before = model_output(model, batch)
-            verify_mod.check_reference_output(kind, before)
+            before = named_outputs(model, batch)
+            for name, t in before.items():
+                verify_mod.check_reference_output(name, t)
 
     swapped: list[tuple[str, nn.Module]] = []
     step(progress, "patch", 0, len(todo))
@@ -368,8 +370,10 @@ def patch(
                     entry.reason = "; ".join(entry.check.failures)
             step(progress, "patch", len(swapped), len(todo))
         if before is not None:
-            kind, after = model_output(model, batch)
-            report.model_check = compare_outputs(kind, dtype, before, after)
+            # The outputs the conversion's verification compares too: the logits, or every
+            # output of a model without (a ViTModel's pooler reads its final norm), each on its
+            # own scale
+            report.model_check = compare_outputs(dtype, before, named_outputs(model, batch))
         if fuse_residual is not False and report.ok:
             report.fusion = _fuse(model, fuse_residual, batch, check_model, dtype)
     except BaseException:
@@ -437,11 +441,10 @@ def _failure_message(report: PatchReport) -> str:
     mc = report.model_check
     if report.fusion is not None and not report.fusion.ok:
         fc = report.fusion.model_check
-        return (f"the fused residual adds change the output beyond the dtype's rounding: max |Δ{fc.kind}| "
-                f"{fc.max_abs_diff:.3g} > {fc.rtol:g} x {fc.max_abs_value:.3g} against the unfused patch; "
-                "nothing was changed")
-    return (f"whole-model check failed with impl {report.impl}: max |Δ{mc.kind}| {mc.max_abs_diff:.3g} > "
-            f"{mc.rtol:g} x {mc.max_abs_value:.3g}; nothing was changed")
+        return (f"the fused residual adds change the output beyond the dtype's rounding: "
+                f"{describe_model_check(fc.to_dict(), failed=True)} against the unfused patch; nothing was changed")
+    return (f"whole-model check failed with impl {report.impl}: {describe_model_check(mc.to_dict(), failed=True)}; "
+            "nothing was changed")
 
 
 def _undo(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:

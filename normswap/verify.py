@@ -39,8 +39,11 @@ give the bias or zero, as normswap's kernels do. normswap keeps its kernels' fin
 difference in either direction does not fail the module but is recorded as a note naming the
 number of rows, shown in the patch table and its JSON, so it is reported, never silent.
 
-Whole model: logits (or the last hidden state) of the patched model against the original's on one
-probe batch, within a dtype-dependent fraction of the logits' magnitude.
+Whole model: the logits of the patched model against the original's on one probe batch (a model
+without logits: every floating-point output it returns, each by its name), within a dtype-dependent
+fraction of each output's own largest magnitude. Each output is judged on its own scale: a ViT's
+pooler output (a tanh, at most 1) measured against its last hidden state's scale (which a large
+final-norm weight can make hundreds) would let an error hundreds of times its own tolerance pass.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ ORIGINAL_ULPS = 8
 # How much larger the replacement's mean error may be than the original's (see the module doc):
 # faithful kernels measure <= 1.01, one extra rounding 1.35-1.8, a doubled eps 1.7.
 MEAN_RATIO = 1.25
-# Whole-model tolerance: max|Δlogits| <= rtol * max|logits|. One-ulp differences in a norm
+# Whole-model tolerance, per compared output: max|Δout| <= rtol * max|out| (the logits; each
+# output of a model without logits on its own scale). One-ulp differences in a norm
 # propagate through every later layer; these bound that growth with room, and are far below
 # what a wrong family (an offset applied twice, a dropped bias) produces. The conversion's
 # reload check uses the same gate: its weights are rounded once to the stored dtype.
@@ -120,13 +124,27 @@ class ModuleCheck:
 
 @dataclass
 class ModelCheck:
-    kind: str  # what was compared: "logits", "last_hidden_state", or the names of the outputs (model_output)
+    kind: str  # what was compared: "logits", or the names of the outputs ("last_hidden_state, pooler_output")
     dtype: str
-    max_abs_diff: float
-    max_abs_value: float
+    max_abs_diff: float  # of the output nearest its limit (all of them: `outputs`)
+    max_abs_value: float  # that output's largest magnitude: its limit is rtol * max_abs_value
     rtol: float
     argmax_agreement: float | None
-    passed: bool
+    passed: bool  # every output within rtol of its own largest magnitude
+    # name -> {"max_abs_diff", "max_abs_value", "passed"}: each output judged on its own scale
+    outputs: dict[str, dict] = field(default_factory=dict)
+
+    def rel_diff(self, name: str) -> float:
+        """One output's max|Δ| / its max|value|: how far into its limit (rtol) it is; a NaN
+        difference is past any limit (inf)."""
+        o = self.outputs[name]
+        d = o["max_abs_diff"]
+        return d / max(o["max_abs_value"], 1e-30) if math.isfinite(d) else math.inf
+
+    @property
+    def max_rel_diff(self) -> float:
+        """The largest rel_diff over the outputs (the conversion reports it)."""
+        return max(map(self.rel_diff, self.outputs), default=0.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -502,18 +520,19 @@ def _input_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def model_output(model: nn.Module, batch: dict, *, raw: bool = False, every: bool = False) -> tuple[str, torch.Tensor]:
-    """("logits", tensor) when the model has a head, else ("last_hidden_state", tensor): the one
-    forward pass every check and every score goes through. `batch` holds the forward's keyword
-    arguments (tensors are moved to the model's input device). With every=True (the conversion's
-    check: it changes weights that any output may read, as a ViT's pooler reads its final norm) a
-    model without logits gives every floating-point output, not its last hidden state alone; so
-    does a model with neither (CLIP: image-text logits, embeddings, each tower's states). Those
-    outputs come flattened into one tensor, and the kind names them in the model's order
-    ("last_hidden_state, pooler_output"): what was compared, for the reports.
+def named_outputs(model: nn.Module, batch: dict, *, raw: bool = False) -> dict[str, torch.Tensor]:
+    """What every whole-model check compares, from one forward pass: {"logits": tensor} when the
+    model has a head, else every floating-point output it returns, by name in the model's order
+    ({"last_hidden_state": ..., "pooler_output": ...} for a ViTModel; CLIP, with neither:
+    image-text logits, embeddings, each tower's states as "text_model_output.last_hidden_state").
+    Every output: the conversion changes weights that any output may read (a ViT's pooler reads
+    its final norm), and so may a patched norm. `batch` holds the forward's keyword arguments
+    (tensors are moved to the model's input device). A tuple or list (a layer-by-layer
+    hidden_states) is one output, its tensors flattened into one; a nested ModelOutput or dict is
+    named field by field.
 
-    The tensor comes back as float32 on the CPU (comparable across devices and dtypes), or with
-    raw=True as the model produced it (its dtype and device: scoring and float64 checks).
+    The tensors come back as float32 on the CPU (comparable across devices and dtypes), or with
+    raw=True as the model produced them (their dtype and device: scoring and float64 checks).
     Runs in eval mode (dropout would make two runs differ) and restores every module's own
     training flag afterwards: a model being fine-tuned stays in train mode."""
     device = _input_device(model)
@@ -526,23 +545,46 @@ def model_output(model: nn.Module, batch: dict, *, raw: bool = False, every: boo
     finally:
         for m, training in flags:
             m.training = training
-    for kind in ("logits",) if every else ("logits", "last_hidden_state"):
-        t = getattr(out, kind, None)
-        if t is not None:
-            return kind, t.detach() if raw else t.detach().float().cpu()
+    logits = getattr(out, "logits", None)
+    found = {"logits": logits} if isinstance(logits, torch.Tensor) else _floating_outputs(out)
+    if not found:
+        raise NormswapError(f"{type(model).__name__} returned neither logits nor any floating-point output")
+    return {name: t.detach() if raw else t.detach().float().cpu() for name, t in found.items()}
+
+
+def _floating_outputs(out, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The floating-point tensors of a forward's output by name (see named_outputs): the fields of
+    a ModelOutput or dict (nested ones as "outer.inner"), the items of a tuple the forward returns
+    as "0", "1", ...; any other nest (a tuple inside a field, a cache's tensors) flattened into one."""
     from normswap.discover import tensors_in
 
-    items = out.items() if isinstance(out, dict) else enumerate(out if isinstance(out, (list, tuple)) else (out,))
-    names, parts = [], []
+    if isinstance(out, dict) or hasattr(out, "to_tuple"):
+        items = out.items() if isinstance(out, dict) else enumerate(out.to_tuple())
+    elif isinstance(out, (list, tuple)) and not prefix:
+        items = enumerate(out)
+    else:
+        floats = [t.reshape(-1) if not isinstance(out, torch.Tensor) else t
+                  for t in tensors_in(out) if t.is_floating_point()]
+        if not floats:
+            return {}
+        return {prefix or "output": floats[0] if isinstance(out, torch.Tensor)
+                else torch.cat([f.to(floats[0].dtype) for f in floats])}
+    found: dict[str, torch.Tensor] = {}
     for name, value in items:
-        floats = [t.detach().reshape(-1) for t in tensors_in(value) if t.is_floating_point()]
-        if floats:
-            names.append(str(name))
-            parts += floats
-    if not parts:
-        raise NormswapError(f"{type(model).__name__} returned neither logits nor last_hidden_state")
-    t = torch.cat([p.to(parts[0].dtype) for p in parts])
-    return ", ".join(names), t if raw else t.float().cpu()
+        found.update(_floating_outputs(value, f"{prefix}.{name}" if prefix else str(name)))
+    return found
+
+
+def model_output(model: nn.Module, batch: dict, *, raw: bool = False) -> tuple[str, torch.Tensor]:
+    """named_outputs as one (kind, tensor): the kind names the outputs ("logits", or
+    "last_hidden_state, pooler_output"), the tensor is the one output as the model shaped it, or
+    several flattened into one (for checks bit for bit, and for scoring, which needs the logits)."""
+    found = named_outputs(model, batch, raw=raw)
+    if len(found) == 1:
+        [(kind, t)] = found.items()
+        return kind, t
+    parts = [t.reshape(-1) for t in found.values()]
+    return ", ".join(found), torch.cat([p.to(parts[0].dtype) for p in parts])
 
 
 def logits_rtol(dtype: torch.dtype) -> float:
@@ -550,15 +592,40 @@ def logits_rtol(dtype: torch.dtype) -> float:
     return LOGITS_RTOL.get(dtype, LOGITS_RTOL[torch.float32])
 
 
-def compare_outputs(kind: str, dtype: torch.dtype, before: torch.Tensor, after: torch.Tensor) -> ModelCheck:
-    rtol = logits_rtol(dtype)
-    diff = (after - before).abs().max().item() if before.numel() else 0.0
-    scale = before.abs().max().item() if before.numel() else 0.0
+def compare_outputs(dtype: torch.dtype, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+                    rtol: float | None = None) -> ModelCheck:
+    """Compare named_outputs of two runs, each output on its own scale: it passes when
+    max|after - before| <= rtol * max|before| (rtol: logits_rtol(dtype) unless given). The
+    ModelCheck's top-level numbers are those of the output nearest its limit."""
+    rtol = logits_rtol(dtype) if rtol is None else rtol
+    if list(after) != list(before):
+        raise NormswapError(f"the outputs differ: {', '.join(before)} before, {', '.join(after)} after")
+    outputs = {}
+    for name, b in before.items():
+        a = after[name]
+        if a.shape != b.shape:
+            raise NormswapError(f"{name}: shape {tuple(a.shape)} after, {tuple(b.shape)} before")
+        diff = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
+        scale = b.abs().max().item() if b.numel() else 0.0
+        outputs[name] = {"max_abs_diff": diff, "max_abs_value": scale,
+                         "passed": bool(math.isfinite(diff) and diff <= rtol * max(scale, 1e-30))}
     agree = None
-    if kind == "logits" and before.numel():
-        agree = (after.argmax(-1) == before.argmax(-1)).float().mean().item()
-    ok = bool(math.isfinite(diff) and diff <= rtol * max(scale, 1e-30))
-    return ModelCheck(kind, str(dtype).removeprefix("torch."), diff, scale, rtol, agree, ok)
+    if "logits" in before and before["logits"].numel():
+        agree = (after["logits"].argmax(-1) == before["logits"].argmax(-1)).float().mean().item()
+    check = ModelCheck(", ".join(before), str(dtype).removeprefix("torch."), 0.0, 0.0, rtol, agree,
+                       all(o["passed"] for o in outputs.values()), outputs)
+    if outputs:
+        worst = outputs[max(outputs, key=check.rel_diff)]
+        check.max_abs_diff, check.max_abs_value = worst["max_abs_diff"], worst["max_abs_value"]
+    return check
+
+
+def describe_model_check(mc: dict, failed: bool = False) -> str:
+    """Each compared output's largest difference and its limit (rtol x its own largest magnitude),
+    from a ModelCheck's dict: what the patch table prints; failed=True: the outputs over their
+    limit alone, what a failure says."""
+    return ", ".join(f"max |Δ{name}| {o['max_abs_diff']:.3g} (limit {mc['rtol']:g} x {o['max_abs_value']:.3g})"
+                     for name, o in mc["outputs"].items() if not (failed and o["passed"]))
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

@@ -169,7 +169,7 @@ SWEEP: dict[str, tuple[str, ...]] = {
 # an image, a spectrogram or a waveform) with LayerNorms, as SWEEP: traced on the inputs their
 # forward and config give (normswap.inputs), converted exactly where the graph allows.
 SWEEP_MODALITIES: dict[str, tuple[str, ...]] = {
-    'audio-spectrogram-transformer': ('converts', 'post-ln'),
+    'audio-spectrogram-transformer': ('converts',),
     'audioflamingo3_encoder': ('not-stream', 'uncenterable-term'),
     'beit': ('not-stream', 'stray-reader', 'uncenterable-term'),
     'blip-2': ('untraced',),

@@ -185,6 +185,78 @@ def test_a_text_model_keeps_its_probe_batch():
     assert torch.equal(batch["input_ids"], torch.randint(3, model.config.vocab_size, (2, 8), generator=g))
 
 
+def test_an_audio_transformer_whose_pooler_averages_two_rows_converts_exactly(tmp_path):
+    """AST's pooler is (y[:, 0] + y[:, 1]) / 2 of its final norm's output y: that add was taken for
+    a residual add (post-ln, "its output is added into the residual stream") and the norm was
+    refused, so ASTModel converted only with --partial. A sum of rows of the output that leaves
+    the model keeps γ and β in the norm (its output is the original's exactly): every norm
+    converts, and float64 outputs match on other random spectrograms. In ASTForAudioClassification
+    the average feeds the classifier's LayerNorm, which γ and β cannot be folded through: refused
+    as such (nonlinear-reader), not as a residual add."""
+    d = discover(_ast())
+    assert all(f.category is None for f in d.norms.values()), {p: f.reason for p, f in d.norms.items()}
+    assert d.norms["layernorm"].readers == [("<output>", None)]
+    path = _save(_ast(device="cpu").double(), tmp_path / "ast")
+    out = tmp_path / "ast-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out), "--dtype", "fp64", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert all(n["rms"] for n in doc["norms"]) and doc["verification"]["compute_dtype"] == "float64"
+    assert doc["verification"]["compared"] == "last_hidden_state, pooler_output" and doc["verification"]["passed"]
+    from transformers import ASTConfig, ASTForAudioClassification, ASTModel
+
+    spec = torch.randn((3, 24, 16), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        ref, got = (ASTModel.from_pretrained(p, dtype=torch.float64).eval()(input_values=spec) for p in (path, str(out)))
+    for name in ("last_hidden_state", "pooler_output"):
+        assert float((got[name] - ref[name]).abs().max() / ref[name].abs().max()) < 1e-12, name
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device("meta"):
+        head = discover(ASTForAudioClassification(config).eval())
+    final = head.norms["audio_spectrogram_transformer.layernorm"]
+    assert final.category == "nonlinear-reader" and "classifier.layernorm reads a sum of rows" in final.reason
+
+
+def _musicgen(device="meta", cls="MusicgenForConditionalGeneration"):
+    import transformers
+    from transformers import EncodecConfig, MusicgenConfig, T5Config
+    from transformers.models.musicgen.configuration_musicgen import MusicgenDecoderConfig
+
+    text = T5Config(vocab_size=99, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16)
+    audio = EncodecConfig(hidden_size=32, num_filters=4, codebook_size=64, codebook_dim=32, upsampling_ratios=[2, 2],
+                          num_residual_layers=1, target_bandwidths=[1.5], sampling_rate=8000)
+    decoder = MusicgenDecoderConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    ffn_dim=64, num_codebooks=2, max_position_embeddings=64, pad_token_id=64,
+                                    bos_token_id=64)
+    config = MusicgenConfig(text_encoder=text.to_dict(), audio_encoder=audio.to_dict(), decoder=decoder.to_dict())
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        return getattr(transformers, cls)(config.decoder if cls == "MusicgenForCausalLM" else config).eval()
+
+
+def test_musicgen_gets_decoder_codes_of_its_own_vocabulary_one_row_per_codebook(tmp_path):
+    """MusicGen's decoder reads audio codes, (batch x num_codebooks, length) of its own vocabulary
+    (64 here; its text encoder's is 99): fed (batch, length) ids of the text vocabulary, its trace
+    failed ("shape '[-1, 2, 4]' is invalid", every norm untraced) and `patch` ended in "internal
+    error: IndexError: index out of range in self". The decoder ids now come from the decoder's
+    config; the causal decoder alone gets its input_ids as codebook rows too."""
+    model = _musicgen()
+    tr = trace(model)
+    assert tr.error is None, tr.error
+    assert not any(f.category == "untraced" for p, f in discover(model, tr=tr).norms.items() if p.startswith("decoder."))
+    batch = probe_batch(_musicgen(device="cpu"))
+    assert _shapes(batch)["decoder_input_ids"] == (2 * 2, 4) and int(batch["decoder_input_ids"].max()) < 64
+    assert _shapes(batch)["input_ids"] == (2, 8) and int(batch["input_ids"].max()) >= 64  # the text vocabulary
+    assert trace(_musicgen(cls="MusicgenForCausalLM")).error is None
+    assert _shapes(probe_batch(_musicgen(device="cpu", cls="MusicgenForCausalLM"))) == {"input_ids": (2 * 2, 8)}
+    path = _save(_musicgen(device="cpu"), tmp_path / "musicgen")
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model_check"]["kind"] == "logits" and doc["model_check"]["passed"]
+    assert any(m["path"].startswith("decoder.") and m["status"] == "patched" for m in doc["modules"])
+
+
 def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
     """Fuyu's forward also takes image_patches (no config gives their shape): what they add into
     the text stream is unseen, so its text norms are refused, not converted on a text-only trace."""
@@ -255,7 +327,7 @@ def test_convert_of_a_model_without_logits_names_and_compares_every_output(tmp_p
     assert result.exit_code == 0, result.output
     [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("verified:")]
     assert line.startswith("verified: stock reload max |Δ| of the last_hidden_state, pooler_output = ") \
-        and "of their largest magnitude" in line and "logit" not in line, line
+        and "of each one's own largest magnitude" in line and "logit" not in line, line
     assert "logit" not in result.stderr, result.stderr  # its progress line neither
     from tests.tiny_models import save_tiny
 
@@ -287,8 +359,71 @@ def test_convert_verification_of_a_model_without_logits_covers_its_pooler(tmp_pa
     out = tmp_path / "vit-rms"
     result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
     assert result.exit_code == 2, result.output
-    assert "the converted model's last_hidden_state, pooler_output differ by" in result.stderr, result.output
+    assert "the converted model's pooler_output differs by" in result.stderr, result.output
     assert not out.exists()
+
+
+def _loud_vit(tmp_path):
+    """A ViTModel whose final norm's weight is ~100: its last hidden state reaches hundreds, its
+    pooler output (a tanh, its dense layer scaled down so that it does not saturate) stays below 1."""
+    model = _vit(device="cpu")
+    randomize_norms_and_biases(model, 0)
+    with torch.no_grad():
+        model.layernorm.weight.mul_(100)
+        model.pooler.dense.weight.div_(100)
+    model.save_pretrained(tmp_path / "vit")
+    return str(tmp_path / "vit")
+
+
+def test_convert_verification_judges_each_output_on_its_own_scale(tmp_path, monkeypatch):
+    """A conversion whose pooler bias moved by 0.005 passed: the pooler's error (~0.005 of its
+    own magnitude, 50x the fp32 tolerance) was measured against the last hidden state's scale
+    (hundreds). Each output is now held to the tolerance of its own largest magnitude: refused,
+    naming the pooler; the report gives each output's error."""
+    from safetensors.torch import load_file, save_file
+
+    from normswap import convert_dir
+
+    real = convert_dir.convert_directory
+    shift = {"by": 0.0}
+
+    def moves_the_pooler(source, out, *args, **kwargs):
+        section = real(source, out, *args, **kwargs)
+        tensors = load_file(out / "model.safetensors")
+        tensors["pooler.dense.bias"] = tensors["pooler.dense.bias"] + shift["by"]
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return section
+
+    monkeypatch.setattr(convert_dir, "convert_directory", moves_the_pooler)
+    path = _loud_vit(tmp_path)
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(tmp_path / "ok"), "--json"])
+    assert result.exit_code == 0, result.output
+    v = json.loads(result.stdout)["verification"]
+    assert set(v["outputs"]) == {"last_hidden_state", "pooler_output"}
+    assert v["max_rel_logit_error"] == max(o["max_rel_error"] for o in v["outputs"].values()) <= v["tolerance"]
+    shift["by"] = 0.005
+    out = tmp_path / "vit-rms"
+    result = CliRunner().invoke(cli, ["convert", path, "--to", "rms", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "the converted model's pooler_output differs by" in result.stderr, result.output
+    assert "of its own largest magnitude" in result.stderr and not out.exists()
+
+
+def test_patch_compares_every_output_of_a_model_without_logits(tmp_path):
+    """patch compared a ViTModel's last_hidden_state alone, while convert compared its pooler
+    output too: both now compare (and name) the same outputs, each on its own scale, through
+    verify.named_outputs and verify.compare_outputs."""
+    path = _loud_vit(tmp_path)
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--json"])
+    assert result.exit_code == 0, result.output
+    check = json.loads(result.stdout)["model_check"]
+    assert check["kind"] == "last_hidden_state, pooler_output" and check["passed"]
+    hidden, pooler = check["outputs"]["last_hidden_state"], check["outputs"]["pooler_output"]
+    assert hidden["max_abs_value"] > 100 and pooler["max_abs_value"] < 1  # each its own scale
+    result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch"])
+    assert result.exit_code == 0, result.output
+    [line] = [ln for ln in result.stdout.splitlines() if ln.startswith("whole model:")]
+    assert "max |Δlast_hidden_state|" in line and "max |Δpooler_output|" in line and line.endswith(": pass"), line
 
 
 def test_convert_verification_feeds_the_image(tmp_path, monkeypatch):
@@ -339,7 +474,7 @@ def test_patch_checks_a_vision_model_whole(tmp_path):
     result = CliRunner().invoke(cli, ["patch", path, "--impl", "torch", "--out", str(tmp_path / "p"), "--json"])
     assert result.exit_code == 0, result.output
     check = json.loads(result.stdout)["model_check"]
-    assert check["kind"] == "last_hidden_state" and check["passed"]
+    assert check["kind"] == "last_hidden_state, pooler_output" and check["passed"]
 
 
 @pytest.mark.parametrize("argv", [["ppl", "{m}", "--data", "{t}"], ["diff", "{m}", "{m}", "--data", "{t}"],

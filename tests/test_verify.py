@@ -252,10 +252,31 @@ def test_narrow_layer_norm_is_probed_on_rows_with_spread(width):
 
 def test_compare_outputs():
     a = torch.randn(2, 3, 10)
-    ok = compare_outputs("logits", torch.float32, a, a + 1e-7)
-    assert ok.passed and ok.argmax_agreement == 1.0
-    bad = compare_outputs("logits", torch.float32, a, a + 0.1)
+    ok = compare_outputs(torch.float32, {"logits": a}, {"logits": a + 1e-7})
+    assert ok.passed and ok.argmax_agreement == 1.0 and ok.kind == "logits"
+    bad = compare_outputs(torch.float32, {"logits": a}, {"logits": a + 0.1})
     assert not bad.passed
+
+
+def test_compare_outputs_judges_each_output_on_its_own_scale():
+    """A ViTModel's outputs: a last hidden state of magnitude ~100 (a large final-norm weight) and a
+    pooler output of at most 1 (a tanh). One scale for both (the largest) let the pooler be off by
+    50x its own tolerance; each output is now held to rtol of its own largest magnitude, and the
+    report names each one's numbers."""
+    g = torch.Generator().manual_seed(0)
+    hidden = 100 * torch.randn(2, 5, 8, generator=g)
+    pooler = torch.tanh(torch.randn(2, 8, generator=g))
+    before = {"last_hidden_state": hidden, "pooler_output": pooler}
+    off = 50 * 1e-4 * pooler.abs().max()  # 50x the pooler's fp32 limit, 1/2 of the hidden state's
+    check = compare_outputs(torch.float32, before, {"last_hidden_state": hidden, "pooler_output": pooler + off})
+    assert check.kind == "last_hidden_state, pooler_output"
+    assert not check.passed and not check.outputs["pooler_output"]["passed"]
+    assert check.outputs["last_hidden_state"]["passed"] and check.outputs["last_hidden_state"]["max_abs_diff"] == 0
+    assert check.max_abs_value == pytest.approx(float(pooler.abs().max()))  # the worst output's scale
+    assert check.rel_diff("pooler_output") == pytest.approx(50 * 1e-4, rel=1e-3)
+    # within every output's own limit: passes
+    near = {"last_hidden_state": hidden * (1 + 1e-5), "pooler_output": pooler * (1 + 1e-5)}
+    assert compare_outputs(torch.float32, before, near).passed
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -51,10 +51,11 @@ def _render(data: dict) -> None:
     v = data.get("verification")
     if v:
         # What the errors are of: the logits, or every output of a model without (a ViTModel's
-        # last_hidden_state and pooler_output), relative to their largest magnitude.
+        # last_hidden_state and pooler_output), each relative to its own largest magnitude (the
+        # largest of those errors is shown).
         err = f"{v['max_rel_logit_error']:.3g}"
         what = f"|Δlogit| = {err} of the logit scale" if v["compared"] == "logits" else \
-            f"|Δ| of the {v['compared']} = {err} of their largest magnitude"
+            f"|Δ| of the {v['compared']} = {err} of each one's own largest magnitude"
         console.print(
             f"verified: stock reload max {what} "
             f"(tolerance {v['tolerance']:g}); run as RMSNorms {v['max_rel_logit_error_rms']:.3g} "
