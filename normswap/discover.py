@@ -10,7 +10,9 @@ own code reads the norm's output, followed through views, casts and pieces cut b
 (split, chunk, unbind: each piece is rows of the output). So a decoder layer that merely
 hands the tensor to its attention is not a reader, its q/k/v projections are; a layer that adds the
 norm's output to the residual stream (Gemma 2's post-norms, BLOOM's embedding norm) is; OUTPUT when
-the output leaves the model as is.
+the output leaves the model as is, or a sum of its rows scaled by constants does (AST's pooler,
+(y[:, 0] + y[:, 1]) / 2: nothing from outside the output enters it; a module reading such a sum
+is its reader).
 
 Whether a LayerNorm can become an RMSNorm exactly (discover, what `normswap convert` plans from),
 for every LayerNorm-like module:
@@ -397,9 +399,9 @@ def norm_readers(model: nn.Module, norm_paths: list[str],
                  tr: Trace | None = None) -> tuple[dict[str, list[str] | None] | None, str | None]:
     """({norm path: its readers}, a note or None), or (None, a note saying why they are unknown): for any
     norm (RMS or layer), the modules whose own code reads its output ("" for the model's own
-    forward) in module order, after OUTPUT when the output leaves the model as is. A converted
-    LayerNorm folds into exactly these (discover's NormFinding.readers). A norm the forward never
-    ran but a tower's get_<x>_features did (Trace.more) has the readers seen there, OUTPUT written
+    forward) in module order, after OUTPUT when the output (or a sum of its rows) leaves the model
+    as is. A converted LayerNorm folds into exactly these (discover's NormFinding.readers). A norm
+    the forward never ran but a tower's get_<x>_features did (Trace.more) has the readers seen there, OUTPUT written
     as `<output of get_x_features>` (the method's output goes on into the model, where the trace
     did not follow it). A norm no trace ran has readers None, and the note names it: nobody saw its
     output, which is not the same as nobody reading it. `tr`: a trace of `model` already made (the
@@ -722,7 +724,10 @@ class _Analysis:
         leaves, found = False, set()
         for c in self.tr.calls.get(path, []):
             passed, uses = self.closure(c.outs[:1], through_adds=False)
-            leaves |= bool(passed & self.tr.output_keys)
+            # a sum of rows of the output (AST's pooler) is the output, as for the conversion
+            # (_readers): leaving the model it is <output>, its readers are the sum's
+            combined, uses = self._row_combinations(passed, uses)
+            leaves |= bool((passed | combined) & self.tr.output_keys)
             found |= {self.nodes[i].module for i, _k in uses}
         return [OUTPUT] * leaves + sorted(found, key=lambda q: self.order.get(q, len(self.order)))
 

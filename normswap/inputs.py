@@ -98,12 +98,19 @@ def decoder_config(config):
     return config
 
 
-def codebooks(config) -> int:
+def codebooks(config, model: nn.Module) -> int:
     """How many rows of ids make one sequence for a model of `config`: its num_codebooks where it
     reads several parallel streams of codes per position (MusicGen's decoder takes them as
-    (batch x num_codebooks, length) rows), else 1."""
+    (batch x num_codebooks, length) rows), else 1. A config's num_codebooks alone does not say so:
+    CSM, Moshi and Higgs Audio set one and read (batch, length) text ids (their codes come another
+    way); a model that looks each row up in a table of its own, one table per codebook (a list
+    of num_codebooks Embeddings), reads them as rows."""
     n = getattr(config, "num_codebooks", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        return 1
+    per_codebook = any(isinstance(m, nn.ModuleList) and len(m) == n and all(isinstance(e, nn.Embedding) for e in m)
+                       for m in model.modules())
+    return n if per_codebook else 1
 
 
 def _token_setting(config, *names: str) -> int | None:
@@ -278,7 +285,7 @@ def build(model: nn.Module, names: tuple[str, ...], fn: Callable | None = None, 
     def ids(n: int, side=None) -> torch.Tensor:
         # `side`: the config of the ids' own side (a decoder's, which may have its own vocabulary
         # and read several codebooks per position); the token side's by default
-        rows = batch * codebooks(side if side is not None else text_config(config))
+        rows = batch * codebooks(side if side is not None else text_config(config), model)
         if generator is None:
             return torch.ones((rows, n), dtype=torch.long, device=device)
         vocab = (_token_setting(side, "vocab_size") if side is not None else None) or vocab_size(config)

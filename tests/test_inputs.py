@@ -217,6 +217,25 @@ def test_an_audio_transformer_whose_pooler_averages_two_rows_converts_exactly(tm
     assert final.category == "nonlinear-reader" and "classifier.layernorm reads a sum of rows" in final.reason
 
 
+def test_scan_names_the_readers_convert_uses_for_a_sum_of_rows():
+    """scan listed AST's final norm as read by "<output>, <model>" (the model's own code adds two rows
+    of it into the pooler) while convert recorded "<output>" alone, though both are to be the same
+    readers: scan now follows a sum of rows as convert does, so it says "<output>" for ASTModel and,
+    for ASTForAudioClassification, names classifier.layernorm (which reads the average)."""
+    from transformers import ASTConfig, ASTForAudioClassification
+
+    from normswap.discover import norm_readers
+
+    model = _ast()
+    readers, note = norm_readers(model, ["layernorm"])
+    assert note is None and readers["layernorm"] == ["<output>"] == [r for r, _ in discover(model).norms["layernorm"].readers]
+    config = ASTConfig(**SIZES, patch_size=4, frequency_stride=4, time_stride=4, num_mel_bins=16, max_length=24)
+    with torch.device("meta"):
+        head = ASTForAudioClassification(config).eval()
+    final = "audio_spectrogram_transformer.layernorm"
+    assert norm_readers(head, [final])[0][final] == ["classifier.layernorm"]
+
+
 def _musicgen(device="meta", cls="MusicgenForConditionalGeneration"):
     import transformers
     from transformers import EncodecConfig, MusicgenConfig, T5Config
@@ -255,6 +274,21 @@ def test_musicgen_gets_decoder_codes_of_its_own_vocabulary_one_row_per_codebook(
     doc = json.loads(result.stdout)
     assert doc["model_check"]["kind"] == "logits" and doc["model_check"]["passed"]
     assert any(m["path"].startswith("decoder.") and m["status"] == "patched" for m in doc["modules"])
+
+
+@pytest.mark.parametrize("model_type,class_name,codebooks", [("csm", "CsmForConditionalGeneration", 32),
+                                                              ("moshi", "MoshiForCausalLM", 8)])
+def test_a_config_with_codebooks_whose_ids_are_text_keeps_one_row_per_sequence(model_type, class_name, codebooks):
+    """CSM and Moshi set num_codebooks too, but read (batch, length) text ids (their audio codes come
+    another way): they got batch x num_codebooks rows (64 for CSM's 32 codebooks), a probe batch and
+    a whole-model check that many times larger. Ids come as one row per codebook only where the
+    model looks each row up in a table of its own (MusicGen's decoder)."""
+    from tests.sweep_models import build
+
+    model = build(model_type, class_name)
+    assert inputs.setting(model.config, "num_codebooks") == codebooks
+    assert _shapes(probe_batch(model))["input_ids"] == (2, 8)
+    assert trace(model, towers=False).error is None
 
 
 def test_a_multimodal_lm_whose_image_is_not_fed_converts_no_text_norm():
