@@ -308,6 +308,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         check_out_target,
         check_replaceable,
         parse_shard_size,
+        recover_beside,
         save_patched,
         target_lock,
     )
@@ -317,6 +318,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         device_label,
         load_config,
         load_model,
+        load_tokenizer,
         parse_device,
         resolve,
         unused_tensors_of,
@@ -337,6 +339,9 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     device = parse_device(device)
     get_backend(impl)  # an unavailable implementation fails before the model is loaded
     torch_dtype = parse_dtype(dtype)
+    if in_place and isinstance(model, str | os.PathLike) and str(model).strip():
+        # a run killed while publishing (no atomic exchange here) may have left the folder aside
+        recover_beside(Path(model).expanduser().resolve())
     source = resolve(model, progress=progress)
     target = None
     if in_place:
@@ -359,10 +364,10 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
         meta = _refuse_dropping_in_place(source, config)
+        _check_writable(target, folder=True)  # what check_out_target checks of an --out
     elif out is not None:
         target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
-        _check_writable(target, folder=True)
         if not in_place and target.parent.is_dir():
             # a second run for this --out is refused now, not after its load and proof; the save takes
             # the lock again (re-entrant), and for a deep new --out only then
@@ -374,6 +379,11 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
         if not any(f.spec is not None and filter_fn(None, f.path) for f in walk.find_norms(meta, warn=False)):
             raise NormswapError(f"{n['only']}/{n['exclude']} leave no recognised norm to patch in {model}")
 
+    if out is not None and source.gguf_file:
+        # the tokenizer the output carries (carry_over writes it after the save), made now from the
+        # config's parse, which the load lets go: read after it, the file was parsed once more
+        with contextlib.suppress(NormswapError):  # none usable: the output carries none, as before
+            load_tokenizer(source)
     step(progress, "load", 0, 1)
     m = load_model(source, dtype=torch_dtype, device=device, config=config, meta=meta)
     del meta
@@ -507,7 +517,7 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
     from normswap.carry import real_folders
     from normswap.checkpoint import check_out_target, staged_dir
     from normswap.convert_dir import convert_directory, verify_conversion
-    from normswap.loading import build_meta_model, check_stored_tensors, load_config, resolve
+    from normswap.loading import build_meta_model, check_stored_tensors, gguf_parse_held, load_config, resolve
     from normswap.manifest import carried_record, new_manifest, read_manifest_if_any, write_manifest
     from normswap.plan import build_manifest, check_refusals, plan_conversion
 
@@ -534,7 +544,9 @@ def _convert_checkpoint(model, out, keep_gain, partial, dtype, force, progress) 
                      "conversion (run `normswap patch` on the output)")
     # Same staging and publishing as patch: a fresh directory beside the target, verified there,
     # then renamed into place (an existing one is exchanged atomically).
-    with staged_dir(target, replace=force, source=source) as tmp:
+    # the original's .gguf, if it is one, parsed once for all its reads: the load that converts,
+    # the tokenizer carried, the load the verification compares with (each had a parse of its own)
+    with gguf_parse_held(source), staged_dir(target, replace=force, source=source) as tmp:
         step(progress, "convert", 0, None)
         section = convert_directory(source, tmp, keep_gain=keep_gain, partial=partial, dtype=parse_dtype(dtype),
                                     progress=progress or False, config=config, manifest=False,

@@ -15,8 +15,9 @@ Safety protocol (every step can be killed and the target still holds a loadable 
      --in-place) an existing target is swapped in one atomic exchange (Linux
      renameat2(RENAME_EXCHANGE), macOS renamex_np(RENAME_SWAP)), after which the old tree, now at
      the hidden name, is removed. Elsewhere the fallback is two renames (target aside, new into
-     place): a kill between them leaves the complete old checkpoint at the hidden `.NAME.old-*`
-     name, never a partial one.
+     place): a kill between them leaves the complete old checkpoint at the hidden
+     `.NAME.normswap-old-PID-*` name, never a partial one, and the next run on that target puts it
+     back (recover_interrupted_publish).
 A kill leaves at worst a stale hidden directory beside the target (the next run on that target
 removes it: every run makes its own under the target's lock, so the holder knows any other is a dead run's), never a broken target.
 
@@ -31,14 +32,13 @@ directory itself is exchanged and a lock inside would move with the old tree.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import contextlib
 import errno
+import glob
 import os
 import re
 import signal
 import stat
-import sys
 import tempfile
 import threading
 import warnings
@@ -60,20 +60,20 @@ from normswap.errors import (
 from normswap.fileio import (
     LockHeld,
     cannot_make,
+    cannot_write,
+    exchange_dirs,
+    link_to_nothing,
     made_folders,
     path_lock,
     remove_tree,
+    rename_noreplace,
     sibling_name,
     target_path,
     umask,
+    unwritable,
 )
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
-
-RENAME_NOREPLACE = 1  # linux/fs.h
-RENAME_EXCHANGE = 2
-RENAME_SWAP = 2  # macOS sys/stdio.h
-RENAME_EXCL = 4
 
 
 def _kill_point(stage: str) -> None:
@@ -82,48 +82,6 @@ def _kill_point(stage: str) -> None:
     of the protocol, not only random instants."""
     if os.environ.get("NORMSWAP_TEST_KILL_AT") == stage:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("NORMSWAP_TEST_KILL_SIGNAL", "KILL")))
-
-
-def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:
-    """rename(a, b) with renameat2/renamex_np flags. False when the OS or filesystem offers no such
-    call; an OSError (FileExistsError for a target that must not be replaced) when it failed."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fa, fb = os.fsencode(str(a)), os.fsencode(str(b))
-    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
-        AT_FDCWD = -100
-        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, linux_flag)
-    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
-        rc = libc.renamex_np(fa, fb, macos_flag)
-    else:
-        return False
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel or a filesystem without it
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Atomically swap two directory entries. False when the OS offers no way to do it."""
-    return _rename_with_flags(a, b, RENAME_EXCHANGE, RENAME_SWAP)
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Move `src` to `dst` only if nothing is at `dst`; FileExistsError otherwise. Where the OS has
-    no such call, plain rename(2) stands in: for directories it fails on a non-empty target, so the
-    most it can replace is an empty directory (never another run's result or a user's files)."""
-    try:
-        if _rename_with_flags(src, dst, RENAME_NOREPLACE, RENAME_EXCL):
-            return
-        os.rename(src, dst)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
-            raise FileExistsError(e.errno, "already exists", str(dst)) from None
-        raise
 
 
 def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool = False) -> None:
@@ -145,12 +103,20 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         _remove_old_tree(tmp, target)  # tmp now holds the old tree
         return
     # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
-    # `target` is missing, but the complete old tree is at `aside` the whole time.
-    aside = Path(tempfile.mkdtemp(prefix=f".{sibling_name(target.name)}.old-", dir=target.parent))
+    # `target` is missing, but the complete old tree is at `aside` the whole time. The aside's name
+    # is normswap's own (_aside_prefix), so that the next run on this target recognises it
+    # (recover_interrupted_publish: put back where the target is missing, else removed); once the
+    # new tree is in place the old one moves to the staging folder's free name, where the exchange
+    # leaves it, so that a kill during its removal leaves a staging folder (remove_stale_staging's),
+    # never a part of a tree under the aside's name, which the next run could put back.
+    aside = Path(tempfile.mkdtemp(prefix=f"{_aside_prefix(target)}{os.getpid()}-", dir=target.parent))
     os.rmdir(aside)
     os.replace(target, aside)
+    _kill_point("fallback-aside")
     os.replace(tmp, target)
-    _remove_old_tree(aside, target)
+    _kill_point("fallback-published")
+    os.replace(aside, tmp)
+    _remove_old_tree(tmp, target)
 
 
 def _remove_old_tree(old: Path, target: Path) -> None:
@@ -319,8 +285,12 @@ def target_lock(target: str | os.PathLike) -> Iterator[None]:
 
 def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own_dir_hint: str) -> Path:
     """The resolved --out directory, or a one-line error when writing there would be refused or
-    would destroy the model being read (`verb`: "patched", "converted"). source: the
-    loading.ModelSource the output is written from."""
+    would destroy the model being read (`verb`: "patched", "converted"), or cannot be done (a
+    read-only folder or filesystem: fileio.unwritable's reason, in cannot_write's words, before the
+    load). source: the loading.ModelSource the output is written from. The one check of an --out
+    for patch and convert: convert had none of the last, and its refusal came from the lock file
+    ("cannot create the lock file /ro/.out.normswap.lock: ...") where patch said "cannot write to"."""
+    _recover_through_link(out)
     target = target_path(out)
     source_dir = source.path.resolve()
     name = option_labels(("out",))["out"]
@@ -329,10 +299,13 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     if source_dir.is_relative_to(target):
         # --force would replace `target`, and with it the model being read
         raise NormswapError(f"{name} {target} contains the model being {verb}; write elsewhere")
+    recover_beside(target)  # before the target is judged: it may be a killed run's, moved aside
     # What --force could not replace either is refused with its reason, not with a hint to --force
     check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
         raise NormswapError(f"{target} already exists; pass {_force()} to replace it")
+    if why := unwritable(target, folder=True):
+        raise cannot_write(target, why)
     return target
 
 
@@ -362,6 +335,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
             raise cannot_make(target, e) from None
         with target_lock(target):
             try:
+                recover_interrupted_publish(target)
                 remove_stale_staging(target)
                 tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
             except OSError as e:
@@ -405,6 +379,126 @@ def _staging_prefix(target: Path) -> str:
     return f".{sibling_name(target.name)}.normswap-"
 
 
+def _aside_prefix(target: Path) -> str:
+    """The name publish_dir's fallback moves the old tree to, PID-XXXXXXXX after it (never a staging
+    folder's name: those are PID-XXXXXXXX right after _staging_prefix)."""
+    return f"{_staging_prefix(target)}old-"
+
+
+def _ours_beside(target: Path, prefix: str) -> list[Path]:
+    """The folders beside `target` named `prefix` + PID-XXXXXXXX, as mkdtemp names this module's:
+    not another target's whose name starts alike (target "m.normswap-1-x" stages in
+    ".m.normswap-1-x.normswap-PID-...", under its own lock), nor a link. The prefix is matched as
+    text (a target named "m[1]" was a glob pattern matching "m1" instead: its staging folders were
+    never found)."""
+    found = []
+    for p in target.parent.glob(glob.escape(prefix) + "*"):
+        if re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) and p.is_dir() and not p.is_symlink():
+            found.append(p)
+    return sorted(found)
+
+
+def recover_beside(target: Path) -> None:
+    """recover_interrupted_publish under the target's lock (which no publishing run holds then),
+    where a killed run left anything to recover; before a command judges its target (there, or
+    not there): check_out_target, patch --in-place. Where the lock cannot be taken (a run holding
+    it, which may be publishing; a read-only folder) nothing is recovered now: the holder's publish
+    ends, or the check that follows says why this run cannot write there (its line, not the lock
+    file's), and staged_dir recovers under the lock it then holds."""
+    if _ours_beside(target, _aside_prefix(target)):
+        with contextlib.suppress(NormswapError), target_lock(target):
+            recover_interrupted_publish(target)
+
+
+def _recover_through_link(out) -> None:
+    """recover_beside for an --out given as a link whose folder a run killed between publish_dir's
+    fallback renames left aside: the link leads to nothing then, and target_path refused it as
+    such before check_out_target's recovery, the old checkpoint left at its hidden name unsaid."""
+    if not isinstance(out, str | os.PathLike) or not str(out).strip():
+        return  # target_path says what is wrong with it
+    given = Path(out).expanduser()
+    try:
+        dangling = link_to_nothing(given) is not None
+    except OSError:  # a folder on the way this user may not enter: target_path says so
+        return
+    if dangling:
+        recover_beside(given.resolve())  # where the link leads, as target_path would resolve it
+
+
+def _last_moved(asides: list[Path]) -> Path:
+    return max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))
+
+
+def left_aside(target: str | os.PathLike) -> Path | None:
+    """Where a run killed between publish_dir's fallback renames left the missing `target` (what
+    recover_interrupted_publish would put back), or None: for the line of a command that only
+    reads it (scan, ppl, patch without --out), which said "no such file or directory" and not
+    where the model is; the recovery itself is a writing run's, under the target's lock."""
+    target = Path(target).expanduser().absolute()
+    if os.path.lexists(target):
+        return None
+    try:
+        asides = _ours_beside(target, _aside_prefix(target))
+        return _last_moved(asides) if asides else None
+    except OSError:  # an unreadable folder, or one moved meanwhile: the plain line stands
+        return None
+
+
+def recover_interrupted_publish(target: Path) -> list[Path]:
+    """Called with the target's lock held (under it no other run is publishing): what a run killed
+    in publish_dir's fallback (no atomic exchange) left beside `target`, the old tree under
+    _aside_prefix. Where the target is missing (killed between the two renames) the old tree is
+    complete (it only ever moves whole, and is removed under another name): it is put back, with a
+    warning, the target as it was before that run. Where the target is there (killed after the new
+    tree went in), it is the replaced tree, and removed; unless that run's new tree never went in
+    (_unpublished): then it is what stood there, the target a new one, and it is moved in sight
+    (NAME.normswap-kept-*) with a warning. Returns what was put back or removed.
+    Names of an older normswap's fallback (".NAME.old-XXXXXXXX") are left alone: nothing in them
+    tells them from a user's backup named alike (".model.old-20240101")."""
+    asides = _ours_beside(target, _aside_prefix(target))
+    if not asides:
+        return []
+    done = []
+    if not os.path.lexists(target):
+        back = _last_moved(asides)
+        rename_noreplace(back, target)
+        asides.remove(back)
+        done.append(back)
+        warnings.warn(f"{target} was missing: a normswap run killed while replacing it had left it at {back}; "
+                      "it is back in place", stacklevel=2)
+    for p in asides:
+        if _unpublished(p, target) and any(p.iterdir()):  # (empty: killed before it moved the target there)
+            # out of the names this recovery reads, in sight: once that run's staging folder is swept
+            # nothing would tell it from a replaced tree, and the next run removed it
+            kept = Path(tempfile.mkdtemp(prefix=f"{sibling_name(target.name)}.normswap-kept-", dir=target.parent))
+            os.rmdir(kept)
+            rename_noreplace(p, kept)
+            warnings.warn(f"{kept} holds what stood at {target} before a normswap run killed while replacing it; "
+                          f"{target} was made anew since, so it is kept: remove it, or put it back yourself",
+                          stacklevel=2)
+            continue
+        # under a staging folder's name first: a kill during the removal leaves no part of a tree
+        # under the aside's name, which a later run finding the target gone would put back
+        gone = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=target.parent))
+        os.rmdir(gone)
+        os.replace(p, gone)
+        _remove_old_tree(gone, target)
+        done.append(p)
+    return done
+
+
+def _unpublished(aside: Path, target: Path) -> bool:
+    """Whether the run that moved `aside` there was killed before its new tree went in: its staging
+    folder (the same pid) is still beside the target. Under the target's lock none other can be:
+    every run sweeps the dead runs' staging folders before it makes its own, and recovers (here)
+    before it sweeps. The target standing there then is none of that run's: made since by someone
+    else (the user, finding the model gone, fetched it again), and the aside is the only copy of
+    what stood there, which the removal of "the replaced tree" destroyed without a word."""
+    pid = aside.name[len(_aside_prefix(target)):].partition("-")[0]
+    prefix = f"{_staging_prefix(target)}{pid}-"
+    return any(p.name.startswith(prefix) and p not in _OUR_STAGING for p in _ours_beside(target, _staging_prefix(target)))
+
+
 def remove_stale_staging(target: Path) -> list[Path]:
     """Remove the staging directories beside `target` that killed runs left: hidden, named after the
     target and the pid of the run that made it. Called with the target's lock held (staged_dir): every
@@ -413,12 +507,8 @@ def remove_stale_staging(target: Path) -> list[Path]:
     every run is pid 1 (or the same small pid), so a run the OOM killer ended had the pid of the
     next, alive, and its model-sized folder was kept for good, one more for every such kill."""
     removed = []
-    prefix = _staging_prefix(target)
-    for p in target.parent.glob(prefix + "*"):
-        # PID-XXXXXXXX, as staged_dir's mkdtemp names it: not another target's whose name starts alike
-        # (target "m.normswap-1-x" stages in ".m.normswap-1-x.normswap-PID-...", under its own lock)
-        if not re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) or not p.is_dir() or p.is_symlink() \
-                or p in _OUR_STAGING:
+    for p in _ours_beside(target, _staging_prefix(target)):
+        if p in _OUR_STAGING:
             continue
         remove_tree(p)
         removed.append(p)

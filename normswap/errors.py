@@ -19,6 +19,12 @@ class BadInputError(NormswapError, ValueError):
     ValueError, so library callers that catch that keep working."""
 
 
+class EveryProcessError(NormswapError):
+    """A failure every process of a launch (`accelerate launch`, torchrun) stops for at once, as
+    the processes agreed (normswap.experiment.processes): the main process says it, the command line
+    leaves it unsaid on the others (it came once per process)."""
+
+
 class UnknownNormError(NormswapError):
     """A norm-like module that the registry does not recognise (raised under --strict)."""
 

@@ -4,22 +4,75 @@ path written through, to the file it leads to), the umask that
 files made through temporary names are given back, the one check, made before any long work,
 that a destination can be written at all, the refusal of an empty output path, and the missing
 folders of an output path made for a run and removed again when it fails (made_folders), the
-removal of a tree that is normswap's to remove, read-only folders in it included (remove_tree), and
-the one lock file that serialises two writers of one path (path_lock)."""
+removal of a tree that is normswap's to remove, read-only folders in it included (remove_tree),
+the one lock file that serialises two writers of one path (path_lock), and the renames that
+replace nothing or swap two folders in one step (rename_noreplace, exchange_dirs: checkpoint's
+publish, the built-in model's cache entry)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from normswap.errors import BadInputError, NormswapError, one_line, option_labels
+
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+RENAME_SWAP = 2  # macOS sys/stdio.h
+RENAME_EXCL = 4
+
+
+def _rename_with_flags(a: Path, b: Path, linux_flag: int, macos_flag: int) -> bool:
+    """rename(a, b) with renameat2/renamex_np flags. False when the OS or filesystem offers no such
+    call; an OSError (FileExistsError for a target that must not be replaced) when it failed."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    fa, fb = os.fsencode(str(a)), os.fsencode(str(b))
+    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
+        AT_FDCWD = -100
+        rc = libc.renameat2(AT_FDCWD, fa, AT_FDCWD, fb, linux_flag)
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(fa, fb, macos_flag)
+    else:
+        return False
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel or a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries. False when the OS offers no way to do it."""
+    return _rename_with_flags(a, b, RENAME_EXCHANGE, RENAME_SWAP)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Move `src` to `dst` only if nothing is at `dst`; FileExistsError otherwise. Where the OS has
+    no such call, plain rename(2) stands in: for directories it fails on a non-empty target, so the
+    most it can replace is an empty directory (never another run's result or a user's files)."""
+    try:
+        if _rename_with_flags(src, dst, RENAME_NOREPLACE, RENAME_EXCL):
+            return
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise FileExistsError(e.errno, "already exists", str(dst)) from None
+        raise
+
 
 # What a hidden sibling's name keeps of the name it is made for: a name may take 255 bytes, and the
 # staging folder, the lock file and the temporary file beside it add their own tags to it.

@@ -140,8 +140,21 @@ CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequenc
 def context_length(config) -> int | None:
     """Positions the model's token ids can take (its context), from the config alone, as
     _token_setting finds it; None when no config names one. The one reading of it: the probe
-    batch's length (normswap.verify), the perplexity window, bench's and experiment's checks."""
-    return _token_setting(config, *CONTEXT_ATTRS)
+    batch's length (normswap.verify), the perplexity window, bench's and experiment's checks.
+
+    A model built of two configs, an encoder's and a decoder's (EncoderDecoderConfig: a BERT
+    encoder, a GPT-2 decoder; MusicGen's text encoder and decoder), has two position tables: the
+    inputs of `build`'s seq_len reach the encoder, and the decoder's ids are no longer. Its
+    context is the smaller of the two that are named (a vision or audio encoder names none under
+    CONTEXT_ATTRS, nor does T5's relative attention). Read from the decoder only (the text config
+    transformers gives), a 6-position BERT encoder under a 64-position GPT-2 was fed a probe of 8
+    ids, and `patch` failed in its forward."""
+    decoder = getattr(config, "decoder", None)
+    encoder = getattr(config, "encoder", None) or getattr(config, "text_encoder", None)
+    if not all(hasattr(c, "to_dict") and hasattr(c, "model_type") for c in (encoder, decoder)):
+        return _token_setting(config, *CONTEXT_ATTRS)
+    named = [n for n in (_token_setting(c, *CONTEXT_ATTRS) for c in (encoder, decoder)) if n is not None]
+    return min(named) if named else _token_setting(config, *CONTEXT_ATTRS)
 
 
 def main_input(model: nn.Module, fn: Callable | None = None) -> str | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from normswap import jsonsafe
+from normswap import fileio, jsonsafe
 from normswap.choices import DEFAULT_MODEL  # defined there: scan's --help shows it without importing torch
 from normswap.dtypes import DTYPES, RUN_DTYPES, STORE_DTYPES, parse_dtype  # noqa: F401  (re-exported)
 from normswap.errors import (
@@ -55,9 +55,14 @@ class ModelSource:
     ref: str  # what the user typed
     path: Path  # a directory holding config.json (or the .gguf's directory)
     gguf_file: str | None = None  # file name inside `path` when loading from GGUF
-    # The .gguf's parse (gguf.GGUFReader), by file version (_stat_key), for the later reads of
-    # this source up to its weights' (_gguf_parse).
+    # The .gguf's parse (gguf.GGUFReader, its metadata in memory: _detached), by file version
+    # (_stat_key), for the later reads of this source up to its weights' (_gguf_parse), or to the
+    # end of a gguf_parse_held block, whose holds these are.
     _parsed: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _holds: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+    # The tokenizer a .gguf's metadata makes (or the NormswapError it ended in), by file version:
+    # read once, as the parse it comes from (load_tokenizer)
+    _tokenizer: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def from_pretrained_kwargs(self) -> dict:
@@ -152,6 +157,11 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
         return ModelSource(ref, builtin_model_dir(ref, progress))
     if os.path.lexists(p):  # there, but neither: "no such file or directory" named a path the user can see
         raise NormswapError(f"{ref}: {_not_a_file(p)}; pass a model directory or a .gguf file")
+    from normswap.checkpoint import left_aside  # (checkpoint sits above this module)
+
+    if (aside := left_aside(p)) is not None:
+        raise NormswapError(f"{ref}: no such file or directory: a normswap run killed while replacing it left it "
+                            f"at {aside}; the next patch or convert that writes {ref} puts it back")
     if _HUB_ID.fullmatch(ref):
         # A cached snapshot is a directory like any other (a GGUF-only repo included).
         return _directory_source(ref, _hub_snapshot(ref))
@@ -257,7 +267,9 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             if target.exists() and not _converted(target):  # a half-made directory from an older normswap
-                _remove_half_made(target)
+                if _swap_in(tmp, target):
+                    bar.update(1)
+                    return target
             try:
                 os.rename(tmp, target)  # fails on a folder with files: never replaces another run's copy
             except OSError as e:
@@ -273,14 +285,41 @@ def _convert_builtin(gguf_dir: Path, gguf_name: str, target: Path, stage: str, p
     return target
 
 
+def _swap_in(tmp: Path, target: Path) -> bool:
+    """Publish the finished copy `tmp` over the half-made `target` an older normswap left, where the
+    OS swaps two folders in one step (fileio.exchange_dirs): True when `target` holds a whole copy
+    now (what stood there is at `tmp`, for the caller to remove). Between this run's look and the
+    swap another first use (a cache without locks) may have published its copy there: swapped
+    back, that copy stays, as a rename never replaces one; the target held this run's identical
+    copy in between, never nothing. False: no such swap here, or nothing at `target` any more (the
+    caller's rename publishes); the half-made folder then goes through _remove_half_made."""
+    try:
+        swapped = fileio.exchange_dirs(tmp, target)
+    except FileNotFoundError:  # another first use removed it meanwhile
+        return False
+    if not swapped:
+        _remove_half_made(target)
+        return False
+    if _converted(tmp):  # another run's copy, published since the look: it may be reading it
+        with contextlib.suppress(OSError):  # moved again meanwhile: this run's copy stays, the same model
+            fileio.exchange_dirs(tmp, target)
+    return True
+
+
 def _remove_half_made(target: Path) -> None:
     """Remove the half-made `target` an older normswap left (it converted into the cache entry
-    itself). Without the conversion lock (a cache on a file system without locks) two first uses
+    itself), where the OS has no swap of two folders (_swap_in's way). Without the conversion lock
+    (a cache on a file system without locks) two first uses
     can find it at once: removed by an rmtree each, the one whose walk the other's removal overtook
     failed (FileNotFoundError), and an rmtree begun just after the other had published its copy
     there removed that copy under it. It is moved aside first, into a folder of this run's own (a
     rename is atomic: one run moves it, the other finds it gone), and what was moved is looked at
-    again: a copy another run published between this run's look and its rename is put back."""
+    again: a copy another run published between this run's look and its rename is put back.
+    Between that rename and the one putting it back (microseconds: a stat of two files) the entry
+    is missing: the other run, had it begun reading its copy in that instant, fails with a missing
+    file and may be run again; no copy is lost (put back, or this run's published). Only here: an
+    older normswap's half-made folder, a cache without locks, two first uses at once, and the
+    other's publish inside this run's look and rename, on a system without the swap."""
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # swept as a killed run's
     # Into the folder, under a name not there: Windows renames onto no folder, not even an empty one.
     moved = aside / target.name
@@ -795,8 +834,10 @@ def load_model(source: ModelSource, dtype: torch.dtype | None = None, device: st
             model = from_pretrained_checked(cls, source.path, source.ref, config=config, **kwargs)
     finally:
         # the parse is let go once the weights are in: held on, it would weigh on the rest of the
-        # command (160 MB of arrays for SmolLM2-135M, and the file's pages the load touched)
-        source._parsed.clear()
+        # command (160 MB of arrays for SmolLM2-135M), unless a caller holds it for a read to come
+        # (gguf_parse_held: convert's second load)
+        if not source._holds:
+            source._parsed.clear()
     if source.gguf_file:
         model.hf_quantizer = None
         model.is_quantized = False
@@ -973,13 +1014,15 @@ def _gguf_blocks(reader) -> tuple[str, int | None, dict[str, dict[int, int]]]:
 
 
 def _gguf_parse(source: ModelSource, keep: bool = True):
-    """The parse of source's .gguf (gguf.GGUFReader), made once per file version and kept with
-    `source` until its weights are loaded (load_model lets it go). A parse takes 1.5-2 s for
-    SmolLM2-135M (its tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB
-    while held), and a command made up to four: transformers' for the config, the tokenizer and
-    the weights, and the block check's. keep=False: the parse held is used, but one made is not
-    kept (a read that may come after the weights: patch --out's tokenizer, which would otherwise
-    hold it through the rest of the command). A file replaced or edited in between is parsed again."""
+    """The parse of source's .gguf (gguf.GGUFReader, its metadata moved into memory: _detached),
+    made once per file version and kept with `source` until its weights are loaded (load_model
+    lets it go; gguf_parse_held keeps it longer). A parse takes 1.5-2 s for SmolLM2-135M (its
+    tokenizer's 49k tokens and 49k merges, each an array of its own; 160 MB while held), and a
+    command made up to four: transformers' for the config, the tokenizer and the weights, and the
+    block check's. keep=False: the parse held is used, but one made is not kept (a read that may
+    come after the weights, which would otherwise hold it through the rest of the command). A
+    file replaced or edited in between is parsed again. The parse kept maps no file: each read
+    that asks gguf for a reader gets one mapping the file for that read alone (_attached)."""
     # the class itself, from its module: _gguf_parsed_once stands in for the package's name
     from gguf.gguf_reader import GGUFReader
 
@@ -987,11 +1030,90 @@ def _gguf_parse(source: ModelSource, keep: bool = True):
     version = _stat_key(path)
     if version in source._parsed:
         return source._parsed[version]
-    parsed = GGUFReader(path)
+    parsed = _detached(GGUFReader(path))
     if keep:
         source._parsed.clear()  # an older version's, not to be held beside the new one
         source._parsed[version] = parsed
     return parsed
+
+
+def _detached(reader):
+    """`reader` (a gguf.GGUFReader) holding no mapping of its file: the metadata's bytes (the file
+    up to its tensor data: 1.8 MB for SmolLM2-135M) copied into memory and every field's parts
+    (and each tensor's shape and info) made views of that copy; the tensors keep their names and
+    types, not their data. Kept, a parse held the whole file mapped from the config's read to the
+    end of the weights' (the whole command, for one that loads none: scan), which on Windows
+    keeps the file from being replaced or removed. _attached maps it again for a read. A reader
+    of another layout (a gguf release whose parse holds what this does not know) is returned as
+    it is: mapped, as before."""
+    import numpy as np
+
+    try:
+        data = reader.data
+        head = np.array(data[:reader.data_offset])
+        base = data.ctypes.data
+
+        def moved(field) -> list:
+            # A field's parts lie one after the other in the file (a key, its type, its value; an
+            # array's items), so each one's place follows from the first's and the sizes before it:
+            # asking every part for its address took 4x as long (a quarter million parts for
+            # SmolLM2-135M's tokenizer). The last part's own address checks the walk.
+            parts, at = [], field.parts[0].ctypes.data - base if field.parts else 0
+            for part in field.parts:
+                if part.ndim != 1 or not part.flags.c_contiguous:
+                    raise ValueError("a part that is not one run of bytes")
+                parts.append(head[at:at + part.nbytes].view(part.dtype))
+                at += part.nbytes
+            if field.parts and field.parts[-1].ctypes.data - base != at - field.parts[-1].nbytes:
+                raise ValueError("parts out of the file's order")
+            return parts
+
+        for field in [*reader.fields.values(), *(t.field for t in reader.tensors)]:
+            # one field at a time: its old views freed before the next's are made (a field moved
+            # before a failure reads the same bytes from the copy)
+            field.parts[:] = moved(field)
+    except Exception:  # noqa: BLE001  (another layout: kept mapped, as gguf made it)
+        return reader
+    reader.tensors = [t._replace(shape=np.array(t.shape), data=None) for t in reader.tensors]
+    reader.data = head
+    return reader
+
+
+def _attached(parsed, path: Path):
+    """A reader for one read of the file `path`, sharing `parsed`'s metadata (_detached): the file
+    mapped anew, its tensors' data views of that mapping, all let go with the reader when the read
+    ends. A parse kept mapped (another gguf layout) is handed out as it is; one that cannot be
+    attached (gguf's internals moved) is made anew, as gguf makes it."""
+    import copy
+
+    import numpy as np
+
+    if parsed.tensors and parsed.tensors[0].data is not None:
+        return parsed
+    try:
+        reader = copy.copy(parsed)
+        reader.data = np.memmap(path, mode="r")
+        reader._build_tensors(parsed.data_offset, [t.field for t in parsed.tensors])
+        return reader
+    except Exception:  # noqa: BLE001
+        from gguf.gguf_reader import GGUFReader
+
+        return GGUFReader(path)
+
+
+@contextlib.contextmanager
+def gguf_parse_held(source: ModelSource):
+    """Every read of source's .gguf in the block served by one parse (_gguf_parse), the weights'
+    too, however many times (convert loads the original twice: to convert, then to verify, and
+    reads its tokenizer between them), and let go at the block's end, not when a load's weights
+    are in. A folder's source: nothing to hold."""
+    source._holds.append(None)
+    try:
+        yield
+    finally:
+        source._holds.pop()
+        if not source._holds:
+            source._parsed.clear()
 
 
 # The reads of a .gguf under way in this thread (context): (the file, resolved; its source; keep)
@@ -1010,7 +1132,7 @@ def _gguf_reader_stand_in(path, mode="r", *args, **kwargs):
         asked = Path(path).resolve()
         for own, source, keep in reversed(_GGUF_READS.get()):
             if asked == own:
-                return _gguf_parse(source, keep)
+                return _attached(_gguf_parse(source, keep), asked)
     real = _gguf_reader_found
     if real is None:  # taken as gguf's name just before the last read ended and put it back
         from gguf.gguf_reader import GGUFReader as real
@@ -1347,16 +1469,25 @@ def unused_tensors(model, unexpected, ref: str, stored: Path | None = None) -> t
     module no class of this config builds (a layer past the config's count; a q_norm of
     another architecture's checkpoint under a class without one)."""
     modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "")
+
+    def module_of(name: str):
+        # a bare base model's checkpoint (GPT2Model's h.0.attn.masked_bias under GPT2LMHeadModel):
+        # transformers loads it under the prefix and reports what it drops by the stored name
+        owner = name.rpartition(".")[0]
+        if (module := modules.get(owner)) is None and prefix and not owner.startswith(prefix + "."):
+            module = modules.get(f"{prefix}.{owner}" if owner else prefix)
+        return module
+
     refused, not_built, buffers = [], [], []
     obsolete = [name for name in unexpected if name.rpartition(".")[2] in OBSOLETE_BUFFERS
-                and (module := modules.get(name.rpartition(".")[0])) is not None
-                and not hasattr(module, name.rpartition(".")[2])]
+                and (module := module_of(name)) is not None and not hasattr(module, name.rpartition(".")[2])]
     # a tensor of another shape under the old buffer's name is not that buffer: a weight of the
     # model the checkpoint was saved from, which this class would run without
     scalars = {name for name, shape in _stored_shapes(stored, obsolete, model).items() if shape == []}
     for name in sorted(unexpected, key=_natural):
-        owner, _, leaf = name.rpartition(".")
-        module = modules.get(owner)
+        leaf = name.rpartition(".")[2]
+        module = module_of(name)
         if module is None:
             not_built.append(name)
         elif leaf in getattr(module, "_non_persistent_buffers_set", ()) or name in scalars:
@@ -1598,7 +1729,29 @@ def _layers_past_the_config(model, unexpected: list[str], missing: list[str]) ->
 
 def load_tokenizer(source: ModelSource, progress: bool | ProgressFn | None = None):
     """The model's tokenizer. A GGUF's is a stage of `progress` (normswap.progress.bar): transformers
-    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time."""
+    rebuilds it from the file's metadata, seconds on a real model; a folder's reads in no time.
+    A GGUF's is made once per file version and kept with the source (its failure too), so that a
+    read after the weights (patch --out writes it out) takes it from the one read before them
+    (api.patch_checkpoint reads it there, while the config's parse is held) and parses nothing."""
+    if source.gguf_file:
+        try:
+            version = _stat_key(source.path / source.gguf_file)
+        except OSError:  # gone since it was resolved: the read names it
+            return _read_tokenizer(source, progress)
+        if version not in source._tokenizer:
+            source._tokenizer.clear()
+            try:
+                source._tokenizer[version] = _read_tokenizer(source, progress)
+            except NormswapError as e:
+                source._tokenizer[version] = e
+        made = source._tokenizer[version]
+        if isinstance(made, NormswapError):
+            raise NormswapError(str(made)) from None
+        return made
+    return _read_tokenizer(source, progress)
+
+
+def _read_tokenizer(source: ModelSource, progress):
     from transformers import AutoTokenizer
 
     try:

@@ -571,7 +571,12 @@ def _floating_outputs(out, prefix: str = "") -> dict[str, torch.Tensor]:
                 else torch.cat([f.to(floats[0].dtype) for f in floats])}
     found: dict[str, torch.Tensor] = {}
     for name, value in items:
-        found.update(_floating_outputs(value, f"{prefix}.{name}" if prefix else str(name)))
+        for key, t in _floating_outputs(value, f"{prefix}.{name}" if prefix else str(name)).items():
+            # a field whose name holds a dot ("a.b" beside a nested "a" with a "b") must not
+            # replace the other one: an output dropped here would never be compared
+            while key in found:
+                key += "'"
+            found[key] = t
     return found
 
 

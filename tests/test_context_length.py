@@ -137,3 +137,51 @@ def test_every_config_class_has_a_context_reading():
         assert type(vocab) is int and vocab >= 0, model_type
         read += 1
     assert read > 500  # the sweep ran over the configs, not over an import that failed
+
+
+def _bert_gpt2_config(encoder: int, decoder: int):
+    from transformers import BertConfig, EncoderDecoderConfig
+
+    config = EncoderDecoderConfig.from_encoder_decoder_configs(
+        BertConfig(**SIZES, vocab_size=99, max_position_embeddings=encoder), _gpt2_config(decoder))
+    config.decoder_start_token_id, config.pad_token_id = 1, 0
+    return config
+
+
+@pytest.mark.parametrize("encoder, decoder", [(6, 40), (40, 6)])
+def test_an_encoder_decoders_context_is_the_smaller_of_its_two_tables(encoder, decoder, tmp_path):
+    """EncoderDecoderConfig (a BERT encoder, a GPT-2 decoder): the context was the decoder's alone
+    (transformers' text config), so a 6-position encoder under a 40-position decoder was fed a
+    probe of 8 ids and `normswap patch` stopped with an internal error ("The expanded size of the
+    tensor (8) must match the existing size (6)"). The probe's ids reach the encoder and the
+    decoder's are shorter: both fit in the smaller table, and the patch runs and verifies."""
+    from click.testing import CliRunner
+    from tiny_models import tiny_tokenizer
+    from transformers import EncoderDecoderModel
+
+    from normswap.cli import cli
+
+    config = _bert_gpt2_config(encoder, decoder)
+    assert inputs.context_length(config) == 6
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = EncoderDecoderModel(config).eval()
+    batch = probe_batch(model)
+    assert batch["input_ids"].shape == (2, 6) and batch["decoder_input_ids"].shape[1] <= 6
+    with torch.no_grad():
+        assert model(**batch).logits.shape[:2] == batch["decoder_input_ids"].shape
+    model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    r = CliRunner().invoke(cli, ["patch", str(tmp_path / "model"), "--impl", "torch", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.stderr
+
+
+def test_a_vision_encoder_decoders_context_is_its_decoders():
+    """A ViT encoder names no token context (its positions are patches, sized by the image): the
+    text decoder's table is the only one, as before."""
+    from transformers import VisionEncoderDecoderConfig, ViTConfig
+
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        ViTConfig(**SIZES, image_size=32, patch_size=8), _gpt2_config(40))
+    assert inputs.context_length(config) == 40

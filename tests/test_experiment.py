@@ -74,6 +74,14 @@ def write_recipe(path: Path, body: str, arms=ALL_ARMS, head: str = "") -> Path:
     return path
 
 
+def other_text(folder: Path, name: str = "other.txt") -> str:
+    """A training text other than pretrain.text and data.eval (Genesis 2-3), as `name` in `folder`:
+    a recipe that trains on its held-out text is warned about."""
+    text = GENESIS.read_text()
+    (folder / name).write_text(text[text.index("Chapter 2"):])
+    return name
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One NORMSWAP_CACHE for the module: the tiny pretraining runs once."""
@@ -340,7 +348,8 @@ def test_the_command_is_one_library_call(tmp_path, monkeypatch):
     ((args, kwargs),) = calls
     assert args == (path, str(tmp_path / "o"), "original")
     assert kwargs["overrides"] == ("seed=3", "finetune.steps=2") and kwargs["progress"] is False
-    assert kwargs["option_names"] == {"arms": "--arms", "out": "--out", "overrides": "--set"}
+    assert kwargs["option_names"] == {"arms": "--arms", "out": "--out", "overrides": "--set", "force": "--force"}
+    assert kwargs["force"] is False
 
 
 def test_the_default_out_folder_is_the_librarys(tmp_path, monkeypatch, pretrained_dir):
@@ -738,6 +747,36 @@ def test_under_a_launcher_only_rank_0_prints_normswap_warnings(tmp_path, monkeyp
     assert len(said["0"]) == 1 and "finetune.steps (1) is not more than finetune.warmup_steps (5)" in said["0"][0]
 
 
+@pytest.mark.parametrize("raised, code, every_process", [
+    (None, 2, True),  # a usage error: every process parses the same arguments
+    ("EveryProcessError", 2, True), ("Interrupted", 130, True),
+    ("NormswapError", 2, False),  # a process's own failure: said by the process that has it
+])
+def test_under_a_launcher_what_every_process_stops_for_is_said_by_the_main_one(tmp_path, monkeypatch, raised, code,
+                                                                               every_process):
+    """Under `accelerate launch` each process said the error it stopped with: a refusal, the
+    stop of a Ctrl-C, a mistyped option came once per process. Rank 0 says what every process
+    stops for; a failure of one process's own is still said by it."""
+    import normswap.experiment
+    from normswap import errors
+
+    def run(*a, **k):
+        raise getattr(errors, raised, Interrupted)("what stopped it")
+
+    monkeypatch.setattr(normswap.experiment, "run_experiment", run)
+    path = write_recipe(tmp_path / "tiny.toml", PRETRAIN)
+    command = ["experiment", str(path), "--arms"] + (["original"] if raised else [])
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        r = CliRunner().invoke(cli, command)
+        assert r.exit_code == code, r.stderr
+        if raised:
+            assert r.stderr == ("" if rank == "1" and every_process else
+                                f"normswap: {'' if raised == 'Interrupted' else 'error: '}what stopped it\n")
+        else:
+            assert r.stderr == ("" if rank == "1" else "normswap: error: Option '--arms' requires an argument.\n")
+
+
 @pytest.mark.parametrize("bad", ["{}", '{"evals": []}', '{"evals": [{"step": 0}]}', '{"evals": [1]}',
                                  '{"evals": [{"step": 0, "ppl": 1, "nll": 0, "kl_mean": 0, "kl_max": 0, '
                                  '"top1_agreement": 1}], "losses": 3}'])
@@ -767,7 +806,8 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
     recipe = load_recipe(Path(json.loads((every_arm.out / "recipe.json").read_text())["source"]),
                          ["finetune.lr=0.5"])
     with pytest.raises(NormswapError, match=r"holds a run of a different recipe \(finetune\.lr 0\.001 there, 0\.5 "
-                                            r"here\); remove it or choose another out$"):
+                                            r"here\); remove it or choose another out, or pass force=True to "
+                                            r"replace it and the 9 arms finished there \(approx, approx\+distill, approx\+ft and 6 more\)$"):
         run_experiment(recipe, every_arm.out, progress=False)
     # The recipe as it was, in another folder (a moved checkout: the same run), its held-out text edited
     out = tmp_path / "out"
@@ -787,6 +827,59 @@ def test_another_recipe_in_the_same_out_is_refused(every_arm, tmp_path):
                                             r"\(pretrain\.text, data\.train, data\.eval\)\);"):
         run_experiment(path, out, ["original"], progress=False)
 
+
+
+def test_a_run_that_failed_is_replaced_with_force_when_out_holds_only_the_run(tmp_path, pretrained_dir):
+    """An arm that trained into a NaN loss left OUT holding that learning rate's run: the rerun with
+    a lower one was refused as another recipe's, and OUT had to be deleted by hand. The NaN's line
+    now names the key and the way out, the refusal offers --force and says what it replaces, and
+    --force replaces OUT once every check of the run has passed, only when OUT holds nothing but
+    what a run writes."""
+    path = model_recipe(tmp_path, pretrained_dir, ["original", "approx+ft"])
+    out = tmp_path / "out"
+    unstable = ["--set", 'finetune.optimizer="sgd"', "--set", "finetune.max_grad_norm=0", "--set",
+                "finetune.warmup_steps=0"]
+
+    def run(*args):
+        return CliRunner().invoke(cli, ["experiment", str(path), "--out", str(out), "--no-progress", *unstable,
+                                        *args])
+
+    r = run("--set", "finetune.lr=1e6")
+    assert r.exit_code == 2 and re.fullmatch(
+        r"normswap: error: \[2/2\] approx\+ft: the training loss is nan at step \d: lower finetune\.lr \(1000000\.0 "
+        r"now\), then run again with --force to replace this run\n", r.stderr), r.stderr
+    assert (out / "arms" / "original" / "result.json").is_file() and (out / "arms" / "approx+ft" / "state").is_dir()
+    r = run("--set", "finetune.lr=1e-3")
+    assert r.exit_code == 2 and r.stderr == (
+        f"normswap: error: {out} holds a run of a different recipe (finetune.lr 1000000.0 there, 0.001 here); remove "
+        "it or choose another --out, or pass --force to replace it and the 1 arm finished there (original)\n")
+    (out / "notes.txt").write_text("mine")
+    before = _files(out)
+    r = run("--set", "finetune.lr=1e-3", "--force")
+    assert r.exit_code == 2 and r.stderr == (
+        f"normswap: error: {out} holds a run of another recipe and what no run writes (notes.txt): not replaced, "
+        "even with --force; remove it or choose another --out\n")
+    r = run("--set", "finetune.lr=1e-3")  # and --force is not offered for it
+    assert r.stderr.endswith("; remove it or choose another --out\n"), r.stderr
+    (out / "notes.txt").unlink()
+    before = _files(out)
+    r = run("--set", "finetune.lr=1e-3", "--set", "finetune.seq_len=100000", "--force")  # refused after OUT's check
+    assert r.exit_code == 2 and "finetune.seq_len" in r.stderr, r.stderr
+    assert _files(out) == before  # nothing replaced before every check had passed
+    r = run("--set", "finetune.lr=1e-3", "--force")
+    assert r.exit_code == 0, r.stderr
+    record = json.loads((out / "recipe.json").read_text())
+    assert record["recipe"]["finetune"]["lr"] == 1e-3
+    results = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(loss) for loss in results["arms"]["approx+ft"]["losses"])
+    assert {p.name for p in out.iterdir()} <= {"arms", "logs", "recipe.json", "results.csv", "results.json",
+                                               "summary.md", "curves.png"}
+    assert sorted(str(p.relative_to(out)) for p in (out / "arms").rglob("*")) == [
+        "arms/approx+ft", "arms/approx+ft/result.json", "arms/original", "arms/original/result.json"]
+    # the same recipe again: resumed (here: every arm finished), force or not, nothing rerun
+    before = _files(out / "arms")
+    assert run("--set", "finetune.lr=1e-3", "--force").exit_code == 0
+    assert _files(out / "arms") == before
 
 
 DEEP = "[" * 100_000 + "]" * 100_000  # past json's recursion limit: json.loads raised RecursionError
@@ -982,7 +1075,7 @@ def test_a_run_refused_for_a_pretraining_another_run_is_doing_leaves_no_out(tmp_
 
 
 @pytest.mark.parametrize("arms, train", [(["original"], None), (["original", "approx+ft"], None),
-                                         (["original", "approx+ft"], JOSHUA.name)])
+                                         (["original", "approx+ft"], "other.txt")])
 def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     """pretrain.text was read whole for the check before the run (the most tokens it can make) and
     again by the pretraining, and a third time as data.train when it is that file (the shipped
@@ -997,6 +1090,8 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
 
     monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(write_recipe(tmp_path / "r.toml", PRETRAIN, arms))
+    if train:
+        other_text(tmp_path, train)
     real, real_encode = pretrain.read_text, pretrain.encode
     whole, reads, trained_on, encoded = real(recipe.pretrain.text), [], [], []
 
@@ -1039,14 +1134,47 @@ def test_a_pretraining_reads_its_texts_once(tmp_path, monkeypatch, arms, train):
     # The bound on the tokens (the UTF-8 encode of a whole text) once per text read: pretrain.text's
     # served the check of one sequence and of the model's size (it was counted for each), data.eval's
     # the pretraining's window and the evaluation's; and once more for the tokenizer's vocabulary cap
-    texts = [whole, held_out, *([real(JOSHUA)] if train and "approx+ft" in arms else [])]
+    texts = [whole, held_out, *([real(tmp_path / train)] if train and "approx+ft" in arms else [])]
     assert sorted(map(len, bounded)) == sorted(map(len, [*texts, whole])), [len(t) for t in bounded]
     # pretrain.text (GENESIS) once, also when data.train is that file; data.eval (JOSHUA) once, also
-    # for the pretraining's held-out perplexity; data.train when it is JOSHUA and an arm trains
-    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([JOSHUA.name] if train else [])]), reads
+    # for the pretraining's held-out perplexity; data.train when it is another file and an arm trains
+    assert sorted(reads) == sorted([GENESIS.name, JOSHUA.name, *([train] if train else [])]), reads
     # each file's digest once too: the fingerprint's (in recipe.json) and the cache entry's, looked
     # up before the run and again by the pretraining
-    assert sorted(digested) == [GENESIS.name, JOSHUA.name], digested
+    assert sorted(digested) == sorted([GENESIS.name, JOSHUA.name, *([train] if train else [])]), digested
+
+
+@pytest.mark.filterwarnings("ignore:pretraining did not beat the unigram baseline")
+@pytest.mark.parametrize("train", [GENESIS.name, "copy.txt"])
+def test_a_training_text_that_is_the_pretraining_text_is_tokenized_once(tmp_path, monkeypatch, train):
+    """The shipped recipes fine-tune on the text they pretrain on: a first run tokenized it for the
+    pretraining, then again with the same tokenizer for the arms (8 s for the smoke recipe's 3 MB
+    under load). Once now, also when data.train is a copy under another name; and the arms train on
+    the same tokens as a run that finds the pretraining cached (and so tokenizes data.train itself)."""
+    from normswap.experiment import pretrain, runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "approx+ft"])
+    (tmp_path / "copy.txt").write_bytes(GENESIS.read_bytes())
+    whole = pretrain.read_text(GENESIS)
+    encoded = []
+
+    def encode(tokenizer, text):
+        encoded.append(text == whole)
+        return real_encode(tokenizer, text)
+
+    real_encode = pretrain.encode
+    monkeypatch.setattr(pretrain, "encode", encode)
+    monkeypatch.setattr(runner, "encode", encode)
+    overrides = ["pretrain.steps=4", "pretrain.warmup_steps=1", "finetune.steps=2", "finetune.eval_every=2",
+                 f'data.train="{train}"']
+    first = run_experiment(path, tmp_path / "first", overrides=overrides, progress=False)
+    assert first.data["pretrain"]["steps"] == 4  # it pretrained
+    assert encoded.count(True) == 1, encoded
+    encoded.clear()
+    cached = run_experiment(path, tmp_path / "cached", overrides=overrides, progress=False)
+    assert encoded.count(True) == 1, encoded  # data.train's, by the runner
+    assert cached.data["arms"]["approx+ft"]["losses"] == first.data["arms"]["approx+ft"]["losses"]
 
 
 def _count_digests(monkeypatch) -> list[str]:
@@ -1131,13 +1259,13 @@ def test_a_run_takes_each_texts_digest_once(tmp_path, monkeypatch, pretrained_di
     once more each (its recipe.json's fingerprint checked): 0.36 s per 100 MB each here. Once per
     run now, the same fingerprint recorded and the cached pretraining used."""
     path = write_recipe(tmp_path / "r.toml", PRETRAIN, arms)
-    if len(arms) > 1:  # data.train another file than pretrain.text (data.eval's: one digest for both)
+    if len(arms) > 1:  # data.train another file than pretrain.text
         (tmp_path / "r.toml").write_text((tmp_path / "r.toml").read_text().replace(
-            f'train = "{GENESIS.name}"', f'train = "{JOSHUA.name}"'))
+            f'train = "{GENESIS.name}"', f'train = "{other_text(tmp_path)}"'))
     recipe = load_recipe(path)
     digested = _count_digests(monkeypatch)
     first = run_experiment(path, tmp_path / "out", progress=False)
-    distinct = sorted({GENESIS.name, JOSHUA.name})
+    distinct = sorted({GENESIS.name, JOSHUA.name, *(["other.txt"] if len(arms) > 1 else [])})
     assert sorted(digested) == distinct, digested
     assert json.loads((tmp_path / "out" / "recipe.json").read_text())["fingerprint"] == first.data["fingerprint"]
     del digested[:]
@@ -1388,12 +1516,144 @@ def test_an_out_whose_arms_ran_on_another_pretraining_is_refused(tmp_path, monke
                                                 rf"and this run's is {entry.name} \(pretrain\.mixed_precision "
                                                 r'"auto" is keyed by what it is on the machine\): its arms would be '
                                                 rf"reported beside them on other weights; remove {re.escape(str(out))} or choose "
-                                                r"another out$"):
+                                                r"another out, or pass force=True to replace it$"):
             run_experiment(path, out, progress=False)
+        before = _files(out)
+        with pytest.raises(pytest.fail.Exception, match="the run started"):  # replaced once the run starts
+            run_experiment(path, out, progress=False, force=True)
+        assert _files(out) == before
     else:
         with pytest.raises(pytest.fail.Exception, match="the run started"):
             run_experiment(path, out, progress=False)
     assert sorted(p.name for p in out.iterdir()) == ["recipe.json", *(["results.json"] if recorded else [])]
+
+
+def _another_run(out: Path, fingerprint: str) -> None:
+    """OUT as a run of `fingerprint` left it, its arms on the pretraining tiny-000000000000: every
+    kind of entry a run writes (reports, logs, a finished arm, a part-trained arm's checkpoint)."""
+    (out / "logs" / "tiny").mkdir(parents=True)
+    (out / "logs" / "tiny" / "events.out.tfevents.1").write_bytes(b"event")
+    (out / "recipe.json").write_text(json.dumps({"fingerprint": fingerprint}))
+    (out / "results.json").write_text(json.dumps({"model": "<normswap cache>/pretrain/tiny-000000000000"}))
+    for name in ("results.csv", "summary.md", "curves.png"):
+        (out / name).write_text("report")
+    (out / "arms" / "original").mkdir(parents=True)
+    (out / "arms" / "original" / "result.json").write_text("{}")
+    (out / "arms" / "approx+ft" / "state" / "step-000002").mkdir(parents=True)
+    (out / "arms" / "approx+ft" / "state" / "step-000002" / "model.bin").write_bytes(b"weights")
+
+
+@pytest.mark.parametrize("order", ["by name", "reversed"])
+@pytest.mark.parametrize("other", ["recipe", "pretraining"])
+def test_a_kill_at_any_point_of_the_force_replacement_leaves_out_consistent(tmp_path, monkeypatch, other, order):
+    """--force empties OUT (runner._replace_out) before the run writes its own: a kill at any point
+    of it must leave what the next run either still refuses as another's, or runs on without a
+    finished arm of the replaced run. For OUT refused because its arms ran on another pretraining,
+    the evidence is results.json (recipe.json is this recipe's): removed while arms/ was left (as
+    the folder listed them), a kill there left the other pretraining's finished arms, and the next
+    run, without --force, resumed and reported them beside its own."""
+    import pathlib
+
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original", "approx+ft"])
+    recipe = load_recipe(path)
+    fingerprint = "another" if other == "recipe" else recipe.fingerprint()
+    listed = pathlib.Path.iterdir
+    for kill_at in range(1, 20):
+        out = tmp_path / f"out-{kill_at}"
+        out.mkdir()
+        _another_run(out, fingerprint)
+        removed = []
+
+        def removal(real, removed=removed, kill_at=kill_at):
+            def remove(p, *a, **k):
+                if len(removed) + 1 == kill_at:
+                    raise KeyboardInterrupt  # the kill, before this entry goes
+                removed.append(Path(p).name)
+                return real(p, *a, **k)
+            return remove
+
+        with monkeypatch.context() as m:
+            m.setattr(runner, "remove_tree", removal(runner.remove_tree))
+            m.setattr(pathlib.Path, "unlink", removal(pathlib.Path.unlink))
+            m.setattr(pathlib.Path, "iterdir", lambda self: iter(sorted(listed(self), reverse=order == "reversed")))
+            try:
+                runner._replace_out(out)
+            except KeyboardInterrupt:
+                pass
+            else:
+                assert not any(out.iterdir())
+                break
+        try:
+            run_experiment(path, out, progress=False)
+        except NormswapError as e:
+            assert f"{out} holds " in str(e), (kill_at, removed)
+        except pytest.fail.Exception:  # the run starts: a new one, or this recipe's with no arm to mix with
+            assert not list(out.glob("arms/*/result.json")), (kill_at, removed)
+    else:
+        pytest.fail("the replacement was never finished")
+
+
+@pytest.mark.parametrize("where", ["summary.md", "results.json", "arms/original/result.json",
+                                   ".summary.md.abc.tmp"])
+def test_force_does_not_remove_a_folder_where_a_run_writes_a_file(tmp_path, monkeypatch, where):
+    """A run writes its reports and records as files: a folder of that name in OUT is not one it
+    wrote (a user's summary.md/ of notes, say). _not_a_runs took any entry by its name alone, so
+    --force removed such a folder, and what was in it, with the run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    out = tmp_path / "out"
+    out.mkdir()
+    _another_run(out, "another")
+    mine = out / where
+    if mine.exists():
+        mine.unlink()
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    before = _files(out)
+    with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds a run of another recipe and what no run "
+                                            rf"writes \({re.escape(where)}\): not replaced, even with force=True"):
+        run_experiment(path, out, progress=False, force=True)
+    assert _files(out) == before
+
+
+
+@pytest.mark.parametrize("where", ["logs/run.log", "logs/tiny/notes.txt", "logs/tiny/sub/"])
+def test_force_does_not_remove_a_users_file_in_logs(tmp_path, monkeypatch, where):
+    """logs/ is the tracker's (tensorboard's event files, logs/<name>/events.out.tfevents.*), and a
+    name a user may well give their own logs (a run's output redirected there): _not_a_runs took
+    everything under it as the run's, and --force removed a user's file there with the run."""
+    from normswap.errors import NormswapError
+    from normswap.experiment import runner
+
+    monkeypatch.setenv("NORMSWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(runner, "make_accelerator", lambda *a, **k: pytest.fail("the run started"))
+    path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+    out = tmp_path / "out"
+    out.mkdir()
+    _another_run(out, "another")
+    (out / "logs" / "tiny" / "events.out.tfevents.1795581047.vm.11083.0").write_bytes(b"event")
+    assert runner._not_a_runs(out) == []  # the tracker's files are the run's
+    mine = out / where
+    if where.endswith("/"):
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+    else:
+        mine.write_text("mine")
+    before = _files(out)
+    with pytest.raises(NormswapError, match=rf"^{re.escape(str(out))} holds a run of another recipe and what no run "
+                                            rf"writes \({re.escape(where.rstrip('/'))}\): not replaced, even with "
+                                            "force=True"):
+        run_experiment(path, out, progress=False, force=True)
+    assert _files(out) == before
 
 
 def test_a_second_run_in_one_process_under_another_mixed_precision_is_one_line(tmp_path):
@@ -2400,6 +2660,89 @@ def test_two_processes_match_one_with_twice_the_accumulation(tmp_path, pretraine
             assert abs(x - y) / abs(y) < 1e-5
         pa, pb = a["arms"][arm]["evals"][-1]["ppl"], b["arms"][arm]["evals"][-1]["ppl"]
         assert abs(pa - pb) / pb < 1e-5
+
+
+def _two_ranks(args: list[str], env: dict, timeout: float = 180) -> list[tuple[int | None, str]]:
+    """`normswap experiment ARGS` as the 2 CPU processes of a launch (the variables torchrun sets), each
+    process's (exit code, stderr): what `accelerate launch` hides (its agent SIGTERMs the other processes
+    once one has failed, and SIGKILLs them 30 s later). A process still running after `timeout` is
+    killed (exit code -9)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "normswap", "experiment", *args], text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+             for rank in (0, 1)]
+    deadline = time.monotonic() + timeout
+    said = []
+    for p in procs:
+        try:
+            err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1]
+        except subprocess.TimeoutExpired:
+            p.kill()
+            err = p.communicate()[1]
+        said.append((p.returncode, err))
+    return said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["out locked", "pretraining locked", "another recipe in out", "record not written",
+                                  "pretraining record malformed"])
+def test_under_a_launcher_every_process_stops_at_a_refusal_and_the_main_one_says_it(tmp_path, pretrained_dir,
+                                                                                      case):
+    """Under `accelerate launch` the main process alone takes OUT's lock and the pretraining's and writes
+    the records: a refusal there ended it while the others waited for it in the process group's start
+    or a barrier until the launcher killed them (30 s, then its traceback). And a refusal every process
+    reached was said once per process. Now every process stops at once with exit 2, and the main
+    process says it, once."""
+    env = {**os.environ, "NORMSWAP_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--no-progress"]
+    fd = None
+    if case.startswith("pretraining"):
+        from normswap.experiment import pretrain
+
+        path = write_recipe(tmp_path / "r.toml", PRETRAIN, ["original"])
+        recipe = load_recipe(path)
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("NORMSWAP_CACHE", env["NORMSWAP_CACHE"])
+            final = pretrain.pretrain_dir(recipe.pretrain, recipe.seed, recipe.name)
+        if case == "pretraining locked":
+            fd = _hold_lock(final.parent / f".{final.name}.normswap.lock")
+            says = rf"another normswap run \(pid 4242\) is writing .*{final.name}; try again when it has finished"
+        else:  # read by every process once the run has begun
+            final.mkdir(parents=True)
+            (final / pretrain.INFO_FILE).write_text("[1, 2]")
+            says = rf".*{pretrain.INFO_FILE}: not a pretraining record .*; delete .* to pretrain again"
+    else:
+        path = model_recipe(tmp_path, pretrained_dir, ["original"])
+        if case == "out locked":
+            fd = _hold_lock(tmp_path / ".out.normswap.lock")
+            says = r"another normswap run \(pid 4242\) is writing .*out; try again when it has finished"
+        elif case == "another recipe in out":
+            out.mkdir()
+            (out / "recipe.json").write_text('{"fingerprint": "another"}')
+            says = r".*out holds a run of a different recipe .*; remove it or choose another --out, or pass --force .*"
+        else:  # the main process's write of the arm's record fails, once the run has begun
+            run_experiment(path, out, progress=False)
+            record = out / "arms" / "original" / "result.json"
+            record.unlink()
+            record.mkdir()
+            says = r".*result\.json.*"
+    try:
+        (rc0, err0), (rc1, err1) = _two_ranks([str(path), *args], env)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    assert (rc0, rc1) == (2, 2), (err0, err1)
+    assert re.fullmatch(f"normswap: error: {says}\n", err0), err0
+    assert err1 == ""
 
 
 # --------------------------------------------------------------------------- report

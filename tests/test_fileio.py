@@ -990,3 +990,55 @@ def test_a_benchmark_script_that_cannot_finish_its_results_file_leaves_the_earli
         mod.main()
     assert earlier.read_text() == '{"rows": ["an earlier run"]}\n'
     assert [p.name for p in results.iterdir()] == [earlier.name]  # no temporary file left either
+
+
+def test_patch_and_convert_refuse_a_read_only_out_in_one_wording(monkeypatch):
+    """patch made the writability check of --out before its load ("cannot write to OUT: FOLDER is
+    not writable (...)"); convert made none, and its refusal came from the lock file when the staged
+    write began ("cannot create the lock file /proc/.o.normswap.lock: No such file or directory";
+    in a read-only folder "... Permission denied"). Both now go through checkpoint.check_out_target,
+    the one check of an --out: the same line, exit 2, before any weight is read. /proc takes no new
+    entry even from root; the read-only folder is refused as nobody (root's bits bind no one)."""
+    import shutil
+
+    from click.testing import CliRunner
+    from tiny_models import save_tiny
+
+    from normswap import loading
+    from normswap.cli import cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    base = Path(tempfile.mkdtemp())
+    try:
+        base.chmod(0o711)
+        save_tiny("gpt2", base / "m")  # a LayerNorm model: convert has work to do
+        for p in [base / "m", *(base / "m").iterdir()]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        ro = base / "ro"
+        ro.mkdir(mode=0o755)  # root's: nobody may not write in it
+        monkeypatch.setattr(loading, "from_pretrained_checked", no_load)
+
+        def runs(where):
+            def run():
+                out = []
+                for args in (["patch", base / "m", "--impl", "torch", "--out", where],
+                             ["convert", base / "m", "--to", "rms", "--out", where]):
+                    r = CliRunner().invoke(cli, [str(a) for a in args])
+                    out.append((r.exit_code, r.stderr))
+                return out
+            return run
+
+        import importlib.readers  # noqa: F401  (imported as root: convert reads its architecture data through it)
+
+        proc = Path("/proc/normswap-o")
+        [(patch_rc, patch_says), (convert_rc, convert_says)] = runs(proc)()
+        assert (patch_rc, convert_rc) == (2, 2) and patch_says == convert_says, (patch_says, convert_says)
+        assert patch_says.startswith(f"normswap: error: cannot write to {proc}: /proc is not writable (")
+        answers = _as_a_user_the_bits_bind(runs(ro / "o"))
+        want = f"normswap: error: cannot write to {ro / 'o'}: {ro} is not writable (Permission denied)\n"
+        assert answers == [(2, want), (2, want)]
+        assert not any(ro.iterdir())
+    finally:
+        shutil.rmtree(base)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import save_tiny
 
-from normswap import loading
+from normswap import fileio, loading
 from normswap.errors import NormswapError
 
 
@@ -608,6 +609,41 @@ def test_a_gguf_whose_blocks_match_its_block_count_loads_every_block(tmp_path):
     assert loading._gguf_block_problems(src, loading.load_config(src)) == []
 
 
+def write_tiny_gpt2_gguf(path):
+    """A tiny float32 GPT-2 GGUF (LayerNorms: convert has work to do) with a tokenizer of its own
+    (96 tokens): llama.cpp's names, the Conv1D weights stored transposed as it stores them."""
+    import numpy as np
+    gguf = pytest.importorskip("gguf")
+    from tiny_models import randomize_norms_and_biases, tiny_model
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    model = randomize_norms_and_biases(tiny_model("gpt2", n_positions=1024))  # what the GGUF config gives
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_context_length(c.n_positions)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(4 * c.n_embd)
+    w.add_head_count(c.n_head)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(c.vocab_size)])
+    w.add_token_merges(["a a", "b b"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    state = model.state_dict()
+    for name, hf_name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
+        a = state[hf_name].numpy()
+        if name.endswith(("attn_qkv.weight", "attn_output.weight", "ffn_up.weight", "ffn_down.weight")):
+            a = a.T
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def _count_gguf_parses(monkeypatch) -> list[str]:
     """The paths gguf's reader parses from now on (every parse: transformers' and normswap's)."""
     gguf_reader = pytest.importorskip("gguf.gguf_reader")
@@ -621,13 +657,13 @@ def _count_gguf_parses(monkeypatch) -> list[str]:
     return parses
 
 
-@pytest.mark.parametrize("out, parses", [(False, 1), (True, 2)])
+@pytest.mark.parametrize("out, parses", [(False, 1), (True, 1)])
 def test_a_gguf_command_parses_the_file_once_up_to_its_weights(tmp_path, monkeypatch, out, parses):
     """`patch FILE.gguf` parsed the file's metadata three times up to its weights (transformers
     for the config, the block check, transformers for the weights; 1.5-2 s each for
     SmolLM2-135M), and `--out` a fourth for the tokenizer it writes out: one parse now serves the
-    reads up to the weights; the tokenizer, read after them, parses again (the parse is not held
-    past the weights: test below)."""
+    reads up to the weights, and --out's tokenizer is read before them, from it (after them it was
+    parsed again: the parse is not held past the weights, test below)."""
     from click.testing import CliRunner
 
     from normswap.cli import cli
@@ -660,6 +696,69 @@ def test_a_gguf_parse_is_let_go_once_the_weights_are_in(tmp_path, monkeypatch):
     assert len(parses) == 3 and src._parsed == {}
 
 
+@pytest.mark.parametrize("command", ["patch --out", "convert"])
+def test_a_gguf_output_parses_the_file_once(tmp_path, monkeypatch, command):
+    """The reads after the weights parsed the .gguf again: patch --out's tokenizer, written into
+    the output (2 parses), and convert's tokenizer and its verification's second load of the
+    original (3). patch --out reads the tokenizer before the weights now, from the config's parse,
+    and later reads take it from the source; convert holds the parse (gguf_parse_held) for all of
+    its reads: one parse each. The output carries the GGUF's tokenizer, and convert verifies."""
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from normswap.cli import cli
+
+    gguf = write_tiny_gpt2_gguf(tmp_path / "gpt2.gguf")
+    read = _count_gguf_parses(monkeypatch)
+    out = tmp_path / "out"
+    args = ["patch", str(gguf), "--impl", "torch"] if command == "patch --out" else ["convert", str(gguf), "--to", "rms"]
+    r = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert read == [str(gguf)], read
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.vocab_size == 96 and tokenizer.convert_ids_to_tokens(27) == "bb"
+
+
+def test_a_kept_gguf_parse_maps_no_file(tmp_path):
+    """The parse kept between reads held the whole file mapped (np.memmap) from the config's read
+    until the weights were in, through a whole `scan` (which loads none): on Windows a file so
+    mapped cannot be replaced or removed. The parse keeps its metadata in memory now; each read
+    maps the file for itself (its tensors' data, the same as gguf's own reader gives) and lets
+    the mapping go when it ends."""
+    import gc
+
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux) to see the mappings")
+    gguf = write_tiny_gpt2_gguf(tmp_path / "gpt2.gguf")
+
+    def mapped() -> bool:
+        gc.collect()
+        return str(gguf) in maps.read_text()
+
+    src = loading.resolve(gguf)
+    config = loading.load_config(src)
+    assert src._parsed and not mapped()  # kept, unmapped (was mapped)
+    loading.check_stored_tensors(src, config)
+    assert loading.load_tokenizer(src) is loading.load_tokenizer(src) and not mapped()
+    fresh = GGUFReader(gguf)
+    with loading._gguf_parsed_once(src):
+        import gguf as gguf_package
+
+        reader = gguf_package.GGUFReader(str(gguf))
+        assert mapped()
+        assert [t.name for t in reader.tensors] == [t.name for t in fresh.tensors]
+        assert all(np.array_equal(a.data, b.data) for a, b in zip(reader.tensors, fresh.tensors, strict=True))
+        assert {k: f.contents() for k, f in reader.fields.items()} == {k: f.contents() for k, f in fresh.fields.items()}
+    del reader, fresh
+    assert not mapped()
+    loading.load_model(src, config=config)
+    assert not src._parsed and not mapped()
+
+
 def test_a_gguf_tokenizer_read_before_the_weights_shares_the_configs_parse(tmp_path, monkeypatch):
     """ppl reads the config, the tokenizer, then the weights: one parse for the three."""
     src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
@@ -682,13 +781,19 @@ def test_a_gguf_replaced_between_reads_is_parsed_again(tmp_path):
     assert list(src._parsed.values()) == [loading._gguf_parse(src)] and loading._gguf_parse(src) is not first
 
 
+def _served_by(reader, source, keep: bool = True) -> bool:
+    """Whether `reader` (what gguf.GGUFReader gave) is served by source's one parse: a reader of its
+    own for the read (its mapping), sharing that parse's metadata (loading._attached)."""
+    return reader.fields is loading._gguf_parse(source, keep).fields
+
+
 def test_another_files_read_meanwhile_gets_its_own_parse(tmp_path):
     import gguf
 
     src = loading.resolve(write_tiny_llama_gguf(tmp_path / "tiny.gguf", layers=2))
     other = write_tiny_llama_gguf(tmp_path / "other.gguf", layers=3)
     with loading._gguf_parsed_once(src):
-        assert gguf.GGUFReader(str(tmp_path / "tiny.gguf")) is loading._gguf_parse(src)
+        assert _served_by(gguf.GGUFReader(str(tmp_path / "tiny.gguf")), src)
         assert loading._gguf_blocks(gguf.GGUFReader(str(other)))[1] == 3
 
 
@@ -712,7 +817,7 @@ def test_gguf_reads_in_two_threads_leave_the_package_reader_as_it_was(tmp_path):
         with loading._gguf_parsed_once(a):
             a_in.set()
             b_in.wait(10)
-            seen["a"] = gguf.GGUFReader(str(tmp_path / "a.gguf")) is loading._gguf_parse(a)
+            seen["a"] = _served_by(gguf.GGUFReader(str(tmp_path / "a.gguf")), a)
         a_out.set()
 
     def read_b():
@@ -720,9 +825,9 @@ def test_gguf_reads_in_two_threads_leave_the_package_reader_as_it_was(tmp_path):
         with loading._gguf_parsed_once(b):
             b_in.set()
             a_out.wait(10)  # a's read ends while b's goes on
-            seen["b"] = gguf.GGUFReader(str(tmp_path / "b.gguf")) is loading._gguf_parse(b)
+            seen["b"] = _served_by(gguf.GGUFReader(str(tmp_path / "b.gguf")), b)
             # a's file, read in b's thread after a's read ended: a reader of its own, kept by no source
-            seen["a from b"] = gguf.GGUFReader(str(tmp_path / "a.gguf")) is not loading._gguf_parse(a, keep=False)
+            seen["a from b"] = not _served_by(gguf.GGUFReader(str(tmp_path / "a.gguf")), a, keep=False)
 
     threads = [threading.Thread(target=read_a), threading.Thread(target=read_b)]
     for t in threads:
@@ -1586,10 +1691,56 @@ def test_a_half_made_folder_is_set_aside_where_a_rename_replaces_no_folder(tiny_
     tiny_builtin.mkdir(parents=True)
     (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
     monkeypatch.setattr(os, "rename", windows_rename)
+    monkeypatch.setattr(fileio, "exchange_dirs", lambda a, b: False)  # nor does Windows swap two folders
     monkeypatch.setattr(loading, "_load_gguf", load)
     monkeypatch.setattr(loading, "_converted", another_run_publishes_as_this_one_looks)
     assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin and real_converted(tiny_builtin)
     assert (tiny_builtin / "in-use").is_file() == published
+    assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_the_cache_entry_is_never_missing_while_a_half_made_folder_is_replaced(tiny_builtin, monkeypatch,
+                                                                                published):
+    """_remove_half_made moved the cache entry aside, looked at what it moved, and put back a copy
+    another first use had published since this run's look: between the two renames the entry was
+    missing, and the other run, reading its copy then, failed. Where the OS swaps two folders in
+    one step the half-made folder is swapped for this run's finished copy, and a copy published
+    meanwhile swapped back: every look after this run's first sees a whole copy at the entry."""
+    import errno
+    import fcntl
+    import shutil
+
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks")))
+    tiny_builtin.mkdir(parents=True)
+    (tiny_builtin / "config.json").write_text("{}")  # an older normswap's conversion, killed before its weights
+    real_load, real_converted = loading._load_gguf, loading._converted
+    loaded, seen = [], []
+
+    def load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def looked_at(target):
+        if loaded and target == tiny_builtin and not seen:
+            seen.append("this run's look")
+            if published:  # another first use publishes its copy as this run looks
+                shutil.rmtree(tiny_builtin)
+                copy = tiny_builtin.parent / ".tiny-builtin.other"
+                loaded[0][0].save_pretrained(copy)
+                (copy / "in-use").write_text("the other run reads this copy")
+                copy.rename(tiny_builtin)
+            return False  # what this run saw: the half-made folder
+        if seen:  # any later look: what a reader of the entry would find at that instant
+            seen.append(real_converted(tiny_builtin))
+        return real_converted(target)
+
+    monkeypatch.setattr(loading, "_load_gguf", load)
+    monkeypatch.setattr(loading, "_converted", looked_at)
+    with pytest.warns(UserWarning, match="without the lock"):
+        assert loading.builtin_model_dir("tiny-builtin") == tiny_builtin
+    assert seen[0] == "this run's look" and len(seen) > 1 and all(seen[1:]), seen
+    assert real_converted(tiny_builtin) and (tiny_builtin / "in-use").is_file() == published
     assert [p.name for p in tiny_builtin.parent.iterdir()] == ["tiny-builtin"]  # nothing set aside left
 
 

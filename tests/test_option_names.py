@@ -165,16 +165,20 @@ def test_a_failed_verification_names_the_callers_way_to_exclude_a_norm(tmp_path,
 
 def test_what_force_cannot_replace_names_force_to_a_caller_that_has_it(tmp_path):
     """An experiment publishes its pretraining cache entry with staged_dir(replace=True): a folder
-    of someone else's files there is refused, and the experiment has no force to name (it read
-    "even with force=True"; "--force" before 2091a04)."""
+    of someone else's files there is refused, and the experiment's force (which replaces an OUT, not
+    the cache) is not named (it read "even with force=True"; "--force" before 2091a04)."""
     from normswap.checkpoint import staged_dir
     from normswap.experiment.runner import EXPERIMENT_OPTIONS
 
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("mine")
-    for names in ({k: k for k in EXPERIMENT_OPTIONS}, {"arms": "--arms", "out": "--out", "overrides": "--set"}):
-        with using_option_names(names), pytest.raises(NormswapError) as e, staged_dir(notes, replace=True):
+    from normswap.experiment import pretrain
+
+    for names in ({k: k for k in EXPERIMENT_OPTIONS}, {"arms": "--arms", "out": "--out", "overrides": "--set",
+                                                       "force": "--force"}):
+        with using_option_names(names), pytest.raises(NormswapError) as e, pretrain._using_cache_entry_names(), \
+                staged_dir(notes, replace=True):
             pass
         assert str(e.value).endswith("weights or normswap.json); refusing to replace it"), e.value
     assert (notes / "todo.txt").read_text() == "mine"
@@ -388,7 +392,8 @@ def test_each_helper_that_installs_names_has_a_name_of_its_own():
                     isinstance(r, ast.Return) and isinstance(r.value, ast.Call)
                     and getattr(r.value.func, "id", None) == "using_option_names" for r in ast.walk(node)):
                 installers.setdefault(node.name, []).append(path.name)
-    assert installers == {"_using_entry_point_names": ["api.py"], "_using_given_scoring_names": ["evaluate.py"]}
+    assert installers == {"_using_entry_point_names": ["api.py"], "_using_given_scoring_names": ["evaluate.py"],
+                          "_using_cache_entry_names": ["pretrain.py"]}
 
 
 def test_a_gain_kept_on_request_says_so_as_it_was_asked(tmp_path):

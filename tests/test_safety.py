@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 from tiny_models import save_tiny, tiny_model
 
-from normswap import checkpoint
+from normswap import checkpoint, fileio
 from normswap.cli import cli
 from normswap.errors import NormswapError
 from normswap.swap import patch
@@ -415,7 +415,7 @@ def test_case3_rename_noreplace_refuses_an_existing_directory(tmp_path, monkeypa
     with pytest.raises(FileExistsError):
         checkpoint.rename_noreplace(a, b)
     # the portable fallback (plain rename(2)) cannot replace a non-empty directory either
-    monkeypatch.setattr(checkpoint, "_rename_with_flags", lambda *a: False)
+    monkeypatch.setattr(fileio, "_rename_with_flags", lambda *a: False)
     with pytest.raises(FileExistsError):
         checkpoint.rename_noreplace(a, b)
     assert (b / "f").read_text() == "B" and a.is_dir()

@@ -841,3 +841,26 @@ def test_static_check_runs_in_spawned_workers_for_the_timing_gpu(tmp_path):
                                            f"this device holds only {h} of them" for h in holds})]
     row = got["row"]
     assert row["target"] == "sm_80" and row["programs_per_sm"] == row["rule"] < row["h100"]
+
+
+def test_cli_tune_show_says_the_user_table_is_switched_off(monkeypatch):
+    """With NORMSWAP_LAUNCH_TABLE=off, --show printed "user table: -: off": neither why nor what
+    launches use instead. It names the setting and the tables that decide; --json keeps the state."""
+    import json
+
+    from click.testing import CliRunner
+
+    from normswap.cli import cli
+
+    monkeypatch.setenv(T.USER_ENV, "off")
+    T.reload()
+    try:
+        r = CliRunner().invoke(cli, ["tune", "--show"])
+        shown = json.loads(CliRunner().invoke(cli, ["tune", "--show", "--json"]).stdout)
+    finally:
+        T.reload()
+    assert r.exit_code == 0, r.stderr
+    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("user table")]
+    assert line == ("user table: none is read (NORMSWAP_LAUNCH_TABLE=off); launches use the committed table and the "
+                    "static heuristics")
+    assert shown["user"]["state"] == "off" and shown["user"]["path"] is None

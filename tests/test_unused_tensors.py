@@ -58,15 +58,17 @@ def _stock(cls_name: str, d):
     return getattr(transformers, cls_name).from_pretrained(d, output_loading_info=True)
 
 
-def _legacy_gpt2(d, pickled: bool | str, masked_bias: torch.Tensor | None = None):
+def _legacy_gpt2(d, pickled: bool | str, masked_bias: torch.Tensor | None = None, bare: bool = False):
     """A GPT-2 as a 2020-era transformers saved it: each attention's causal mask `attn.bias` and its
     fill value `attn.masked_bias` (a scalar, -1e4; or `masked_bias`) stored with the weights
-    (pytorch_model.bin, its two shards with pickled="sharded", or safetensors)."""
+    (pytorch_model.bin, its two shards with pickled="sharded", or safetensors). bare: saved as a
+    GPT2Model (no `transformer.` prefix, no head), config.json still naming GPT2LMHeadModel."""
     model = save_tiny("gpt2", d)
-    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    prefix = "" if bare else "transformer."
+    tensors = {k: v.contiguous() for k, v in (model.transformer if bare else model).state_dict().items()}
     for i in range(2):
-        tensors[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.uint8)).view(1, 1, 64, 64)
-        tensors[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4) if masked_bias is None else masked_bias.clone()
+        tensors[f"{prefix}h.{i}.attn.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.uint8)).view(1, 1, 64, 64)
+        tensors[f"{prefix}h.{i}.attn.masked_bias"] = torch.tensor(-1e4) if masked_bias is None else masked_bias.clone()
     (d / "model.safetensors").unlink()
     if pickled == "sharded":
         names = sorted(tensors)
@@ -255,6 +257,38 @@ def test_the_old_scalar_masked_bias_is_accepted_in_every_layout(tmp_path, pickle
     stock, info = _stock("GPT2LMHeadModel", d)
     assert loading.check_loading_info(stock, info, str(d), stored=d).buffers == masked
     assert loading.load_model(src).normswap_unused_tensors.buffers == masked
+
+
+@pytest.mark.parametrize("pickled", [True, "sharded", False], ids=["pickled", "sharded", "safetensors"])
+def test_a_bare_gpt2_checkpoint_with_the_old_buffer_loads_as_the_prefixed_one_does(tmp_path, pickled):
+    """The same checkpoint saved as a GPT2Model (h.0.attn.masked_bias, no `transformer.` prefix),
+    config naming GPT2LMHeadModel: transformers loads it under the prefix and reports the buffer
+    by its stored name, which unused_tensors looked up as a module of the head model, found none
+    and refused ("2 tensor(s) the config has no place for: h.0.attn.masked_bias, ..."), where the
+    prefixed copy loaded. Now both load alike: the scalar is accepted (before the load, after it,
+    and by `normswap patch`), a 32-value tensor under the name refused."""
+    masked = ("h.0.attn.masked_bias", "h.1.attn.masked_bias")  # as transformers reports them
+    d = tmp_path / "gpt2"
+    _legacy_gpt2(d, pickled, bare=True)
+    src = loading.resolve(d)
+    before = loading.check_stored_tensors(src, loading.load_config(src))
+    assert before is None if pickled == "sharded" else before.buffers == masked  # shards: names only there
+    stock, info = _stock("GPT2LMHeadModel", d)
+    assert info["unexpected_keys"] == set(masked)
+    assert loading.check_loading_info(stock, info, str(d), stored=d).buffers == masked
+    model = loading.load_model(src)
+    assert model.normswap_unused_tensors.buffers == masked
+    assert torch.equal(model_output(model, BATCH)[1], model_output(stock.eval(), BATCH)[1])
+    r = CliRunner().invoke(cli, ["patch", str(d), "--impl", "torch", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.stderr
+    assert sum(ln.startswith("note:") for ln in r.stderr.splitlines()) == 1
+
+    d = tmp_path / "gpt2-32"
+    _legacy_gpt2(d, pickled, masked_bias=torch.full((32,), -1e4), bare=True)
+    src = loading.resolve(d)
+    says = "2 tensor(s) the config has no place for: h.0.attn.masked_bias, h.1.attn.masked_bias"
+    with pytest.raises(NormswapError, match=re.escape(says)):
+        loading.load_model(src)
 
 
 def test_convert_of_a_model_saved_with_another_head_runs_verifies_and_leaves_the_head_out(tmp_path):

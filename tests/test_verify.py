@@ -279,6 +279,30 @@ def test_compare_outputs_judges_each_output_on_its_own_scale():
     assert compare_outputs(torch.float32, before, near).passed
 
 
+def test_named_outputs_keeps_every_output_when_two_names_meet():
+    """Nested outputs are named "outer.inner": a field named "a.b" beside a nested "a" holding "b"
+    made the same name, and one replaced the other, so a changed output went uncompared and the
+    check passed. Both are kept (the second as "a.b'") and compared."""
+    from normswap.verify import named_outputs
+
+    class Dotted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"a.b": y, "a": {"b": 2 * x}}
+
+    model, x = Dotted(), {"x": torch.randn(2, 4)}
+    before = named_outputs(model, x)
+    assert list(before) == ["a.b", "a.b'"]
+    with torch.no_grad():
+        model.lin.bias.add_(1)  # changes the first output, which the second replaced
+    check = compare_outputs(torch.float32, before, named_outputs(model, x))
+    assert not check.outputs["a.b"]["passed"] and check.outputs["a.b'"]["passed"] and not check.passed
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_head_norm_is_recognised_run_and_verified(impl, dtype):

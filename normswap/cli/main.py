@@ -17,7 +17,7 @@ import click
 import normswap  # noqa: F401  (decides TRITON_INTERPRET before anything imports triton)
 from normswap._env import launched_main
 from normswap.cli.signals import EndingAtOnce, interruption, received_interrupt
-from normswap.errors import NormswapError
+from normswap.errors import EveryProcessError, NormswapError
 from normswap.jsonsafe import finite_or_null
 from normswap.progress import ProgressBars  # noqa: F401  (every command draws the library's progress with it)
 
@@ -163,7 +163,8 @@ class NormswapGroup(click.Group):
             click.echo(line, err=True)
             sys.exit(code)
         except click.UsageError as e:
-            click.echo(_usage_line(e), err=True)
+            if launched_main():  # every process of a launch parses the same arguments: said once
+                click.echo(_usage_line(e), err=True)
             sys.exit(EXIT_BAD_INPUT)
         except click.ClickException as e:
             e.show()
@@ -186,7 +187,8 @@ class NormswapGroup(click.Group):
                 return super().invoke(ctx)
         except NormswapError as e:
             _exit_if_interrupted(ctx)
-            click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
+            if launched_main() or not isinstance(e, EveryProcessError):  # else the main process says it
+                click.echo(f"normswap: error: {_escaped(str(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except OSError as e:
             _exit_if_interrupted(ctx)
@@ -196,7 +198,8 @@ class NormswapGroup(click.Group):
             click.echo(f"normswap: error: {_escaped(one_line(e))}", err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except click.UsageError as e:
-            click.echo(_usage_line(e), err=True)
+            if launched_main():  # every process of a launch parses the same arguments: said once
+                click.echo(_usage_line(e), err=True)
             ctx.exit(EXIT_BAD_INPUT)
         except KeyboardInterrupt as e:
             line, code = interruption(e)

@@ -66,7 +66,13 @@ def render_status(d: dict) -> None:
     click.echo(f"device: {where}")
     for what in ("committed", "user"):
         s = d[what]
-        line = f"{what} table: {s['path'] or '-'}: {s['state']}"
+        if s["state"] == "off":  # no path to name: the environment switched it off ("user table: -: off" said neither)
+            from normswap.kernels.launch_table import USER_ENV
+
+            click.echo(f"{what} table: none is read ({USER_ENV}={(d.get('user_env') or '').strip()}); launches use the "
+                       "committed table and the static heuristics")
+            continue
+        line = f"{what} table: {s['path']}: {s['state']}"
         if s["state"] == "loaded":
             line += f", {s['entries']} entries, {s['apply']} for this device"
         if s.get("stale"):

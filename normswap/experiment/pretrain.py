@@ -26,6 +26,7 @@ import torch
 from normswap import jsonsafe
 from normswap.dtypes import parse_dtype
 from normswap.errors import NormswapError, using_option_names
+from normswap.experiment import processes
 from normswap.experiment.recipe import PretrainSection, RecipeError, file_digest
 from normswap.experiment.trainer import (
     RandomWindows,
@@ -228,18 +229,23 @@ def unigram_perplexity(train_ids: torch.Tensor, eval_ids: torch.Tensor, vocab_si
 
 def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: str, eval_text: str,
                       *, text: str | None = None, text_digest: str | None = None, stop: StopFlag | None = None,
-                      progress: bool = True) -> tuple[Path, dict]:
+                      progress: bool = True, tokens: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict]:
     """The cached checkpoint directory for this [pretrain] section (training it first when absent)
     and its info (steps, time, held-out perplexity, unigram baseline). eval_text: the held-out
     text's contents (read_text of data.eval, which the runner has read for its own evaluations: it
     was read again here). text: section.text's contents (read_text) when the caller has read them
     already (the runner, for its check before the run): a large text is seconds a read; None reads
-    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it."""
+    them if the pretraining runs. text_digest: its file_digest, as cache_key takes it. tokens: a
+    dict that gets section.text's token ids under "text" when the pretraining runs (it tokenizes
+    the text with the model's tokenizer: the runner's data.train, when it is that text, is not
+    tokenized again)."""
     from normswap.checkpoint import target_lock
 
     final = pretrain_dir(section, seed, name, text_digest)
-    if (final / INFO_FILE).is_file():
-        return final, _read_info(final)
+    with processes.together():  # every process reads a cached entry's record: its refusal said once
+        cached = _read_info(final) if (final / INFO_FILE).is_file() else None
+    if cached is not None:
+        return final, cached
     lock = contextlib.nullcontext()
     if accelerator.is_main_process:
         # Two experiments sharing a [pretrain] section (two --out folders, two terminals) would train
@@ -249,11 +255,13 @@ def ensure_pretrained(accelerator, section: PretrainSection, seed: int, name: st
     with lock:
         if (final / INFO_FILE).is_file():  # published by a run that held the lock until just now
             return final, _read_info(final)
-        return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress)
+        return _pretrain(accelerator, section, seed, final, eval_text, text, stop=stop, progress=progress,
+                         tokens=tokens)
 
 
 def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eval_text: str,
-              text: str | None, *, stop: StopFlag | None, progress: bool) -> tuple[Path, dict]:
+              text: str | None, *, stop: StopFlag | None, progress: bool,
+              tokens: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict]:
     """ensure_pretrained's training, under the cache entry's lock."""
     from transformers import PreTrainedTokenizerFast
 
@@ -263,62 +271,72 @@ def _pretrain(accelerator, section: PretrainSection, seed: int, final: Path, eva
     partial = final.with_name(final.name + ".partial")
     tok_dir = partial / "tokenizer"
     text = read_text(section.text) if text is None else text
-    if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
-        tok_dir.mkdir(parents=True, exist_ok=True)
-        tmp = partial / "tokenizer.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with text_stage("pretrain: train the tokenizer", text, progress):
-            tokenizer = train_tokenizer(text, section.vocab_size)
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(tok_dir)
-        tmp.rename(tok_dir)
-    accelerator.wait_for_everyone()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    shown = progress and accelerator.is_main_process
-    with text_stage("pretrain: tokenize pretrain.text", text, shown):
-        ids = encode(tokenizer, text)
-    with text_stage("pretrain: tokenize data.eval", eval_text, shown):
-        eval_ids = encode(tokenizer, eval_text)
-    model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
-    model.to(parse_dtype(section.dtype))
-    try:
-        batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
-    except NormswapError as e:
-        raise NormswapError(f"pretrain.text: {e}") from None
+    with processes.together():
+        if accelerator.is_main_process and not (tok_dir / "tokenizer.json").is_file():
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            tmp = partial / "tokenizer.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            with text_stage("pretrain: train the tokenizer", text, progress):
+                tokenizer = train_tokenizer(text, section.vocab_size)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(tok_dir)
+            tmp.rename(tok_dir)
+    with processes.together():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        shown = progress and accelerator.is_main_process
+        with text_stage("pretrain: tokenize pretrain.text", text, shown):
+            ids = encode(tokenizer, text)
+        if tokens is not None:
+            tokens["text"] = ids
+        with text_stage("pretrain: tokenize data.eval", eval_text, shown):
+            eval_ids = encode(tokenizer, eval_text)
+        model = build_model(section, len(tokenizer), tokenizer.eos_token_id, seed)
+        model.to(parse_dtype(section.dtype))
+        try:
+            batches = RandomWindows(ids, section.seq_len, section.batch_size, seed)
+        except NormswapError as e:
+            raise NormswapError(f"pretrain.text: {e}") from None
     history = train(accelerator, model, section, batches, partial / "state", stop=stop, progress=progress,
                     desc="pretrain", log_prefix="pretrain/")
     info = {}
-    if accelerator.is_main_process:
-        from normswap.evaluate import perplexity
+    with processes.together():
+        if accelerator.is_main_process:
+            from normswap.evaluate import perplexity
 
-        # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
-        with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
-            with using_option_names(_HELDOUT_NAMES):
-                ppl = perplexity(model, tokenizer, eval_ids, progress=bars if progress else False,
-                                 **_heldout_windows(section))
-        info = {
-            "steps": history.step, "train_seconds": round(history.train_seconds, 1),
-            "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
-            * section.grad_accum * accelerator.num_processes,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "final_train_loss": history.losses[-1] if history.losses else None,
-            "heldout_tokens": eval_ids.numel(), "heldout_ppl": ppl.ppl,
-            "unigram_ppl": unigram_perplexity(ids, eval_ids, len(tokenizer)),
-            "section": dataclasses.asdict(section), "seed": seed,
-        }
-        if not ppl.ppl < info["unigram_ppl"]:
-            # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
-            warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
-                          f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
-        with staged_dir(final, replace=True) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        shutil.rmtree(partial, ignore_errors=True)
-    accelerator.wait_for_everyone()
+            # Seconds to a minute on a CPU (every held-out token): a bar, as every long stage has.
+            with ProgressBars({"perplexity": "tok"}, labels={"perplexity": "pretrain: held-out perplexity"}) as bars:
+                with using_option_names(_HELDOUT_NAMES):
+                    ppl = perplexity(model, tokenizer, eval_ids, progress=bars if progress else False,
+                                     **_heldout_windows(section))
+            info = {
+                "steps": history.step, "train_seconds": round(history.train_seconds, 1),
+                "train_tokens": ids.numel(), "tokens_seen": history.step * section.batch_size * section.seq_len
+                * section.grad_accum * accelerator.num_processes,
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "final_train_loss": history.losses[-1] if history.losses else None,
+                "heldout_tokens": eval_ids.numel(), "heldout_ppl": ppl.ppl,
+                "unigram_ppl": unigram_perplexity(ids, eval_ids, len(tokenizer)),
+                "section": dataclasses.asdict(section), "seed": seed,
+            }
+            if not ppl.ppl < info["unigram_ppl"]:
+                # Kept (a tiny test model may not), but said loudly: the experiment's premise is a trained model.
+                warnings.warn(f"pretraining did not beat the unigram baseline (held-out perplexity {ppl.ppl:.1f} "
+                              f"vs {info['unigram_ppl']:.1f}): more steps or another learning rate", stacklevel=2)
+            with _using_cache_entry_names(), staged_dir(final, replace=True) as tmp:
+                model.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+            shutil.rmtree(partial, ignore_errors=True)
     if not accelerator.is_main_process:
         info = _read_info(final)
     return final, info
+
+
+def _using_cache_entry_names():
+    """The option names while the cache entry is published: the entry is not OUT, and what
+    staged_dir refuses to replace there the experiment's force does not replace either (its
+    message said "even with --force", pointing at a flag that does nothing for it)."""
+    return using_option_names({"force": ""})
 
 
 def _read_info(final: Path) -> dict:

@@ -41,8 +41,15 @@ from normswap._env import launched_main
 from normswap.backends import get_backend
 from normswap.checkpoint import target_lock
 from normswap.dtypes import parse_dtype
-from normswap.errors import NormswapError, option_labels, using_option_names
-from normswap.experiment import report
+from normswap.errors import (
+    NormswapError,
+    one_line,
+    option_labels,
+    option_setting,
+    require_bool,
+    using_option_names,
+)
+from normswap.experiment import processes, report
 from normswap.experiment.arms import build_arm, check_arms
 from normswap.experiment.pretrain import (
     INFO_FILE,
@@ -58,6 +65,7 @@ from normswap.experiment.pretrain import (
     text_stage,
 )
 from normswap.experiment.recipe import Recipe, RecipeError, check_seq_len, load_recipe, parse_arm, select_arms
+from normswap.experiment.report import count_noun
 from normswap.experiment.trainer import (
     Interrupted,
     RandomWindows,
@@ -73,6 +81,8 @@ from normswap.fileio import (
     cannot_make,
     cannot_write,
     made_folders,
+    remove_tree,
+    sibling_name,
     target_path,
     unwritable,
     write_text_atomic,
@@ -163,14 +173,16 @@ def make_accelerator(recipe: Recipe, out: Path):
 
 
 def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, recipe: Recipe | None = None,
-               digests: dict[str, str] | None = None) -> None:
+               digests: dict[str, str] | None = None, force: bool = False) -> bool:
     """OUT is new, empty, or an earlier run of the recipe whose fingerprint() is `fingerprint` (its
     recipe.json, as _run writes it): a run writes
     results.csv, summary.md, curves.png, logs/ and arms/ there, over any user files of those
     names. (logs/ alone: a run stopped before it wrote recipe.json.) And a report or an arm's
     record (of `arms`) that is a link there can be written through (fileio.replaced_atomically;
     curves.png only as `plot` says). recipe, digests: the recipe of `fingerprint` and its
-    text_digests(), to say what differs from the run in OUT."""
+    text_digests(), to say what differs from the run in OUT. force: a run of another recipe is
+    replaced (True returned: _replace_out, once the run's checks have passed) when OUT holds
+    nothing else (_replaceable)."""
     n = option_labels(EXPERIMENT_OPTIONS)  # as run_experiment installed them
     if out.exists() and not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder; choose another {n['out']}")
@@ -184,8 +196,11 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, 
             what = _what_differs(previous, recipe, digests) if recipe is not None and isinstance(previous, dict) \
                 else None
             what = what or f"or other {n['overrides']} values"
+            # a recipe.json of another shape is not known to be a run's: its folder is not replaced
+            if _replaceable(out, force, isinstance(previous, dict) and "fingerprint" in previous):
+                return True
             raise NormswapError(f"{out} holds a run of a different recipe ({what}); remove it or choose another "
-                                f"{n['out']}")
+                                f"{n['out']}{_force_way(out, isinstance(previous, dict) and 'fingerprint' in previous)}")
     # Written through, a link to nothing, to a folder or a pipe, or into a folder this user may not
     # write failed the write: after the pretraining and every arm for a report, after the arm for its
     # record. Found here instead (a plain file or none there is OUT's, checked with OUT; a finished
@@ -194,6 +209,100 @@ def _check_out(out: Path, fingerprint: str, arms: list[str], plot: bool = True, 
     for path in (*(out / name for name in report.report_files(plot)), *(p for p in unfinished if not os.path.isfile(p))):
         if path.is_symlink() and (why := unwritable(path)):
             raise cannot_write(path, why)
+    return False
+
+
+# What a run writes in OUT (report.report_files, curves.png included), and in each arm's folder.
+RUN_ENTRIES = ("recipe.json", "results.json", "results.csv", "summary.md", "curves.png", "logs", "arms")
+ARM_ENTRIES = (RESULT_FILE, "state")
+TRACKER_FILES = "events.out.tfevents."  # what tensorboard's writer names its files in logs/<name>/
+
+
+def _not_a_runs(out: Path) -> list[str]:
+    """What in OUT a run does not write (RUN_ENTRIES; in arms/, folders named as arms holding
+    ARM_ENTRIES; the temporary files fileio.replaced_atomically leaves when killed), as paths
+    relative to OUT: what force must not replace. A link where a run makes a folder is not its,
+    nor a folder where it writes a file (a user's summary.md/ of notes went with the run)."""
+
+    def written(folder: Path, names: tuple[str, ...], folders: tuple[str, ...]) -> list[Path]:
+        others = []
+        for p in folder.iterdir():
+            temporary = any(p.name.startswith(f".{sibling_name(n)}.") and p.name.endswith(".tmp") for n in names)
+            a_folder = p.is_dir() and not p.is_symlink()
+            if (p.name not in names and not temporary) or a_folder != (p.name in folders):
+                others.append(p)
+        return others
+
+    others = written(out, RUN_ENTRIES, ("logs", "arms"))
+    if (out / "arms").is_dir() and not (out / "arms").is_symlink():
+        for arm_dir in (out / "arms").iterdir():
+            try:
+                parse_arm(arm_dir.name)
+            except RecipeError:
+                others.append(arm_dir)
+                continue
+            if arm_dir.is_symlink() or not arm_dir.is_dir():
+                others.append(arm_dir)
+            else:
+                others += written(arm_dir, ARM_ENTRIES, ("state",))
+    if (out / "logs").is_dir() and not (out / "logs").is_symlink():
+        # The tracker's (tensorboard, the one a recipe can name): a folder per run name holding its
+        # event files. A user's own logs/ (a run's stdout redirected there) went with the run.
+        for run_dir in (out / "logs").iterdir():
+            if run_dir.is_symlink() or not run_dir.is_dir():
+                others.append(run_dir)
+            else:
+                others += [p for p in run_dir.iterdir()
+                           if not (p.name.startswith(TRACKER_FILES) and p.is_file() and not p.is_symlink())]
+    return sorted(p.relative_to(out).as_posix() for p in others)
+
+
+def _finished_arms(out: Path) -> list[str]:
+    arms = out / "arms"
+    return sorted(p.parent.name for p in arms.glob(f"*/{RESULT_FILE}")) if arms.is_dir() else []
+
+
+def _replaceable(out: Path, force: bool, runs: bool) -> bool:
+    """Whether force replaces OUT, a run (`runs`: its recipe.json is one a run writes) refused as
+    another's: only when OUT holds nothing a run does not write; refused otherwise, naming it."""
+    if not (force and runs):
+        return False
+    if others := _not_a_runs(out):
+        n = option_labels(EXPERIMENT_OPTIONS)
+        raise NormswapError(f"{out} holds a run of another recipe and what no run writes ({_some(others)}): not replaced, "
+                            f"even with {option_setting(n['force'], True)}; remove it or choose another {n['out']}")
+    return True
+
+
+def _force_way(out: Path, runs: bool) -> str:
+    """The last way out of the refusal of an OUT that holds another run (`runs`: its recipe.json is
+    one a run writes), after removing it and another OUT: force, saying which finished arms it
+    replaces; "" when force would not replace it (_replaceable)."""
+    if not runs or _not_a_runs(out):
+        return ""
+    finished = _finished_arms(out)
+    also = f" and the {count_noun(len(finished), 'arm')} finished there ({_some(finished)})" if finished else ""
+    return f", or pass {option_setting(option_labels(('force',))['force'], True)} to replace it{also}"
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _replace_out(out: Path) -> None:
+    """Empty OUT, a run of another recipe that force replaces (_not_a_runs found nothing else in it).
+    What makes the next run refuse OUT goes last: arms/ first, results.json (the pretraining the
+    arms ran on, _check_same_pretraining) once they are gone, recipe.json at the end. A kill on the
+    way leaves a run that is still refused as another's (and replaced again with force), or one with
+    no finished arm: removed in the folder's order, results.json could go before arms/, and the
+    next run resumed the other pretraining's arms beside its own."""
+    last = ("arms", "", "results.json", "recipe.json")
+    for p in sorted(out.iterdir(), key=lambda p: last.index(p.name if p.name in last else "")):
+        if p.is_dir() and not p.is_symlink():
+            if error := remove_tree(p):
+                raise cannot_write(out, one_line(error))
+        else:
+            p.unlink()
 
 
 def _what_differs(previous: dict, recipe: Recipe, digests: dict[str, str], most: int = 3) -> str:
@@ -278,7 +387,7 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
                    arms: str | Sequence[str] | None = None, *, overrides: Sequence[str] = (),
                    progress: bool = True, stop: StopFlag | None = None, accelerator=None, plot: bool = True,
                    on_step: Callable[[str, int, float], None] | None = None,
-                   option_names: Mapping[str, str] | None = None) -> ExperimentResult:
+                   option_names: Mapping[str, str] | None = None, force: bool = False) -> ExperimentResult:
     """Run (or resume) every arm of `recipe` (or the `arms` subset: a list or "a,b"), write the
     reports into `out` (default: recipe.default_out(), runs/<name>). The reports cover every arm
     finished in `out`: those run now and those an earlier call finished there (with other `arms`).
@@ -289,13 +398,16 @@ def run_experiment(recipe: Recipe | str | os.PathLike, out: str | Path | None = 
     ...}), here and in everything the run calls.
 
     stop: a StopFlag; once set (Ctrl-C, SIGTERM, or a caller) the running arm checkpoints and Interrupted is
-    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step."""
+    raised; the same call again resumes. on_step(arm, step, loss) runs after every training step.
+    force: an `out` that holds a run of another recipe (or one on another pretraining: refused
+    otherwise) is replaced, its finished arms too, when it holds nothing but what a run writes; the
+    same recipe's run is resumed, force or not (a finished arm is deterministic: delete its folder to run it again)."""
     with using_option_names(option_labels(EXPERIMENT_OPTIONS, option_names) | EVAL_WINDOW_KEYS):
-        return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step)
+        return _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step, force)
 
 
 # The options run_experiment's messages name, as option_names renames them.
-EXPERIMENT_OPTIONS = ("arms", "out", "overrides")
+EXPERIMENT_OPTIONS = ("arms", "out", "overrides", "force")
 # The evaluation's text and window options (diff_models' parameters, _eval_windows) by the recipe
 # keys they come from: its messages said `pass max_length 54 or less` and `max_tokens 20 is shorter
 # than one window` to a user who wrote data.eval_max_length and data.eval_max_tokens, and `the
@@ -305,7 +417,9 @@ EVAL_WINDOW_KEYS = {"data": "data.eval", "max_length": "data.eval_max_length", "
                     "max_tokens": "data.eval_max_tokens", "batch_size": "data.eval_batch_size"}
 
 
-def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step) -> ExperimentResult:
+def _checked_arguments(recipe, out, arms, overrides, on_step, force) -> tuple[Path, Recipe, list[str]]:
+    """run_experiment's arguments checked: OUT as a path, the recipe read, the arms selected."""
+    require_bool("force", force)
     if not isinstance(recipe, Recipe):  # read first: a bad recipe is reported before a missing extra
         recipe = load_recipe(recipe, overrides)
     elif overrides:
@@ -317,22 +431,38 @@ def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, p
     if on_step is not None and not callable(on_step):  # else found at the first step, after the arms before it
         raise TypeError(f"on_step: expected a function (arm, step, loss), got {type(on_step).__name__}")
     out = target_path(out if out is not None else recipe.default_out(), "folder")  # "" (an unset $OUT) refused
+    return out, recipe, arms
+
+
+def _run_experiment(recipe, out, arms, overrides, progress, stop, accelerator, plot, on_step,
+                    force) -> ExperimentResult:
     with contextlib.ExitStack() as held:
-        if _is_main_process(accelerator):
-            # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
-            # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
-            if why := unwritable(out, folder=True):
-                raise cannot_write(out, why)
-            # Two runs writing one OUT would train an arm into one state folder, each removing the
-            # other's checkpoints, and write each other's reports: the second is refused at once,
-            # by the lock beside OUT that patch and convert take for --out.
-            try:
-                held.enter_context(made_folders(out.parent))
-            except OSError as e:
-                raise cannot_make(out, e) from None
-            held.enter_context(target_lock(out))
-        return _checked_run(recipe, out, arms, progress=progress, stop=stop, accelerator=accelerator, plot=plot,
-                            on_step=on_step)
+        if accelerator is None:
+            held.enter_context(processes.joined())
+        # Every process checks; the main one alone takes the locks and makes OUT. A refusal any of
+        # them reaches is every one's (processes.together), before the run's first barrier.
+        with processes.together():
+            out, recipe, arms = _checked_arguments(recipe, out, arms, overrides, on_step, force)
+            run = _checked_run(recipe, out, arms, held, progress=progress, plot=plot, accelerator=accelerator,
+                               force=force)
+        return _run(recipe, out, arms, *run, progress=progress, stop=stop, plot=plot, on_step=on_step)
+
+
+def _take_out(out: Path, accelerator, held: contextlib.ExitStack) -> None:
+    """OUT's lock (the main process's), and the folders above OUT made, in `held`."""
+    if _is_main_process(accelerator):
+        # An OUT that cannot be written is said as patch and convert say theirs, not as the lock
+        # file beside it ("cannot create the lock file ...") or a folder on the way that failed.
+        if why := unwritable(out, folder=True):
+            raise cannot_write(out, why)
+        # Two runs writing one OUT would train an arm into one state folder, each removing the
+        # other's checkpoints, and write each other's reports: the second is refused at once,
+        # by the lock beside OUT that patch and convert take for --out.
+        try:
+            held.enter_context(made_folders(out.parent))
+        except OSError as e:
+            raise cannot_make(out, e) from None
+        held.enter_context(target_lock(out))
 
 
 def _shown(progress: bool, accelerator) -> bool:
@@ -347,17 +477,20 @@ def _is_main_process(accelerator) -> bool:
     return launched_main()
 
 
-def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, accelerator, plot,
-                 on_step) -> ExperimentResult:
-    """run_experiment once OUT is locked: what can be checked before OUT is made, then the run."""
+def _checked_run(recipe: Recipe, out: Path, arms: list[str], held: contextlib.ExitStack, *, progress, plot,
+                 accelerator, force) -> tuple:
+    """What can be checked before OUT is made, OUT locked and made (its lock, the pretraining's and
+    OUT's removal if the run fails before writing there go into `held`), the Accelerator made:
+    _run's arguments after `arms`."""
+    _take_out(out, accelerator, held)
     # Every text's digest, once for the run: the fingerprint (checked here, recorded in recipe.json
     # and results.json) and the pretraining's cache entry (looked up here, then by the pretraining)
     # took each again, a read of the whole file each time (0.36 s per 100 MB here).
     digests = recipe.text_digests()
-    _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests)
-    if recipe.pretrain is not None:
-        _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
-                                                  digests[recipe.pretrain.text]))
+    replacing = _check_out(out, recipe.fingerprint(digests), arms, plot, recipe, digests, force)
+    if recipe.pretrain is not None and not replacing:
+        replacing = _check_same_pretraining(out, pretrain_dir(recipe.pretrain, recipe.seed, recipe.name,
+                                                              digests[recipe.pretrain.text]), force)
     _warn_if_not_held_out(recipe, arms, digests)
     # A training step too large for the machine, from the sizes alone: refused before the pretraining
     # and the arms before the first that trains
@@ -400,29 +533,39 @@ def _checked_run(recipe: Recipe, out: Path, arms: list[str], *, progress, stop, 
             # the model is trained, not at the end of the arms.
             final.parent.mkdir(parents=True, exist_ok=True)
             pretraining.enter_context(target_lock(final.resolve()))
+    held.enter_context(pretraining)
     # OUT and the folders above it that this run makes go again if it fails before writing there
-    with pretraining, made_folders(out):
-        return _run(recipe, out, arms, loaded, texts, train_ids, digests, progress=progress, stop=stop,
-                    accelerator=accelerator, plot=plot, on_step=on_step, pretraining=pretraining)
+    held.enter_context(made_folders(out))
+    accelerator = accelerator or make_accelerator(recipe, out)
+    # An arm left part-trained by a run with another process count is refused now, not after the
+    # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
+    # result.json records the count, and the summary says which arms ran on which.)
+    for arm in arms if not replacing else ():  # (a replaced run's checkpoints go)
+        arm_dir = out / "arms" / arm
+        if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
+            check_resumable(arm_dir / "state", accelerator.num_processes, arm)
+    return loaded, texts, train_ids, digests, accelerator, pretraining, replacing
 
 
-def _check_same_pretraining(out: Path, entry: Path) -> None:
+def _check_same_pretraining(out: Path, entry: Path, force: bool = False) -> bool:
     """OUT's earlier arms (results.json's `model`) ran on the pretraining this run uses, `entry`, or
     the run is refused. The fingerprint does not tell: pretrain.mixed_precision "auto" is keyed by
     what it is on the machine (pretrain.cache_key), so an OUT made on a CPU and resumed on a GPU, or
     made on a GPU before "auto" was keyed so, pretrained anew, and its new arms were reported beside
     the earlier ones, each compared with another model's numbers. An OUT with no finished arm has
-    nothing to mix with."""
+    nothing to mix with. force: such an OUT is replaced (True returned), as _check_out replaces one."""
     try:  # only a guard: a results.json that cannot be read is rewritten by the run, as before
         recorded = jsonsafe.read(out / "results.json").get("model")
     except (OSError, ValueError, AttributeError):
-        return
+        return False
     if isinstance(recorded, str) and recorded and Path(recorded).name != entry.name:
-        n = option_labels(EXPERIMENT_OPTIONS)
+        if _replaceable(out, force, True):
+            return True
         raise NormswapError(f"{out} holds arms run on the pretrained model {recorded}, and this run's is "
                             f"{entry.name} (pretrain.mixed_precision \"auto\" is keyed by what it is on the "
                             f"machine): its arms would be reported beside them on other weights; remove {out} "
-                            f"or choose another {n['out']}")
+                            f"or choose another {option_labels(('out',))['out']}{_force_way(out, True)}")
+    return False
 
 
 def _warn_if_not_held_out(recipe: Recipe, arms: list[str], digests: dict[str, str]) -> None:
@@ -504,11 +647,14 @@ def _read_texts(recipe: Recipe, arms: list[str]) -> dict[str, str]:
     return texts
 
 
-def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool) -> RandomWindows:
+def _train_windows(recipe: Recipe, tokenizer, text: str, progress: bool, ids: torch.Tensor | None = None
+                   ) -> RandomWindows:
+    """The fine-tuning's batches of data.train (`text`), its token ids `ids` when already encoded."""
     ft = recipe.finetune
     try:
-        with text_stage("tokenize data.train", text, progress):
-            ids = encode(tokenizer, text)
+        if ids is None:
+            with text_stage("tokenize data.train", text, progress):
+                ids = encode(tokenizer, text)
         return RandomWindows(ids, ft.seq_len, ft.batch_size, recipe.seed)
     except NormswapError as e:
         raise NormswapError(f"data.train: {e}") from None
@@ -549,31 +695,27 @@ def _with_earlier_arms(results: dict[str, dict], out: Path, recipe: Recipe) -> d
 
 
 def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, str], train_ids,
-         digests: dict[str, str], *, progress, stop, accelerator, plot, on_step,
-         pretraining: contextlib.ExitStack) -> ExperimentResult:
+         digests: dict[str, str], accelerator, pretraining: contextlib.ExitStack, replacing: bool, *, progress,
+         stop, plot, on_step) -> ExperimentResult:
     """run_experiment once OUT is checked (and made): `loaded`, the (model, tokenizer) of [model];
     `texts`, what _read_texts read; `train_ids`, the training text's tokens when already encoded;
-    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done)."""
+    `digests`, the recipe's text_digests(); `pretraining`, the pretraining's lock (let go once it is done);
+    `replacing`, whether OUT holds another run that force replaces (now that every check has passed).
+    What the main process does alone is done together (processes.together): its failure is every process's."""
     from accelerate.utils import set_seed
 
     from normswap.evaluate import HALF_DTYPES, diff_models
     from normswap.progress import stderr_bar
 
-    accelerator = accelerator or make_accelerator(recipe, out)
-    # An arm left part-trained by a run with another process count is refused now, not after the
-    # pretraining and the arms before it. (A finished arm is reused whatever count ran it: its
-    # result.json records the count, and the summary says which arms ran on which.)
-    for arm in arms:
-        arm_dir = out / "arms" / arm
-        if parse_arm(arm)[1] and not (arm_dir / RESULT_FILE).is_file():
-            check_resumable(arm_dir / "state", accelerator.num_processes, arm)
-    if accelerator.is_main_process:
-        # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
-        # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
-        write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
-                                                          "source": recipe.source, "recipe": recipe.to_dict(),
-                                                          "texts": recipe.texts_by_key(digests)}, indent=1))
-    accelerator.wait_for_everyone()
+    with processes.together():
+        if accelerator.is_main_process:
+            if replacing:
+                _replace_out(out)
+            # through a temporary file: a rerun on a full disk must not leave the record of the run truncated
+            # texts: each text's digest by its key, to say which changed when a rerun is refused (_what_differs)
+            write_text_atomic(out / "recipe.json", json.dumps({"fingerprint": recipe.fingerprint(digests),
+                                                              "source": recipe.source, "recipe": recipe.to_dict(),
+                                                              "texts": recipe.texts_by_key(digests)}, indent=1))
     if accelerator.trackers == [] and accelerator.log_with:
         accelerator.init_trackers(recipe.name)
     stop = stop or StopFlag()
@@ -581,37 +723,44 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
     pretrain_info = None
     if recipe.pretrain is not None:
         set_seed(recipe.seed)
+        # The tokens of pretrain.text, when the pretraining runs; data.train's when it is the same text
+        # (the shipped recipes'): a first run tokenized it twice, as many seconds again for a large text.
+        pretrained_tokens: dict[str, torch.Tensor] = {}
+        same = "pretrain" in texts and "train" in texts and texts["pretrain"] == texts["train"]
         # popped: the text (as large as the pretraining's) is not held through the arms
         model_dir, pretrain_info = ensure_pretrained(accelerator, recipe.pretrain, recipe.seed, recipe.name,
                                                      texts["eval"], text=texts.pop("pretrain", None),
                                                      text_digest=digests[recipe.pretrain.text], stop=stop,
-                                                     progress=progress)
+                                                     progress=progress, tokens=pretrained_tokens)
+        if same and "text" in pretrained_tokens:
+            train_ids = pretrained_tokens["text"]
         pretraining.close()  # trained: another run may use the entry while this one's arms run
         model_path = str(model_dir)
-        loaded = _load_model(model_path, progress)
-        _check_fits(recipe, loaded[0])
     else:
         model_path = recipe.model.path
-    original, tokenizer = loaded
-    original.to(accelerator.device)
     ft = recipe.finetune
     d = recipe.data
     shown = progress and accelerator.is_main_process
-    with text_stage("tokenize data.eval", texts["eval"], shown):
-        eval_ids = encode(tokenizer, texts["eval"])
-    if train_ids is None and "train" in texts:
-        # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
-        # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
-        # first arm that trains begins, after the arms before it have run.
-        train_ids = _train_windows(recipe, tokenizer, texts["train"], shown).ids
-
     windows = _eval_windows(recipe)
     floor = None
-    if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
-        # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
-        half_original = build_arm(original, "original", recipe.impl, ft.dtype)
-        floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)
-        del half_original
+    with processes.together():
+        if recipe.pretrain is not None:
+            loaded = _load_model(model_path, progress)
+            _check_fits(recipe, loaded[0])
+        original, tokenizer = loaded
+        original.to(accelerator.device)
+        with text_stage("tokenize data.eval", texts["eval"], shown):
+            eval_ids = encode(tokenizer, texts["eval"])
+        if recipe.pretrain is not None and "train" in texts:
+            # With [pretrain] the tokenizer exists only now: a training text long enough in bytes but
+            # not in tokens (what _check_before_pretraining cannot tell) is refused here, not when the
+            # first arm that trains begins, after the arms before it have run.
+            train_ids = _train_windows(recipe, tokenizer, texts["train"], shown, train_ids).ids
+        if parse_dtype(ft.dtype) in HALF_DTYPES and accelerator.is_main_process:
+            # The original arm's model in the half dtype, against its float32 self: once, not at every eval.
+            half_original = build_arm(original, "original", recipe.impl, ft.dtype)
+            floor = diff_models(original, half_original, tokenizer, eval_ids, progress=False, **windows)
+            del half_original
 
     def evaluate(model, step: int) -> dict:
         r = diff_models(original, model, tokenizer, eval_ids, progress=False, **windows)
@@ -625,7 +774,8 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
         arm_dir = out / "arms" / arm
         done = arm_dir / RESULT_FILE
         if done.is_file():
-            results[arm] = _read_arm_result(done, arm)
+            with processes.together():
+                results[arm] = _read_arm_result(done, arm)
             if progress and accelerator.is_main_process:  # else a rerun of a finished run said nothing at all
                 print(f"[{i + 1}/{len(arms)}] {arm}: finished by an earlier run (delete {arm_dir} to run it again)",
                       file=sys.stderr)
@@ -637,13 +787,14 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
             raise Interrupted(f"stopped before [{i + 1}/{len(arms)}] {arm}; run the same command again to resume")
         transform, training = parse_arm(arm)
         set_seed(recipe.seed)
-        model = build_arm(original, arm, recipe.impl, ft.dtype)
+        with processes.together():
+            model = build_arm(original, arm, recipe.impl, ft.dtype)
         arm_started = time.perf_counter()
         desc = f"[{i + 1}/{len(arms)}] {arm}"
         if training is None:
             # A bar for the evaluation too: an arm that does not train was seconds with nothing shown.
             with stderr_bar(total=1, desc=desc, unit="eval", disable=not (progress and accelerator.is_main_process)) \
-                    as bar:
+                    as bar, processes.together():
                 evals = [{"step": 0, **evaluate(model, 0)}] if accelerator.is_main_process else []
                 bar.update(1)
             history = {"steps": 0, "losses": [], "evals": evals, "train_seconds": 0.0}
@@ -657,45 +808,46 @@ def _run(recipe: Recipe, out: Path, arms: list[str], loaded, texts: dict[str, st
                       eval_every=ft.eval_every, stop=stop, progress=progress, desc=desc, log_prefix=f"{arm}/",
                       on_step=(lambda s, loss, arm=arm: on_step(arm, s, loss)) if on_step else None)
             history = {"steps": h.step, "losses": h.losses, "evals": h.evals, "train_seconds": h.train_seconds}
-        if accelerator.is_main_process:
-            result = {"transform": transform, "training": training, **history,
-                      "wall_seconds": time.perf_counter() - arm_started}
-            if training:  # its sequences per step: OUT's arms may come from calls launched differently
-                result["num_processes"] = accelerator.num_processes
-            if evaluate.window:
-                result["eval_window"] = evaluate.window
-            write_text_atomic(done, json.dumps(finite_or_null(result)))
-            shutil.rmtree(arm_dir / "state", ignore_errors=True)
-            results[arm] = result
-        accelerator.wait_for_everyone()
+        with processes.together():
+            if accelerator.is_main_process:
+                result = {"transform": transform, "training": training, **history,
+                          "wall_seconds": time.perf_counter() - arm_started}
+                if training:  # its sequences per step: OUT's arms may come from calls launched differently
+                    result["num_processes"] = accelerator.num_processes
+                if evaluate.window:
+                    result["eval_window"] = evaluate.window
+                write_text_atomic(done, json.dumps(finite_or_null(result)))
+                shutil.rmtree(arm_dir / "state", ignore_errors=True)
+                results[arm] = result
         del model
     data, files = {}, {}
-    if accelerator.is_main_process:
-        from normswap.loading import unused_tensors_of
+    with processes.together():
+        if accelerator.is_main_process:
+            from normswap.loading import unused_tensors_of
 
-        recipe_dir = Path(recipe.source).parent if recipe.source else None
-        results = _with_earlier_arms(results, out, recipe)
-        window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
-        data = {
-            "recipe": recipe.to_dict(),
-            "fingerprint": recipe.fingerprint(digests),
-            "model": model_path,
-            # what the model's load dropped that cannot change what it computes (a head it was saved
-            # with, an old masked_bias): said by every other command's report, and the arms were made
-            # without them. Named as the model path is (portable_path), no machine's path in the note.
-            "unused_tensors": [replace(u, model=portable_path(u.model, recipe_dir)).to_dict()
-                               for u in unused_tensors_of(original)],
-            "pretrain": pretrain_info,
-            "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
-            "noise_floor": _floor_section(floor, ft.dtype),
-            "arms": _judged(results, floor, ft.dtype),
-            "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                            "device": str(accelerator.device), "num_processes": accelerator.num_processes,
-                            "mixed_precision": accelerator.mixed_precision,
-                            "dtype": _dtype_name(ft.dtype)},
-            "seconds_this_invocation": round(time.perf_counter() - started, 1),
-        }
-        data = portable_result(data, recipe_dir)
-        files = report.write_reports(data, out, plot=plot)
+            recipe_dir = Path(recipe.source).parent if recipe.source else None
+            results = _with_earlier_arms(results, out, recipe)
+            window = next((a["eval_window"] for a in results.values() if a.get("eval_window")), None)
+            data = {
+                "recipe": recipe.to_dict(),
+                "fingerprint": recipe.fingerprint(digests),
+                "model": model_path,
+                # what the model's load dropped that cannot change what it computes (a head it was saved
+                # with, an old masked_bias): said by every other command's report, and the arms were made
+                # without them. Named as the model path is (portable_path), no machine's path in the note.
+                "unused_tensors": [replace(u, model=portable_path(u.model, recipe_dir)).to_dict()
+                                   for u in unused_tensors_of(original)],
+                "pretrain": pretrain_info,
+                "eval": window or {"tokens": None, "max_length": d.eval_max_length, "stride": d.eval_stride},
+                "noise_floor": _floor_section(floor, ft.dtype),
+                "arms": _judged(results, floor, ft.dtype),
+                "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                                "device": str(accelerator.device), "num_processes": accelerator.num_processes,
+                                "mixed_precision": accelerator.mixed_precision,
+                                "dtype": _dtype_name(ft.dtype)},
+                "seconds_this_invocation": round(time.perf_counter() - started, 1),
+            }
+            data = portable_result(data, recipe_dir)
+            files = report.write_reports(data, out, plot=plot)
     accelerator.end_training()  # flushes and closes the trackers (TensorBoard event files)
     return ExperimentResult(out=out, data=data, files=files, model_path=str(model_path))

@@ -37,7 +37,8 @@ import torch
 
 from normswap import jsonsafe
 from normswap._env import launched_main
-from normswap.errors import NormswapError, one_line
+from normswap.errors import EveryProcessError, NormswapError, one_line, way_out
+from normswap.experiment import processes
 from normswap.experiment.recipe import TrainSettings, recipe_key
 from normswap.experiment.report import count_noun
 from normswap.progress import isatty
@@ -381,20 +382,21 @@ def _ranks_saved(found: Path) -> int | None:
 def _save(accelerator, state_dir: Path, history: History) -> None:
     name = f"step-{history.step:06d}"
     target = state_dir / name
-    if accelerator.is_main_process and target.exists():
-        shutil.rmtree(target)
-    accelerator.wait_for_everyone()
+    with processes.together():
+        if accelerator.is_main_process and target.exists():
+            shutil.rmtree(target)
     # torch files, not safetensors: GPT-2's tied lm_head/wte round-trip without a warning
-    accelerator.save_state(str(target), safe_serialization=False)
-    if accelerator.is_main_process:
-        (target / TRAINER_STATE).write_text(json.dumps(history.to_dict()))
-        tmp = state_dir / f".{LATEST}.tmp"
-        tmp.write_text(name)
-        os.replace(tmp, state_dir / LATEST)  # the commit point: a kill before it keeps the old one
-        for old in state_dir.glob("step-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    with processes.together():  # each process writes its own random state
+        accelerator.save_state(str(target), safe_serialization=False)
+    with processes.together():
+        if accelerator.is_main_process:
+            (target / TRAINER_STATE).write_text(json.dumps(history.to_dict()))
+            tmp = state_dir / f".{LATEST}.tmp"
+            tmp.write_text(name)
+            os.replace(tmp, state_dir / LATEST)  # the commit point: a kill before it keeps the old one
+            for old in state_dir.glob("step-*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -439,6 +441,15 @@ def _overflow_is_bad_input(where: str, lr: float, s: TrainSettings):
                             f"({one_line(e)}); lower {lower}") from None
 
 
+def _lower_lr(s: TrainSettings) -> str:
+    """What to do about a loss that is no longer finite: a lower learning rate, named as the recipe
+    names it, and (under run_experiment) force, since its OUT now holds a run of this one: the rerun
+    with another was refused as another recipe's, and the folder had to be removed by hand."""
+    way = way_out("force", True, "")
+    return f"lower {recipe_key(s, 'lr')} ({s.lr!r} now)" + (f", then run again with {way} to replace this run"
+                                                           if way else "")
+
+
 def any_process(accelerator, flag: bool) -> bool:
     """True on every process when it is true on one. Ctrl-C reaches each process of an `accelerate
     launch` at its own moment: were each to act on its own flag, one would enter the checkpoint's
@@ -473,7 +484,8 @@ def train(
     process for losses; evals on the main process)."""
     from normswap.progress import stderr_bar
 
-    resumed = check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
+    with processes.together():  # every process checks (an interrupted pretraining's): its refusal said once
+        resumed = check_resumable(state_dir, accelerator.num_processes, desc)  # before anything is prepared
     state_dir.mkdir(parents=True, exist_ok=True)
     loss_fn = LOSSES[loss]
     optimizer = build_optimizer(model, settings)
@@ -488,7 +500,10 @@ def train(
     if resumed is not None:
         found, history = resumed
         try:
-            accelerator.load_state(str(found))
+            with processes.together():  # each process reads its own random state
+                accelerator.load_state(str(found))
+        except EveryProcessError:
+            raise
         except Exception as e:  # noqa: BLE001  (what accelerate's reader raises on files it did not write:
             # a truncated model.bin is torch's RuntimeError, a missing optimizer.bin FileNotFoundError, ...)
             if _out_of_memory(e) or isinstance(e, PermissionError):
@@ -506,12 +521,12 @@ def train(
     def run_eval(step: int) -> None:
         if evaluate is None:
             return
-        if accelerator.is_main_process:
-            metrics = evaluate(accelerator.unwrap_model(model), step)
-            history.evals.append({"step": step, **metrics})
-            accelerator.log({f"{log_prefix}eval/{k}": v for k, v in metrics.items()
-                             if isinstance(v, int | float)}, step=step)
-        accelerator.wait_for_everyone()
+        with processes.together():
+            if accelerator.is_main_process:
+                metrics = evaluate(accelerator.unwrap_model(model), step)
+                history.evals.append({"step": step, **metrics})
+                accelerator.log({f"{log_prefix}eval/{k}": v for k, v in metrics.items()
+                                 if isinstance(v, int | float)}, step=step)
 
     if history.step == 0 and not history.evals:
         run_eval(0)
@@ -544,9 +559,9 @@ def train(
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_loss = accelerator.reduce(total / ga, reduction="mean").item()
-            if not math.isfinite(step_loss):
-                raise NormswapError(f"{desc}: the training loss is {step_loss} at step {step + 1} "
-                                    "(lower the learning rate?)")
+            if not math.isfinite(step_loss):  # the reduced loss: every process stops here
+                raise EveryProcessError(f"{desc}: the training loss is {step_loss} at step {step + 1}: "
+                                        f"{_lower_lr(settings)}")
             history.losses.append(step_loss)
             history.step = step + 1
             history.train_seconds = base_seconds + time.perf_counter() - started
