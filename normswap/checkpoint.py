@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import glob
 import os
 import re
 import signal
@@ -59,15 +58,19 @@ from normswap.errors import (
 )
 from normswap.fileio import (
     LockHeld,
+    aside_prefix,
     cannot_make,
     cannot_write,
     exchange_dirs,
+    last_moved,
     link_to_nothing,
     made_folders,
+    ours_beside,
     path_lock,
     remove_tree,
     rename_noreplace,
     sibling_name,
+    staging_prefix,
     target_path,
     umask,
     unwritable,
@@ -104,12 +107,12 @@ def publish_dir(tmp: Path, target: Path, replace: bool = False, in_place: bool =
         return
     # Fallback (no atomic exchange on this OS/filesystem): a window between two renames in which
     # `target` is missing, but the complete old tree is at `aside` the whole time. The aside's name
-    # is normswap's own (_aside_prefix), so that the next run on this target recognises it
+    # is normswap's own (aside_prefix), so that the next run on this target recognises it
     # (recover_interrupted_publish: put back where the target is missing, else removed); once the
     # new tree is in place the old one moves to the staging folder's free name, where the exchange
     # leaves it, so that a kill during its removal leaves a staging folder (remove_stale_staging's),
     # never a part of a tree under the aside's name, which the next run could put back.
-    aside = Path(tempfile.mkdtemp(prefix=f"{_aside_prefix(target)}{os.getpid()}-", dir=target.parent))
+    aside = Path(tempfile.mkdtemp(prefix=f"{aside_prefix(target)}{os.getpid()}-", dir=target.parent))
     os.rmdir(aside)
     os.replace(target, aside)
     _kill_point("fallback-aside")
@@ -337,7 +340,7 @@ def staged_dir(target: str | os.PathLike, replace: bool = False, in_place: bool 
             try:
                 recover_interrupted_publish(target)
                 remove_stale_staging(target)
-                tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=parent))
+                tmp = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(target)}{os.getpid()}-", dir=parent))
             except OSError as e:
                 raise cannot_make(target, e) from None
             _OUR_STAGING.add(tmp)
@@ -375,29 +378,6 @@ def _failed_file(e: OSError, staging: Path, target: Path) -> str:
     return f"{named}: "
 
 
-def _staging_prefix(target: Path) -> str:
-    return f".{sibling_name(target.name)}.normswap-"
-
-
-def _aside_prefix(target: Path) -> str:
-    """The name publish_dir's fallback moves the old tree to, PID-XXXXXXXX after it (never a staging
-    folder's name: those are PID-XXXXXXXX right after _staging_prefix)."""
-    return f"{_staging_prefix(target)}old-"
-
-
-def _ours_beside(target: Path, prefix: str) -> list[Path]:
-    """The folders beside `target` named `prefix` + PID-XXXXXXXX, as mkdtemp names this module's:
-    not another target's whose name starts alike (target "m.normswap-1-x" stages in
-    ".m.normswap-1-x.normswap-PID-...", under its own lock), nor a link. The prefix is matched as
-    text (a target named "m[1]" was a glob pattern matching "m1" instead: its staging folders were
-    never found)."""
-    found = []
-    for p in target.parent.glob(glob.escape(prefix) + "*"):
-        if re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) and p.is_dir() and not p.is_symlink():
-            found.append(p)
-    return sorted(found)
-
-
 def recover_beside(target: Path) -> None:
     """recover_interrupted_publish under the target's lock (which no publishing run holds then),
     where a killed run left anything to recover; before a command judges its target (there, or
@@ -405,7 +385,7 @@ def recover_beside(target: Path) -> None:
     it, which may be publishing; a read-only folder) nothing is recovered now: the holder's publish
     ends, or the check that follows says why this run cannot write there (its line, not the lock
     file's), and staged_dir recovers under the lock it then holds."""
-    if _ours_beside(target, _aside_prefix(target)):
+    if ours_beside(target, aside_prefix(target)):
         with contextlib.suppress(NormswapError), target_lock(target):
             recover_interrupted_publish(target)
 
@@ -425,29 +405,10 @@ def _recover_through_link(out) -> None:
         recover_beside(given.resolve())  # where the link leads, as target_path would resolve it
 
 
-def _last_moved(asides: list[Path]) -> Path:
-    return max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))
-
-
-def left_aside(target: str | os.PathLike) -> Path | None:
-    """Where a run killed between publish_dir's fallback renames left the missing `target` (what
-    recover_interrupted_publish would put back), or None: for the line of a command that only
-    reads it (scan, ppl, patch without --out), which said "no such file or directory" and not
-    where the model is; the recovery itself is a writing run's, under the target's lock."""
-    target = Path(target).expanduser().absolute()
-    if os.path.lexists(target):
-        return None
-    try:
-        asides = _ours_beside(target, _aside_prefix(target))
-        return _last_moved(asides) if asides else None
-    except OSError:  # an unreadable folder, or one moved meanwhile: the plain line stands
-        return None
-
-
 def recover_interrupted_publish(target: Path) -> list[Path]:
     """Called with the target's lock held (under it no other run is publishing): what a run killed
     in publish_dir's fallback (no atomic exchange) left beside `target`, the old tree under
-    _aside_prefix. Where the target is missing (killed between the two renames) the old tree is
+    aside_prefix. Where the target is missing (killed between the two renames) the old tree is
     complete (it only ever moves whole, and is removed under another name): it is put back, with a
     warning, the target as it was before that run. Where the target is there (killed after the new
     tree went in), it is the replaced tree, and removed; unless that run's new tree never went in
@@ -455,12 +416,12 @@ def recover_interrupted_publish(target: Path) -> list[Path]:
     (NAME.normswap-kept-*) with a warning. Returns what was put back or removed.
     Names of an older normswap's fallback (".NAME.old-XXXXXXXX") are left alone: nothing in them
     tells them from a user's backup named alike (".model.old-20240101")."""
-    asides = _ours_beside(target, _aside_prefix(target))
+    asides = ours_beside(target, aside_prefix(target))
     if not asides:
         return []
     done = []
     if not os.path.lexists(target):
-        back = _last_moved(asides)
+        back = last_moved(asides)
         rename_noreplace(back, target)
         asides.remove(back)
         done.append(back)
@@ -479,7 +440,7 @@ def recover_interrupted_publish(target: Path) -> list[Path]:
             continue
         # under a staging folder's name first: a kill during the removal leaves no part of a tree
         # under the aside's name, which a later run finding the target gone would put back
-        gone = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(target)}{os.getpid()}-", dir=target.parent))
+        gone = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(target)}{os.getpid()}-", dir=target.parent))
         os.rmdir(gone)
         os.replace(p, gone)
         _remove_old_tree(gone, target)
@@ -494,9 +455,9 @@ def _unpublished(aside: Path, target: Path) -> bool:
     before it sweeps. The target standing there then is none of that run's: made since by someone
     else (the user, finding the model gone, fetched it again), and the aside is the only copy of
     what stood there, which the removal of "the replaced tree" destroyed without a word."""
-    pid = aside.name[len(_aside_prefix(target)):].partition("-")[0]
-    prefix = f"{_staging_prefix(target)}{pid}-"
-    return any(p.name.startswith(prefix) and p not in _OUR_STAGING for p in _ours_beside(target, _staging_prefix(target)))
+    pid = aside.name[len(aside_prefix(target)):].partition("-")[0]
+    prefix = f"{staging_prefix(target)}{pid}-"
+    return any(p.name.startswith(prefix) and p not in _OUR_STAGING for p in ours_beside(target, staging_prefix(target)))
 
 
 def remove_stale_staging(target: Path) -> list[Path]:
@@ -507,7 +468,7 @@ def remove_stale_staging(target: Path) -> list[Path]:
     every run is pid 1 (or the same small pid), so a run the OOM killer ended had the pid of the
     next, alive, and its model-sized folder was kept for good, one more for every such kill."""
     removed = []
-    for p in _ours_beside(target, _staging_prefix(target)):
+    for p in ours_beside(target, staging_prefix(target)):
         if p in _OUR_STAGING:
             continue
         remove_tree(p)

@@ -15,7 +15,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import glob
 import os
+import re
 import shutil
 import stat
 import sys
@@ -520,3 +522,45 @@ def _open_lock_file(path: Path) -> int:
         raise NormswapError(f"cannot create the lock file {path}: {refused.strerror or refused}") from None
     theirs = f" (another user's, uid {owner})" if owner != getattr(os, "getuid", lambda: owner)() else ""
     raise NormswapError(f"cannot open the lock file {path}{theirs}: {refused.strerror or refused}")
+
+
+def staging_prefix(target: Path) -> str:
+    return f".{sibling_name(target.name)}.normswap-"
+
+
+def aside_prefix(target: Path) -> str:
+    """The name publish_dir's fallback moves the old tree to, PID-XXXXXXXX after it (never a staging
+    folder's name: those are PID-XXXXXXXX right after staging_prefix)."""
+    return f"{staging_prefix(target)}old-"
+
+
+def ours_beside(target: Path, prefix: str) -> list[Path]:
+    """The folders beside `target` named `prefix` + PID-XXXXXXXX, as mkdtemp names this module's:
+    not another target's whose name starts alike (target "m.normswap-1-x" stages in
+    ".m.normswap-1-x.normswap-PID-...", under its own lock), nor a link. The prefix is matched as
+    text (a target named "m[1]" was a glob pattern matching "m1" instead: its staging folders were
+    never found)."""
+    found = []
+    for p in target.parent.glob(glob.escape(prefix) + "*"):
+        if re.fullmatch(r"\d+-[a-z0-9_]+", p.name[len(prefix):]) and p.is_dir() and not p.is_symlink():
+            found.append(p)
+    return sorted(found)
+
+
+def last_moved(asides: list[Path]) -> Path:
+    return max(asides, key=lambda p: (p.stat().st_ctime_ns, p.name))
+
+
+def left_aside(target: str | os.PathLike) -> Path | None:
+    """Where a run killed between publish_dir's fallback renames left the missing `target` (what
+    recover_interrupted_publish would put back), or None: for the line of a command that only
+    reads it (scan, ppl, patch without --out), which said "no such file or directory" and not
+    where the model is; the recovery itself is a writing run's, under the target's lock."""
+    target = Path(target).expanduser().absolute()
+    if os.path.lexists(target):
+        return None
+    try:
+        asides = ours_beside(target, aside_prefix(target))
+        return last_moved(asides) if asides else None
+    except OSError:  # an unreadable folder, or one moved meanwhile: the plain line stands
+        return None

@@ -34,7 +34,7 @@ from normswap.errors import (
     option_setting,
     using_option_names,
 )
-from normswap.fileio import LocksUnsupported, link_to_nothing, path_lock
+from normswap.fileio import LocksUnsupported, left_aside, link_to_nothing, path_lock
 from normswap.progress import ProgressFn, require_progress_fn
 
 # The embedded default (normswap.choices.DEFAULT_MODEL): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF
@@ -157,8 +157,6 @@ def _resolve(ref: str, progress: bool | ProgressFn | None) -> ModelSource:
         return ModelSource(ref, builtin_model_dir(ref, progress))
     if os.path.lexists(p):  # there, but neither: "no such file or directory" named a path the user can see
         raise NormswapError(f"{ref}: {_not_a_file(p)}; pass a model directory or a .gguf file")
-    from normswap.checkpoint import left_aside  # (checkpoint sits above this module)
-
     if (aside := left_aside(p)) is not None:
         raise NormswapError(f"{ref}: no such file or directory: a normswap run killed while replacing it left it "
                             f"at {aside}; the next patch or convert that writes {ref} puts it back")
