@@ -786,6 +786,35 @@ def test_case9_ctrl_c_in_a_del_during_the_command_is_not_lost(src):
     assert p.stderr.strip() == "normswap: interrupted" and p.stdout == "", p.stderr[-3000:]
 
 
+# Which handler answers SIGINT while triton is first imported: written to stderr by a finder.
+_HANDLER_AT_TRITON = """
+import signal, sys
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton":
+            sys.meta_path.remove(self)
+            sys.stderr.write("handler: " + getattr(signal.getsignal(signal.SIGINT), "__name__", "?") + "\\n")
+        return None
+sys.meta_path.insert(0, Spy())
+from normswap.cli import main
+sys.argv = ["normswap", *sys.argv[1:]]
+main()
+"""
+
+
+def test_triton_is_first_imported_where_an_interrupt_ends_the_run_at_once(src):
+    """An interrupt raised while triton's native module starts (its enums made from C++ through
+    nanobind) aborted the process: C++ terminate, SIGABRT and a traceback instead of one line and
+    130 (seen 1 in 3 runs of the lost-interrupt test above, its resent signal landing in triton's
+    import under torch._dynamo). triton is imported with torch, where signals end the run at once."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", _HANDLER_AT_TRITON, "scan", str(src), "--json", "--no-readers"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "handler: end_at_once" in p.stderr.splitlines(), p.stderr[-3000:]
+
+
 # Ctrl-C during the command's first imports that a package swallows on the way (as torch turns a
 # failed NumPy initialisation into a warning and goes on): the driver's finder interrupts the
 # process while torch is first imported, inside a handler that drops whatever is raised there.

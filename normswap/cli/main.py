@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -142,6 +143,11 @@ class NormswapCommand(click.Command):
             import torch  # noqa: F401
 
             quiet_transformers()
+            # triton too (where installed): torch._dynamo imports it under transformers' model
+            # classes, and an interrupt raised while its native module starts (its enums are made
+            # from C++ through nanobind) aborted the process (C++ terminate, SIGABRT, a traceback)
+            if importlib.util.find_spec("triton") is not None:
+                import triton  # noqa: F401
         return super().invoke(ctx)
 
 
