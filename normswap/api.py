@@ -46,7 +46,7 @@ from normswap.errors import (
     using_option_names,
 )
 from normswap.evaluate import HALF_DTYPES, SCORING_OPTIONS, DiffResult, PerplexityResult
-from normswap.fileio import cannot_write, unwritable
+from normswap.fileio import check_writable
 from normswap.progress import ProgressFn, require_progress_fn, step
 from normswap.swap import PatchReport, VerificationError
 
@@ -364,7 +364,7 @@ def _patch_checkpoint(held, model, impl, out, in_place, only, exclude, dtype, de
     if in_place:
         _refuse_lossy_in_place(source, config, torch_dtype)
         meta = _refuse_dropping_in_place(source, config)
-        _check_writable(target, folder=True)  # what check_out_target checks of an --out
+        check_writable(target, folder=True)  # what check_out_target checks of an --out
     elif out is not None:
         target = check_out_target(out, source, force, "patched", f"use {option_setting(n['in_place'], True)} for that")
     if target is not None:
@@ -475,13 +475,6 @@ def _refuse_dropping(source, unused) -> None:
         raise NormswapError(f"{n['in_place']} would remove from {source.ref} {len(names)} stored tensor(s) of modules "
                             f"{unused.model_class} does not build ({first_names(names)}), {reads}; write the patched model with "
                             f"{option_setting(n['out'], Metavar('DIR'))} instead")
-
-
-def _check_writable(target: Path, folder: bool) -> None:
-    """Fail before the (long) load or measurement when the destination cannot be written."""
-    why = unwritable(target, folder=folder)
-    if why:
-        raise cannot_write(target, why)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,7 +600,7 @@ def _bench_checkpoint(model, impls, modes, out, results_dir, progress, options) 
                          modes=parse_list(modes, "modes"), **options)
     check_config(config)
     # Before minutes of measuring, not after: an unwritable destination would lose every number.
-    _check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
+    check_writable(Path(out) if out is not None else Path(results_dir) / "bench.json", folder=False)
     if out is not None:
         check_result_target(out)
     result = run_bench(config, progress=progress)  # under this call's names

@@ -60,7 +60,7 @@ from normswap.fileio import (
     LockHeld,
     aside_prefix,
     cannot_make,
-    cannot_write,
+    check_writable,
     exchange_dirs,
     last_moved,
     link_to_nothing,
@@ -73,7 +73,6 @@ from normswap.fileio import (
     staging_prefix,
     target_path,
     umask,
-    unwritable,
 )
 from normswap.manifest import carried_record, recorded_carried_folders
 from normswap.progress import ProgressFn, step
@@ -307,8 +306,7 @@ def check_out_target(out: str | os.PathLike, source, force: bool, verb: str, own
     check_replaceable(target, keeps=carried_folders(source, target))
     if target.exists() and not force:
         raise NormswapError(f"{target} already exists; pass {_force()} to replace it")
-    if why := unwritable(target, folder=True):
-        raise cannot_write(target, why)
+    check_writable(target, folder=True)
     return target
 
 

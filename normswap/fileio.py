@@ -301,6 +301,13 @@ def cannot_write(path: str | os.PathLike, why: str) -> BadInputError:
     return BadInputError(f"cannot write to {path}: {why}")
 
 
+def check_writable(target: Path, *, folder: bool) -> None:
+    """Refuse, in cannot_write's line, a destination that cannot be written: before the long load
+    or measurement (api's patch and bench, checkpoint.check_out_target for every --out)."""
+    if why := unwritable(target, folder=folder):
+        raise cannot_write(target, why)
+
+
 def cannot_make(target: str | os.PathLike, error: OSError) -> BadInputError:
     """cannot_write for a destination folder `target` whose making failed (the folders above it,
     made_folders; its staging folder beside it), in the words of the check before the work
